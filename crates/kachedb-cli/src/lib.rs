@@ -1,0 +1,64 @@
+//! The `kachedb` command line: `serve`, `stats`, `bench ring`, `bench ops`.
+//!
+//! A library so that the Python package can run the same CLI in-process
+//! (`python -m kachedb serve …`).
+
+use clap::{Parser, Subcommand};
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+pub mod bench_ring;
+
+/// KacheDB: a node-local KV-cache block store over shared memory.
+#[derive(Debug, Parser)]
+#[command(name = "kachedb", version, about, long_about = None)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Benchmarks (print a table, or JSON lines with --json).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Internal: the child side of a benchmark (spawned by `bench`).
+    #[command(hide = true)]
+    BenchChild(bench_ring::ChildArgs),
+}
+
+/// Benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// The SPSC ring across two processes: throughput per message and batched,
+    /// against a naive ring in the same run, and ping-pong round trips.
+    Ring(bench_ring::RingArgs),
+}
+
+/// Parses `args` and runs the command.
+pub fn main_with_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    let result = match cli.command {
+        Command::Bench(BenchCommand::Ring(a)) => bench_ring::run(&a),
+        Command::BenchChild(a) => bench_ring::child(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kachedb: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

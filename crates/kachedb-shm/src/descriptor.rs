@@ -1,0 +1,510 @@
+//! `TensorBlockDescriptor`: the 64-byte frame every ring slot holds, and the
+//! checked decoder that turns a frame copied out of shared memory into a
+//! [`Request`] (daemon side) or a [`Completion`] (client side).
+//!
+//! The layout is the wire contract of `docs/PROTOCOL.md`. Everything read from
+//! shared memory is untrusted: decoding never panics and never indexes with an
+//! unchecked value.
+
+use bytemuck::{Pod, Zeroable};
+
+/// Most dimensions a descriptor carries.
+pub const MAX_DIMS: usize = 6;
+
+/// One ring slot: 64 bytes, plain old data, every bit pattern valid.
+#[repr(C)]
+#[derive(Clone, Copy, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TensorBlockDescriptor {
+    /// [`Op`] code.
+    pub op: u8,
+    /// [`Status`] code; 0 in requests.
+    pub status: u8,
+    /// [`DType`] code.
+    pub dtype: u8,
+    /// Number of meaningful entries in `shape` (0..=6).
+    pub ndim: u8,
+    /// Chosen by the client, echoed by the daemon.
+    pub request_id: u32,
+    /// Low 64 bits of the 128-bit key.
+    pub key_lo: u64,
+    /// High 64 bits of the 128-bit key.
+    pub key_hi: u64,
+    /// Reservation or pin handle, opaque to clients.
+    pub handle: u64,
+    /// Bytes from the region base (RESERVE request: wanted offset within a 4 KiB page).
+    pub offset: u64,
+    /// Dimensions; entries past `ndim` must be 0.
+    pub shape: [u32; MAX_DIMS],
+}
+
+const _: () = assert!(core::mem::size_of::<TensorBlockDescriptor>() == 64);
+const _: () = assert!(core::mem::align_of::<TensorBlockDescriptor>() == 8);
+const _: () = assert!(core::mem::offset_of!(TensorBlockDescriptor, request_id) == 4);
+const _: () = assert!(core::mem::offset_of!(TensorBlockDescriptor, key_lo) == 8);
+const _: () = assert!(core::mem::offset_of!(TensorBlockDescriptor, handle) == 24);
+const _: () = assert!(core::mem::offset_of!(TensorBlockDescriptor, offset) == 32);
+const _: () = assert!(core::mem::offset_of!(TensorBlockDescriptor, shape) == 40);
+
+impl core::fmt::Debug for TensorBlockDescriptor {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("TensorBlockDescriptor")
+            .field("op", &self.op)
+            .field("status", &self.status)
+            .field("dtype", &self.dtype)
+            .field("ndim", &self.ndim)
+            .field("request_id", &self.request_id)
+            .field("key", &format_args!("{:#034x}", self.key()))
+            .field("handle", &self.handle)
+            .field("offset", &self.offset)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+impl TensorBlockDescriptor {
+    /// The 128-bit key.
+    pub fn key(&self) -> u128 {
+        (u128::from(self.key_hi) << 64) | u128::from(self.key_lo)
+    }
+
+    /// Sets the 128-bit key.
+    pub fn set_key(&mut self, key: u128) {
+        self.key_lo = key as u64;
+        self.key_hi = (key >> 64) as u64;
+    }
+
+    /// A request frame with only `op`, `request_id` and `key` set.
+    pub fn request(op: Op, request_id: u32, key: u128) -> Self {
+        let mut d = Self { op: op as u8, request_id, ..Self::default() };
+        d.set_key(key);
+        d
+    }
+
+    /// Sets dtype, ndim and shape from a checked [`Shape`].
+    pub fn set_shape(&mut self, dtype: DType, shape: &Shape) {
+        self.dtype = dtype as u8;
+        self.ndim = shape.ndim;
+        self.shape = shape.dims;
+    }
+
+    /// The frame as bytes.
+    pub fn as_bytes(&self) -> &[u8; 64] {
+        bytemuck::cast_ref(self)
+    }
+
+    /// A frame from 64 arbitrary bytes (every bit pattern is a valid frame).
+    pub fn from_bytes(bytes: &[u8; 64]) -> Self {
+        bytemuck::cast(*bytes)
+    }
+}
+
+macro_rules! code_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident = $c:expr),+ $(,)? }) => {
+        $(#[$m])*
+        #[repr(u8)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum $name { $($(#[$vm])* $v = $c),+ }
+        impl $name {
+            /// Every variant, in code order.
+            pub const ALL: &'static [$name] = &[$($name::$v),+];
+            /// The variant for a wire code, if any.
+            pub fn from_code(code: u8) -> Option<Self> {
+                match code { $($c => Some($name::$v),)+ _ => None }
+            }
+        }
+    };
+}
+
+code_enum! {
+    /// Operation codes (`docs/PROTOCOL.md`).
+    Op {
+        /// Round trip, no effect.
+        Ping = 1,
+        /// Allocate an extent for a key; invisible until COMMIT.
+        Reserve = 2,
+        /// Seal a reservation: it becomes visible under its key.
+        Commit = 3,
+        /// Drop a reservation.
+        Abort = 4,
+        /// Pin a committed block and return where it is.
+        Get = 5,
+        /// Drop one pin.
+        Release = 6,
+        /// Is the key present (marks it recently used).
+        Lookup = 7,
+        /// Unlink a key.
+        Delete = 8,
+        /// Block count and bytes used.
+        Stats = 9,
+    }
+}
+
+code_enum! {
+    /// Completion status codes.
+    Status {
+        /// Success.
+        Ok = 0,
+        /// No committed block has that key.
+        NotFound = 1,
+        /// Nothing more can be evicted to make room.
+        OutOfMemory = 2,
+        /// The frame failed validation.
+        Invalid = 3,
+        /// The handle is not one of this client's live reservations or pins.
+        BadHandle = 4,
+        /// The block is larger than the whole megaslab.
+        TooLarge = 5,
+        /// The daemon broke an invariant of its own (a bug; reported, never a panic).
+        Internal = 6,
+    }
+}
+
+code_enum! {
+    /// Element types.
+    DType {
+        /// Raw bytes.
+        U8 = 1,
+        /// Signed 8-bit integer.
+        I8 = 2,
+        /// Signed 32-bit integer.
+        I32 = 3,
+        /// Signed 64-bit integer.
+        I64 = 4,
+        /// IEEE half.
+        F16 = 5,
+        /// bfloat16.
+        BF16 = 6,
+        /// IEEE single.
+        F32 = 7,
+        /// IEEE double.
+        F64 = 8,
+        /// float8 e4m3fn.
+        F8E4M3FN = 9,
+        /// float8 e5m2.
+        F8E5M2 = 10,
+        /// Boolean, one byte.
+        Bool = 11,
+        /// Signed 16-bit integer.
+        I16 = 12,
+    }
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn itemsize(self) -> u64 {
+        match self {
+            DType::U8 | DType::I8 | DType::F8E4M3FN | DType::F8E5M2 | DType::Bool => 1,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// Short lower-case name (`"f16"`, `"bf16"`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "u8",
+            DType::I8 => "i8",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F8E4M3FN => "f8e4m3fn",
+            DType::F8E5M2 => "f8e5m2",
+            DType::Bool => "bool",
+            DType::I16 => "i16",
+        }
+    }
+}
+
+/// A checked shape: `ndim <= 6`, unused dims zero.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Shape {
+    ndim: u8,
+    dims: [u32; MAX_DIMS],
+}
+
+impl Shape {
+    /// A shape from dims; `None` if more than [`MAX_DIMS`] or a dim exceeds `u32`.
+    pub fn new(dims: &[u64]) -> Option<Self> {
+        if dims.len() > MAX_DIMS {
+            return None;
+        }
+        let mut out = [0u32; MAX_DIMS];
+        for (o, &d) in out.iter_mut().zip(dims) {
+            *o = u32::try_from(d).ok()?;
+        }
+        Some(Self { ndim: dims.len() as u8, dims: out })
+    }
+
+    /// A flat byte shape `[len]`; for lengths above `u32::MAX` a 2-D shape
+    /// `[len / 4096, 4096]` when `len` is a multiple of 4096.
+    pub fn for_bytes(len: u64) -> Option<Self> {
+        if len <= u64::from(u32::MAX) {
+            Self::new(&[len])
+        } else if len % 4096 == 0 {
+            Self::new(&[len / 4096, 4096])
+        } else {
+            None
+        }
+    }
+
+    /// Number of dimensions.
+    pub fn ndim(&self) -> usize {
+        usize::from(self.ndim)
+    }
+
+    /// The meaningful dims.
+    pub fn dims(&self) -> &[u32] {
+        &self.dims[..usize::from(self.ndim)]
+    }
+
+    /// Element count, `None` on overflow.
+    pub fn numel(&self) -> Option<u64> {
+        self.dims().iter().try_fold(1u64, |acc, &d| acc.checked_mul(u64::from(d)))
+    }
+
+    /// Byte length for `dtype`, `None` on overflow.
+    pub fn len_bytes(&self, dtype: DType) -> Option<u64> {
+        self.numel()?.checked_mul(dtype.itemsize())
+    }
+}
+
+/// Why a frame was rejected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// `op` is not a known code.
+    #[error("unknown op code {0}")]
+    UnknownOp(u8),
+    /// `status` is not a known code.
+    #[error("unknown status code {0}")]
+    UnknownStatus(u8),
+    /// `dtype` is not a known code.
+    #[error("unknown dtype code {0}")]
+    UnknownDType(u8),
+    /// `ndim` is larger than [`MAX_DIMS`].
+    #[error("ndim {0} is larger than {MAX_DIMS}")]
+    TooManyDims(u8),
+    /// A dim past `ndim` is not zero.
+    #[error("shape entry {0} is past ndim but not zero")]
+    UnusedDimNotZero(usize),
+    /// `numel * itemsize` does not fit in 64 bits.
+    #[error("shape times itemsize overflows 64 bits")]
+    LengthOverflow,
+    /// RESERVE: the wanted page offset is not a multiple of 64 below 4096.
+    #[error("page offset {0} is not a multiple of 64 below 4096")]
+    BadPageOffset(u64),
+    /// A request carried a non-zero status.
+    #[error("request frames must carry status 0, got {0}")]
+    StatusInRequest(u8),
+}
+
+/// A validated request, as the daemon acts on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// PING.
+    Ping,
+    /// RESERVE of `len` bytes for `key`.
+    Reserve {
+        /// Key.
+        key: u128,
+        /// Element type.
+        dtype: DType,
+        /// Dims.
+        shape: Shape,
+        /// Bytes (`numel * itemsize`), may be 0.
+        len: u64,
+        /// Wanted data offset modulo 4096 (multiple of 64).
+        page_offset: u64,
+    },
+    /// COMMIT a reservation.
+    Commit {
+        /// Reservation handle.
+        handle: u64,
+    },
+    /// ABORT a reservation.
+    Abort {
+        /// Reservation handle.
+        handle: u64,
+    },
+    /// GET (pin) a block.
+    Get {
+        /// Key.
+        key: u128,
+    },
+    /// RELEASE a pin.
+    Release {
+        /// Pin handle.
+        handle: u64,
+    },
+    /// LOOKUP a key.
+    Lookup {
+        /// Key.
+        key: u128,
+    },
+    /// DELETE a key.
+    Delete {
+        /// Key.
+        key: u128,
+    },
+    /// STATS.
+    Stats,
+}
+
+fn checked_shape(d: &TensorBlockDescriptor) -> Result<(DType, Shape, u64), DecodeError> {
+    let dtype = DType::from_code(d.dtype).ok_or(DecodeError::UnknownDType(d.dtype))?;
+    if usize::from(d.ndim) > MAX_DIMS {
+        return Err(DecodeError::TooManyDims(d.ndim));
+    }
+    if let Some(i) = (usize::from(d.ndim)..MAX_DIMS).find(|&i| d.shape[i] != 0) {
+        return Err(DecodeError::UnusedDimNotZero(i));
+    }
+    let shape = Shape { ndim: d.ndim, dims: d.shape };
+    let len = shape.len_bytes(dtype).ok_or(DecodeError::LengthOverflow)?;
+    Ok((dtype, shape, len))
+}
+
+impl Request {
+    /// Decodes a request frame copied out of shared memory.
+    pub fn decode(d: &TensorBlockDescriptor) -> Result<Self, DecodeError> {
+        if d.status != 0 {
+            return Err(DecodeError::StatusInRequest(d.status));
+        }
+        let op = Op::from_code(d.op).ok_or(DecodeError::UnknownOp(d.op))?;
+        let key = d.key();
+        Ok(match op {
+            Op::Ping => Request::Ping,
+            Op::Reserve => {
+                let (dtype, shape, len) = checked_shape(d)?;
+                if d.offset >= 4096 || d.offset % 64 != 0 {
+                    return Err(DecodeError::BadPageOffset(d.offset));
+                }
+                Request::Reserve { key, dtype, shape, len, page_offset: d.offset }
+            }
+            Op::Commit => Request::Commit { handle: d.handle },
+            Op::Abort => Request::Abort { handle: d.handle },
+            Op::Get => Request::Get { key },
+            Op::Release => Request::Release { handle: d.handle },
+            Op::Lookup => Request::Lookup { key },
+            Op::Delete => Request::Delete { key },
+            Op::Stats => Request::Stats,
+        })
+    }
+}
+
+/// A validated completion, as a client acts on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// Echoed request id.
+    pub request_id: u32,
+    /// Operation it answers.
+    pub op: Op,
+    /// Outcome.
+    pub status: Status,
+    /// Handle (RESERVE, GET), block count (STATS).
+    pub handle: u64,
+    /// Data offset from the region base (RESERVE, GET), bytes used (STATS).
+    pub offset: u64,
+    /// Block element type and shape (GET), when present.
+    pub tensor: Option<(DType, Shape, u64)>,
+}
+
+impl Completion {
+    /// Decodes a completion frame copied out of shared memory.
+    pub fn decode(d: &TensorBlockDescriptor) -> Result<Self, DecodeError> {
+        let op = Op::from_code(d.op).ok_or(DecodeError::UnknownOp(d.op))?;
+        let status = Status::from_code(d.status).ok_or(DecodeError::UnknownStatus(d.status))?;
+        let tensor = if op == Op::Get && status == Status::Ok {
+            Some(checked_shape(d)?)
+        } else {
+            None
+        };
+        Ok(Self { request_id: d.request_id, op, status, handle: d.handle, offset: d.offset, tensor })
+    }
+
+    /// The frame the daemon writes for this completion.
+    pub fn encode(&self) -> TensorBlockDescriptor {
+        let mut d = TensorBlockDescriptor {
+            op: self.op as u8,
+            status: self.status as u8,
+            request_id: self.request_id,
+            handle: self.handle,
+            offset: self.offset,
+            ..TensorBlockDescriptor::default()
+        };
+        if let Some((dtype, shape, _)) = self.tensor {
+            d.set_shape(dtype, &shape);
+        }
+        d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_round_trip() {
+        let shape = Shape::new(&[2, 16, 8, 128]).unwrap();
+        let mut d = TensorBlockDescriptor::request(Op::Reserve, 7, 0xdead_beef_u128 << 70 | 5);
+        d.set_shape(DType::F16, &shape);
+        d.offset = 128;
+        let r = Request::decode(&d).unwrap();
+        assert_eq!(
+            r,
+            Request::Reserve {
+                key: 0xdead_beef_u128 << 70 | 5,
+                dtype: DType::F16,
+                shape,
+                len: 2 * 16 * 8 * 128 * 2,
+                page_offset: 128
+            }
+        );
+    }
+
+    #[test]
+    fn rejects_bad_frames() {
+        let mut d = TensorBlockDescriptor::request(Op::Reserve, 1, 1);
+        d.dtype = 99;
+        assert_eq!(Request::decode(&d), Err(DecodeError::UnknownDType(99)));
+        d.dtype = DType::F32 as u8;
+        d.ndim = 7;
+        assert_eq!(Request::decode(&d), Err(DecodeError::TooManyDims(7)));
+        d.ndim = 1;
+        d.shape = [4, 0, 0, 0, 0, 9];
+        assert_eq!(Request::decode(&d), Err(DecodeError::UnusedDimNotZero(5)));
+        d.ndim = 6;
+        d.shape = [u32::MAX; 6];
+        assert_eq!(Request::decode(&d), Err(DecodeError::LengthOverflow));
+        d.ndim = 1;
+        d.shape = [4, 0, 0, 0, 0, 0];
+        d.offset = 65;
+        assert_eq!(Request::decode(&d), Err(DecodeError::BadPageOffset(65)));
+        d.op = 0;
+        assert_eq!(Request::decode(&d), Err(DecodeError::UnknownOp(0)));
+    }
+
+    #[test]
+    fn completion_round_trip() {
+        let shape = Shape::new(&[3, 5]).unwrap();
+        let c = Completion {
+            request_id: 9,
+            op: Op::Get,
+            status: Status::Ok,
+            handle: 77,
+            offset: 1 << 21,
+            tensor: Some((DType::BF16, shape, 30)),
+        };
+        assert_eq!(Completion::decode(&c.encode()).unwrap(), c);
+    }
+
+    #[test]
+    fn byte_shapes() {
+        assert_eq!(Shape::for_bytes(10).unwrap().dims(), &[10]);
+        let big = Shape::for_bytes(8 << 30).unwrap();
+        assert_eq!(big.len_bytes(DType::U8), Some(8 << 30));
+        assert!(Shape::for_bytes((8 << 30) + 1).is_none());
+    }
+}

@@ -1,0 +1,540 @@
+//! The shared-memory region: a sealed memfd holding the [`RegionHeader`], the
+//! per-client channels (a submission and a completion ring each) and the
+//! megaslab.
+//!
+//! Why a sealed memfd rather than `shm_open`: it needs no name in `/dev/shm`
+//! (nothing leaks after `kill -9`, Docker's 64 MiB `/dev/shm` does not apply),
+//! it dies with the last process that maps it, and `F_SEAL_SHRINK |
+//! F_SEAL_GROW` stop any peer from truncating it under the daemon (which would
+//! turn its accesses into SIGBUS). Clients receive the fd over the control
+//! socket. Memory is reserved with `fallocate` at creation, after checking that
+//! the machine has it, so a region that does not fit fails then with a message,
+//! never later with SIGBUS; mappings are populated, so page faults happen at
+//! creation and attach time, not on the hot path.
+
+use crate::ring::{self, ring_len, Consumer, Producer, RingHeader};
+use crate::wait::WaitCell;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// First bytes of every region.
+pub const MAGIC: [u8; 8] = *b"KACHEDB\0";
+/// Bumped on any change to this layout or to `docs/PROTOCOL.md`.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Page size the layout aligns to.
+pub const PAGE_LEN: u64 = 4096;
+/// The megaslab starts on a 2 MiB boundary.
+pub const SLAB_ALIGN: u64 = 2 << 20;
+/// Bytes of the region header page.
+pub const HEADER_LEN: u64 = PAGE_LEN;
+
+/// The header at offset 0 of a region. Written once by the daemon before any
+/// client maps it; clients copy it once at attach and validate it. The
+/// doorbell is the only live field.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct RegionHeader {
+    /// [`MAGIC`].
+    pub magic: [u8; 8],
+    /// [`LAYOUT_VERSION`].
+    pub layout_version: u32,
+    /// Bytes of this header ([`HEADER_LEN`]).
+    pub header_len: u32,
+    /// Random per region; a client checks it against the control socket's.
+    pub generation: u64,
+    /// Bytes of the whole region.
+    pub region_len: u64,
+    /// Bytes from the base to channel 0.
+    pub channel_offset: u64,
+    /// Bytes between channels.
+    pub channel_stride: u64,
+    /// Channels.
+    pub channel_count: u32,
+    /// Slots per ring.
+    pub ring_capacity: u32,
+    /// Bytes from the base to the megaslab.
+    pub slab_offset: u64,
+    /// Bytes of megaslab.
+    pub slab_len: u64,
+    /// Daemon process id.
+    pub daemon_pid: u32,
+    _reserved: [u8; 4],
+    /// The daemon parks on this cell when every submission ring is empty;
+    /// clients notify it after publishing (own cache line).
+    pub doorbell: Doorbell,
+}
+
+/// The doorbell on its own cache line.
+#[repr(C, align(64))]
+#[derive(Debug, Default)]
+pub struct Doorbell {
+    /// The daemon's wait cell.
+    pub cell: WaitCell,
+}
+
+#[cfg(not(loom))]
+const _: () = {
+    assert!(core::mem::offset_of!(RegionHeader, doorbell) == 128);
+    assert!(core::mem::size_of::<RegionHeader>() <= HEADER_LEN as usize);
+};
+
+/// The trusted geometry of a region, computed from three numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Channels (clients at once).
+    pub channel_count: u32,
+    /// Slots per ring (power of two).
+    pub ring_capacity: u32,
+    /// Bytes from the base to channel 0.
+    pub channel_offset: u64,
+    /// Bytes between channels (page multiple).
+    pub channel_stride: u64,
+    /// Bytes from the base to the megaslab (2 MiB multiple).
+    pub slab_offset: u64,
+    /// Bytes of megaslab (page multiple).
+    pub slab_len: u64,
+    /// Bytes of the region.
+    pub region_len: u64,
+}
+
+const fn round_up(x: u64, to: u64) -> u64 {
+    x.div_ceil(to) * to
+}
+
+impl Layout {
+    /// A layout for `channel_count` channels of two rings of `ring_capacity`
+    /// slots, and a megaslab of `slab_len` bytes (rounded up to pages).
+    pub fn new(channel_count: u32, ring_capacity: u32, slab_len: u64) -> Result<Self, RegionError> {
+        if channel_count == 0 || channel_count > 4096 {
+            return Err(RegionError::BadLayout(format!("channel count {channel_count} must be in 1..=4096")));
+        }
+        if !ring_capacity.is_power_of_two() || !(2..=1 << 20).contains(&ring_capacity) {
+            return Err(RegionError::BadLayout(format!(
+                "ring capacity {ring_capacity} must be a power of two in 2..=1048576"
+            )));
+        }
+        let channel_stride = round_up(2 * ring_len(ring_capacity) as u64, PAGE_LEN);
+        let channel_offset = HEADER_LEN;
+        let slab_offset = round_up(channel_offset + channel_stride * u64::from(channel_count), SLAB_ALIGN);
+        let slab_len = round_up(slab_len.max(PAGE_LEN), PAGE_LEN);
+        let region_len = slab_offset
+            .checked_add(slab_len)
+            .ok_or_else(|| RegionError::BadLayout("megaslab size overflows".into()))?;
+        Ok(Self { channel_count, ring_capacity, channel_offset, channel_stride, slab_offset, slab_len, region_len })
+    }
+
+    /// Byte offsets (from the base) of channel `ch`'s submission and completion rings.
+    pub fn ring_offsets(&self, ch: u32) -> Option<(u64, u64)> {
+        if ch >= self.channel_count {
+            return None;
+        }
+        let sub = self.channel_offset + self.channel_stride * u64::from(ch);
+        Some((sub, sub + ring_len(self.ring_capacity) as u64))
+    }
+
+    fn from_header(h: &RegionHeader, fd_len: u64) -> Result<Self, RegionError> {
+        if h.magic != MAGIC {
+            return Err(RegionError::BadHeader("magic mismatch: this fd is not a KacheDB region".into()));
+        }
+        if h.layout_version != LAYOUT_VERSION {
+            return Err(RegionError::BadHeader(format!(
+                "layout version {} but this client speaks {LAYOUT_VERSION}: upgrade the client or the daemon so they match",
+                h.layout_version
+            )));
+        }
+        let l = Layout::new(h.channel_count, h.ring_capacity, h.slab_len)?;
+        if l.channel_offset != h.channel_offset
+            || l.channel_stride != h.channel_stride
+            || l.slab_offset != h.slab_offset
+            || l.slab_len != h.slab_len
+            || l.region_len != h.region_len
+            || h.header_len as u64 != HEADER_LEN
+        {
+            return Err(RegionError::BadHeader("header offsets do not match the layout they describe".into()));
+        }
+        if l.region_len != fd_len {
+            return Err(RegionError::BadHeader(format!(
+                "header says {} bytes but the memfd has {fd_len}",
+                l.region_len
+            )));
+        }
+        Ok(l)
+    }
+}
+
+/// Why creating or attaching a region failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegionError {
+    /// The geometry asked for is impossible.
+    #[error("bad region layout: {0}")]
+    BadLayout(String),
+    /// The machine does not have the memory.
+    #[error("the region needs {need_bytes} bytes but only {avail_bytes} are available ({source_name}): {fix}")]
+    NotEnoughMemory {
+        /// Bytes the region needs.
+        need_bytes: u64,
+        /// Bytes available.
+        avail_bytes: u64,
+        /// Where the limit comes from.
+        source_name: String,
+        /// What to do.
+        fix: String,
+    },
+    /// The mapped header is not a valid region.
+    #[error("invalid region header: {0}")]
+    BadHeader(String),
+    /// The memfd is not sealed against shrinking and growing.
+    #[error("region memfd is not sealed (seals {0:#x}): refusing to map a region a peer could shrink under us")]
+    NotSealed(u32),
+    /// A system call failed.
+    #[error("{what}: {source}")]
+    Os {
+        /// What was attempted.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn os(what: &'static str) -> impl FnOnce(rustix::io::Errno) -> RegionError {
+    move |e| RegionError::Os { what, source: e.into() }
+}
+
+/// Memory this process may still fill: `MemAvailable` and the cgroup v2 limit.
+pub fn available_memory() -> (u64, String) {
+    let mut best = (u64::MAX, String::from("unlimited"));
+    if let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") {
+        if let Some(kb) = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        {
+            best = (kb * 1024, "MemAvailable in /proc/meminfo".into());
+        }
+    }
+    if let Some(avail) = cgroup_available() {
+        if avail < best.0 {
+            best = (avail, "the cgroup memory.max limit".into());
+        }
+    }
+    best
+}
+
+fn cgroup_available() -> Option<u64> {
+    let cg = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cg.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let dir = format!("/sys/fs/cgroup{}", path.trim_end());
+    let max = std::fs::read_to_string(format!("{dir}/memory.max")).ok()?;
+    let max: u64 = max.trim().parse().ok()?; // "max" -> None
+    let cur: u64 = std::fs::read_to_string(format!("{dir}/memory.current")).ok()?.trim().parse().ok()?;
+    Some(max.saturating_sub(cur))
+}
+
+/// Options for [`Region::create`].
+#[derive(Clone, Debug)]
+pub struct CreateOptions {
+    /// The memfd's name (shown in `/proc/<pid>/fd` as `/memfd:<name>`).
+    pub name: String,
+    /// The geometry.
+    pub layout: Layout,
+    /// Memory that must stay free beside the region (bytes).
+    pub headroom_bytes: u64,
+}
+
+/// A mapped region. Shared (`Arc`) by every ring handle and view into it; it is
+/// unmapped when the last one goes.
+pub struct Region {
+    map: memmap2::MmapRaw,
+    fd: OwnedFd,
+    layout: Layout,
+    generation: u64,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region").field("layout", &self.layout).field("generation", &self.generation).finish()
+    }
+}
+
+impl Region {
+    /// Creates, reserves, seals, maps and initialises a region. `progress` is
+    /// called with (bytes reserved, bytes total) while memory is reserved.
+    pub fn create(opts: &CreateOptions, mut progress: impl FnMut(u64, u64)) -> Result<Arc<Region>, RegionError> {
+        use rustix::fs::{fallocate, fcntl_add_seals, ftruncate, memfd_create, FallocateFlags, MemfdFlags, SealFlags};
+        let layout = opts.layout;
+        let (avail, source_name) = available_memory();
+        let need = layout.region_len.saturating_add(opts.headroom_bytes);
+        if need > avail {
+            return Err(RegionError::NotEnoughMemory {
+                need_bytes: layout.region_len,
+                avail_bytes: avail.saturating_sub(opts.headroom_bytes),
+                source_name,
+                fix: format!(
+                    "ask for a smaller region (e.g. --size {}MiB) or free memory",
+                    (avail.saturating_sub(opts.headroom_bytes) / 2) >> 20
+                ),
+            });
+        }
+        let fd = memfd_create(opts.name.as_str(), MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .map_err(os("memfd_create"))?;
+        ftruncate(&fd, layout.region_len).map_err(os("ftruncate of the region memfd"))?;
+        // Reserve the memory now, in chunks so a caller can show progress.
+        const CHUNK: u64 = 256 << 20;
+        let mut done = 0;
+        while done < layout.region_len {
+            let n = CHUNK.min(layout.region_len - done);
+            fallocate(&fd, FallocateFlags::empty(), done, n).map_err(|e| RegionError::NotEnoughMemory {
+                need_bytes: layout.region_len,
+                avail_bytes: done,
+                source_name: format!("fallocate failed: {e}"),
+                fix: "ask for a smaller region with --size, or raise the memory limit".into(),
+            })?;
+            done += n;
+            progress(done, layout.region_len);
+        }
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(os("sealing the region memfd"))?;
+        let map = map_fd(&fd, layout.region_len)?;
+        let generation = {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 40) ^ (map.as_ptr() as u64)
+        };
+        let header = RegionHeader {
+            magic: MAGIC,
+            layout_version: LAYOUT_VERSION,
+            header_len: HEADER_LEN as u32,
+            generation,
+            region_len: layout.region_len,
+            channel_offset: layout.channel_offset,
+            channel_stride: layout.channel_stride,
+            channel_count: layout.channel_count,
+            ring_capacity: layout.ring_capacity,
+            slab_offset: layout.slab_offset,
+            slab_len: layout.slab_len,
+            daemon_pid: std::process::id(),
+            _reserved: [0; 4],
+            doorbell: Doorbell::default(),
+        };
+        // SAFETY: the mapping is at least HEADER_LEN bytes, page aligned, and no
+        // other process has the fd yet, so nothing else accesses it.
+        unsafe { std::ptr::write(map.as_mut_ptr().cast::<RegionHeader>(), header) };
+        let region = Arc::new(Region { map, fd, layout, generation });
+        for ch in 0..layout.channel_count {
+            region.reset_channel(ch);
+        }
+        Ok(region)
+    }
+
+    /// Maps a region received from the daemon and validates its header and seals.
+    pub fn attach(fd: OwnedFd) -> Result<Arc<Region>, RegionError> {
+        use rustix::fs::{fcntl_get_seals, fstat, SealFlags};
+        let seals = fcntl_get_seals(&fd).map_err(os("reading the region's seals"))?;
+        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
+            return Err(RegionError::NotSealed(seals.bits()));
+        }
+        let st = fstat(&fd).map_err(os("fstat of the region memfd"))?;
+        let fd_len = st.st_size as u64;
+        if fd_len < HEADER_LEN {
+            return Err(RegionError::BadHeader(format!("memfd is only {fd_len} bytes")));
+        }
+        let map = map_fd(&fd, fd_len)?;
+        // SAFETY: the mapping holds at least HEADER_LEN bytes (checked above) and
+        // is page aligned; RegionHeader is plain data for which every bit pattern
+        // is valid except nothing (arrays, integers, an atomic); we copy the
+        // fields once and never trust them again without validation.
+        let header = unsafe { &*map.as_ptr().cast::<RegionHeader>() };
+        let layout = Layout::from_header(header, fd_len)?;
+        let generation = header.generation;
+        Ok(Arc::new(Region { map, fd, layout, generation }))
+    }
+
+    /// Opens a region by path (`/proc/<pid>/fd/<n>` of another process); for
+    /// tests and benchmarks that share a region without a control socket.
+    pub fn attach_path(path: &str) -> Result<Arc<Region>, RegionError> {
+        use rustix::fs::{open, Mode, OFlags};
+        let fd = open(path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).map_err(os("opening the region path"))?;
+        Self::attach(fd)
+    }
+
+    /// The memfd (to hand to a client).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// `/proc/<pid>/fd/<n>` of this region in this process.
+    pub fn proc_path(&self) -> String {
+        format!("/proc/{}/fd/{}", std::process::id(), self.fd.as_raw_fd())
+    }
+
+    /// The trusted geometry.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The region's generation.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Base address of the mapping in this process.
+    pub fn base(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// The daemon's doorbell.
+    pub fn doorbell(&self) -> &WaitCell {
+        // SAFETY: the header page is mapped for the life of self; the doorbell is
+        // an atomic, valid for every bit pattern, and only accessed atomically.
+        unsafe { &(*self.map.as_ptr().cast::<RegionHeader>()).doorbell.cell }
+    }
+
+    fn ring_base(&self, offset: u64) -> NonNull<u8> {
+        debug_assert!(offset + ring_len(self.layout.ring_capacity) as u64 <= self.layout.region_len);
+        // SAFETY: offset comes from the trusted layout and lies inside the mapping.
+        NonNull::new(unsafe { self.base().add(offset as usize) }).expect("mapping base is non-null")
+    }
+
+    fn ring_header(&self, offset: u64) -> &RingHeader {
+        // SAFETY: ring headers sit at 64-byte aligned, in-bounds offsets of the
+        // trusted layout; RingHeader is atomics only (every bit pattern valid).
+        unsafe { self.ring_base(offset).cast::<RingHeader>().as_ref() }
+    }
+
+    /// Reinitialises both rings of channel `ch` (daemon only, while no client
+    /// uses the channel). Returns false if `ch` is out of range.
+    pub fn reset_channel(&self, ch: u32) -> bool {
+        let Some((sub, comp)) = self.layout.ring_offsets(ch) else { return false };
+        self.ring_header(sub).init(self.layout.ring_capacity);
+        self.ring_header(comp).init(self.layout.ring_capacity);
+        true
+    }
+
+    /// Closes both rings of channel `ch`.
+    pub fn close_channel(&self, ch: u32) {
+        if let Some((sub, comp)) = self.layout.ring_offsets(ch) {
+            self.ring_header(sub).close();
+            self.ring_header(comp).close();
+        }
+    }
+
+    /// The daemon's ends of channel `ch`: it consumes submissions and produces
+    /// completions.
+    pub fn daemon_channel(self: &Arc<Self>, ch: u32) -> Option<(Consumer, Producer)> {
+        let (sub, comp) = self.layout.ring_offsets(ch)?;
+        let cap = self.layout.ring_capacity;
+        // SAFETY: both rings lie inside the mapping (trusted layout), were
+        // initialised by `reset_channel`, and the Arc keeps the mapping alive; the
+        // daemon is the only consumer of `sub` and only producer of `comp`.
+        unsafe {
+            Some((
+                ring::consumer(self.ring_base(sub), cap, self.clone()),
+                ring::producer(self.ring_base(comp), cap, self.clone()),
+            ))
+        }
+    }
+
+    /// A client's ends of channel `ch`: it produces submissions and consumes
+    /// completions.
+    pub fn client_channel(self: &Arc<Self>, ch: u32) -> Option<(Producer, Consumer)> {
+        let (sub, comp) = self.layout.ring_offsets(ch)?;
+        let cap = self.layout.ring_capacity;
+        // SAFETY: as in `daemon_channel`; the daemon gave this channel to this
+        // client alone.
+        unsafe {
+            Some((
+                ring::producer(self.ring_base(sub), cap, self.clone()),
+                ring::consumer(self.ring_base(comp), cap, self.clone()),
+            ))
+        }
+    }
+
+    /// A pointer to `len` bytes of megaslab at `offset` (bytes from the region
+    /// base), or `None` if that range is not inside the megaslab.
+    pub fn slab_ptr(&self, offset: u64, len: u64) -> Option<NonNull<u8>> {
+        let end = offset.checked_add(len)?;
+        if offset < self.layout.slab_offset || end > self.layout.region_len {
+            return None;
+        }
+        // SAFETY: the range lies inside the mapping (checked above).
+        NonNull::new(unsafe { self.base().add(offset as usize) })
+    }
+}
+
+fn map_fd(fd: &OwnedFd, len: u64) -> Result<memmap2::MmapRaw, RegionError> {
+    let len = usize::try_from(len).map_err(|_| RegionError::BadLayout("region larger than the address space".into()))?;
+    memmap2::MmapOptions::new()
+        .len(len)
+        .populate()
+        .map_raw(fd.as_raw_fd())
+        .map_err(|e| RegionError::Os { what: "mmap of the region", source: e })
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::descriptor::{Op, TensorBlockDescriptor};
+
+    fn small() -> Arc<Region> {
+        let layout = Layout::new(2, 8, 4 << 20).unwrap();
+        Region::create(&CreateOptions { name: "kachedb_test".into(), layout, headroom_bytes: 0 }, |_, _| {}).unwrap()
+    }
+
+    #[test]
+    fn layout_is_aligned() {
+        let l = Layout::new(64, 1024, 3 << 30).unwrap();
+        assert_eq!(l.slab_offset % SLAB_ALIGN, 0);
+        assert_eq!(l.channel_stride % PAGE_LEN, 0);
+        let (s, c) = l.ring_offsets(63).unwrap();
+        assert!(c > s && c + ring_len(1024) as u64 <= l.slab_offset);
+        assert!(l.ring_offsets(64).is_none());
+        assert!(Layout::new(4, 1000, 1).is_err());
+    }
+
+    #[test]
+    fn create_attach_and_talk() {
+        let r = small();
+        let r2 = Region::attach_path(&r.proc_path()).unwrap();
+        assert_eq!(r2.layout(), r.layout());
+        assert_eq!(r2.generation(), r.generation());
+        let (mut cp, _cc) = r2.client_channel(1).unwrap();
+        let (mut dc, _dp) = r.daemon_channel(1).unwrap();
+        let f = TensorBlockDescriptor::request(Op::Ping, 42, 7);
+        assert!(cp.try_push(&f).unwrap());
+        assert_eq!(dc.try_pop().unwrap(), Some(f));
+        assert!(r.slab_ptr(r.layout().slab_offset, 4096).is_some());
+        assert!(r.slab_ptr(0, 16).is_none());
+        assert!(r.slab_ptr(r.layout().region_len - 8, 16).is_none());
+        assert!(r.slab_ptr(u64::MAX - 1, 16).is_none());
+    }
+
+    #[test]
+    fn region_is_sealed() {
+        let r = small();
+        let e = rustix::fs::ftruncate(r.fd(), 4096).unwrap_err();
+        assert_eq!(e, rustix::io::Errno::PERM);
+        let e = rustix::fs::ftruncate(r.fd(), r.layout().region_len * 2).unwrap_err();
+        assert_eq!(e, rustix::io::Errno::PERM);
+    }
+
+    #[test]
+    fn too_large_is_a_clear_error() {
+        let layout = Layout::new(1, 8, 1 << 50).unwrap();
+        let e = Region::create(&CreateOptions { name: "big".into(), layout, headroom_bytes: 0 }, |_, _| {})
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("--size"), "{msg}");
+    }
+
+    #[test]
+    fn unsealed_or_foreign_fd_is_refused() {
+        let fd = rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 1 << 20).unwrap();
+        assert!(matches!(Region::attach(fd), Err(RegionError::NotSealed(_))));
+        let fd = rustix::fs::memfd_create("y", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::ftruncate(&fd, 1 << 20).unwrap();
+        rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW).unwrap();
+        assert!(matches!(Region::attach(fd), Err(RegionError::BadHeader(_))));
+    }
+}

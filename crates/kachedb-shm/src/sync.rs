@@ -1,0 +1,70 @@
+//! The one place atomics and cells are imported from, so the same ring code runs
+//! under the loom model checker (`RUSTFLAGS="--cfg loom"`), as tokio does.
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
+pub(crate) use core::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+#[cfg(loom)]
+pub(crate) use loom::hint::spin_loop;
+#[cfg(not(loom))]
+pub(crate) use core::hint::spin_loop;
+
+/// A ring slot: a cell that the producer writes and the consumer reads, never at
+/// the same time (the cursors' Release/Acquire pairs order the accesses).
+///
+/// Without loom it is `UnsafeCell<T>` (`repr(transparent)`, so a slot is exactly
+/// 64 bytes in shared memory); under loom it is loom's cell, so the model checker
+/// sees every slot access and reports a race if the orderings allowed one.
+#[derive(Debug, Default)]
+#[repr(transparent)]
+pub struct SlotCell<T>(
+    #[cfg(not(loom))] core::cell::UnsafeCell<T>,
+    #[cfg(loom)] loom::cell::UnsafeCell<T>,
+);
+
+impl<T: Copy> SlotCell<T> {
+    /// A slot holding `value`.
+    pub fn new(value: T) -> Self {
+        #[cfg(not(loom))]
+        return Self(core::cell::UnsafeCell::new(value));
+        #[cfg(loom)]
+        return Self(loom::cell::UnsafeCell::new(value));
+    }
+
+    /// Writes the slot.
+    ///
+    /// # Safety
+    /// The caller owns the slot: no other access to it runs concurrently (the
+    /// producer owns slots in `[tail, head + capacity)`).
+    #[inline(always)]
+    pub(crate) unsafe fn write(&self, value: T) {
+        #[cfg(not(loom))]
+        // SAFETY: exclusive access is the caller's contract; volatile because the
+        // memory is shared with another process the compiler cannot see.
+        unsafe {
+            core::ptr::write_volatile(self.0.get(), value)
+        };
+        #[cfg(loom)]
+        // SAFETY: exclusive access is the caller's contract (loom checks it).
+        self.0.with_mut(|p| unsafe { p.write(value) });
+    }
+
+    /// Copies the slot out.
+    ///
+    /// # Safety
+    /// The caller owns the slot: the producer does not write it concurrently
+    /// (the consumer owns slots in `[head, tail)`). A hostile producer in another
+    /// process may still scribble on it; the copy is then garbage, which every
+    /// reader treats as untrusted input and validates.
+    #[inline(always)]
+    pub(crate) unsafe fn read(&self) -> T {
+        #[cfg(not(loom))]
+        // SAFETY: see the function's contract; `T: Copy` is plain data.
+        return unsafe { core::ptr::read_volatile(self.0.get()) };
+        #[cfg(loom)]
+        // SAFETY: see the function's contract (loom checks it).
+        return self.0.with(|p| unsafe { p.read() });
+    }
+}
