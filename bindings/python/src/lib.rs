@@ -1,1 +1,25 @@
+//! `kachedb._kachedb_rust`: the native half of the `kachedb` Python package.
+//!
+//! The Python half (`python/kachedb/`) re-exports what users need; this module is
+//! private API. Today it holds the DLPack exporter and error mapping that the
+//! client bindings will use, and test hooks (`_test_*`).
 
+mod dlpack;
+mod errors;
+mod testing;
+
+use pyo3::prelude::*;
+
+pub use dlpack::{u8_capsule, DLPackBuffer, DlOwner};
+pub use errors::{status_kind, status_to_py_err, to_py_err};
+
+#[pymodule]
+fn _kachedb_rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<DLPackBuffer>()?;
+    m.add_function(wrap_pyfunction!(testing::_test_buffer, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::_live_test_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::_raise_error, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::_raise_status, m)?)?;
+    Ok(())
+}

@@ -10,6 +10,7 @@
 #![warn(missing_docs)]
 
 pub mod descriptor;
+pub mod naming;
 pub mod region;
 pub mod ring;
 pub mod sync;

@@ -411,6 +411,12 @@ impl Region {
         true
     }
 
+    /// The wait cell a client parks on for channel `ch`'s completions.
+    pub fn completion_wait_cell(&self, ch: u32) -> Option<&WaitCell> {
+        let (_, comp) = self.layout.ring_offsets(ch)?;
+        Some(&self.ring_header(comp).consumer.wait)
+    }
+
     /// Closes both rings of channel `ch`.
     pub fn close_channel(&self, ch: u32) {
         if let Some((sub, comp)) = self.layout.ring_offsets(ch) {

@@ -15,7 +15,7 @@
 
 use crate::descriptor::TensorBlockDescriptor;
 use crate::sync::{AtomicU32, AtomicU64, Ordering, SlotCell};
-use crate::wait::WaitCell;
+use crate::wait::{SpinThenPark, Tick, WaitCell};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -222,8 +222,14 @@ pub unsafe fn attach(base: NonNull<u8>, capacity: u32, owner: Arc<dyn Send + Syn
     let mem = unsafe { ring_mem(base, capacity, owner) };
     let head = mem.header().consumer.head.load(Ordering::Acquire);
     let tail = mem.header().producer.tail.load(Ordering::Acquire);
+    // The cursors come from shared memory and may be corrupt. Every later
+    // `tail - cached_head` must not underflow (a panic in debug builds), so a
+    // producer that finds them inconsistent starts from `cached_head = tail`;
+    // its first refresh of `head` then reports `RingError::Corrupt`.
+    let consistent = head <= tail && tail - head <= mem.capacity;
+    let cached_head = if consistent { head } else { tail };
     (
-        Producer { mem: mem.clone(), tail, cached_head: head },
+        Producer { mem: mem.clone(), tail, cached_head },
         Consumer { mem, head, cached_tail: head },
     )
 }
@@ -434,6 +440,39 @@ impl Consumer {
     /// This side's wait cell (line 0), on which it parks when empty.
     pub fn wait_cell(&self) -> &WaitCell {
         &self.mem.header().consumer.wait
+    }
+
+    /// Waits with `policy` on this side's wait cell (line 0) until `poll`,
+    /// which gets this consumer, returns `Some`; `tick` runs after each park
+    /// and may stop the wait (see [`SpinThenPark::wait`]).
+    ///
+    /// [`Consumer::wait_cell`] borrows the consumer, so it cannot be passed to
+    /// [`SpinThenPark::wait`] together with a `poll` that pops from the same
+    /// consumer; this method does both. The producer must call
+    /// [`Producer::notify_consumer`] after publishing.
+    ///
+    /// ```
+    /// use kachedb_shm::{HeapRing, SpinThenPark, TensorBlockDescriptor, Tick};
+    /// let (mut p, mut c) = HeapRing::with_capacity(4);
+    /// p.try_push(&TensorBlockDescriptor::default()).unwrap();
+    /// p.notify_consumer();
+    /// let got = c.wait_with(&SpinThenPark::default(), |c| c.try_pop().transpose(), || Tick::<()>::Continue);
+    /// assert!(matches!(got, Ok(Ok(_))));
+    /// ```
+    pub fn wait_with<T, E>(
+        &mut self,
+        policy: &SpinThenPark,
+        mut poll: impl FnMut(&mut Self) -> Option<T>,
+        tick: impl FnMut() -> Tick<E>,
+    ) -> Result<T, E> {
+        let header = self.mem.header;
+        // SAFETY: `header` points to the ring header, valid for as long as
+        // `self.mem._owner` lives (`RingMem::new`'s contract); `self` is
+        // borrowed for this whole call, so it outlives the reference. The cell
+        // is atomics only, so the shared reference may coexist with `poll`'s
+        // `&mut self` (which never touches the header through a `&mut`).
+        let cell = unsafe { &(*header.as_ptr()).consumer.wait };
+        policy.wait(cell, || poll(self), tick)
     }
 }
 

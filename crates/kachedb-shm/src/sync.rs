@@ -11,6 +11,13 @@ pub(crate) use loom::hint::spin_loop;
 #[cfg(not(loom))]
 pub(crate) use core::hint::spin_loop;
 
+// A wait loop that yields must yield through loom under the model checker, or
+// loom never schedules the other thread and reports a spin as a livelock.
+#[cfg(loom)]
+pub(crate) use loom::thread::yield_now;
+#[cfg(not(loom))]
+pub(crate) use std::thread::yield_now;
+
 /// A ring slot: a cell that the producer writes and the consumer reads, never at
 /// the same time (the cursors' Release/Acquire pairs order the accesses).
 ///

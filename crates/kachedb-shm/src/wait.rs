@@ -13,7 +13,7 @@
 //! sees `PARKED` and wakes it (and `FUTEX_WAIT` returns at once if the word is no
 //! longer `PARKED` when the waiter enters the kernel).
 
-use crate::sync::{fence, spin_loop, AtomicU32, Ordering};
+use crate::sync::{fence, spin_loop, yield_now, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 const RUNNING: u32 = 0;
@@ -172,37 +172,43 @@ impl SpinThenPark {
         let start = Instant::now();
         let mut spins: u32 = 0;
         loop {
-            if let Some(v) = poll() {
-                return Ok(v);
-            }
-            spins = spins.wrapping_add(1);
-            if spins % 64 != 0 {
-                spin_loop();
-                continue;
-            }
-            let waited = start.elapsed();
-            if waited < self.spin {
-                spin_loop();
-            } else if waited < self.park_after {
-                std::thread::yield_now();
-            } else {
-                let mut found = None;
-                cell.park(
-                    || {
-                        found = poll();
-                        found.is_some()
-                    },
-                    self.park_timeout,
-                );
-                if let Some(v) = found {
-                    return Ok(v);
-                }
+            // `park_after == 0` ("park immediately"): the empty poll above is
+            // the one poll; do not spin 64 polls before the first clock read.
+            if !self.park_after.is_zero() {
                 if let Some(v) = poll() {
                     return Ok(v);
                 }
-                if let Tick::Stop(e) = tick() {
-                    return Err(e);
+                spins = spins.wrapping_add(1);
+                if spins % 64 != 0 {
+                    spin_loop();
+                    continue;
                 }
+                let waited = start.elapsed();
+                if waited < self.spin {
+                    spin_loop();
+                    continue;
+                }
+                if waited < self.park_after {
+                    yield_now();
+                    continue;
+                }
+            }
+            let mut found = None;
+            cell.park(
+                || {
+                    found = poll();
+                    found.is_some()
+                },
+                self.park_timeout,
+            );
+            if let Some(v) = found {
+                return Ok(v);
+            }
+            if let Some(v) = poll() {
+                return Ok(v);
+            }
+            if let Tick::Stop(e) = tick() {
+                return Err(e);
             }
         }
     }

@@ -1,0 +1,31 @@
+"""KacheDB: a node-local store for LLM KV-cache blocks, read back as zero-copy
+``torch.Tensor`` / numpy views of shared memory.
+
+This module only re-exports; the pieces live in ``_keys``, ``_errors``,
+``_dtypes``, ``_views`` and the native ``_kachedb_rust``.
+"""
+
+from ._errors import (
+    BadHandle,
+    Disconnected,
+    InvalidArgument,
+    KacheDBError,
+    NotFound,
+    OutOfMemory,
+    TooLarge,
+)
+from ._kachedb_rust import __version__
+from ._keys import KeyLike, key_of
+
+__all__ = [
+    "__version__",
+    "key_of",
+    "KeyLike",
+    "KacheDBError",
+    "NotFound",
+    "OutOfMemory",
+    "Disconnected",
+    "InvalidArgument",
+    "BadHandle",
+    "TooLarge",
+]

@@ -1,0 +1,182 @@
+//! `kachedb bench ops`: operations against a real daemon process.
+
+use crate::serve_cmd::{human_bytes, parse_size};
+use crate::spawn::{cpu_seconds, DaemonProcess};
+use clap::Args;
+use kachedb_client::{Client, ConnectOptions, DType, Key, Shape};
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Options of `kachedb bench ops`.
+#[derive(Debug, Args)]
+pub struct OpsArgs {
+    /// Print one JSON object per line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// A short run (small sizes, few repetitions).
+    #[arg(long)]
+    pub quick: bool,
+    /// Use the daemon at this socket instead of starting one.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Bytes of the large PUT/GET block.
+    #[arg(long, value_parser = parse_size)]
+    pub big: Option<u64>,
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+struct Out {
+    json: bool,
+}
+
+impl Out {
+    fn emit(&self, v: serde_json::Value, human: String) {
+        if self.json {
+            println!("{v}");
+        } else {
+            println!("{human}");
+        }
+    }
+}
+
+/// Runs the benchmark.
+pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let big = a.big.unwrap_or(if a.quick { 64 << 20 } else { 512 << 20 });
+    let reps = if a.quick { 3 } else { 5 };
+    let rtt_iters = if a.quick { 20_000 } else { 200_000 };
+    let daemon = match &a.socket {
+        Some(_) => None,
+        None => Some(DaemonProcess::spawn(big * 3 + (256 << 20), &[])?),
+    };
+    let socket = a.socket.clone().or_else(|| daemon.as_ref().map(|d| d.socket().to_path_buf()));
+    let kc = Client::connect(&ConnectOptions { socket, ..Default::default() })?;
+    let out = Out { json: a.json };
+    if !a.json {
+        println!("kachedb bench ops — client and daemon are separate processes; medians of {reps} runs");
+    }
+
+    // Round trips.
+    let small = Key::from_bytes(b"bench/small");
+    kc.put(small, &[7u8; 4096])?;
+    for _ in 0..1000 {
+        kc.ping()?;
+    }
+    let mut ping = Vec::with_capacity(rtt_iters);
+    for _ in 0..rtt_iters {
+        let t = Instant::now();
+        kc.ping()?;
+        ping.push(t.elapsed().as_nanos() as u64);
+    }
+    ping.sort_unstable();
+    out.emit(
+        json!({"bench":"ping_rtt","p50_ns":percentile(&ping,0.5),"p99_ns":percentile(&ping,0.99),"iters":rtt_iters}),
+        format!("PING round trip          p50 {:>7} ns   p99 {:>7} ns", percentile(&ping, 0.5), percentile(&ping, 0.99)),
+    );
+    let mut get = Vec::with_capacity(rtt_iters);
+    for _ in 0..rtt_iters {
+        let t = Instant::now();
+        let v = kc.get(small)?;
+        get.push(t.elapsed().as_nanos() as u64);
+        drop(v);
+    }
+    get.sort_unstable();
+    out.emit(
+        json!({"bench":"get_rtt","p50_ns":percentile(&get,0.5),"p99_ns":percentile(&get,0.99),"iters":rtt_iters}),
+        format!("GET-hit round trip       p50 {:>7} ns   p99 {:>7} ns (4 KiB block, pinned view; release not timed)", percentile(&get, 0.5), percentile(&get, 0.99)),
+    );
+
+    // Batched ops.
+    let keys: Vec<Key> = (0..64u32).map(|i| Key::from_bytes(format!("bench/batch-{i}").as_bytes())).collect();
+    let payload = [1u8; 256];
+    let items: Vec<(Key, &[u8])> = keys.iter().map(|k| (*k, &payload[..])).collect();
+    kc.put_many(&items)?;
+    let mut lookups = Vec::new();
+    let mut gets = Vec::new();
+    for _ in 0..reps {
+        let rounds = if a.quick { 500 } else { 5000 };
+        let t = Instant::now();
+        for _ in 0..rounds {
+            let n = kc.lookup(&keys)?;
+            assert_eq!(n, keys.len());
+        }
+        lookups.push((rounds * keys.len()) as f64 / t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        for _ in 0..rounds {
+            let views = kc.get_many(&keys)?;
+            drop(views);
+        }
+        // Each round is 64 GETs and 64 RELEASEs.
+        gets.push((rounds * keys.len() * 2) as f64 / t.elapsed().as_secs_f64());
+    }
+    let (l, g) = (median(&mut lookups), median(&mut gets));
+    out.emit(json!({"bench":"lookup_batch","batch":64,"ops_per_s":l}), format!("LOOKUP batches of 64     {:>10.2} M ops/s", l / 1e6));
+    out.emit(json!({"bench":"get_many","batch":64,"ops_per_s":g}), format!("get_many(64)+release     {:>10.2} M ops/s (GET and RELEASE each counted)", g / 1e6));
+
+    // Large PUT against memcpy of the same bytes, and GET as a view.
+    let src: Vec<u8> = (0..big as usize).map(|i| (i * 31 + 7) as u8).collect();
+    let mut dst = vec![0u8; big as usize];
+    let shape = Shape::for_bytes(big).ok_or("size not representable")?;
+    let key = Key::from_bytes(b"bench/big");
+    let mut memcpy = Vec::new();
+    let mut put = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        memcpy.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+        let t = Instant::now();
+        kc.put_tensor(key, DType::U8, &shape, &src)?;
+        put.push(t.elapsed().as_secs_f64());
+    }
+    let (m, p) = (median(&mut memcpy), median(&mut put));
+    let (mg, pg) = (big as f64 / m / 1e9, big as f64 / p / 1e9);
+    out.emit(
+        json!({"bench":"put","bytes":big,"gbps":pg,"memcpy_gbps":mg,"ratio":pg/mg,"put_s":p,"memcpy_s":m}),
+        format!("PUT {:<10}           {:>6.2} GB/s vs memcpy {:>6.2} GB/s = {:.0} %", human_bytes(big), pg, mg, 100.0 * pg / mg),
+    );
+    let mut views = Vec::new();
+    for _ in 0..if a.quick { 50 } else { 200 } {
+        let t = Instant::now();
+        let v = kc.get(key)?.ok_or("big block missing")?;
+        views.push(t.elapsed().as_nanos() as u64);
+        std::hint::black_box(v.as_ptr());
+        drop(v);
+    }
+    views.sort_unstable();
+    let check = kc.get(key)?.ok_or("big block missing")?;
+    if check[..] != src[..] {
+        return Err("the large block read back differs from what was put".into());
+    }
+    drop(check);
+    out.emit(
+        json!({"bench":"get_view","bytes":big,"p50_ns":percentile(&views,0.5),"p99_ns":percentile(&views,0.99)}),
+        format!("GET {:<10} as a view   p50 {:>7} ns   p99 {:>7} ns", human_bytes(big), percentile(&views, 0.5), percentile(&views, 0.99)),
+    );
+
+    // Idle daemon CPU.
+    if let Some(d) = &daemon {
+        let secs = if a.quick { 1.0 } else { 5.0 };
+        std::thread::sleep(Duration::from_millis(300));
+        let c0 = cpu_seconds(d.pid()).ok_or("cannot read the daemon's CPU time")?;
+        std::thread::sleep(Duration::from_secs_f64(secs));
+        let c1 = cpu_seconds(d.pid()).ok_or("cannot read the daemon's CPU time")?;
+        let pct = 100.0 * (c1 - c0) / secs;
+        out.emit(
+            json!({"bench":"idle_cpu","seconds":secs,"percent":pct}),
+            format!("idle daemon CPU          {pct:>6.2} % of one core over {secs} s (one client connected, idle)"),
+        );
+    }
+    Ok(())
+}
