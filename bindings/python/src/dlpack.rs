@@ -1,17 +1,18 @@
 //! DLPack export of raw byte ranges as zero-copy `uint8` CPU tensors.
 //!
-//! The contract with consumers (torch, numpy, any array-API library) is the
-//! *legacy* DLPack one (DLPack 0.x `DLManagedTensor`, capsule name `"dltensor"`),
-//! which every consumer still accepts, even one that asked for `max_version=(1, 0)`:
-//!
-//! * [`u8_capsule`] wraps `len` bytes at `data` in a `DLManagedTensor` describing a
+//! * [`u8_capsule`] wraps `len` bytes at `data` in a managed tensor describing a
 //!   1-D `uint8` tensor on `kDLCPU` (shape `[len]`, strides NULL = compact,
-//!   byte_offset 0) and puts it in a `PyCapsule` named `"dltensor"`.
-//! * The memory is kept valid by an [`DlOwner`] that travels with the tensor. A
-//!   consumer that takes the tensor renames the capsule `"used_dltensor"` and calls
-//!   the tensor's deleter when its last view goes away; the deleter drops the owner.
-//!   A capsule that is never consumed frees the tensor (and drops the owner) in its
-//!   own destructor, which checks the name first, as the DLPack spec says.
+//!   byte_offset 0) and puts it in a `PyCapsule`: legacy DLPack 0.x
+//!   (`DLManagedTensor`, `"dltensor"`), or DLPack 1.0 (`DLManagedTensorVersioned`,
+//!   `"dltensor_versioned"`, which can carry the read-only flag) for consumers that
+//!   pass `max_version >= (1, 0)` (torch and numpy 2 do). numpy imports every legacy
+//!   capsule read-only, so writable numpy views need the versioned format.
+//! * The memory is kept valid by a [`DlOwner`] that travels with the tensor. A
+//!   consumer that takes the tensor renames the capsule `"used_dltensor"`
+//!   (`"used_dltensor_versioned"`) and calls the tensor's deleter when its last view
+//!   goes away; the deleter drops the owner. A capsule that is never consumed frees
+//!   the tensor (and drops the owner) in its own destructor, which checks the name
+//!   first, as the DLPack specification says.
 //! * [`DLPackBuffer`] is the Python-visible exporter (`__dlpack__`,
 //!   `__dlpack_device__`): each export clones its shared owner, so the owner is
 //!   dropped only when the buffer object *and* every tensor made from it (slices,
@@ -28,19 +29,16 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyBufferError, PyOverflowError};
+use pyo3::exceptions::{PyBufferError, PyOverflowError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-
-/// Capsule name of an unconsumed legacy DLPack tensor.
-const DLTENSOR_NAME: &CStr = c"dltensor";
-/// Capsule name a consumer gives the capsule once it owns the tensor.
-const USED_DLTENSOR_NAME: &CStr = c"used_dltensor";
 
 /// `DLDeviceType::kDLCPU`.
 pub const KDLCPU: i32 = 1;
 /// `DLDataTypeCode::kDLUInt`.
 const KDLUINT: u8 = 1;
+/// `DLPACK_FLAG_BITMASK_READ_ONLY` (DLPack >= 1.0).
+const DLPACK_FLAG_BITMASK_READ_ONLY: u64 = 1 << 0;
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -69,6 +67,7 @@ struct DLTensor {
     byte_offset: u64,
 }
 
+/// DLPack 0.x (legacy) managed tensor; capsule name `"dltensor"`.
 #[repr(C)]
 #[derive(Debug)]
 struct DLManagedTensor {
@@ -77,11 +76,44 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DLPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+/// DLPack 1.x managed tensor; capsule name `"dltensor_versioned"`. Unlike the
+/// legacy one it can say "read-only" (numpy honours it; numpy imports every legacy
+/// capsule read-only, so a *writable* numpy view needs this format).
+#[repr(C)]
+#[derive(Debug)]
+struct DLManagedTensorVersioned {
+    version: DLPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+/// The capsule format of one export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DlpackFormat {
+    /// DLPack 0.x, `"dltensor"`: what a consumer that gave no `max_version` gets.
+    Legacy,
+    /// DLPack 1.0, `"dltensor_versioned"`, with the read-only flag set or not.
+    Versioned {
+        /// Sets `DLPACK_FLAG_BITMASK_READ_ONLY`.
+        read_only: bool,
+    },
+}
+
 /// What keeps exported memory valid. It is dropped exactly once, when the last
 /// consumer view is gone (or when an unconsumed capsule is destroyed).
 pub enum DlOwner {
     /// A Rust value (e.g. a pin guard). Dropped on whatever thread frees the
-    /// tensor, without the GIL: its `Drop` must not need Python and should not block.
+    /// tensor, which may or may not hold the GIL: its `Drop` must not need Python,
+    /// and should not block (while it runs with the GIL, every Python thread waits).
     Rust(Box<dyn Any + Send>),
     /// A Python object. Its reference is dropped with the GIL taken (the deleter
     /// may run on a thread that does not hold it).
@@ -102,10 +134,7 @@ impl DlOwner {
     fn release(self) {
         match self {
             DlOwner::Rust(owner) => {
-                // A panicking Drop must not unwind into the consumer's C frames;
-                // the payload is dropped here as well (it cannot panic again in a
-                // way that matters: if it does, the process aborts, as for any
-                // panic in a destructor during unwinding).
+                // A panicking Drop must not unwind into the consumer's C frames.
                 let _ = catch_unwind(AssertUnwindSafe(move || drop(owner)));
             }
             DlOwner::Py(obj) => {
@@ -117,37 +146,148 @@ impl DlOwner {
                     std::mem::forget(obj);
                     return;
                 }
-                let _ = catch_unwind(AssertUnwindSafe(move || Python::with_gil(move |_py| drop(obj))));
+                let _ = catch_unwind(AssertUnwindSafe(move || {
+                    Python::with_gil(move |_py| drop(obj))
+                }));
+            }
+        }
+    }
+}
+
+/// The two DLPack managed-tensor layouts, for code generic over them.
+///
+/// # Safety
+/// `NAME`/`USED_NAME` must be the capsule names DLPack assigns to `Self`; `new`
+/// must install `managed_deleter::<Self>` as the deleter, and `link` must store its
+/// arguments as `dl_tensor.shape` and `manager_ctx`.
+unsafe trait ManagedTensor: Sized {
+    /// Name of a capsule holding an unconsumed tensor.
+    const NAME: &'static CStr;
+    /// Name a consumer gives the capsule once it owns the tensor.
+    const USED_NAME: &'static CStr;
+    /// A managed tensor with our deleter (`manager_ctx` null until [`Self::link`]).
+    fn new(dl_tensor: DLTensor, read_only: bool) -> Self;
+    /// Sets `dl_tensor.shape` and `manager_ctx` through raw pointers.
+    ///
+    /// # Safety
+    /// `managed` points to a live `Self` that no reference aliases.
+    unsafe fn link(managed: *mut Self, shape: *mut i64, manager_ctx: *mut c_void);
+    /// `manager_ctx` of `managed`.
+    ///
+    /// # Safety
+    /// `managed` points to a live `Self`.
+    unsafe fn manager_ctx(managed: *mut Self) -> *mut c_void;
+    /// Calls `managed`'s deleter, if it has one.
+    ///
+    /// # Safety
+    /// `managed` points to a live `Self` that nobody else will delete.
+    unsafe fn delete(managed: *mut Self);
+}
+
+// SAFETY: names from dlpack.h / the Python specification; `new` installs
+// `managed_deleter::<DLManagedTensor>` and the given context.
+unsafe impl ManagedTensor for DLManagedTensor {
+    const NAME: &'static CStr = c"dltensor";
+    const USED_NAME: &'static CStr = c"used_dltensor";
+
+    fn new(dl_tensor: DLTensor, _read_only: bool) -> Self {
+        DLManagedTensor {
+            dl_tensor,
+            manager_ctx: ptr::null_mut(),
+            deleter: Some(managed_deleter::<Self>),
+        }
+    }
+
+    unsafe fn link(managed: *mut Self, shape: *mut i64, manager_ctx: *mut c_void) {
+        // SAFETY: `managed` is live and unaliased (caller's contract).
+        unsafe {
+            (*managed).dl_tensor.shape = shape;
+            (*managed).manager_ctx = manager_ctx;
+        }
+    }
+
+    unsafe fn manager_ctx(managed: *mut Self) -> *mut c_void {
+        // SAFETY: `managed` is live (caller's contract).
+        unsafe { (*managed).manager_ctx }
+    }
+
+    unsafe fn delete(managed: *mut Self) {
+        // SAFETY: `managed` is live and ours to delete (caller's contract).
+        unsafe {
+            if let Some(deleter) = (*managed).deleter {
+                deleter(managed);
+            }
+        }
+    }
+}
+
+// SAFETY: names from dlpack.h (>= 1.0) / the Python specification; `new` installs
+// `managed_deleter::<DLManagedTensorVersioned>` and the given context.
+unsafe impl ManagedTensor for DLManagedTensorVersioned {
+    const NAME: &'static CStr = c"dltensor_versioned";
+    const USED_NAME: &'static CStr = c"used_dltensor_versioned";
+
+    fn new(dl_tensor: DLTensor, read_only: bool) -> Self {
+        DLManagedTensorVersioned {
+            version: DLPackVersion { major: 1, minor: 0 },
+            manager_ctx: ptr::null_mut(),
+            deleter: Some(managed_deleter::<Self>),
+            flags: if read_only {
+                DLPACK_FLAG_BITMASK_READ_ONLY
+            } else {
+                0
+            },
+            dl_tensor,
+        }
+    }
+
+    unsafe fn link(managed: *mut Self, shape: *mut i64, manager_ctx: *mut c_void) {
+        // SAFETY: `managed` is live and unaliased (caller's contract).
+        unsafe {
+            (*managed).dl_tensor.shape = shape;
+            (*managed).manager_ctx = manager_ctx;
+        }
+    }
+
+    unsafe fn manager_ctx(managed: *mut Self) -> *mut c_void {
+        // SAFETY: `managed` is live (caller's contract).
+        unsafe { (*managed).manager_ctx }
+    }
+
+    unsafe fn delete(managed: *mut Self) {
+        // SAFETY: `managed` is live and ours to delete (caller's contract).
+        unsafe {
+            if let Some(deleter) = (*managed).deleter {
+                deleter(managed);
             }
         }
     }
 }
 
 /// One exported tensor: the DLPack struct, its shape array and its owner, in a
-/// single heap allocation that the deleter frees. `managed` is first and the struct
-/// is `repr(C)`, but the deleter finds the allocation through `manager_ctx`, not by
-/// casting the `DLManagedTensor` pointer.
+/// single heap allocation that the deleter frees. The deleter finds the allocation
+/// through `manager_ctx`, not by casting the managed-tensor pointer.
 #[repr(C)]
-struct ManagerCtx {
-    managed: DLManagedTensor,
+struct ManagerCtx<M> {
+    managed: M,
     shape: [i64; 1],
     owner: DlOwner,
 }
 
-/// `DLManagedTensor::deleter`: frees the [`ManagerCtx`] and drops its owner.
+/// The managed tensor's deleter: frees the [`ManagerCtx`] and drops its owner.
 ///
 /// # Safety
 /// `managed` is null, or a pointer produced by [`u8_capsule`] whose tensor has not
 /// been deleted yet (DLPack: the deleter is called once, by the tensor's one owner).
-unsafe extern "C" fn managed_deleter(managed: *mut DLManagedTensor) {
+unsafe extern "C" fn managed_deleter<M: ManagedTensor>(managed: *mut M) {
     if managed.is_null() {
         return;
     }
     // SAFETY: per this function's contract `managed` points to the `managed` field of
-    // a live `ManagerCtx`, whose `manager_ctx` was set to the `Box::into_raw` pointer
-    // of that allocation; it is reconstructed once, here, because DLPack calls the
-    // deleter exactly once.
-    let ctx = unsafe { Box::from_raw((*managed).manager_ctx.cast::<ManagerCtx>()) };
+    // a live `ManagerCtx<M>`, whose `manager_ctx` was set to the `Box::into_raw`
+    // pointer of that allocation; it is reconstructed once, here, because DLPack
+    // calls the deleter exactly once.
+    let ctx = unsafe { Box::from_raw(M::manager_ctx(managed).cast::<ManagerCtx<M>>()) };
     let ManagerCtx { owner, .. } = *ctx;
     owner.release();
 }
@@ -155,11 +295,13 @@ unsafe extern "C" fn managed_deleter(managed: *mut DLManagedTensor) {
 /// The capsule's destructor: frees the tensor only if no consumer took it.
 ///
 /// # Safety
-/// Called by CPython, with the GIL held, on a capsule created by [`u8_capsule`].
-unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+/// Called by CPython, with the GIL held, on a capsule created by [`u8_capsule`]
+/// holding an `M`.
+#[allow(deprecated)] // PyErr_Fetch/Restore: their successors are 3.12+, we target the 3.9 abi3
+unsafe extern "C" fn capsule_destructor<M: ManagedTensor>(capsule: *mut ffi::PyObject) {
     // SAFETY: `capsule` is a live capsule (CPython is destroying it) and the GIL is
     // held; PyCapsule_IsValid does not set an exception on a name mismatch.
-    if unsafe { ffi::PyCapsule_IsValid(capsule, USED_DLTENSOR_NAME.as_ptr()) } == 1 {
+    if unsafe { ffi::PyCapsule_IsValid(capsule, M::USED_NAME.as_ptr()) } == 1 {
         // A consumer owns the tensor now and will call the deleter itself.
         return;
     }
@@ -169,53 +311,68 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     // SAFETY: GIL held; the exception in flight (if any: a destructor may run while
     // one propagates) is stashed here and restored below, so that
     // PyCapsule_GetPointer's own error reporting cannot clobber it.
-    #[allow(deprecated)] // PyErr_GetRaisedException is 3.12+, we target the 3.9 abi3
-    unsafe {
-        ffi::PyErr_Fetch(&mut ptype, &mut pvalue, &mut ptraceback)
-    };
+    unsafe { ffi::PyErr_Fetch(&mut ptype, &mut pvalue, &mut ptraceback) };
     // SAFETY: GIL held, `capsule` live; a wrong name returns NULL with an exception set.
-    let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, DLTENSOR_NAME.as_ptr()) }
-        .cast::<DLManagedTensor>();
+    let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, M::NAME.as_ptr()) }.cast::<M>();
     if managed.is_null() {
-        // Neither "dltensor" nor "used_dltensor": someone renamed it; leaking is the
+        // Neither our name nor the "used" one: someone renamed it; leaking is the
         // only safe choice. Report it without raising from a destructor.
         // SAFETY: GIL held, an exception is set (by PyCapsule_GetPointer).
         unsafe { ffi::PyErr_WriteUnraisable(capsule) };
     } else {
         // SAFETY: the capsule still has its original name, so no consumer took the
         // tensor and nobody else will call its deleter: it is ours to delete, once.
-        unsafe {
-            if let Some(deleter) = (*managed).deleter {
-                deleter(managed);
-            }
-        }
+        unsafe { M::delete(managed) };
     }
     // SAFETY: GIL held; hands back the references taken by PyErr_Fetch above.
-    #[allow(deprecated)]
-    unsafe {
-        ffi::PyErr_Restore(ptype, pvalue, ptraceback)
-    };
+    unsafe { ffi::PyErr_Restore(ptype, pvalue, ptraceback) };
 }
 
-/// Wraps `len` bytes at `data` in a legacy DLPack capsule (`"dltensor"`) describing
-/// a 1-D `uint8` CPU tensor, whose deleter drops `owner`.
+/// Wraps `len` bytes at `data` in a DLPack capsule (`"dltensor"`, or
+/// `"dltensor_versioned"` for [`DlpackFormat::Versioned`]) describing a 1-D `uint8`
+/// CPU tensor (shape `[len]`, strides NULL, byte_offset 0), whose deleter drops
+/// `owner`.
 ///
 /// `len` may be 0 (`data` is still non-null, as DLPack consumers expect).
 ///
 /// # Errors
 /// `OverflowError` if `len` does not fit an `i64`; a Python error if the capsule
-/// cannot be created (then `owner` has already been dropped).
+/// cannot be created. `owner` has been dropped when an error is returned.
 ///
 /// # Safety
 /// `data .. data + len` must be valid for reads and writes, and not be freed or
 /// unmapped, for as long as `owner` is alive. Consumers may write through the
-/// tensor: if other code reads the range, that is the caller's protocol to uphold
-/// (blocks handed to readers are immutable by contract, not by the MMU).
+/// tensor (torch has no read-only tensors): if other code reads the range, that is
+/// the caller's protocol to uphold (blocks handed to readers are immutable by
+/// contract, not by the MMU).
 pub unsafe fn u8_capsule<'py>(
     py: Python<'py>,
     data: NonNull<u8>,
     len: usize,
     owner: DlOwner,
+    format: DlpackFormat,
+) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match format {
+            DlpackFormat::Legacy => u8_capsule_as::<DLManagedTensor>(py, data, len, owner, false),
+            DlpackFormat::Versioned { read_only } => {
+                u8_capsule_as::<DLManagedTensorVersioned>(py, data, len, owner, read_only)
+            }
+        }
+    }
+}
+
+/// [`u8_capsule`] for one managed-tensor layout.
+///
+/// # Safety
+/// As for [`u8_capsule`].
+unsafe fn u8_capsule_as<'py, M: ManagedTensor>(
+    py: Python<'py>,
+    data: NonNull<u8>,
+    len: usize,
+    owner: DlOwner,
+    read_only: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let Ok(len_i64) = i64::try_from(len) else {
         return Err(PyOverflowError::new_err(format!(
@@ -223,40 +380,54 @@ pub unsafe fn u8_capsule<'py>(
             i64::MAX
         )));
     };
-    let ctx = Box::into_raw(Box::new(ManagerCtx {
-        managed: DLManagedTensor {
-            dl_tensor: DLTensor {
-                data: data.as_ptr().cast(),
-                device: DLDevice { device_type: KDLCPU, device_id: 0 },
-                ndim: 1,
-                dtype: DLDataType { code: KDLUINT, bits: 8, lanes: 1 },
-                shape: ptr::null_mut(), // set below, once the allocation has its address
-                strides: ptr::null_mut(),
-                byte_offset: 0,
-            },
-            manager_ctx: ptr::null_mut(),
-            deleter: Some(managed_deleter),
+    let dl_tensor = DLTensor {
+        data: data.as_ptr().cast(),
+        device: DLDevice {
+            device_type: KDLCPU,
+            device_id: 0,
         },
+        ndim: 1,
+        dtype: DLDataType {
+            code: KDLUINT,
+            bits: 8,
+            lanes: 1,
+        },
+        shape: ptr::null_mut(), // set below, once the allocation has its address
+        strides: ptr::null_mut(),
+        byte_offset: 0,
+    };
+    let ctx = Box::into_raw(Box::new(ManagerCtx {
+        managed: M::new(dl_tensor, read_only),
         shape: [len_i64],
         owner,
     }));
     // SAFETY: `ctx` comes from Box::into_raw just above: valid, aligned, unaliased.
     // The pointers stored point into that same allocation, which stays put until the
     // deleter frees it.
+    // Only raw pointers are taken (no references), so `managed` and `shape` stay
+    // valid for the capsule and its consumer until the deleter's Box::from_raw.
     let managed = unsafe {
-        (*ctx).managed.dl_tensor.shape = ptr::addr_of_mut!((*ctx).shape).cast::<i64>();
-        (*ctx).managed.manager_ctx = ctx.cast::<c_void>();
-        ptr::addr_of_mut!((*ctx).managed)
+        let managed = ptr::addr_of_mut!((*ctx).managed);
+        M::link(
+            managed,
+            ptr::addr_of_mut!((*ctx).shape).cast::<i64>(),
+            ctx.cast::<c_void>(),
+        );
+        managed
     };
     // SAFETY: the GIL is held (`py`); the name is a 'static C string, as capsules
     // keep the pointer; the destructor matches the capsule's contents.
     let capsule = unsafe {
-        ffi::PyCapsule_New(managed.cast::<c_void>(), DLTENSOR_NAME.as_ptr(), Some(capsule_destructor))
+        ffi::PyCapsule_New(
+            managed.cast::<c_void>(),
+            M::NAME.as_ptr(),
+            Some(capsule_destructor::<M>),
+        )
     };
     if capsule.is_null() {
         // SAFETY: the capsule does not exist, so nothing else refers to `managed`;
         // delete it ourselves (drops the owner) before reporting the error.
-        unsafe { managed_deleter(managed) };
+        unsafe { M::delete(managed) };
         return Err(PyErr::fetch(py));
     }
     // SAFETY: `capsule` is a new, non-null reference that we own.
@@ -293,6 +464,7 @@ pub struct DLPackBuffer {
     data: RawBytes,
     len: usize,
     owner: Arc<dyn Any + Send + Sync>,
+    read_only: bool,
     mode: OwnerMode,
 }
 
@@ -301,36 +473,78 @@ impl fmt::Debug for DLPackBuffer {
         f.debug_struct("DLPackBuffer")
             .field("data", &self.data.0)
             .field("len", &self.len)
+            .field("read_only", &self.read_only)
             .field("mode", &self.mode)
             .finish_non_exhaustive()
     }
 }
 
 impl DLPackBuffer {
-    /// An exporter for `len` bytes at `data`, kept valid by `owner`.
+    /// An exporter for `len` bytes at `data`, kept valid by `owner`. `read_only` is
+    /// what versioned (DLPack 1.0) capsules tell consumers (numpy honours it; torch
+    /// has no read-only tensors: see `__dlpack__`).
     ///
     /// # Safety
     /// `data .. data + len` must stay valid for reads and writes for as long as
     /// `owner` (or any clone of the `Arc`) is alive.
-    pub unsafe fn new(data: NonNull<u8>, len: usize, owner: Arc<dyn Any + Send + Sync>) -> Self {
-        DLPackBuffer { data: RawBytes(data), len, owner, mode: OwnerMode::Shared }
+    pub unsafe fn new(
+        data: NonNull<u8>,
+        len: usize,
+        owner: Arc<dyn Any + Send + Sync>,
+        read_only: bool,
+    ) -> Self {
+        DLPackBuffer {
+            data: RawBytes(data),
+            len,
+            owner,
+            read_only,
+            mode: OwnerMode::Shared,
+        }
     }
 
     /// Like [`DLPackBuffer::new`], but capsules hold the Python buffer object itself.
     ///
     /// # Safety
     /// As for [`DLPackBuffer::new`].
-    pub(crate) unsafe fn new_py_owned(data: NonNull<u8>, len: usize, owner: Arc<dyn Any + Send + Sync>) -> Self {
-        DLPackBuffer { data: RawBytes(data), len, owner, mode: OwnerMode::PyObject }
+    pub(crate) unsafe fn new_py_owned(
+        data: NonNull<u8>,
+        len: usize,
+        owner: Arc<dyn Any + Send + Sync>,
+        read_only: bool,
+    ) -> Self {
+        DLPackBuffer {
+            data: RawBytes(data),
+            len,
+            owner,
+            read_only,
+            mode: OwnerMode::PyObject,
+        }
     }
+}
+
+/// The capsule format for a consumer's `max_version`: legacy unless it reads 1.x.
+fn format_for(max_version: Option<&Bound<'_, PyAny>>, read_only: bool) -> PyResult<DlpackFormat> {
+    let Some(max_version) = max_version else {
+        return Ok(DlpackFormat::Legacy);
+    };
+    let (major, _minor): (i64, i64) = max_version.extract().map_err(|_| {
+        PyTypeError::new_err("max_version must be None or a tuple (major, minor) of two ints")
+    })?;
+    Ok(if major >= 1 {
+        DlpackFormat::Versioned { read_only }
+    } else {
+        DlpackFormat::Legacy
+    })
 }
 
 #[pymethods]
 impl DLPackBuffer {
-    /// Exports the bytes as a legacy DLPack capsule (1-D `uint8`, CPU).
+    /// Exports the bytes as a DLPack capsule (1-D `uint8`, CPU): DLPack 1.0
+    /// (`"dltensor_versioned"`, flagged read-only if this buffer is) when the
+    /// consumer passes `max_version >= (1, 0)`, else legacy (`"dltensor"`, which
+    /// cannot say read-only).
     ///
-    /// `stream` and `max_version` are accepted and ignored (CPU memory needs no
-    /// stream; a legacy capsule is valid whatever version the consumer can read).
+    /// `stream` is accepted and ignored (host memory needs no stream).
     /// `dl_device` other than CPU, or `copy=True`, raise `BufferError`.
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
@@ -340,7 +554,9 @@ impl DLPackBuffer {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = (stream, max_version);
+        let _ = stream;
+        let this = slf.get();
+        let format = format_for(max_version, this.read_only)?;
         if let Some((device_type, device_id)) = dl_device {
             if (device_type, device_id) != (KDLCPU, 0) {
                 return Err(PyBufferError::new_err(format!(
@@ -352,10 +568,9 @@ impl DLPackBuffer {
         }
         if copy == Some(true) {
             return Err(PyBufferError::new_err(
-                "a KacheDB block is exported without copying; call .clone() / .copy() on the result instead of copy=True",
+                "a KacheDB block is exported without copying; copy the result (.clone() / .copy()) instead of copy=True",
             ));
         }
-        let this = slf.get();
         let owner = match this.mode {
             OwnerMode::Shared => DlOwner::Rust(Box::new(Arc::clone(&this.owner))),
             OwnerMode::PyObject => DlOwner::Py(slf.clone().into_any().unbind()),
@@ -363,7 +578,7 @@ impl DLPackBuffer {
         // SAFETY: `this.owner` keeps the range valid (DLPackBuffer::new's contract),
         // and the capsule's owner keeps `this.owner` alive: either a clone of the Arc,
         // or a reference to this buffer object, which holds the Arc.
-        unsafe { u8_capsule(slf.py(), this.data.0, this.len, owner) }
+        unsafe { u8_capsule(slf.py(), this.data.0, this.len, owner, format) }
     }
 
     /// `(kDLCPU, 0)`.
@@ -384,11 +599,22 @@ impl DLPackBuffer {
         self.data.0.as_ptr() as usize
     }
 
+    /// Whether versioned exports are flagged read-only.
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.read_only
+    }
+
     fn __len__(&self) -> usize {
         self.len
     }
 
     fn __repr__(&self) -> String {
-        format!("<kachedb DLPackBuffer {} bytes at {:#x}>", self.len, self.data.0.as_ptr() as usize)
+        format!(
+            "<kachedb DLPackBuffer {} bytes at {:#x}{}>",
+            self.len,
+            self.data.0.as_ptr() as usize,
+            if self.read_only { ", read-only" } else { "" }
+        )
     }
 }

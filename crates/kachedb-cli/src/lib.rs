@@ -5,7 +5,6 @@
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
-use std::process::ExitCode;
 
 pub mod bench_ops;
 pub mod bench_ring;
@@ -57,8 +56,8 @@ pub enum BenchCommand {
     Ops(bench_ops::OpsArgs),
 }
 
-/// Parses `args` and runs the command.
-pub fn main_with_args<I, T>(args: I) -> ExitCode
+/// Parses `args` (program name first) and runs the command; returns the exit status.
+pub fn main_with_args<I, T>(args: I) -> u8
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
@@ -67,7 +66,7 @@ where
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+            return if e.use_stderr() { 2 } else { 0 };
         }
     };
     let result = match cli.command {
@@ -80,10 +79,10 @@ where
         Command::BenchChild(a) => bench_ring::child(&a),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => 0,
         Err(e) => {
             eprintln!("kachedb: error: {e}");
-            ExitCode::FAILURE
+            1
         }
     }
 }

@@ -1,4 +1,4 @@
 //! The `kachedb` command.
 fn main() -> std::process::ExitCode {
-    kachedb_cli::main_with_args(std::env::args_os())
+    std::process::ExitCode::from(kachedb_cli::main_with_args(std::env::args_os()))
 }

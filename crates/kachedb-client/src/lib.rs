@@ -116,7 +116,12 @@ struct Inner {
     /// Pins dropped while `io` was busy; released by the next holder.
     pending_release: Mutex<Vec<u64>>,
     closed: AtomicBool,
-    stream: UnixStream,
+    /// Set in a process that inherited this client through `fork()`: the rings
+    /// and the connection belong to the parent; touch neither.
+    forked: AtomicBool,
+    /// The control connection; its EOF tells the daemon we are gone. Taken out
+    /// (closed) by `forget_after_fork` in a forked child.
+    stream: Mutex<Option<UnixStream>>,
     wait: SpinThenPark,
     channel: u32,
     socket_path: PathBuf,
@@ -219,7 +224,8 @@ impl Client {
             io: Mutex::new(Io { sub, comp, next_request_id: 1, frames: Vec::new() }),
             pending_release: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
-            stream,
+            forked: AtomicBool::new(false),
+            stream: Mutex::new(Some(stream)),
             wait: opts.wait,
             channel,
             socket_path: path,
@@ -290,32 +296,46 @@ impl Client {
 
     /// Stores many flat byte blocks, with one publish per ring-full of frames.
     pub fn put_many(&self, items: &[(Key, &[u8])]) -> Result<()> {
-        let mut frames = Vec::with_capacity(items.len());
+        let mut tensors = Vec::with_capacity(items.len());
         for (key, bytes) in items {
             let shape = Shape::for_bytes(bytes.len() as u64)
                 .ok_or_else(|| ClientError::Invalid("a flat block above 4 GiB must be a multiple of 4096 bytes".into()))?;
+            tensors.push((*key, DType::U8, shape, *bytes));
+        }
+        self.put_many_tensors(&tensors)
+    }
+
+    /// Stores many tensors: all RESERVEs in one batch, the copies, then all
+    /// COMMITs in one batch. If any reservation fails, every one of them is
+    /// aborted and the first error returned (nothing becomes visible).
+    pub fn put_many_tensors(&self, items: &[(Key, DType, Shape, &[u8])]) -> Result<()> {
+        let mut frames = Vec::with_capacity(items.len());
+        for (key, dtype, shape, bytes) in items {
+            let len = shape.len_bytes(*dtype).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
+            if len != bytes.len() as u64 {
+                return Err(ClientError::Invalid(format!("shape and dtype make {len} bytes but {} were given", bytes.len())));
+            }
             let mut f = TensorBlockDescriptor::request(Op::Reserve, 0, key.0);
-            f.set_shape(DType::U8, &shape);
+            f.set_shape(*dtype, shape);
             f.offset = page_offset_of(bytes.as_ptr());
             frames.push(f);
         }
         let done = self.inner.call_many(&frames)?;
         let mut reservations = Vec::with_capacity(items.len());
         let mut first_err = None;
-        for (c, (_, bytes)) in done.iter().zip(items) {
+        for (c, (_, _, _, bytes)) in done.iter().zip(items) {
             match ok_or(*c, bytes.len() as u64) {
-                Ok(c) => match self.inner.region.slab_ptr(c.offset, bytes.len() as u64) {
-                    Some(ptr) => {
+                Ok(c) => {
+                    reservations.push(c.handle);
+                    match self.inner.region.slab_ptr(c.offset, bytes.len() as u64) {
                         // SAFETY: the daemon reserved [offset, offset+len) for this
                         // client alone; it stays allocated until commit or abort.
-                        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr(), bytes.len()) };
-                        reservations.push(c.handle);
+                        Some(ptr) => unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr(), bytes.len()) },
+                        None => {
+                            first_err.get_or_insert(ClientError::Protocol("reservation outside the megaslab".into()));
+                        }
                     }
-                    None => {
-                        first_err.get_or_insert(ClientError::Protocol("reservation outside the megaslab".into()));
-                        reservations.push(c.handle);
-                    }
-                },
+                }
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
@@ -403,9 +423,16 @@ impl Client {
     }
 
     /// For a process that inherited this client through `fork()`: forgets the
-    /// connection without touching the rings (which belong to the parent).
+    /// connection without touching the rings (which belong to the parent) and
+    /// closes this process's copy of the socket, so the daemon still sees the
+    /// parent's exit. Every later call fails with `Disconnected`; views
+    /// inherited from the parent stay readable but release nothing.
     pub fn forget_after_fork(&self) {
+        self.inner.forked.store(true, Ordering::Release);
         self.inner.closed.store(true, Ordering::Release);
+        if let Ok(mut s) = self.inner.stream.lock() {
+            s.take();
+        }
     }
 }
 
@@ -423,6 +450,11 @@ fn ok_or(c: Completion, len: u64) -> Result<Completion> {
 
 impl Inner {
     fn lock(&self) -> Result<MutexGuard<'_, Io>> {
+        if self.forked.load(Ordering::Acquire) {
+            return Err(ClientError::Disconnected(
+                "this client was inherited through fork(): connect again in this process".into(),
+            ));
+        }
         if self.closed.load(Ordering::Acquire) {
             return Err(ClientError::Disconnected("the client is closed: connect again".into()));
         }
@@ -453,6 +485,9 @@ impl Inner {
     /// Pushes `frames` (request ids assigned here) and collects one completion
     /// each, in order.
     fn exchange(&self, io: &mut Io, frames: &[TensorBlockDescriptor], keep: bool) -> Result<Vec<TensorBlockDescriptor>> {
+        if self.forked.load(Ordering::Acquire) {
+            return Err(ClientError::Disconnected("this client was inherited through fork(): connect again in this process".into()));
+        }
         let mut out = Vec::with_capacity(if keep { frames.len() } else { 0 });
         let mut sent = 0usize;
         let mut received = 0usize;
@@ -513,7 +548,14 @@ impl Inner {
     /// Runs after each park: is the daemon still there?
     fn liveness(&self) -> Tick<ClientError> {
         use rustix::event::{PollFd, PollFlags};
-        let mut fds = [PollFd::new(&self.stream, PollFlags::IN)];
+        let guard = match self.stream.lock() {
+            Ok(g) => g,
+            Err(_) => return Tick::Continue,
+        };
+        let Some(stream) = guard.as_ref() else {
+            return Tick::Stop(ClientError::Disconnected("the connection was closed".into()));
+        };
+        let mut fds = [PollFd::new(stream, PollFlags::IN)];
         let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
         match rustix::event::poll(&mut fds, Some(&zero)) {
             Ok(n) if n > 0 => {

@@ -257,12 +257,30 @@ impl Daemon {
                 std::thread::yield_now();
             } else {
                 counters.parks += 1;
+                // The control thread rings the doorbell after queueing an event,
+                // so the ready check must look at the queue too: an event queued
+                // between the `try_recv` loop above and the park would otherwise
+                // find the cell not yet PARKED (no wake) and wait out the timeout.
+                // SYNC: `park`'s SeqCst fence between storing PARKED and this
+                // check pairs with the fence in `notify` after the control
+                // thread's `send`: either we see the event here, or it sees
+                // PARKED and wakes us.
                 let events = &self.events;
-                let _ = events; // the ready check below only looks at rings; events ring the doorbell too
+                let mut first_event = None;
                 doorbell.park(
-                    || sessions.iter_mut().flatten().any(|s| !s.kicked && (s.sub.has_data() || !s.backlog.is_empty())),
+                    || {
+                        if let Ok(ev) = events.try_recv() {
+                            first_event = Some(ev);
+                            return true;
+                        }
+                        sessions.iter_mut().flatten().any(|s| !s.kicked && (s.sub.has_data() || !s.backlog.is_empty()))
+                    },
                     self.cfg.wait.park_timeout,
                 );
+                if let Some(ev) = first_event {
+                    // The oldest queued event; the rest follow on the next pass.
+                    self.on_event(ev, &mut sessions, &mut counters, &rate);
+                }
             }
         }
         tracing::info!("shutting down: closing {} client channel(s)", sessions.iter().flatten().count());

@@ -244,7 +244,7 @@ impl Shape {
     pub fn for_bytes(len: u64) -> Option<Self> {
         if len <= u64::from(u32::MAX) {
             Self::new(&[len])
-        } else if len % 4096 == 0 {
+        } else if len & 4095 == 0 {
             Self::new(&[len / 4096, 4096])
         } else {
             None
@@ -378,7 +378,7 @@ impl Request {
             Op::Ping => Request::Ping,
             Op::Reserve => {
                 let (dtype, shape, len) = checked_shape(d)?;
-                if d.offset >= 4096 || d.offset % 64 != 0 {
+                if d.offset >= 4096 || d.offset & 63 != 0 {
                     return Err(DecodeError::BadPageOffset(d.offset));
                 }
                 Request::Reserve { key, dtype, shape, len, page_offset: d.offset }

@@ -188,6 +188,7 @@ pub struct Producer {
     tail: u64,
     /// Last seen consumer cursor. Can be stale (behind the real one), which only
     /// makes the ring look fuller than it is; refreshed when it looks full.
+    /// Always `tail.wrapping_sub(cached_head)` in `0..=capacity`.
     cached_head: u64,
 }
 
@@ -199,6 +200,7 @@ pub struct Consumer {
     head: u64,
     /// Last seen producer cursor. Can be stale (behind the real one), which only
     /// makes the ring look emptier than it is; refreshed when it looks empty.
+    /// Always `cached_tail.wrapping_sub(head)` in `0..=capacity`.
     cached_tail: u64,
 }
 
@@ -222,12 +224,12 @@ pub unsafe fn attach(base: NonNull<u8>, capacity: u32, owner: Arc<dyn Send + Syn
     let mem = unsafe { ring_mem(base, capacity, owner) };
     let head = mem.header().consumer.head.load(Ordering::Acquire);
     let tail = mem.header().producer.tail.load(Ordering::Acquire);
-    // The cursors come from shared memory and may be corrupt. Every later
-    // `tail - cached_head` must not underflow (a panic in debug builds), so a
-    // producer that finds them inconsistent starts from `cached_head = tail`;
-    // its first refresh of `head` then reports `RingError::Corrupt`.
+    // The cursors come from shared memory and may be corrupt. A producer that
+    // finds them inconsistent starts with a cached head that makes the ring look
+    // full, so its first operation re-reads `head` and reports
+    // `RingError::Corrupt` (and no `tail - cached_head` underflows).
     let consistent = head <= tail && tail - head <= mem.capacity;
-    let cached_head = if consistent { head } else { tail };
+    let cached_head = if consistent { head } else { tail.wrapping_sub(mem.capacity) };
     (
         Producer { mem: mem.clone(), tail, cached_head },
         Consumer { mem, head, cached_tail: head },
@@ -277,6 +279,14 @@ impl Producer {
         self.mem.header()
     }
 
+    /// Frames in the ring as far as this side knows (`0..=capacity`). Cursors
+    /// are free-running and never wrap in practice (2^64 frames); the wrapping
+    /// arithmetic only keeps hostile cursor values from panicking debug builds.
+    #[inline(always)]
+    fn queued(&self) -> u64 {
+        self.tail.wrapping_sub(self.cached_head)
+    }
+
     /// Re-reads the consumer cursor and validates it.
     #[inline]
     fn refresh_head(&mut self) -> Result<(), RingError> {
@@ -294,18 +304,18 @@ impl Producer {
     /// only if the cached copy says the ring is full.
     #[inline]
     pub fn free_slots(&mut self) -> Result<usize, RingError> {
-        if self.tail - self.cached_head == self.mem.capacity {
+        if self.queued() == self.mem.capacity {
             self.refresh_head()?;
         }
-        Ok((self.mem.capacity - (self.tail - self.cached_head)) as usize)
+        Ok((self.mem.capacity - self.queued()) as usize)
     }
 
     /// Pushes one frame and publishes it. `Ok(false)` if the ring is full.
     #[inline]
     pub fn try_push(&mut self, frame: &TensorBlockDescriptor) -> Result<bool, RingError> {
-        if self.tail - self.cached_head == self.mem.capacity {
+        if self.queued() == self.mem.capacity {
             self.refresh_head()?;
-            if self.tail - self.cached_head == self.mem.capacity {
+            if self.queued() == self.mem.capacity {
                 return if self.mem.header().is_closed() { Err(RingError::Closed) } else { Ok(false) };
             }
         }
@@ -313,7 +323,7 @@ impl Producer {
         // done with it (it published head past it) and will not read it until we
         // publish tail past it.
         unsafe { self.mem.slot(self.tail).write(*frame) };
-        self.tail += 1;
+        self.tail = self.tail.wrapping_add(1);
         // SYNC POINT: Release pairs with the consumer's Acquire load of `tail`: the
         // slot write above is visible before the cursor that hands it over.
         self.mem.header().producer.tail.store(self.tail, Ordering::Release);
@@ -324,10 +334,10 @@ impl Producer {
     /// how many were pushed (0 if full).
     #[inline]
     pub fn push_batch(&mut self, frames: &[TensorBlockDescriptor]) -> Result<usize, RingError> {
-        let mut free = self.mem.capacity - (self.tail - self.cached_head);
+        let mut free = self.mem.capacity - self.queued();
         if (free as usize) < frames.len() {
             self.refresh_head()?;
-            free = self.mem.capacity - (self.tail - self.cached_head);
+            free = self.mem.capacity - self.queued();
         }
         let n = frames.len().min(free as usize);
         if n == 0 {
@@ -335,9 +345,9 @@ impl Producer {
         }
         for (i, frame) in frames[..n].iter().enumerate() {
             // SAFETY: slots tail..tail+n are ours (n <= free), as in `try_push`.
-            unsafe { self.mem.slot(self.tail + i as u64).write(*frame) };
+            unsafe { self.mem.slot(self.tail.wrapping_add(i as u64)).write(*frame) };
         }
-        self.tail += n as u64;
+        self.tail = self.tail.wrapping_add(n as u64);
         // SYNC POINT: Release pairs with the consumer's Acquire load of `tail`.
         self.mem.header().producer.tail.store(self.tail, Ordering::Release);
         Ok(n)
@@ -368,6 +378,13 @@ impl Consumer {
         self.mem.header()
     }
 
+    /// Frames ready as far as this side knows (`0..=capacity`); see
+    /// `Producer::queued` on the wrapping arithmetic.
+    #[inline(always)]
+    fn ready(&self) -> u64 {
+        self.cached_tail.wrapping_sub(self.head)
+    }
+
     #[inline]
     fn refresh_tail(&mut self) -> Result<(), RingError> {
         // SYNC POINT: Acquire pairs with the producer's Release store of `tail`:
@@ -387,7 +404,7 @@ impl Consumer {
         if self.cached_tail == self.head {
             self.refresh_tail()?;
         }
-        Ok((self.cached_tail - self.head) as usize)
+        Ok(self.ready() as usize)
     }
 
     /// Whether a frame is ready (refreshes the producer cursor).
@@ -407,7 +424,7 @@ impl Consumer {
         // SAFETY: slot `head` is ours: head < tail, the producer published it and
         // will not rewrite it until we publish head past it.
         let frame = unsafe { self.mem.slot(self.head).read() };
-        self.head += 1;
+        self.head = self.head.wrapping_add(1);
         // SYNC POINT: Release pairs with the producer's Acquire load of `head`: our
         // read of the slot happens before the producer may reuse it.
         self.mem.header().consumer.head.store(self.head, Ordering::Release);
@@ -418,10 +435,10 @@ impl Consumer {
     /// many were popped (0 if empty).
     #[inline]
     pub fn pop_batch(&mut self, out: &mut [TensorBlockDescriptor]) -> Result<usize, RingError> {
-        let mut avail = self.cached_tail - self.head;
+        let mut avail = self.ready();
         if (avail as usize) < out.len() {
             self.refresh_tail()?;
-            avail = self.cached_tail - self.head;
+            avail = self.ready();
         }
         let n = out.len().min(avail as usize);
         if n == 0 {
@@ -429,9 +446,9 @@ impl Consumer {
         }
         for (i, o) in out[..n].iter_mut().enumerate() {
             // SAFETY: slots head..head+n are ours (n <= avail), as in `try_pop`.
-            *o = unsafe { self.mem.slot(self.head + i as u64).read() };
+            *o = unsafe { self.mem.slot(self.head.wrapping_add(i as u64)).read() };
         }
-        self.head += n as u64;
+        self.head = self.head.wrapping_add(n as u64);
         // SYNC POINT: Release pairs with the producer's Acquire load of `head`.
         self.mem.header().consumer.head.store(self.head, Ordering::Release);
         Ok(n)

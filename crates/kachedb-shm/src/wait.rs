@@ -179,7 +179,7 @@ impl SpinThenPark {
                     return Ok(v);
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 64 != 0 {
+                if spins & 63 != 0 {
                     spin_loop();
                     continue;
                 }

@@ -14,10 +14,15 @@ from ._errors import (
     OutOfMemory,
     TooLarge,
 )
+from ._client import Client, Reservation, connect, default_socket_path
 from ._kachedb_rust import __version__
 from ._keys import KeyLike, key_of
 
 __all__ = [
+    "connect",
+    "Client",
+    "Reservation",
+    "default_socket_path",
     "__version__",
     "key_of",
     "KeyLike",

@@ -1,0 +1,407 @@
+"""The user-facing client: ``kachedb.connect()`` and ``Client``.
+
+Blocks come back as zero-copy views of the daemon's shared memory. A view keeps
+its block pinned (never evicted, moved or reused) for as long as it, or any
+tensor or array made from it (slices, ``.view``, ``as_strided``…), is alive;
+when the last one is garbage-collected the pin is released. ``close()`` stops new
+operations but keeps live views valid (and pinned) until they go.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any, Iterable, List, Optional, Sequence, Union
+
+from . import _kachedb_rust as _native
+from ._dtypes import ShapeLike, _np, _torch, block_nbytes, check_shape, dtype_code, is_torch_dtype, numpy_dtype
+from ._errors import Disconnected, InvalidArgument, KacheDBError, NotFound
+from ._keys import KeyLike, key_parts
+from ._views import numpy_from_dlpack, numpy_view, torch_from_dlpack, torch_view
+
+__all__ = ["connect", "Client", "default_socket_path"]
+
+_live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child shares the parent's rings and socket; it must never touch
+    # them. Each inherited client forgets its connection (closing the child's
+    # copy of the socket, so the daemon still sees the parent's exit).
+    for c in list(_live_clients):
+        c._forked = True
+        c._native.forget_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def default_socket_path(instance: int = 0) -> str:
+    """The socket a daemon of ``instance`` listens on by default
+    (``$KACHEDB_SOCKET`` overrides it for instance 0)."""
+    return _native.default_socket_path(instance)
+
+
+def _parse_size(size: Union[int, str, None]) -> Optional[str]:
+    if size is None:
+        return None
+    if isinstance(size, int):
+        if size <= 0:
+            raise InvalidArgument(f"size must be positive, got {size}")
+        return str(size)
+    if isinstance(size, str):
+        return size
+    raise TypeError(f"size must be an int (bytes) or a str like '8GiB', got {type(size).__name__}")
+
+
+def _spawn_daemon(socket: str, instance: int, size: Union[int, str, None], timeout: float) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "kachedb", "serve", "--socket", socket, "--instance", str(instance)]
+    s = _parse_size(size)
+    if s is not None:
+        argv += ["--size", s]
+    log_dir = os.path.dirname(socket) or "."
+    os.makedirs(log_dir, mode=0o700, exist_ok=True)
+    log_path = os.path.join(log_dir, f"kachedb_{instance}.log")
+    log = open(log_path, "ab")
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    finally:
+        log.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = ""
+            try:
+                with open(log_path, "rb") as f:
+                    tail = f.read()[-2000:].decode(errors="replace")
+            except OSError:
+                pass
+            raise KacheDBError(f"the daemon started by connect(start=True) exited with code {proc.returncode}:\n{tail}")
+        if os.path.exists(socket):
+            try:
+                _native.NativeClient.connect(socket).close()
+                return proc
+            except Disconnected:
+                pass
+        time.sleep(0.02)
+    proc.kill()
+    raise KacheDBError(f"the daemon did not accept connections on {socket} within {timeout:.0f} s (log: {log_path})")
+
+
+def connect(
+    socket: Optional[str] = None,
+    start: bool = False,
+    *,
+    instance: int = 0,
+    size: Union[int, str, None] = None,
+    timeout: float = 60.0,
+) -> "Client":
+    """Connects to the KacheDB daemon.
+
+    ``socket``: the control socket (default: ``$KACHEDB_SOCKET``, else the
+    instance's default path). ``start=True``: if no daemon answers there, spawn
+    one (``python -m kachedb serve``, detached, logging next to the socket) with
+    a megaslab of ``size`` (bytes or ``"8GiB"``; default: a quarter of available
+    memory, at most 4 GiB) and wait up to ``timeout`` seconds for it. The spawned
+    daemon outlives this client (other workers share it); ``Client.stop_daemon()``
+    stops it.
+    """
+    path = socket or default_socket_path(instance)
+    proc = None
+    try:
+        native = _native.NativeClient.connect(path, instance)
+    except Disconnected:
+        if not start:
+            raise
+        proc = _spawn_daemon(path, instance, size, timeout)
+        native = _native.NativeClient.connect(path, instance)
+    return Client(native, proc)
+
+
+def _torch_module_or_none() -> Any:
+    return sys.modules.get("torch")
+
+
+def _is_tensor(x: Any) -> bool:
+    torch = _torch_module_or_none()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_ndarray(x: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def _make_view_class() -> Any:
+    torch = _torch()
+
+    class KVView(torch.Tensor):
+        """A ``torch.Tensor`` that is a view of a pinned KacheDB block. Usable as a
+        context manager (``with kc.get(k) as t``). Operations on it return plain
+        tensors; the pin lasts while any tensor sharing its memory lives."""
+
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        def __enter__(self) -> "KVView":
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    return KVView
+
+
+_view_class: Any = None
+
+
+def _as_view(t: Any) -> Any:
+    global _view_class
+    if _view_class is None:
+        _view_class = _make_view_class()
+    return _view_class._make_subclass(_view_class, t, False)
+
+
+class Reservation:
+    """A reserved block being written: ``out`` is a writable tensor (or numpy
+    array) of the block. Committed on normal exit of ``with``, aborted if the
+    block raises. Do not write ``out`` after the ``with`` block."""
+
+    def __init__(self, native: Any, code: int, shape: tuple, as_numpy: bool) -> None:
+        self._native = native
+        buf = native.buffer()
+        if as_numpy:
+            raw = _np().from_dlpack(buf)
+            self.out = numpy_view(raw, code, shape, writeable=True)
+        else:
+            self.out = torch_view(_torch().from_dlpack(buf), code, shape)
+        self._done = False
+
+    def commit(self) -> None:
+        self._done = True
+        self._native.commit()
+
+    def abort(self) -> None:
+        self._done = True
+        self._native.abort()
+
+    def __enter__(self) -> Any:
+        return self.out
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._done:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            try:
+                self.abort()
+            except Exception:
+                pass
+
+
+class Client:
+    """A connection to the daemon. Thread-safe: operations from several threads
+    are serialised (the GIL is released while waiting on the daemon); use one
+    client per thread for parallel throughput. A client inherited by a forked
+    child raises ``Disconnected`` there: connect again in the child."""
+
+    def __init__(self, native: Any, daemon: Optional[subprocess.Popen] = None) -> None:
+        self._native = native
+        self._daemon = daemon
+        self._forked = False
+        self._pid = os.getpid()
+        _live_clients.add(self)
+
+    # -- lifecycle ---------------------------------------------------------
+    @property
+    def socket(self) -> str:
+        """The control socket this client is connected to."""
+        return self._native.socket
+
+    @property
+    def closed(self) -> bool:
+        return self._native.closed
+
+    def close(self) -> None:
+        """No new operations. Live views stay valid and pinned until collected."""
+        self._native.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def started_daemon(self) -> bool:
+        """Whether ``connect(start=True)`` spawned the daemon for this client."""
+        return self._daemon is not None
+
+    def stop_daemon(self, timeout: float = 10.0) -> None:
+        """Stops the daemon this client started with ``connect(start=True)``."""
+        if self._daemon is None:
+            raise KacheDBError("this client did not start a daemon (connect(start=True) found one running)")
+        self._daemon.terminate()
+        try:
+            self._daemon.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._daemon.kill()
+            self._daemon.wait()
+
+    def _check(self) -> Any:
+        if self._forked or os.getpid() != self._pid:
+            raise Disconnected("this client was inherited through fork(): call kachedb.connect() again in the child")
+        return self._native
+
+    def ping(self) -> None:
+        self._check().ping()
+
+    # -- writes ------------------------------------------------------------
+    @staticmethod
+    def _source(value: Any) -> tuple:
+        """(code, shape, address, nbytes, keepalive) of a CPU tensor or array."""
+        if _is_tensor(value):
+            if value.device.type != "cpu":
+                raise InvalidArgument("internal: non-CPU tensor reached _source")
+            t = value.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            code = dtype_code(t.dtype)
+            return code, tuple(t.shape), t.data_ptr(), t.numel() * t.element_size(), t
+        if _is_ndarray(value):
+            np = _np()
+            a = np.ascontiguousarray(value)
+            code = dtype_code(a.dtype)
+            return code, tuple(a.shape), a.ctypes.data, a.nbytes, a
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            np = _np()
+            a = np.frombuffer(value, dtype=np.uint8)
+            return dtype_code("u8"), (a.nbytes,), a.ctypes.data if a.nbytes else 0, a.nbytes, a
+        raise TypeError(
+            f"put() takes a torch.Tensor, a numpy.ndarray or bytes, not {type(value).__name__}"
+        )
+
+    def put(self, key: KeyLike, value: Any) -> None:
+        """Stores ``value`` (CPU or CUDA torch tensor, numpy array, or bytes)
+        under ``key``: one copy into shared memory (device->shm for CUDA).
+        Replaces an existing block with that key."""
+        native = self._check()
+        lo, hi = key_parts(key)
+        if _is_tensor(value) and value.device.type != "cpu":
+            with self.reserve(key, tuple(value.shape), value.dtype) as out:
+                out.copy_(value.detach())
+            return
+        code, shape, addr, nbytes, keep = self._source(value)
+        check_shape(shape)
+        native.put_raw(lo, hi, code, list(shape), addr, nbytes)
+        del keep
+
+    def put_many(self, keys: Sequence[KeyLike], values: Sequence[Any]) -> None:
+        """``put`` of many blocks with one batch of reservations and one batch of
+        commits. All or nothing: if one reservation fails, none is committed."""
+        keys, values = list(keys), list(values)
+        if len(keys) != len(values):
+            raise InvalidArgument(f"put_many got {len(keys)} keys but {len(values)} values")
+        native = self._check()
+        if any(_is_tensor(v) and v.device.type != "cpu" for v in values):
+            values = [v.detach().cpu() if _is_tensor(v) else v for v in values]
+        items, keep = [], []
+        for k, v in zip(keys, values):
+            code, shape, addr, nbytes, ka = self._source(v)
+            check_shape(shape)
+            lo, hi = key_parts(k)
+            items.append((lo, hi, code, list(shape), addr, nbytes))
+            keep.append(ka)
+        native.put_many_raw(items)
+        del keep
+
+    def reserve(self, key: KeyLike, shape: ShapeLike, dtype: Any) -> Reservation:
+        """Reserves a block to be written in place: ``with kc.reserve(k, shape,
+        torch.float16) as out: out.copy_(src)``. ``out`` is a torch tensor, or a
+        numpy array when ``dtype`` is a numpy dtype. Invisible to readers until
+        committed (normal exit of ``with``); aborted if the block raises."""
+        native = self._check()
+        dims = check_shape(shape)
+        code = dtype_code(dtype)
+        as_numpy = not is_torch_dtype(dtype) and not isinstance(dtype, str)
+        lo, hi = key_parts(key)
+        r = native.reserve(lo, hi, code, list(dims))
+        return Reservation(r, code, dims, as_numpy)
+
+    # -- reads -------------------------------------------------------------
+    def _tensor_of(self, block: Any, device: Any = None) -> Any:
+        t = _as_view(torch_from_dlpack(block.buffer(), block.dtype_code, tuple(block.shape)))
+        if device is not None and str(device) != "cpu":
+            return t.as_subclass(_torch().Tensor).to(device)
+        return t
+
+    def get(self, key: KeyLike, *, device: Any = None) -> Any:
+        """The block under ``key`` as a read-only-by-contract ``torch.Tensor`` view
+        of shared memory (no copy), pinned while it (or anything made from it)
+        lives; usable as ``with kc.get(k) as t``. With ``device="cuda"`` the block
+        is copied to the device and the pin dropped at once. Raises ``NotFound``."""
+        block = self._check().get(*key_parts(key))
+        if block is None:
+            raise NotFound(f"no block with key {key!r}")
+        return self._tensor_of(block, device)
+
+    def get_numpy(self, key: KeyLike) -> Any:
+        """The block as a read-only numpy array view (no copy); the array holds the
+        pin. bfloat16/float8 blocks need torch (``get``). Raises ``NotFound``."""
+        block = self._check().get(*key_parts(key))
+        if block is None:
+            raise NotFound(f"no block with key {key!r}")
+        numpy_dtype(block.dtype_code)  # TypeError naming torch, before exporting
+        return numpy_from_dlpack(block.buffer(), block.dtype_code, tuple(block.shape))
+
+    def get_many(self, keys: Sequence[KeyLike], *, device: Any = None) -> List[Any]:
+        """``get`` of many keys in one batch; ``None`` for each missing key."""
+        blocks = self._check().get_many([key_parts(k) for k in keys])
+        return [None if b is None else self._tensor_of(b, device) for b in blocks]
+
+    def lookup(self, keys: Sequence[KeyLike]) -> int:
+        """How many leading keys of ``keys`` are present (a prefix hash chain)."""
+        return self._check().lookup([key_parts(k) for k in keys])
+
+    def contains(self, key: KeyLike) -> bool:
+        return self.lookup([key]) == 1
+
+    def __contains__(self, key: KeyLike) -> bool:
+        return self.contains(key)
+
+    def delete(self, key: KeyLike) -> bool:
+        """Unlinks ``key``; returns whether it was present. Live views of it stay
+        valid; its memory is freed when the last goes."""
+        return self._check().delete(*key_parts(key))
+
+    def stats(self) -> dict:
+        """The daemon's counters: blocks, bytes_used/free/total, pins, reserved,
+        clients_connected, evictions, rejected_frames, ops_per_s, …"""
+        import json
+
+        return json.loads(self._check().stats_json())
+
+    # -- CUDA --------------------------------------------------------------
+    def register_cuda(self) -> None:
+        """Registers the whole shared-memory region with CUDA (``cudaHostRegister``
+        through torch) so device<->shm copies run as pinned-memory DMA."""
+        torch = _torch()
+        if not torch.cuda.is_available():
+            raise KacheDBError("register_cuda() needs a CUDA device; torch.cuda.is_available() is False")
+        addr, nbytes = self._check().region_span()
+        err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0)
+        if int(err) != 0:
+            raise KacheDBError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
+
+    def __repr__(self) -> str:
+        return f"<kachedb.Client socket={self.socket!r} closed={self.closed}>"

@@ -1,0 +1,39 @@
+"""Packaging: the public names, py.typed, and .pyi stubs that match the native module."""
+
+import ast
+import pathlib
+
+import kachedb
+from kachedb import _kachedb_rust as rust
+
+PKG = pathlib.Path(kachedb.__file__).parent
+
+
+def test_public_names():
+    for name in kachedb.__all__:
+        assert hasattr(kachedb, name), name
+    assert kachedb.__version__ == rust.__version__
+
+
+def test_py_typed():
+    assert (PKG / "py.typed").exists()
+
+
+def test_stubs_match_native_module():
+    tree = ast.parse((PKG / "_kachedb_rust.pyi").read_text())
+    stubbed = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            stubbed.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            stubbed.add(node.target.id)
+    native = {n for n in dir(rust) if not (n.startswith("__") and n != "__version__")}
+    assert native == stubbed
+    # and the methods of DLPackBuffer
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DLPackBuffer")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    for m in methods:
+        assert hasattr(rust.DLPackBuffer, m), m
+    public = {n for n in dir(rust.DLPackBuffer) if not n.startswith("_")}
+    public |= {"__dlpack__", "__dlpack_device__", "__len__"}
+    assert public <= methods
