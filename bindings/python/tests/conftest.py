@@ -25,3 +25,85 @@ def no_leak():
     before = live_buffers()
     yield
     assert live_buffers() == before, "a test buffer outlived every view of it"
+
+
+# --- daemons ---------------------------------------------------------------------
+
+from kdb_support import Daemon, poll_until, stats_of  # noqa: E402
+
+#: Seconds any one test may run; a hang (e.g. inside native code, where a
+#: signal cannot interrupt it) fails the run instead of blocking CI.
+DEFAULT_TIMEOUT = 120
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(DEFAULT_TIMEOUT, method="thread"))
+
+
+@pytest.fixture(scope="module")
+def daemon(request):
+    """A private daemon for the test module (``DAEMON_SIZE`` in the module sets
+    its megaslab, default 64 MiB), stopped afterwards even if tests failed; the
+    teardown fails if it left its socket behind or did not stop cleanly."""
+    d = Daemon(getattr(request.module, "DAEMON_SIZE", "64MiB"))
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def make_daemon():
+    """Starts fresh daemons for one test: ``make_daemon("8MiB")``; all stopped
+    (and checked) at the end of the test."""
+    started = []
+
+    def make(size="64MiB", *extra):
+        d = Daemon(size, *extra)
+        started.append(d)
+        return d
+
+    yield make
+    errors = []
+    for d in started:
+        try:
+            d.stop()
+        except AssertionError as e:
+            errors.append(str(e))
+    assert not errors, errors
+
+
+def assert_no_pins(socket, timeout=10.0):
+    """Waits (collecting garbage) until the daemon holds no pins nor reservations."""
+    last = {}
+
+    def clean():
+        last.update(stats_of(socket))
+        return last["pins"] == 0 and last["reserved"] == 0
+
+    try:
+        poll_until(clean, timeout, "pins and reservations to drop to 0")
+    except AssertionError:
+        raise AssertionError(f"pins={last.get('pins')} reserved={last.get('reserved')} after the test") from None
+
+
+@pytest.fixture
+def kc(daemon):
+    """A client of the module's daemon; the test fails if it leaves pins or
+    reservations behind."""
+    c = daemon.connect()
+    yield c
+    c.close()
+    del c
+    assert_no_pins(daemon.socket)
+
+
+@pytest.fixture(scope="module")
+def module_kc(daemon):
+    """One client for a whole module (for hypothesis tests, which cannot use
+    function-scoped fixtures)."""
+    c = daemon.connect()
+    yield c
+    c.close()

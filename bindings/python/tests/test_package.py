@@ -37,3 +37,30 @@ def test_stubs_match_native_module():
     public = {n for n in dir(rust.DLPackBuffer) if not n.startswith("_")}
     public |= {"__dlpack__", "__dlpack_device__", "__len__"}
     assert public <= methods
+
+
+def test_stubbed_classes_match_native_classes():
+    """Every class in the stubs lists exactly the native class's public members."""
+    tree = ast.parse((PKG / "_kachedb_rust.pyi").read_text())
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert {c.name for c in classes} >= {"DLPackBuffer", "NativeClient", "NativeBlock", "NativeReservation"}
+    for cls in classes:
+        native = getattr(rust, cls.name)
+        stubbed = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+        public = {n for n in dir(native) if not n.startswith("_")}
+        dunders = {n for n in stubbed if n.startswith("__")}
+        assert public == stubbed - dunders, cls.name
+        for m in dunders:
+            assert hasattr(native, m), (cls.name, m)
+
+
+def test_stubbed_function_signatures_match():
+    """Module-level functions: the stub's parameter names are the native ones."""
+    import inspect
+
+    tree = ast.parse((PKG / "_kachedb_rust.pyi").read_text())
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+        native = getattr(rust, fn.name)
+        want = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+        got = list(inspect.signature(native).parameters)
+        assert got == want, fn.name

@@ -80,7 +80,7 @@ fn status_error(status: Status, len: u64) -> ClientError {
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
 /// How to connect.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct ConnectOptions {
     /// Control socket; `None` = the default for `instance` (honours `KACHEDB_SOCKET`).
     pub socket: Option<PathBuf>,
@@ -88,12 +88,6 @@ pub struct ConnectOptions {
     pub instance: u32,
     /// How to wait for completions.
     pub wait: SpinThenPark,
-}
-
-impl Default for ConnectOptions {
-    fn default() -> Self {
-        Self { socket: None, instance: 0, wait: SpinThenPark::default() }
-    }
 }
 
 impl ConnectOptions {
@@ -476,6 +470,10 @@ impl Inner {
     fn call_raw(&self, frames: &[TensorBlockDescriptor]) -> Result<Vec<TensorBlockDescriptor>> {
         let mut io = self.lock()?;
         let out = self.exchange(&mut io, frames, true);
+        if matches!(out, Err(ClientError::Protocol(_) | ClientError::Disconnected(_))) {
+            // Frames may still be in flight: the channel is out of step for good.
+            self.closed.store(true, Ordering::Release);
+        }
         self.flush_releases(&mut io);
         drop(io);
         self.after_unlock();
@@ -508,8 +506,17 @@ impl Inner {
                     self.region.doorbell().notify();
                 }
             }
-            // Wait for at least one completion.
             let want = (sent - received).min(buf.len());
+            if want == 0 {
+                // Nothing in flight yet the ring had no room: only a daemon that
+                // stopped consuming does that. Check it is alive, then retry.
+                if let Tick::Stop(e) = self.liveness() {
+                    return Err(e);
+                }
+                std::thread::yield_now();
+                continue;
+            }
+            // Wait for at least one completion.
             let comp = &mut io.comp;
             let got = self.wait.wait(
                 // The completion ring's line-0 cell: the daemon notifies it.

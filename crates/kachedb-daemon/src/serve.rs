@@ -217,6 +217,7 @@ impl Daemon {
         let mut req = [TensorBlockDescriptor::default(); BATCH];
         let mut out: Vec<TensorBlockDescriptor> = Vec::with_capacity(BATCH);
         let mut idle_since: Option<Instant> = None;
+        let mut loops: u64 = 0;
         let mut rate = RateWindow::default();
         let doorbell_region = self.region.clone();
         let doorbell = doorbell_region.doorbell();
@@ -244,7 +245,10 @@ impl Daemon {
                     }
                 }
             }
-            rate.tick(counters.ops);
+            loops = loops.wrapping_add(1);
+            if loops % 1024 == 0 || !did_work {
+                rate.tick(counters.ops);
+            }
             if did_work {
                 idle_since = None;
                 continue;

@@ -48,10 +48,9 @@ impl<T: Copy> SlotCell<T> {
     #[inline(always)]
     pub(crate) unsafe fn write(&self, value: T) {
         #[cfg(not(loom))]
-        // SAFETY: exclusive access is the caller's contract; volatile because the
-        // memory is shared with another process the compiler cannot see.
+        // SAFETY: exclusive access is the caller's contract.
         unsafe {
-            core::ptr::write_volatile(self.0.get(), value)
+            self.0.get().write(value)
         };
         #[cfg(loom)]
         // SAFETY: exclusive access is the caller's contract (loom checks it).

@@ -1,0 +1,218 @@
+"""Test support: private daemons on temporary sockets, stats polling, and the
+functions that child processes run (they must be importable by name, so that
+``multiprocessing``'s ``spawn`` context can find them; keep this module light:
+torch is imported only inside the functions that need it)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, List, Optional
+
+import kachedb
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # If the test process dies (a hard timeout, a crash), its daemons follow it
+    # instead of lingering with a socket in /tmp.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except Exception:
+        pass
+
+
+class Daemon:
+    """A `python -m kachedb serve` process on a private temporary socket."""
+
+    def __init__(self, size: str = "64MiB", *extra: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kdbt-", dir="/tmp")
+        self.socket = os.path.join(self.dir, "d.sock")
+        self.log_path = os.path.join(self.dir, "daemon.log")
+        self.size = size
+        log = open(self.log_path, "wb")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kachedb", "serve", "--socket", self.socket, "--size", size, *extra],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            log.close()
+        self._wait_ready(30.0)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-4000:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the test daemon exited with {self.proc.returncode}:\n{self.log()}")
+            if os.path.exists(self.socket):
+                try:
+                    kachedb._kachedb_rust.NativeClient.connect(self.socket)
+                    return
+                except kachedb.Disconnected:
+                    pass
+            time.sleep(0.01)
+        self.stop(check=False)
+        raise RuntimeError(f"the test daemon did not come up within {timeout} s:\n{self.log()}")
+
+    def connect(self) -> kachedb.Client:
+        return kachedb.connect(self.socket)
+
+    def stop(self, check: bool = True) -> None:
+        """SIGTERM, then SIGKILL after 15 s. With ``check``: the daemon must have
+        stopped cleanly (exit 0 on SIGTERM) and removed its socket and lock file."""
+        problems: List[str] = []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                problems.append("the daemon ignored SIGTERM for 15 s and was killed")
+                self.proc.kill()
+                self.proc.wait()
+        elif check:
+            problems.append(f"the daemon died during the tests (exit code {self.proc.returncode})")
+        if self.proc.returncode != 0 and not problems:
+            problems.append(f"the daemon exited with code {self.proc.returncode} on SIGTERM")
+        for leftover in (self.socket, self.socket + ".lock"):
+            if os.path.exists(leftover):
+                problems.append(f"{leftover} was left behind")
+        log = self.log()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if check and problems:
+            raise AssertionError("; ".join(problems) + "\n--- daemon log ---\n" + log)
+
+
+def poll_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Waits until ``pred()`` (running a full gc between polls) or fails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        if pred():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def stats_of(socket: str) -> dict:
+    """The daemon's stats through the CLI code path (a control-socket request
+    that takes no channel)."""
+    with kachedb.connect(socket) as c:
+        return c.stats()
+
+
+# --- what child processes run ------------------------------------------------------
+
+
+def pattern(n: int, seed: int) -> bytes:
+    """Deterministic bytes both sides can recompute."""
+    import hashlib
+
+    out = bytearray()
+    i = 0
+    while len(out) < n:
+        out += hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=64).digest()
+        i += 1
+    return bytes(out[:n])
+
+
+def child_get_and_check(socket: str, key: str, expect_dtype: str, expect_shape: tuple, seed: int, nbytes: int) -> str:
+    """Spawned child: gets ``key`` as a torch tensor; returns "ok" or what differed."""
+    import torch
+
+    with kachedb.connect(socket) as kc:
+        t = kc.get(key)
+        if str(t.dtype) != expect_dtype:
+            return f"dtype {t.dtype} != {expect_dtype}"
+        if tuple(t.shape) != tuple(expect_shape):
+            return f"shape {tuple(t.shape)} != {expect_shape}"
+        got = bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        if got != pattern(nbytes, seed):
+            return "bytes differ"
+        del t
+    return "ok"
+
+
+def child_put(socket: str, key: str, dtype: str, shape: tuple, seed: int, use_reserve: bool) -> str:
+    """Spawned child: puts ``pattern`` bytes as a torch tensor of ``dtype``/``shape``."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    n = dt.itemsize
+    for d in shape:
+        n *= d
+    src = torch.frombuffer(bytearray(pattern(n, seed)), dtype=torch.uint8).view(dt).reshape(shape)
+    with kachedb.connect(socket) as kc:
+        if use_reserve:
+            with kc.reserve(key, shape, dt) as out:
+                out.copy_(src)
+        else:
+            kc.put(key, src)
+    return "ok"
+
+
+def child_hold_pin(socket: str, key: str, conn: Any, how: str) -> None:
+    """Spawned child: pins ``key`` (numpy view, no torch), tells the parent, then
+    exits as told: "return" (normal exit), "os_exit" (os._exit), "wait" (until
+    killed)."""
+    kc = kachedb.connect(socket)
+    a = kc.get_numpy(key)
+    conn.send(("pinned", int(a.sum())))
+    if how == "os_exit":
+        os._exit(0)
+    if how == "wait":
+        conn.recv()  # never answered: the parent SIGKILLs us
+    del a
+
+
+def child_forked_uses_inherited(kc: kachedb.Client, key: str, view: Any, conn: Any) -> None:
+    """Forked child: every op on the inherited client must raise Disconnected; an
+    inherited view stays readable; dropping it must not touch the parent's rings."""
+    results = {}
+    for name, op in [
+        ("get", lambda: kc.get(key)),
+        ("put", lambda: kc.put("forked-child", b"x" * 10)),
+        ("lookup", lambda: kc.lookup([key])),
+        ("stats", lambda: kc.stats()),
+        ("native_get", lambda: kc._native.get(*kachedb._keys.key_parts(key))),
+        ("ping", lambda: kc.ping()),
+    ]:
+        try:
+            op()
+            results[name] = "no error"
+        except kachedb.Disconnected as e:
+            results[name] = "Disconnected: " + str(e)
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            results[name] = f"{type(e).__name__}: {e}"
+    results["view_sum"] = int(view.sum())
+    del view
+    gc.collect()
+    try:
+        with kachedb.connect(kc.socket) as fresh:
+            fresh.put("forked-child", b"hello from the child")
+            results["fresh"] = bytes(fresh.get_numpy("forked-child").tobytes()).decode()
+    except BaseException as e:  # noqa: BLE001
+        results["fresh"] = f"{type(e).__name__}: {e}"
+    conn.send(json.dumps(results))
+    conn.close()
