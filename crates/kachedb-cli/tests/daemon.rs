@@ -13,7 +13,7 @@
 //! hashes compared across processes.
 
 use kachedb_client::{BlockView, Client, ClientError, ConnectOptions, DType, Key, Shape};
-use kachedb_shm::{Op, Status, TensorBlockDescriptor};
+use kachedb_shm::{Op, SpinThenPark, Status, TensorBlockDescriptor};
 use serde_json::Value;
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -1438,7 +1438,9 @@ fn startup_refusals_and_stale_socket_reclaim() {
 // ---------------------------------------------------------------------------
 
 /// A client blocked in an op when the daemon dies gets `Disconnected` within
-/// 1 s, and so does its next op; dropping a view of a dead daemon does not hang.
+/// 1 s (with the default wait policy and with a spin-only one), and so does its
+/// next op; dropping views and reservations of a dead
+/// daemon takes no time (41 views + 1 reservation within 1 s).
 #[test]
 fn client_blocked_when_daemon_dies_gets_disconnected() {
     let dir = TempDir::new("death");
@@ -1447,23 +1449,54 @@ fn client_blocked_when_daemon_dies_gets_disconnected() {
     let key = Key::from_str("death/k");
     kc.put(key, &[1, 2, 3]).expect("put");
     let view = kc.get(key).expect("get").expect("present");
+    // More live pins and a reservation: dropping them after the daemon died must not
+    // wait on the dead daemon one by one.
+    let more: Vec<Key> = (0..40).map(|i| Key::from_str(&format!("death/more/{i}"))).collect();
+    for k in &more {
+        kc.put(*k, &[7; 100]).expect("put");
+    }
+    let views: Vec<BlockView> = more.iter().map(|k| kc.get(*k).expect("get").expect("present")).collect();
+    let resv = kc.reserve(Key::from_str("death/r"), DType::U8, &Shape::for_bytes(4096).expect("shape"), 0).expect("reserve");
     // Freeze the daemon so the next op blocks, then kill it.
+    // Two blocked clients: the default wait policy (spin, then park), and one that
+    // never parks (`SpinThenPark::spin_only`, a public option).
+    let spinner = Arc::new(
+        Client::connect(&ConnectOptions { wait: SpinThenPark::spin_only(), ..daemon.opts() }).expect("connect spin-only"),
+    );
+    spinner.ping().expect("ping");
     daemon.signal(rustix::process::Signal::STOP);
     let killed_at: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
-    let (kc2, killed2) = (kc.clone(), killed_at.clone());
-    let blocked = std::thread::spawn(move || {
-        let r = kc2.lookup(&[key]);
-        let after_kill = killed2.lock().expect("lock").map(|t| t.elapsed());
-        (r, after_kill)
-    });
+    let blocked: Vec<_> = [kc.clone(), spinner.clone()]
+        .into_iter()
+        .map(|c| {
+            let killed = killed_at.clone();
+            std::thread::spawn(move || {
+                let r = c.lookup(&[key]);
+                let after_kill = killed.lock().expect("lock").map(|t| t.elapsed());
+                (r, after_kill)
+            })
+        })
+        .collect();
     std::thread::sleep(Duration::from_millis(300));
-    assert!(!blocked.is_finished(), "the op completed although the daemon is stopped");
+    assert!(blocked.iter().all(|t| !t.is_finished()), "an op completed although the daemon is stopped");
     *killed_at.lock().expect("lock") = Some(Instant::now());
     daemon.signal(rustix::process::Signal::KILL);
-    let (r, after_kill) = blocked.join().expect("join");
-    let after_kill = after_kill.expect("returned after the kill");
-    assert!(matches!(r, Err(ClientError::Disconnected(_))), "blocked op: {r:?}");
-    assert!(after_kill < Duration::from_secs(1), "Disconnected took {after_kill:?}");
+    let mut after_kills = Vec::new();
+    for (t, policy) in blocked.into_iter().zip(["default", "spin-only"]) {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while !t.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // A hung thread is left behind (the process exits at the end of the run).
+        assert!(t.is_finished(), "{policy} client still blocked 3 s after the daemon was killed");
+        let (r, after_kill) = t.join().expect("join");
+        let after_kill = after_kill.expect("returned after the kill");
+        assert!(matches!(r, Err(ClientError::Disconnected(_))), "{policy} client's blocked op: {r:?}");
+        assert!(after_kill < Duration::from_secs(1), "{policy} client: Disconnected took {after_kill:?}");
+        after_kills.push(after_kill);
+    }
+    let after_kill = after_kills[0];
+    let spin_after_kill = after_kills[1];
     daemon.wait_exit(Duration::from_secs(10)).expect("the daemon died");
     let t = Instant::now();
     let r = kc.get(key);
@@ -1473,9 +1506,11 @@ fn client_blocked_when_daemon_dies_gets_disconnected() {
     let t = Instant::now();
     assert_eq!(&*view, &[1, 2, 3], "a view's mapping outlives the daemon");
     drop(view);
-    let drop_view = t.elapsed();
-    assert!(drop_view < Duration::from_secs(1), "dropping a view took {drop_view:?}");
-    eprintln!("daemon death: blocked op Disconnected {after_kill:.2?} after SIGKILL; next op {next_op:.2?}; view drop {drop_view:.2?}");
+    drop(views);
+    drop(resv);
+    let drop_views = t.elapsed();
+    assert!(drop_views < Duration::from_secs(1), "dropping 41 views and a reservation took {drop_views:?}");
+    eprintln!("daemon death: blocked op Disconnected {after_kill:.2?} after SIGKILL (spin-only client {spin_after_kill:.2?}); next op {next_op:.2?}; 41 views + 1 reservation dropped in {drop_views:.2?}");
 }
 
 /// SIGTERM: the daemon exits 0 and removes its socket (and lock), even with a

@@ -30,7 +30,10 @@ use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// While spinning for a completion, how often to check that the daemon lives.
+const LIVENESS_EVERY: Duration = Duration::from_millis(10);
 
 /// Why an operation failed. Messages say what to do.
 #[derive(Debug, thiserror::Error)]
@@ -116,6 +119,12 @@ struct Inner {
     /// The control connection; its EOF tells the daemon we are gone. Taken out
     /// (closed) by `forget_after_fork` in a forked child.
     stream: Mutex<Option<UnixStream>>,
+    /// Set once the daemon is known to be gone (its end of the connection hung
+    /// up, or it closed the channel): it has dropped this client's pins and
+    /// reservations, so nothing more is sent (a release of a view dropped after
+    /// that would otherwise wait out a park timeout on a dead daemon, and could
+    /// land in the channel after the daemon recycled it).
+    gone: AtomicBool,
     wait: SpinThenPark,
     channel: u32,
     socket_path: PathBuf,
@@ -220,6 +229,7 @@ impl Client {
             closed: AtomicBool::new(false),
             forked: AtomicBool::new(false),
             stream: Mutex::new(Some(stream)),
+            gone: AtomicBool::new(false),
             wait: opts.wait,
             channel,
             socket_path: path,
@@ -486,6 +496,9 @@ impl Inner {
         if self.forked.load(Ordering::Acquire) {
             return Err(ClientError::Disconnected("this client was inherited through fork(): connect again in this process".into()));
         }
+        if self.gone.load(Ordering::Acquire) {
+            return Err(self.gone_error());
+        }
         let mut out = Vec::with_capacity(if keep { frames.len() } else { 0 });
         let mut sent = 0usize;
         let mut received = 0usize;
@@ -518,15 +531,38 @@ impl Inner {
             }
             // Wait for at least one completion.
             let comp = &mut io.comp;
+            // `tick` (the liveness check) runs only after a park; a policy that
+            // spins for long (`SpinThenPark::spin_only`) may never park, so
+            // polling also checks liveness every LIVENESS_EVERY of waiting.
+            let mut polls: u32 = 0;
+            let mut last_check: Option<Instant> = None;
+            let mut dead = None;
             let got = self.wait.wait(
                 // The completion ring's line-0 cell: the daemon notifies it.
                 self.region.completion_wait_cell(self.channel).ok_or_else(|| ClientError::Protocol("channel outside the region".into()))?,
-                || match comp.pop_batch(&mut buf[..want]) {
-                    Ok(0) => None,
-                    other => Some(other),
+                || {
+                    match comp.pop_batch(&mut buf[..want]) {
+                        Ok(0) => {}
+                        other => return Some(other),
+                    }
+                    polls = polls.wrapping_add(1);
+                    if polls & 1023 == 0 {
+                        let now = Instant::now();
+                        if now.duration_since(*last_check.get_or_insert(now)) >= LIVENESS_EVERY {
+                            last_check = Some(now);
+                            if let Tick::Stop(e) = self.liveness() {
+                                dead = Some(e);
+                                return Some(Ok(0));
+                            }
+                        }
+                    }
+                    None
                 },
                 || self.liveness(),
             )?;
+            if let Some(e) = dead {
+                return Err(e);
+            }
             let got = got.map_err(|e| self.ring_err(e))?;
             for d in &buf[..got] {
                 let expect = first_id.wrapping_add(received as u32);
@@ -545,9 +581,16 @@ impl Inner {
         Ok(out)
     }
 
+    fn gone_error(&self) -> ClientError {
+        ClientError::Disconnected(format!("the daemon at {} went away: restart it and connect again", self.socket_path.display()))
+    }
+
     fn ring_err(&self, e: RingError) -> ClientError {
         match e {
-            RingError::Closed => ClientError::Disconnected("the daemon closed this channel (it is shutting down)".into()),
+            RingError::Closed => {
+                self.gone.store(true, Ordering::Release);
+                ClientError::Disconnected("the daemon closed this channel (it is shutting down)".into())
+            }
             RingError::Corrupt { .. } => ClientError::Disconnected(format!("channel corrupt: {e}")),
         }
     }
@@ -568,10 +611,8 @@ impl Inner {
             Ok(n) if n > 0 => {
                 // Readable or hung up: the daemon never sends unprompted, so this
                 // is EOF (or an error): it is gone.
-                Tick::Stop(ClientError::Disconnected(format!(
-                    "the daemon at {} went away: restart it and connect again",
-                    self.socket_path.display()
-                )))
+                self.gone.store(true, Ordering::Release);
+                Tick::Stop(self.gone_error())
             }
             _ => Tick::Continue,
         }
