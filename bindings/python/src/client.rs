@@ -2,7 +2,7 @@
 //! `kachedb_client` that release the GIL while waiting on the ring and hand
 //! blocks out as DLPack exporters whose owner keeps the pin.
 
-use crate::dlpack::DLPackBuffer;
+use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat};
 use crate::errors::to_py_err;
 use kachedb_client::{BlockView, ClientError, ConnectOptions, DType, Key, Shape};
 use pyo3::prelude::*;
@@ -36,6 +36,98 @@ fn shape(dims: &[u64]) -> PyResult<Shape> {
     Shape::new(dims).ok_or_else(|| {
         to_py_err("InvalidArgument", format!("shape {dims:?}: at most 6 dims, each below 2**32"))
     })
+}
+
+/// The DLPack element type a block is exported as to torch. float8 blocks go
+/// out as `uint8` of the same shape (itemsize 1; DLPack before 1.1 has no
+/// float8, and torch 2.1 reads none): Python views them as their dtype.
+fn dl_dtype(dt: DType) -> DlDtype {
+    const INT: u8 = 0;
+    const UINT: u8 = 1;
+    const FLOAT: u8 = 2;
+    const BFLOAT: u8 = 4;
+    const BOOL: u8 = 6;
+    let (code, bits) = match dt {
+        DType::U8 | DType::F8E4M3FN | DType::F8E5M2 => (UINT, 8),
+        DType::I8 => (INT, 8),
+        DType::I16 => (INT, 16),
+        DType::I32 => (INT, 32),
+        DType::I64 => (INT, 64),
+        DType::F16 => (FLOAT, 16),
+        DType::BF16 => (BFLOAT, 16),
+        DType::F32 => (FLOAT, 32),
+        DType::F64 => (FLOAT, 64),
+        DType::Bool => (BOOL, 8),
+    };
+    DlDtype { code, bits }
+}
+
+/// An exported block: a DLPack capsule and the block's dtype code.
+type Exported<'py> = (Bound<'py, PyAny>, u8);
+
+/// A pinned block as a legacy DLPack capsule of its dtype and shape, whose
+/// deleter releases the pin; with the block's dtype code.
+fn block_capsule(py: Python<'_>, v: BlockView) -> PyResult<Exported<'_>> {
+    let code = v.dtype() as u8;
+    let dt = dl_dtype(v.dtype());
+    let dims: Vec<u64> = v.shape().dims().iter().map(|&d| u64::from(d)).collect();
+    let (len, ptr) = (v.len(), v.as_ptr() as *mut u8);
+    let ptr = NonNull::new(ptr).ok_or_else(|| to_py_err("KacheDBError", "null view".into()))?;
+    // SAFETY: the view is pinned (never evicted, moved or reused) and its mapping
+    // kept alive for as long as it lives; the capsule's owner is the view itself.
+    // Consumers may write through the tensor: readers must not (blocks are
+    // immutable by contract).
+    let cap = unsafe { tensor_capsule(py, ptr, len, dt, &dims, DlOwner::Rust(Box::new(v)), DlpackFormat::Legacy)? };
+    Ok((cap, code))
+}
+
+/// Copies of at least this many bytes are split between threads.
+const PARALLEL_COPY_MIN: usize = 32 << 20;
+/// Each copying thread gets at least this many bytes.
+const PARALLEL_COPY_CHUNK: usize = 16 << 20;
+/// At most this many threads copy one block (a few saturate a socket's memory
+/// bandwidth; torch's own `copy_` is multi-threaded, and a single `memcpy` reaches
+/// about half of it).
+const PARALLEL_COPY_MAX_THREADS: usize = 8;
+
+/// How many threads copy `n` bytes: 1 below [`PARALLEL_COPY_MIN`], else up to one
+/// per [`PARALLEL_COPY_CHUNK`], per available core, and [`PARALLEL_COPY_MAX_THREADS`].
+fn copy_threads(n: usize) -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if n < PARALLEL_COPY_MIN {
+        return 1;
+    }
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |c| c.get()));
+    cores.min(PARALLEL_COPY_MAX_THREADS).min(n / PARALLEL_COPY_CHUNK).max(1)
+}
+
+/// `dst.copy_from_slice(src)`, split into page-aligned chunks that
+/// [`copy_threads`] threads (this one included) take in turn. If a thread cannot
+/// be started, the others copy its share.
+fn parallel_copy(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "parallel_copy of slices of different lengths");
+    let threads = copy_threads(src.len());
+    if threads <= 1 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let chunk = src.len().div_ceil(threads).next_multiple_of(4096);
+    let work = Mutex::new(dst.chunks_mut(chunk).zip(src.chunks(chunk)));
+    let run = || loop {
+        let next = work.lock().unwrap_or_else(std::sync::PoisonError::into_inner).next();
+        match next {
+            Some((d, s)) => d.copy_from_slice(s),
+            None => break,
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            if std::thread::Builder::new().name("kachedb-copy".into()).spawn_scoped(scope, run).is_err() {
+                break;
+            }
+        }
+        run();
+    });
 }
 
 /// A raw readable byte range handed in from Python (a tensor's or array's data).
@@ -104,16 +196,29 @@ impl NativeClient {
         py.allow_threads(|| self.inner.ping()).map_err(client_err)
     }
 
-    /// Copies `nbytes` at `address` into a new block (one copy, GIL released).
+    /// Copies `nbytes` at `address` into a new block (one copy, GIL released;
+    /// blocks of 32 MiB and more are copied by several threads).
     ///
     /// The caller must keep the source object alive and unmodified during the call.
+    #[allow(clippy::too_many_arguments)] // the Python signature
     fn put_raw(&self, py: Python<'_>, lo: u64, hi: u64, code: u8, dims: Vec<u64>, address: usize, nbytes: usize) -> PyResult<()> {
         let (dt, sh) = (dtype(code)?, shape(&dims)?);
         let src = Src { address, nbytes };
         py.allow_threads(|| {
             // SAFETY: the Python caller holds the source for the whole call.
             let bytes = unsafe { src.slice() };
-            self.inner.put_tensor(key(lo, hi), dt, &sh, bytes)
+            if copy_threads(bytes.len()) <= 1 {
+                return self.inner.put_tensor(key(lo, hi), dt, &sh, bytes);
+            }
+            let len = sh.len_bytes(dt).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
+            if len != bytes.len() as u64 {
+                return Err(ClientError::Invalid(format!("shape and dtype make {len} bytes but {} were given", bytes.len())));
+            }
+            // Same page offset as the source, as `put_tensor` asks for.
+            let page_offset = (bytes.as_ptr() as u64 % 4096) & !63;
+            let mut r = self.inner.reserve(key(lo, hi), dt, &sh, page_offset)?;
+            parallel_copy(r.as_mut_slice(), bytes);
+            r.commit()
         })
         .map_err(client_err)
     }
@@ -149,6 +254,23 @@ impl NativeClient {
     fn get(&self, py: Python<'_>, lo: u64, hi: u64) -> PyResult<Option<NativeBlock>> {
         let v = py.allow_threads(|| self.inner.get(key(lo, hi))).map_err(client_err)?;
         Ok(v.map(NativeBlock::new))
+    }
+
+    /// Pins `key` and exports it as a DLPack capsule (legacy `"dltensor"`, as
+    /// torch reads it) of the block's dtype and shape, whose deleter releases the
+    /// pin: `(capsule, dtype_code)`, or `None` if absent. float8 blocks come as
+    /// `uint8` of the same shape (view them as their dtype). The fast path of
+    /// `Client.get`.
+    fn get_dlpack<'py>(&self, py: Python<'py>, lo: u64, hi: u64) -> PyResult<Option<Exported<'py>>> {
+        let v = py.allow_threads(|| self.inner.get(key(lo, hi))).map_err(client_err)?;
+        v.map(|v| block_capsule(py, v)).transpose()
+    }
+
+    /// `get_dlpack` of many keys in one batch.
+    fn get_many_dlpack<'py>(&self, py: Python<'py>, keys: Vec<(u64, u64)>) -> PyResult<Vec<Option<Exported<'py>>>> {
+        let keys: Vec<Key> = keys.iter().map(|&(lo, hi)| key(lo, hi)).collect();
+        let v = py.allow_threads(|| self.inner.get_many(&keys)).map_err(client_err)?;
+        v.into_iter().map(|b| b.map(|v| block_capsule(py, v)).transpose()).collect()
     }
 
     /// Pins many keys in one batch.

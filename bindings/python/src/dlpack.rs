@@ -40,6 +40,27 @@ const KDLUINT: u8 = 1;
 /// `DLPACK_FLAG_BITMASK_READ_ONLY` (DLPack >= 1.0).
 const DLPACK_FLAG_BITMASK_READ_ONLY: u64 = 1 << 0;
 
+/// Most dimensions [`tensor_capsule`] exports (a KacheDB descriptor holds 6).
+pub const MAX_EXPORT_NDIM: usize = 6;
+
+/// A DLPack element type: `DLDataType` with one lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DlDtype {
+    /// `DLDataTypeCode` (`kDLInt` = 0, `kDLUInt` = 1, `kDLFloat` = 2,
+    /// `kDLBfloat` = 4, `kDLBool` = 6, …).
+    pub code: u8,
+    /// Bits per element (a multiple of 8).
+    pub bits: u8,
+}
+
+impl DlDtype {
+    /// `uint8`.
+    pub const U8: DlDtype = DlDtype {
+        code: KDLUINT,
+        bits: 8,
+    };
+}
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct DLDevice {
@@ -270,14 +291,14 @@ unsafe impl ManagedTensor for DLManagedTensorVersioned {
 #[repr(C)]
 struct ManagerCtx<M> {
     managed: M,
-    shape: [i64; 1],
+    shape: [i64; MAX_EXPORT_NDIM],
     owner: DlOwner,
 }
 
 /// The managed tensor's deleter: frees the [`ManagerCtx`] and drops its owner.
 ///
 /// # Safety
-/// `managed` is null, or a pointer produced by [`u8_capsule`] whose tensor has not
+/// `managed` is null, or a pointer produced by [`tensor_capsule`] whose tensor has not
 /// been deleted yet (DLPack: the deleter is called once, by the tensor's one owner).
 unsafe extern "C" fn managed_deleter<M: ManagedTensor>(managed: *mut M) {
     if managed.is_null() {
@@ -353,24 +374,53 @@ pub unsafe fn u8_capsule<'py>(
     format: DlpackFormat,
 ) -> PyResult<Bound<'py, PyAny>> {
     // SAFETY: forwarded contract.
+    unsafe { tensor_capsule(py, data, len, DlDtype::U8, &[len as u64], owner, format) }
+}
+
+/// Wraps the compact (row-major, strides NULL) CPU tensor of element type
+/// `dtype` and shape `shape` at `data` (`len` bytes) in a DLPack capsule, like
+/// [`u8_capsule`] (which is this function with `uint8` and `[len]`).
+///
+/// # Errors
+/// `OverflowError` if `len` or a dimension does not fit an `i64`; `ValueError` if
+/// `shape` has more than [`MAX_EXPORT_NDIM`] dimensions or its elements do not
+/// take exactly `len` bytes; a Python error if the capsule cannot be created.
+/// `owner` has been dropped when an error is returned.
+///
+/// # Safety
+/// As for [`u8_capsule`].
+pub unsafe fn tensor_capsule<'py>(
+    py: Python<'py>,
+    data: NonNull<u8>,
+    len: usize,
+    dtype: DlDtype,
+    shape: &[u64],
+    owner: DlOwner,
+    format: DlpackFormat,
+) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: forwarded contract.
     unsafe {
         match format {
-            DlpackFormat::Legacy => u8_capsule_as::<DLManagedTensor>(py, data, len, owner, false),
-            DlpackFormat::Versioned { read_only } => {
-                u8_capsule_as::<DLManagedTensorVersioned>(py, data, len, owner, read_only)
+            DlpackFormat::Legacy => {
+                capsule_as::<DLManagedTensor>(py, data, len, dtype, shape, owner, false)
             }
+            DlpackFormat::Versioned { read_only } => capsule_as::<DLManagedTensorVersioned>(
+                py, data, len, dtype, shape, owner, read_only,
+            ),
         }
     }
 }
 
-/// [`u8_capsule`] for one managed-tensor layout.
+/// [`tensor_capsule`] for one managed-tensor layout.
 ///
 /// # Safety
 /// As for [`u8_capsule`].
-unsafe fn u8_capsule_as<'py, M: ManagedTensor>(
+unsafe fn capsule_as<'py, M: ManagedTensor>(
     py: Python<'py>,
     data: NonNull<u8>,
     len: usize,
+    dtype: DlDtype,
+    dims: &[u64],
     owner: DlOwner,
     read_only: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
@@ -380,16 +430,39 @@ unsafe fn u8_capsule_as<'py, M: ManagedTensor>(
             i64::MAX
         )));
     };
+    if dims.len() > MAX_EXPORT_NDIM {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "at most {MAX_EXPORT_NDIM} dimensions can be exported, not {}",
+            dims.len()
+        )));
+    }
+    let mut shape = [0i64; MAX_EXPORT_NDIM];
+    let mut elems: u128 = 1;
+    for (slot, &d) in shape.iter_mut().zip(dims) {
+        *slot = i64::try_from(d).map_err(|_| {
+            PyOverflowError::new_err(format!("dimension {d} does not fit a DLPack shape (i64)"))
+        })?;
+        elems = elems.saturating_mul(u128::from(d));
+    }
+    if elems.saturating_mul(u128::from(dtype.bits / 8)) != len_i64 as u128
+        || dtype.bits % 8 != 0
+        || dtype.bits == 0
+    {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "shape {dims:?} of {}-bit elements does not take exactly {len} bytes",
+            dtype.bits
+        )));
+    }
     let dl_tensor = DLTensor {
         data: data.as_ptr().cast(),
         device: DLDevice {
             device_type: KDLCPU,
             device_id: 0,
         },
-        ndim: 1,
+        ndim: dims.len() as i32, // <= MAX_EXPORT_NDIM, checked above
         dtype: DLDataType {
-            code: KDLUINT,
-            bits: 8,
+            code: dtype.code,
+            bits: dtype.bits,
             lanes: 1,
         },
         shape: ptr::null_mut(), // set below, once the allocation has its address
@@ -398,7 +471,7 @@ unsafe fn u8_capsule_as<'py, M: ManagedTensor>(
     };
     let ctx = Box::into_raw(Box::new(ManagerCtx {
         managed: M::new(dl_tensor, read_only),
-        shape: [len_i64],
+        shape,
         owner,
     }));
     // SAFETY: `ctx` comes from Box::into_raw just above: valid, aligned, unaliased.

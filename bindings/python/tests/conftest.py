@@ -29,7 +29,7 @@ def no_leak():
 
 # --- daemons ---------------------------------------------------------------------
 
-from kdb_support import Daemon, poll_until, stats_of  # noqa: E402
+from kdb_support import Daemon, poll_until  # noqa: E402
 
 #: Seconds any one test may run; a hang (e.g. inside native code, where a
 #: signal cannot interrupt it) fails the run instead of blocking CI.
@@ -75,12 +75,12 @@ def make_daemon():
     assert not errors, errors
 
 
-def assert_no_pins(socket, timeout=10.0):
+def assert_no_pins(daemon, timeout=10.0):
     """Waits (collecting garbage) until the daemon holds no pins nor reservations."""
     last = {}
 
     def clean():
-        last.update(stats_of(socket))
+        last.update(daemon.stats())
         return last["pins"] == 0 and last["reserved"] == 0
 
     try:
@@ -97,7 +97,7 @@ def kc(daemon):
     yield c
     c.close()
     del c
-    assert_no_pins(daemon.socket)
+    assert_no_pins(daemon)
 
 
 @pytest.fixture(scope="module")

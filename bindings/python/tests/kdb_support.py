@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 import kachedb
 
@@ -35,7 +35,7 @@ class Daemon:
     """A `python -m kachedb serve` process on a private temporary socket."""
 
     def __init__(self, size: str = "64MiB", *extra: str) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kdbt-", dir="/tmp")
+        self.dir = tempfile.mkdtemp(prefix="kdbpy-", dir="/tmp")
         self.socket = os.path.join(self.dir, "d.sock")
         self.log_path = os.path.join(self.dir, "daemon.log")
         self.size = size
@@ -78,10 +78,20 @@ class Daemon:
     def connect(self) -> kachedb.Client:
         return kachedb.connect(self.socket)
 
+    def stats(self) -> dict:
+        """The daemon's stats, through one observer client kept for the purpose."""
+        if getattr(self, "_observer", None) is None:
+            self._observer = self.connect()
+        return self._observer.stats()
+
     def stop(self, check: bool = True) -> None:
         """SIGTERM, then SIGKILL after 15 s. With ``check``: the daemon must have
         stopped cleanly (exit 0 on SIGTERM) and removed its socket and lock file."""
         problems: List[str] = []
+        observer, self._observer = getattr(self, "_observer", None), None
+        if observer is not None:
+            observer.close()
+            del observer
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -106,6 +116,8 @@ class Daemon:
 def poll_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     """Waits until ``pred()`` (running a full gc between polls) or fails."""
     deadline = time.monotonic() + timeout
+    if pred():
+        return
     while True:
         gc.collect()
         if pred():
@@ -113,13 +125,6 @@ def poll_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
-
-
-def stats_of(socket: str) -> dict:
-    """The daemon's stats through the CLI code path (a control-socket request
-    that takes no channel)."""
-    with kachedb.connect(socket) as c:
-        return c.stats()
 
 
 # --- what child processes run ------------------------------------------------------
@@ -137,6 +142,13 @@ def pattern(n: int, seed: int) -> bytes:
     return bytes(out[:n])
 
 
+def pattern_for(dtype: str, n: int, seed: int) -> bytes:
+    """``pattern``, with bool bytes kept 0/1 (torch canonicalises other bool bytes
+    when copying, as it may)."""
+    b = pattern(n, seed)
+    return bytes(x & 1 for x in b) if dtype in ("bool", "torch.bool") else b
+
+
 def child_get_and_check(socket: str, key: str, expect_dtype: str, expect_shape: tuple, seed: int, nbytes: int) -> str:
     """Spawned child: gets ``key`` as a torch tensor; returns "ok" or what differed."""
     import torch
@@ -148,7 +160,7 @@ def child_get_and_check(socket: str, key: str, expect_dtype: str, expect_shape: 
         if tuple(t.shape) != tuple(expect_shape):
             return f"shape {tuple(t.shape)} != {expect_shape}"
         got = bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        if got != pattern(nbytes, seed):
+        if got != pattern_for(expect_dtype, nbytes, seed):
             return "bytes differ"
         del t
     return "ok"
@@ -162,7 +174,13 @@ def child_put(socket: str, key: str, dtype: str, shape: tuple, seed: int, use_re
     n = dt.itemsize
     for d in shape:
         n *= d
-    src = torch.frombuffer(bytearray(pattern(n, seed)), dtype=torch.uint8).view(dt).reshape(shape)
+    import numpy as np
+
+    if n == 0:
+        src = torch.empty(shape, dtype=dt)
+    else:
+        raw = np.frombuffer(pattern_for(dtype, n, seed), np.uint8).copy()
+        src = torch.from_numpy(raw).view(dt).reshape(shape)
     with kachedb.connect(socket) as kc:
         if use_reserve:
             with kc.reserve(key, shape, dt) as out:
@@ -216,3 +234,15 @@ def child_forked_uses_inherited(kc: kachedb.Client, key: str, view: Any, conn: A
         results["fresh"] = f"{type(e).__name__}: {e}"
     conn.send(json.dumps(results))
     conn.close()
+
+
+def child_lookup(socket: str, key: str) -> int:
+    """Spawned child: ``lookup([key])`` (0 while a reservation is uncommitted)."""
+    with kachedb.connect(socket) as kc:
+        try:
+            kc.get_numpy(key)
+            found = 1
+        except kachedb.NotFound:
+            found = 0
+        assert kc.lookup([key]) == found
+        return found

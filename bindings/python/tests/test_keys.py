@@ -109,3 +109,31 @@ def test_keys_are_in_range():
             assert k == kachedb.key_of(key.encode("utf-8"))
 
     check()
+
+
+def test_key_parts_agrees_with_key_of():
+    """key_parts has fast paths for str/bytes/int: they must give key_of's halves."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = pytest.importorskip("hypothesis.strategies")
+
+    @hypothesis.given(st.one_of(st.binary(), st.text(), st.integers(), st.binary().map(bytearray), st.binary().map(memoryview)))
+    def check(key):
+        k = kachedb.key_of(key)
+        assert key_parts(key) == (k & (2**64 - 1), k >> 64)
+
+    check()
+    for data, want in BYTE_VECTORS:
+        assert key_parts(data) == (want & (2**64 - 1), want >> 64)
+    for value, want in INT_VECTORS:
+        assert key_parts(value) == (want & (2**64 - 1), want >> 64)
+
+
+@pytest.mark.parametrize("bad", [None, 1.5, True, [1, 2], object()])
+def test_key_parts_rejects_what_key_of_rejects(bad):
+    with pytest.raises(TypeError, match="bytes, bytearray, memoryview, str or int"):
+        key_parts(bad)
+
+
+def test_key_parts_of_unencodable_str_is_value_error():
+    with pytest.raises(ValueError, match="UTF-8"):
+        key_parts("\ud800")

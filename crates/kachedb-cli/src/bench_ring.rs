@@ -147,6 +147,10 @@ pub fn run(args: &RingArgs) -> Result<(), BoxError> {
         &CreateOptions { name: "kachedb_bench_ring".into(), layout, headroom_bytes: 0 },
         |_, _| {},
     )?;
+    // Before pinning: afterwards this process may run on one CPU only.
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    // Spinning pairs are very sensitive to other load: say how busy the machine was.
+    let idle_before = idle_percent(Duration::from_millis(500));
     let pin = if args.no_pin { None } else { pin_plan() };
     if let Some((me, _)) = pin {
         pin_to(me)?;
@@ -163,7 +167,8 @@ pub fn run(args: &RingArgs) -> Result<(), BoxError> {
         "pinned": pin.is_some(),
         "parent_cpu": pin.map(|p| p.0),
         "child_cpu": pin.map(|p| p.1),
-        "online_cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "cpus": cpus,
+        "machine_idle_percent_before": idle_before.map(round2),
     }));
 
     // Throughput, interleaved: one run of each configuration per round.
@@ -207,6 +212,22 @@ impl Impl {
             Impl::Naive => "naive",
         }
     }
+}
+
+/// Percent of all CPUs' time spent idle over `window` (from `/proc/stat`).
+fn idle_percent(window: Duration) -> Option<f64> {
+    fn sample() -> Option<(u64, u64)> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let line = stat.lines().next()?.strip_prefix("cpu ")?;
+        let v: Vec<u64> = line.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+        // user nice system idle iowait irq softirq steal
+        let total: u64 = v.iter().take(8).sum();
+        Some((total, v.get(3)? + v.get(4)?))
+    }
+    let (t0, i0) = sample()?;
+    std::thread::sleep(window);
+    let (t1, i1) = sample()?;
+    (t1 > t0).then(|| 100.0 * (i1 - i0) as f64 / (t1 - t0) as f64)
 }
 
 /// The two CPUs to use (parent, child), if this process may run on two.
@@ -819,6 +840,10 @@ impl Output {
                 "kachedb bench ring: 64-byte frames across two processes, ring capacity {} slots, {pin}",
                 v["capacity"]
             );
+            if let Some(idle) = v["machine_idle_percent_before"].as_f64() {
+                let warn = if idle < 90.0 { " (other load: expect low and noisy figures)" } else { "" };
+                println!("machine idle before the run: {idle:.0} %{warn}");
+            }
             println!("throughput: median of {} interleaved runs of {} messages each", v["runs"], v["msgs_per_run"]);
             println!();
             println!("{:<9} {:>6} {:>12} {:>9}   runs (M msg/s)", "impl", "batch", "M msg/s", "ns/msg");
@@ -835,6 +860,7 @@ impl Output {
                     "batch": batch,
                     "msgs_per_s": msgs_per_s.round(),
                     "ns_per_msg": round2(1e9 / msgs_per_s),
+                    "best_msgs_per_s": runs.iter().cloned().fold(0.0, f64::max).round(),
                     "runs_msgs_per_s": runs.iter().map(|r| r.round()).collect::<Vec<_>>(),
                     "msgs_per_run": msgs,
                 })

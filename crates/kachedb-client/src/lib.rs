@@ -173,6 +173,13 @@ fn recv_hello(stream: &UnixStream) -> Result<(serde_json::Value, Option<std::os:
 
 fn connect_stream(path: &PathBuf) -> Result<UnixStream> {
     UnixStream::connect(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            // There is a socket, but its mode keeps us out: another user's daemon.
+            return ClientError::Disconnected(format!(
+                "permission denied connecting to the KacheDB daemon at {} ({e}): it runs as another user; ask its owner to start it with --allow-gid <a group of yours>, or start your own with `kachedb serve --socket <a path of yours>`",
+                path.display()
+            ));
+        }
         ClientError::Disconnected(format!(
             "no KacheDB daemon at {} ({e}): start one with `kachedb serve` (Python: kachedb.connect(start=True))",
             path.display()
@@ -180,12 +187,30 @@ fn connect_stream(path: &PathBuf) -> Result<UnixStream> {
     })
 }
 
+/// After a failed write: a daemon that refuses a peer (another uid) answers
+/// at once and closes, possibly before the peer wrote anything, so the write
+/// fails (EPIPE) while the daemon's reason waits in the receive queue. Returns
+/// that reason, if there is one.
+fn refusal(stream: &UnixStream) -> Option<String> {
+    stream.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).ok()?;
+    let v: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
+    if v.get("ok") != Some(&serde_json::Value::Bool(false)) {
+        return None;
+    }
+    Some(v.get("error").and_then(|e| e.as_str()).unwrap_or("no reason given").to_string())
+}
+
 /// Asks the daemon at `opts` for its stats (JSON), without taking a channel.
 pub fn daemon_stats(opts: &ConnectOptions) -> Result<serde_json::Value> {
     let path = opts.socket_path();
     let stream = connect_stream(&path)?;
     stream.set_read_timeout(Some(Duration::from_secs(10))).ok();
-    (&stream).write_all(b"{\"op\":\"stats\"}\n").map_err(|e| ClientError::Disconnected(e.to_string()))?;
+    (&stream).write_all(b"{\"op\":\"stats\"}\n").map_err(|e| match refusal(&stream) {
+        Some(why) => ClientError::Protocol(format!("\"{why}\"")),
+        None => ClientError::Disconnected(e.to_string()),
+    })?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(|e| ClientError::Disconnected(e.to_string()))?;
     let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| ClientError::Protocol(format!("stats reply is not JSON: {e}")))?;
@@ -201,9 +226,10 @@ impl Client {
         let path = opts.socket_path();
         let stream = connect_stream(&path)?;
         let hello = serde_json::json!({"op": "hello", "version": 1, "pid": std::process::id()});
-        (&stream)
-            .write_all(format!("{hello}\n").as_bytes())
-            .map_err(|e| ClientError::Disconnected(format!("sending hello: {e}")))?;
+        (&stream).write_all(format!("{hello}\n").as_bytes()).map_err(|e| match refusal(&stream) {
+            Some(why) => ClientError::Disconnected(format!("the daemon refused the connection: {why}")),
+            None => ClientError::Disconnected(format!("sending hello: {e}")),
+        })?;
         let (reply, fd) = recv_hello(&stream)?;
         if reply.get("ok") != Some(&serde_json::Value::Bool(true)) {
             let msg = reply.get("error").and_then(|e| e.as_str()).unwrap_or("no reason given");

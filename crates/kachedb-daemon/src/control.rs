@@ -39,27 +39,111 @@ struct Conn {
     /// Channel given to this connection, if it said hello.
     channel: Option<u32>,
     pid: i32,
+    /// The daemon closes this connection for a protocol error (the client
+    /// did not hang up: its process may still write its rings).
+    refused: bool,
 }
 
-/// State shared with the serve loop: free channels.
+/// State shared with the serve loop: free channels, and channels in quarantine.
 #[derive(Debug)]
 pub struct Channels {
     free: Mutex<Vec<u32>>,
+    /// Channels of clients that the daemon disconnected (a corrupt ring, a
+    /// control protocol error) while their process lived on. Such a process
+    /// still maps the region and may keep writing the channel's rings; handed
+    /// to a new client, the channel would carry its garbage into that
+    /// client's requests and completions. So it stays out of the pool until
+    /// that process has exited, or goes back to that same process when it
+    /// connects again (its writes then only hurt itself).
+    quarantine: Mutex<Vec<Quarantined>>,
+}
+
+#[derive(Debug)]
+struct Quarantined {
+    channel: u32,
+    pid: i32,
+    /// Readable once the process has exited; `None` where pidfds are not
+    /// available (then `kill(pid, 0)` tells).
+    pidfd: Option<std::os::fd::OwnedFd>,
+}
+
+impl Quarantined {
+    fn exited(&self) -> bool {
+        match &self.pidfd {
+            Some(fd) => {
+                let mut fds = [PollFd::new(fd, PollFlags::IN)];
+                let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
+                matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+            }
+            None => match rustix::process::Pid::from_raw(self.pid) {
+                Some(p) => rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH),
+                None => true,
+            },
+        }
+    }
 }
 
 impl Channels {
     /// All `count` channels free.
     pub fn new(count: u32) -> Self {
-        Self { free: Mutex::new((0..count).rev().collect()) }
+        Self { free: Mutex::new((0..count).rev().collect()), quarantine: Mutex::new(Vec::new()) }
     }
-    fn take(&self) -> Option<u32> {
+
+    /// A channel for a client of process `pid`: its own quarantined channel if
+    /// it has one, else a free one.
+    fn take(&self, pid: i32) -> Option<u32> {
+        self.release_exited();
+        if let Ok(mut q) = self.quarantine.lock() {
+            if let Some(i) = q.iter().position(|x| x.pid == pid) {
+                return Some(q.swap_remove(i).channel);
+            }
+        }
         self.free.lock().ok()?.pop()
     }
+
     /// Returns a recycled channel to the pool.
     pub fn put_back(&self, ch: u32) {
         if let Ok(mut f) = self.free.lock() {
             f.push(ch);
         }
+    }
+
+    /// Channel `ch` of process `pid`, whose connection the daemon closed:
+    /// kept out of the pool until `pid` exits (see [`Channels`]).
+    pub fn quarantine(&self, ch: u32, pid: i32) {
+        use rustix::process::{pidfd_open, Pid, PidfdFlags};
+        let Some(p) = Pid::from_raw(pid) else {
+            // The peer's pid is not visible here (another pid namespace):
+            // nothing to wait for.
+            return self.put_back(ch);
+        };
+        let pidfd = match pidfd_open(p, PidfdFlags::empty()) {
+            Ok(fd) => Some(fd),
+            Err(rustix::io::Errno::SRCH) => return self.put_back(ch), // already gone
+            Err(_) => None,
+        };
+        if let Ok(mut q) = self.quarantine.lock() {
+            q.push(Quarantined { channel: ch, pid, pidfd });
+        }
+    }
+
+    /// Returns the quarantined channels whose process has exited to the pool.
+    pub fn release_exited(&self) {
+        let Ok(mut q) = self.quarantine.lock() else { return };
+        let mut i = 0;
+        while i < q.len() {
+            if q[i].exited() {
+                let x = q.swap_remove(i);
+                self.put_back(x.channel);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Channels in quarantine.
+    pub fn quarantined(&self) -> usize {
+        self.quarantine.lock().map(|q| q.len()).unwrap_or(0)
     }
 }
 
@@ -113,7 +197,7 @@ pub fn run(
                     let _ = c.stream.shutdown(std::net::Shutdown::Both);
                     if let Some(ch) = c.channel {
                         tracing::info!(channel = ch, pid = c.pid, "client disconnected");
-                        send(Event::Detach { channel: ch });
+                        send(Event::Detach { channel: ch, closed_by_daemon: c.refused });
                     }
                 }
             }
@@ -152,7 +236,7 @@ fn accept_all(listener: &UnixListener, access: &Access, conns: &mut HashMap<i32,
                     continue;
                 }
                 let fd = stream.as_raw_fd();
-                conns.insert(fd, Conn { stream: Arc::new(stream), buf: Vec::new(), channel: None, pid });
+                conns.insert(fd, Conn { stream: Arc::new(stream), buf: Vec::new(), channel: None, pid, refused: false });
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
             Err(e) => {
@@ -196,7 +280,9 @@ fn service(
     false
 }
 
-fn reply_err(c: &Conn, msg: &str) {
+/// Answers an error; the caller then closes the connection.
+fn reply_err(c: &mut Conn, msg: &str) {
+    c.refused = true;
     let v = serde_json::json!({"ok": false, "error": msg});
     let _ = write_line(&c.stream, &v);
 }
@@ -237,8 +323,12 @@ fn handle_line(
                 reply_err(c, &format!("control protocol version {version} is not {CONTROL_VERSION}: upgrade the client or the daemon so they match"));
                 return true;
             }
-            let Some(ch) = channels.take() else {
-                reply_err(c, &format!("all {} channels are in use: start the daemon with more --channels, or close idle clients", region.layout().channel_count));
+            let Some(ch) = channels.take(c.pid) else {
+                let held = match channels.quarantined() {
+                    0 => String::new(),
+                    n => format!(" ({n} held back until the processes of clients disconnected as corrupt exit)"),
+                };
+                reply_err(c, &format!("all {} channels are in use{held}: start the daemon with more --channels, or close idle clients", region.layout().channel_count));
                 return true;
             };
             // The channel's rings were reset when it was recycled; reset again in

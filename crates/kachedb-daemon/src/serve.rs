@@ -56,6 +56,14 @@ pub enum ServeError {
         /// Holder pid text.
         pid: String,
     },
+    /// The socket's directory could let another user replace the socket.
+    #[error("refusing to serve in {dir}: {why}, so another user could replace the socket; give a private directory (yours, mode 0700) with --socket")]
+    UnsafeSocketDir {
+        /// The directory.
+        dir: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The region could not be made.
     #[error(transparent)]
     Region(#[from] RegionError),
@@ -88,6 +96,8 @@ pub enum Event {
     Detach {
         /// Channel.
         channel: u32,
+        /// The daemon closed it (a control protocol error), not the client.
+        closed_by_daemon: bool,
     },
     /// Someone asked for stats.
     Stats(Sender<serde_json::Value>),
@@ -139,6 +149,24 @@ fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error)
     move |source| ServeError::Io { what, path: path.display().to_string(), source }
 }
 
+/// Refuses a socket directory that someone else could swap the socket (or
+/// the lock file) in: one owned by another user (root excepted), or writable
+/// by group or others without the sticky bit (a sticky one such as /tmp lets
+/// nobody remove or rename another user's file).
+fn check_socket_dir(dir: &Path) -> Result<(), ServeError> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(dir).map_err(io_err("checking the socket directory", dir))?;
+    let euid = rustix::process::geteuid().as_raw();
+    let why = if md.uid() != euid && md.uid() != 0 {
+        format!("it belongs to uid {}", md.uid())
+    } else if md.mode() & 0o022 != 0 && md.mode() & 0o1000 == 0 {
+        format!("its mode {:o} lets {} write to it", md.mode() & 0o7777, if md.mode() & 0o002 != 0 { "everyone" } else { "its group" })
+    } else {
+        return Ok(());
+    };
+    Err(ServeError::UnsafeSocketDir { dir: dir.display().to_string(), why })
+}
+
 impl Daemon {
     /// Takes the instance lock, creates the region (calling `progress` while
     /// memory is reserved), binds the control socket and starts its thread.
@@ -149,6 +177,7 @@ impl Daemon {
             if !dir.as_os_str().is_empty() && !dir.exists() {
                 std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_err("creating the socket directory", dir))?;
             }
+            check_socket_dir(if dir.as_os_str().is_empty() { Path::new(".") } else { dir })?;
         }
         let lock_path = PathBuf::from(format!("{}.lock", sock.display()));
         let lock = std::fs::OpenOptions::new()
@@ -312,13 +341,19 @@ impl Daemon {
                 counters.clients_connected += 1;
                 counters.clients_total += 1;
             }
-            Event::Detach { channel } => {
+            Event::Detach { channel, closed_by_daemon } => {
                 if let Some(s) = sessions.get_mut(channel as usize).and_then(Option::take) {
                     self.store.close_session(s.session);
                     counters.clients_connected = counters.clients_connected.saturating_sub(1);
+                    let (kicked, pid) = (s.kicked, s.pid);
                     drop(s);
                     self.region.reset_channel(channel);
-                    self.channels.put_back(channel);
+                    if kicked || closed_by_daemon {
+                        // Its process may still write the rings: not for a new client yet.
+                        self.channels.quarantine(channel, pid);
+                    } else {
+                        self.channels.put_back(channel);
+                    }
                 }
             }
             Event::Stats(reply) => {
@@ -343,6 +378,8 @@ impl Daemon {
             m.insert("daemon_pid".into(), std::process::id().into());
             m.insert("socket".into(), self.cfg.socket_path.display().to_string().into());
             m.insert("invariants_ok".into(), self.store.check_invariants().is_ok().into());
+            self.channels.release_exited();
+            m.insert("channels_quarantined".into(), self.channels.quarantined().into());
         }
         v
     }

@@ -202,7 +202,9 @@ fn os(what: &'static str) -> impl FnOnce(rustix::io::Errno) -> RegionError {
     move |e| RegionError::Os { what, source: e.into() }
 }
 
-/// Memory this process may still fill: `MemAvailable` and the cgroup v2 limit.
+/// Memory this process may still fill: `MemAvailable` and the memory limits of
+/// its cgroup and every ancestor (cgroup v2 `memory.max`, or v1
+/// `memory.limit_in_bytes`), whichever is least. The text names the source.
 pub fn available_memory() -> (u64, String) {
     let mut best = (u64::MAX, String::from("unlimited"));
     if let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") {
@@ -214,22 +216,60 @@ pub fn available_memory() -> (u64, String) {
             best = (kb * 1024, "MemAvailable in /proc/meminfo".into());
         }
     }
-    if let Some(avail) = cgroup_available() {
+    if let Some((avail, file)) = cgroup_available() {
         if avail < best.0 {
-            best = (avail, "the cgroup memory.max limit".into());
+            best = (avail, format!("the cgroup memory limit in {file}"));
         }
     }
     best
 }
 
-fn cgroup_available() -> Option<u64> {
+/// Whether `available_memory`'s source is a cgroup limit.
+fn is_cgroup_source(source: &str) -> bool {
+    source.starts_with("the cgroup")
+}
+
+/// The least room left under the memory limit of this process's cgroup or of
+/// any ancestor, and the limit file that sets it. Both hierarchies count: a
+/// v1 `memory` controller (`N:…memory…:/path`) and v2 (`0::/path`). Without
+/// this check, reserving a region past the limit gets the daemon OOM-killed
+/// (shmem pages are charged to the cgroup) instead of refused with a message.
+fn cgroup_available() -> Option<(u64, String)> {
     let cg = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = cg.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let dir = format!("/sys/fs/cgroup{}", path.trim_end());
-    let max = std::fs::read_to_string(format!("{dir}/memory.max")).ok()?;
-    let max: u64 = max.trim().parse().ok()?; // "max" -> None
-    let cur: u64 = std::fs::read_to_string(format!("{dir}/memory.current")).ok()?.trim().parse().ok()?;
-    Some(max.saturating_sub(cur))
+    let v2_root = if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        "/sys/fs/cgroup"
+    } else {
+        "/sys/fs/cgroup/unified"
+    };
+    let mut best: Option<(u64, String)> = None;
+    for line in cg.lines() {
+        let mut it = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (it.next(), it.next(), it.next()) else { continue };
+        let (root, max_file, cur_file) = if controllers.is_empty() {
+            (v2_root, "memory.max", "memory.current")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+        } else {
+            continue;
+        };
+        let read = |p: &std::path::Path| -> Option<u64> { std::fs::read_to_string(p).ok()?.trim().parse().ok() };
+        // The cgroup's own limit and every ancestor's apply.
+        let root = std::path::Path::new(root);
+        let mut dir = root.join(path.trim().trim_start_matches('/'));
+        loop {
+            // "max" (v2, no limit) does not parse: skipped.
+            if let (Some(max), Some(cur)) = (read(&dir.join(max_file)), read(&dir.join(cur_file))) {
+                let avail = max.saturating_sub(cur);
+                if !matches!(&best, Some((b, _)) if *b <= avail) {
+                    best = Some((avail, dir.join(max_file).display().to_string()));
+                }
+            }
+            if dir == root || !dir.starts_with(root) || !dir.pop() {
+                break;
+            }
+        }
+    }
+    best
 }
 
 /// Options for [`Region::create`].
@@ -267,14 +307,16 @@ impl Region {
         let (avail, source_name) = available_memory();
         let need = layout.region_len.saturating_add(opts.headroom_bytes);
         if need > avail {
+            let fix = format!(
+                "ask for a smaller region (e.g. --size {}MiB) or {}",
+                (avail.saturating_sub(opts.headroom_bytes) / 2) >> 20,
+                if is_cgroup_source(&source_name) { "raise the cgroup's memory limit (e.g. `docker run --memory`)" } else { "free memory" }
+            );
             return Err(RegionError::NotEnoughMemory {
                 need_bytes: layout.region_len,
                 avail_bytes: avail.saturating_sub(opts.headroom_bytes),
                 source_name,
-                fix: format!(
-                    "ask for a smaller region (e.g. --size {}MiB) or free memory",
-                    (avail.saturating_sub(opts.headroom_bytes) / 2) >> 20
-                ),
+                fix,
             });
         }
         let fd = memfd_create(opts.name.as_str(), MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)

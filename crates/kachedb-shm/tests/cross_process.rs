@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 const CHILD_ENV: &str = "KACHEDB_XPROC_CHILD";
 const REGION_ENV: &str = "KACHEDB_XPROC_REGION";
 /// No single test may take longer than this (a hang is a failure, not a stall).
-const DEADLINE: Duration = Duration::from_secs(120);
+const DEADLINE: Duration = Duration::from_secs(300);
 /// The `request_id` of the child's final report frame.
 const REPORT_ID: u32 = 0xC0DE;
 

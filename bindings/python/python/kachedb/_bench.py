@@ -1,0 +1,365 @@
+"""``python -m kachedb bench [py] [--json] [--quick] [--socket PATH]``: the
+Python-side figures.
+
+* ``py_get_rtt``: ``kc.get(key)`` of a small block (4 KiB), p50/p99, beside
+  ``py_get_rtt_native`` (the bare ``NativeClient.get`` underneath) and
+  ``py_ping_rtt`` (an empty round trip): the differences are the Python cost.
+* ``py_get_overhead``: the Python cost alone, without the round trip (hashing
+  the key and turning the exported block into a ``torch.Tensor`` view).
+* ``py_get_view``: ``kc.get`` of 1 MiB .. 2 GiB blocks to a usable tensor (a
+  view: the time should not depend on the size).
+* ``py_put``: ``kc.put`` of a 512 MiB CPU tensor against ``dst.copy_(src)`` into
+  a preallocated, pre-faulted tensor, measured in the same run.
+* ``py_get_many``: batched ``get_many`` of 64 keys, ops/s.
+
+Each figure is the median of several repetitions after a warm-up. A private
+daemon is started for the run unless ``--socket`` names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["main"]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+#: Targets from the issue, shown beside the figures.
+TARGET_RTT_NS = 5_000
+TARGET_VIEW_NS = 20_000
+TARGET_PUT_RATIO = 0.80
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return float(s[n // 2]) if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2.0
+
+
+def _pct(sorted_xs: Sequence[int], p: float) -> int:
+    return int(sorted_xs[min(len(sorted_xs) - 1, int(round((len(sorted_xs) - 1) * p)))])
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def mem_available() -> int:
+    """Bytes this process could still allocate: ``MemAvailable``, capped by the
+    cgroup (v2 or v1) limit minus its usage."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * KiB
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_path) as f:
+                raw = f.read().strip()
+            with open(usage_path) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw != "max" and int(raw) < (1 << 60):
+            avail = min(avail, int(raw) - used)
+        break
+    return max(0, avail)
+
+
+class _Daemon:
+    """A private ``kachedb serve`` for the run, on a temporary socket."""
+
+    def __init__(self, size: int) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kachedb-bench-")
+        self.socket = os.path.join(self.dir, "bench.sock")
+        self.log = os.path.join(self.dir, "daemon.log")
+        argv = [sys.executable, "-m", "kachedb", "serve", "--socket", self.socket, "--size", str(size)]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        from . import _kachedb_rust as native
+        from ._errors import Disconnected
+
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                with open(self.log, "rb") as f:
+                    tail = f.read()[-2000:].decode(errors="replace")
+                self.stop()
+                raise RuntimeError(f"the benchmark's daemon exited with code {self.proc.returncode}:\n{tail}")
+            if os.path.exists(self.socket):
+                try:
+                    native.NativeClient.connect(self.socket)
+                    return
+                except Disconnected:
+                    pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the benchmark's daemon did not come up on {self.socket}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Out:
+    def __init__(self, as_json: bool) -> None:
+        self.json = as_json
+
+    def emit(self, record: Dict[str, Any], human: str) -> None:
+        if self.json:
+            print(json.dumps(record), flush=True)
+        else:
+            print(human, flush=True)
+
+    def note(self, text: str) -> None:
+        if not self.json:
+            print(text, flush=True)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _latency(fn: Callable[[], Any], iters: int, reps: int, warmup: int) -> Tuple[float, float]:
+    """Median over ``reps`` of the p50 and of the p99 of ``iters`` timed calls
+    (the result of each call is dropped outside the timed span)."""
+    clock = time.perf_counter_ns
+    for _ in range(warmup):
+        fn()
+    p50s, p99s = [], []
+    for _ in range(reps):
+        ts: List[int] = [0] * iters
+        for i in range(iters):
+            t0 = clock()
+            r = fn()
+            ts[i] = clock() - t0
+            del r
+        ts.sort()
+        p50s.append(_pct(ts, 0.50))
+        p99s.append(_pct(ts, 0.99))
+    return _median(p50s), _median(p99s)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import kachedb
+    from ._client import _tensor_from_capsule
+    from ._keys import key_parts
+
+    out = _Out(args.json)
+    quick = args.quick
+    reps = 3 if quick else 5
+    rtt_iters = 5_000 if quick else 50_000
+    view_sizes = [1 * MiB, 64 * MiB] if quick else [1 * MiB, 64 * MiB, 512 * MiB, 2 * GiB]
+    put_bytes = 64 * MiB if quick else 512 * MiB
+
+    # What fits: the biggest view block, or two put blocks (a replaced block is
+    # freed at the next commit), plus the put's source and destination tensors
+    # in this process, the daemon's default 512 MiB headroom and a margin.
+    avail = mem_available()
+    skipped: Dict[int, str] = {}
+
+    def need(sizes: List[int], put: int) -> int:
+        slab = max([put * 2] + sizes) + 64 * MiB
+        return slab + 2 * put + 512 * MiB + 256 * MiB
+
+    fitting = list(view_sizes)
+    while fitting and need(fitting, put_bytes) > avail:
+        big = fitting.pop()
+        skipped[big] = f"needs about {need([big], put_bytes) // MiB} MiB of memory, {avail // MiB} MiB available"
+    put_ok = need([], put_bytes) <= avail
+
+    daemon = None
+    if args.socket is None:
+        daemon = _Daemon(max([put_bytes * 2 if put_ok else 0] + fitting) + 64 * MiB)
+        socket = daemon.socket
+    else:
+        socket = args.socket
+    try:
+        kc = kachedb.connect(socket)
+        slab = kc.stats()["bytes_total"]
+        if args.socket is not None:
+            for s in [s for s in fitting if s + 16 * MiB > slab]:
+                fitting.remove(s)
+                skipped[s] = f"larger than the daemon's {slab // MiB} MiB megaslab"
+            put_ok = put_ok and put_bytes * 2 + 16 * MiB <= slab
+        native = kc._native
+        out.note(
+            f"kachedb bench (Python {sys.version.split()[0]}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} torch threads) — medians of {reps} runs after warm-up; "
+            f"daemon {'started for the run' if daemon else 'at ' + socket}, megaslab {_human_bytes(slab)}"
+        )
+
+        # --- round trips -------------------------------------------------------------------
+        key = b"bench/py/small"
+        kc.put(key, torch.zeros(2048, dtype=torch.float16))  # 4 KiB
+        lo, hi = key_parts(key)
+        warm = min(2_000, rtt_iters)
+        p50, p99 = _latency(native.ping, rtt_iters, reps, warm)
+        out.emit({"bench": "py_ping_rtt", "p50_ns": p50, "p99_ns": p99},
+                 f"PING round trip (NativeClient.ping)      p50 {p50:9.0f} ns   p99 {p99:10.0f} ns")
+        p50n, p99n = _latency(lambda: native.get(lo, hi), rtt_iters, reps, warm)
+        out.emit({"bench": "py_get_rtt_native", "call": "NativeClient.get", "bytes": 4096, "p50_ns": p50n, "p99_ns": p99n},
+                 f"GET-hit round trip (NativeClient.get)    p50 {p50n:9.0f} ns   p99 {p99n:10.0f} ns")
+        p50, p99 = _latency(lambda: kc.get(key), rtt_iters, reps, warm)
+        out.emit({"bench": "py_get_rtt", "bytes": 4096, "p50_ns": p50, "p99_ns": p99, "target_p50_ns": TARGET_RTT_NS},
+                 f"GET-hit round trip (kc.get -> tensor)    p50 {p50:9.0f} ns   p99 {p99:10.0f} ns   "
+                 f"target p50 <= {TARGET_RTT_NS} ns: {_met(p50 <= TARGET_RTT_NS)}; Python adds {p50 - p50n:.0f} ns")
+
+        # The Python cost alone: key hashing + capsule -> KVView, on blocks fetched beforehand.
+        batch = 1_000
+        samples: List[float] = []
+        for _ in range(reps * 3):
+            caps = [native.get_dlpack(lo, hi) for _ in range(batch)]
+            t0 = time.perf_counter_ns()
+            views = [_tensor_from_capsule(*c) for c in caps]
+            for _ in range(batch):
+                key_parts(key)
+            t2 = time.perf_counter_ns()
+            samples.append((t2 - t0) / batch)
+            del views, caps
+        over = _median(samples[reps:])  # the first runs are warm-up
+        out.emit({"bench": "py_get_overhead", "mean_ns": over, "what": "key hash + DLPack capsule -> torch view, no round trip"},
+                 f"Python cost of a get, no round trip      mean {over:8.0f} ns   (key hash + capsule -> torch view)")
+
+        # --- get of big blocks as views -----------------------------------------------------
+        view_p50s = []
+        for size in view_sizes:
+            if size in skipped:
+                out.emit({"bench": "py_get_view", "bytes": size, "skipped": skipped[size]},
+                         f"GET {_human_bytes(size):>8} as a torch view      skipped: {skipped[size]}")
+                continue
+            k = f"bench/py/view/{size}"
+            n = size // 2  # bfloat16 elements, laid out as (blocks, 8 heads, 128 dims)
+            with kc.reserve(k, (n // 1024, 8, 128), torch.bfloat16):
+                pass  # the pages are already there (the daemon reserved them at start)
+            iters = 2_000 if quick else 5_000
+            p50, p99 = _latency(lambda: kc.get(k), iters, reps, 200)
+            view_p50s.append(p50)
+            out.emit({"bench": "py_get_view", "bytes": size, "dtype": "bfloat16", "p50_ns": p50, "p99_ns": p99, "target_p50_ns": TARGET_VIEW_NS},
+                     f"GET {_human_bytes(size):>8} as a torch view      p50 {p50:9.0f} ns   p99 {p99:10.0f} ns   "
+                     f"target <= {TARGET_VIEW_NS} ns: {_met(p50 <= TARGET_VIEW_NS)}")
+            kc.delete(k)
+        if len(view_p50s) > 1:
+            out.note(f"  views from {_human_bytes(min(s for s in view_sizes if s not in skipped))} to "
+                     f"{_human_bytes(max(s for s in view_sizes if s not in skipped))}: "
+                     f"p50 {min(view_p50s):.0f}..{max(view_p50s):.0f} ns (flat if close)")
+
+        # --- put against torch's own copy ------------------------------------------------------
+        if not put_ok:
+            reason = f"needs about {need([], put_bytes) // MiB} MiB of memory ({avail // MiB} MiB available) or a larger megaslab"
+            out.emit({"bench": "py_put", "bytes": put_bytes, "skipped": reason}, f"PUT {_human_bytes(put_bytes)}  skipped: {reason}")
+        else:
+            src = torch.arange(put_bytes // 8, dtype=torch.int64).view(torch.uint8)  # varied bytes
+            dst = torch.empty_like(src)
+            dst.fill_(0)  # fault every page in before timing
+            k = "bench/py/put"
+            kc.put(k, src)
+            dst.copy_(src)
+            put_s, copy_s = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter_ns()
+                kc.put(k, src)
+                t1 = time.perf_counter_ns()
+                dst.copy_(src)
+                t2 = time.perf_counter_ns()
+                put_s.append((t1 - t0) / 1e9)
+                copy_s.append((t2 - t1) / 1e9)
+            put_gbps = put_bytes / _median(put_s) / 1e9
+            copy_gbps = put_bytes / _median(copy_s) / 1e9
+            ratio = put_gbps / copy_gbps
+            # The stored block is the source's bytes.
+            got = kc.get(k)
+            if not torch.equal(got[:4096], src[:4096]) or not torch.equal(got[-4096:], src[-4096:]):
+                raise RuntimeError("the benchmark's put stored different bytes")
+            del got
+            kc.delete(k)
+            del src, dst
+            gc.collect()
+            out.emit({"bench": "py_put", "bytes": put_bytes, "gbps": put_gbps, "torch_copy_gbps": copy_gbps, "ratio": ratio,
+                      "torch_threads": torch.get_num_threads(), "target_ratio": TARGET_PUT_RATIO},
+                     f"PUT {_human_bytes(put_bytes)} from a CPU tensor   {put_gbps:6.2f} GB/s vs torch copy_ {copy_gbps:6.2f} GB/s "
+                     f"= {ratio * 100:3.0f} %   target >= {TARGET_PUT_RATIO * 100:.0f} %: {_met(ratio >= TARGET_PUT_RATIO)}")
+
+        # --- batched get_many -----------------------------------------------------------------
+        keys = [f"bench/py/many/{i}" for i in range(64)]
+        kc.put_many(keys, [torch.full((2048,), i, dtype=torch.float16) for i in range(64)])
+        batches = 100 if quick else 500
+        call_rates, cycle_rates = [], []
+        for r in range(reps + 1):
+            t_call = 0
+            t0 = time.perf_counter_ns()
+            for _ in range(batches):
+                a = time.perf_counter_ns()
+                views = kc.get_many(keys)
+                t_call += time.perf_counter_ns() - a
+                del views  # 64 releases
+            t_cycle = time.perf_counter_ns() - t0
+            if r:  # the first is warm-up
+                call_rates.append(64 * batches / (t_call / 1e9))
+                cycle_rates.append(64 * batches / (t_cycle / 1e9))
+        rate, cycle = _median(call_rates), _median(cycle_rates)
+        out.emit({"bench": "py_get_many", "batch": 64, "ops_per_s": rate, "ops_per_s_with_release": cycle},
+                 f"get_many(64) -> tensors                {rate / 1e6:6.3f} M gets/s   "
+                 f"({cycle / 1e6:.3f} M/s counting the views' releases)")
+        kc.close()
+        del kc
+        gc.collect()
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kachedb bench [py]",
+        description="Python-side figures: get round trip, get of big blocks as views, put against torch copy "
+        "bandwidth, batched get_many. (`kachedb bench ring|ops` are the Rust benchmarks.)",
+    )
+    ap.add_argument("--json", action="store_true", help="print one JSON object per line instead of a table")
+    ap.add_argument("--quick", action="store_true", help="a short run: blocks of 1 and 64 MiB, a 64 MiB put, fewer repetitions")
+    ap.add_argument("--socket", default=None, help="use the daemon at this socket instead of starting one")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    try:
+        return run(args)
+    except ImportError as e:
+        print(f"kachedb bench: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not trace back
+        from ._errors import KacheDBError
+
+        if isinstance(e, (KacheDBError, RuntimeError)):
+            print(f"kachedb bench: {e}", file=sys.stderr)
+            return 1
+        raise
