@@ -587,6 +587,8 @@ def wait_for(proc: Any, conn: Any, timeout: float, what: str) -> Dict[str, Any]:
 
 
 def end_process(proc: Any, conn: Any = None, grace: float = 10.0) -> None:
+    """Asks a worker to stop (A serves until told), waits ``grace`` s, then
+    terminates and, if need be, kills it."""
     if conn is not None:
         try:
             conn.send("stop")
@@ -685,7 +687,7 @@ def run(args: argparse.Namespace) -> int:
     daemon_pid = None
     a_info: Dict[str, Any] = {}
     b_info: Dict[str, Any] = {}
-    failed = False
+    failed = completed = False
     try:
         config = model_config(spec)
         layers, kv_heads, head_dim = kv_layout(config)
@@ -716,9 +718,11 @@ def run(args: argparse.Namespace) -> int:
         b.start()
         procs.append((b, b_conn))
         b_info = wait_for(b, b_conn, args.timeout, "process B (cold / kachedb / tcp)")
+        completed = True
     finally:
         for proc, conn in reversed(procs):
-            end_process(proc, conn)
+            # On the way out after an error, a worker busy computing is not waited for.
+            end_process(proc, conn, grace=10.0 if completed else 1.0)
         if kc is not None:
             if kc.started_daemon:
                 try:

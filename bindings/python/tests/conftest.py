@@ -5,9 +5,11 @@ import pytest
 from kachedb import _kachedb_rust as rust
 
 try:
-    from hypothesis import settings
+    from hypothesis import HealthCheck, settings
 
-    settings.register_profile("kachedb", deadline=None, max_examples=100)
+    # No deadlines nor "too slow" health checks: CI machines are shared, and a
+    # loaded one must not turn slowness into failures.
+    settings.register_profile("kachedb", deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow])
     settings.load_profile("kachedb")
 except ImportError:  # pragma: no cover - hypothesis is a test dependency
     pass

@@ -73,7 +73,7 @@ def assert_same_array(got, want: np.ndarray) -> None:
 
 #: 0-D .. 6-D, dims 0..4 (zero-size dims included), at most 4**6 elements.
 shapes = st.integers(0, 6).flatmap(lambda nd: st.tuples(*[st.integers(0, 4)] * nd))
-hyp = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+hyp = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
 # --- torch ----------------------------------------------------------------------------

@@ -185,6 +185,7 @@ def test_bench_against_a_given_socket_and_table_output(daemon):
     assert "GET-hit round trip" in out.stdout and "target" in out.stdout
     # the 16 MiB daemon cannot hold the 64 MiB block nor the 64 MiB put: said, not crashed
     assert "64 MiB as a torch view      skipped: larger than the daemon's 16 MiB megaslab" in out.stdout
+    assert "1 MiB as a torch view      p50" in out.stdout  # but the 1 MiB one fits
     assert "PUT 64 MiB  skipped" in out.stdout
     with daemon.connect() as kc:
         assert kc.stats()["pins"] == 0

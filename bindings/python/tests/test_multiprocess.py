@@ -26,6 +26,9 @@ DAEMON_SIZE = "64MiB"
 
 SPAWN = mp.get_context("spawn")
 
+#: Spawned children import torch: slow on a loaded machine.
+pytestmark = pytest.mark.timeout(300, method="thread")
+
 
 @pytest.fixture(scope="module")
 def pool():
@@ -64,7 +67,7 @@ def test_spawn_child_gets_what_the_parent_put(kc, pool, use_reserve):
         else:
             kc.put(key, src)
         nbytes = src.numel() * src.element_size()
-        got = pool.submit(kdb_support.child_get_and_check, kc.socket, key, str(dtype), shape, i, nbytes).result(60)
+        got = pool.submit(kdb_support.child_get_and_check, kc.socket, key, str(dtype), shape, i, nbytes).result(180)
         assert got == "ok", (dtype, shape, got)
 
 
@@ -73,7 +76,7 @@ def test_parent_gets_what_a_spawn_child_put(kc, pool, use_reserve):
     for i, (dtype, shape) in enumerate(CASES):
         key = f"c2p/{use_reserve}/{i}"
         name = str(dtype).split(".")[1]
-        assert pool.submit(kdb_support.child_put, kc.socket, key, name, shape, 100 + i, use_reserve).result(60) == "ok"
+        assert pool.submit(kdb_support.child_put, kc.socket, key, name, shape, 100 + i, use_reserve).result(180) == "ok"
         got = kc.get(key)
         want = tensor_of(dtype, shape, 100 + i)
         assert got.dtype == dtype and tuple(got.shape) == shape
@@ -83,14 +86,14 @@ def test_parent_gets_what_a_spawn_child_put(kc, pool, use_reserve):
 def test_a_reservation_is_visible_to_other_processes_only_once_committed(kc, pool):
     r = kc.reserve("cross/reserve", (64, 64), torch.float16)
     r.out.fill_(2.0)
-    assert pool.submit(kdb_support.child_lookup, kc.socket, "cross/reserve").result(60) == 0
+    assert pool.submit(kdb_support.child_lookup, kc.socket, "cross/reserve").result(180) == 0
     r.commit()
-    assert pool.submit(kdb_support.child_lookup, kc.socket, "cross/reserve").result(60) == 1
+    assert pool.submit(kdb_support.child_lookup, kc.socket, "cross/reserve").result(180) == 1
     seed = 5
     src = tensor_of(torch.float16, (64, 64), seed)
     with kc.reserve("cross/reserve", (64, 64), torch.float16) as out:
         out.copy_(src)
-    got = pool.submit(kdb_support.child_get_and_check, kc.socket, "cross/reserve", "torch.float16", (64, 64), seed, src.numel() * 2).result(60)
+    got = pool.submit(kdb_support.child_get_and_check, kc.socket, "cross/reserve", "torch.float16", (64, 64), seed, src.numel() * 2).result(180)
     assert got == "ok"
 
 
@@ -104,7 +107,7 @@ def test_forked_child_gets_disconnected_and_parent_keeps_working(kc):
     parent_end, child_end = fork.Pipe()
     p = fork.Process(target=kdb_support.child_forked_uses_inherited, args=(kc, "fork/key", view, child_end))
     p.start()
-    assert parent_end.poll(60), "the forked child did not answer"
+    assert parent_end.poll(180), "the forked child did not answer"
     results = json.loads(parent_end.recv())
     p.join(30)
     assert p.exitcode == 0
@@ -157,7 +160,7 @@ def test_a_childs_pins_die_with_it(kc, how):
     p = SPAWN.Process(target=kdb_support.child_hold_pin, args=(kc.socket, "held-by-child", child_end, "wait" if how == "sigkill" else how))
     p.start()
     try:
-        assert parent_end.poll(60), "the child did not pin the block"
+        assert parent_end.poll(180), "the child did not pin the block"
         assert parent_end.recv() == ("pinned", 45)
         if how == "sigkill":
             s = kc.stats()

@@ -44,7 +44,7 @@ KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 
-TRANSPORTS = ["kachedb", "tcp", "uds", "shm", "torch_mp", "redis", "ray"]
+TRANSPORTS = ["kachedb", "tcp", "uds", "shm", "torch_mp", "ray", "redis"]
 TITLES = {
     "kachedb": "KacheDB",
     "tcp": "TCP loopback",
@@ -173,16 +173,21 @@ class Payload:
 
 
 def digest(tensors: Sequence[Any]) -> int:
-    """A checksum that reads every 4 KiB page of every tensor: the sum of a strided
-    sample of int64 words plus the first and last words, mixed in order."""
+    """A checksum that reads every 4 KiB page of every tensor: per tensor, the sum
+    of a strided sample of int64 words (the first word included) and the last
+    word, combined with position weights so that order matters too."""
     torch = _torch()
-    h = len(tensors)
+    if not tensors:
+        return 0
+    us = [t.reshape(-1).view(torch.int64) for t in tensors]
+    samples = torch.stack([u[::SAMPLE_STRIDE] for u in us])  # copies the samples: reads every page
+    lasts = torch.stack([u[-1] for u in us])
+    w = torch.arange(1, len(us) + 1, dtype=torch.int64)
+    a = int((samples.sum(dim=1) * w).sum())
+    b = int((samples[:, 0] * (3 * w + 1)).sum())
+    c = int((lasts * (7 * w + 5)).sum())
     mask = (1 << 64) - 1
-    for t in tensors:
-        u = t.reshape(-1).view(torch.int64)
-        s = int(u[::SAMPLE_STRIDE].sum())
-        h = ((h * 0x100000001B3) ^ (s & mask) ^ ((int(u[0]) & mask) << 1) ^ (int(u[-1]) & mask)) & mask
-    return h
+    return ((a & mask) * 0x100000001B3 ^ (b & mask) << 1 ^ (c & mask)) & mask
 
 
 def usable(tensors: Sequence[Any], case: Case) -> None:
@@ -905,6 +910,7 @@ class Runner:
         self.results: List[dict] = []
         self.notes: List[str] = []
         self.cases_left = 0
+        self.last_wall: Dict[str, Tuple[float, int]] = {}  # transport -> (wall of one rep, bytes)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t_start
@@ -920,6 +926,21 @@ class Runner:
         self.record({"transport": tname, "bytes": case.nbytes, "count": case.count, "size": case.label,
                      "skipped": why})
         self.log(f"  {TITLES[tname]:<22} {case_title(case):>16}: skipped: {why}")
+
+    def too_slow(self, tname: str, case: Case) -> Optional[str]:
+        """Why ``case`` would end past --time-limit (a warm-up and 3 repetitions,
+        each predicted from this transport's previous size, scaled by bytes)."""
+        if self.over_budget():
+            return f"time limit ({self.args.time_limit:.0f} s) reached"
+        prev = self.last_wall.get(tname)
+        if prev is None:
+            return None
+        wall, total = prev
+        est = 4 * wall * max(1.0, case.total / total)
+        if self.elapsed() + est > self.args.time_limit:
+            return (f"time limit: would need ~{est:.0f} s more, {max(0.0, self.args.time_limit - self.elapsed()):.0f} s "
+                    f"of --time-limit {self.args.time_limit:.0f} s left")
+        return None
 
     def fits(self, case: Case) -> Tuple[bool, str]:
         need = COPIES * case.total + HEADROOM
@@ -939,6 +960,7 @@ class Runner:
         w0 = time.monotonic()
         run_rep(0)
         wall = time.monotonic() - w0
+        self.last_wall[tname] = (wall, case.total)
         if self.args.reps is not None:
             reps = self.args.reps
         else:
@@ -999,6 +1021,10 @@ class Runner:
                 if not ok:
                     self.skip(tname, case, why)
                     continue
+                why = self.too_slow(tname, case)
+                if why:
+                    self.skip(tname, case, why)
+                    continue
                 cons.call("case", case.to_dict())
                 prod.call("case", case.to_dict())
 
@@ -1045,6 +1071,10 @@ class Runner:
                     continue
                 ok, why = self.fits(case)
                 if not ok:
+                    self.skip("ray", case, why)
+                    continue
+                why = self.too_slow("ray", case)
+                if why:
                     self.skip("ray", case, why)
                     continue
                 d = case.to_dict()
@@ -1407,10 +1437,10 @@ def build_parser(prog: str = "kachedb bench compare") -> argparse.ArgumentParser
     p.add_argument("--out", default=None, help="directory for compare_table.md, compare_chart.png and compare_results.jsonl")
     p.add_argument("--doc", default=None, help="Markdown file whose generated block is replaced with the table")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds after which remaining cases are skipped (default 500, quick 150); "
+                   help="seconds after which remaining cases are skipped (default 510, quick 150); "
                         "each size of each transport gets a fair share of what is left")
     p.add_argument("--case-budget", type=float, default=None,
-                   help="seconds per transport and size for the timed repetitions (default 10, quick 6)")
+                   help="seconds per transport and size for the timed repetitions (default 6)")
     return p
 
 
@@ -1425,9 +1455,9 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb bench compare") -> int:
     args = build_parser(prog).parse_args(argv)
     if args.time_limit is None:
-        args.time_limit = 150.0 if args.quick else 500.0
+        args.time_limit = 150.0 if args.quick else 510.0
     if args.case_budget is None:
-        args.case_budget = 6.0 if args.quick else 10.0
+        args.case_budget = 6.0
     try:
         cases = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)).split(",") if s.strip()]
     except ValueError as e:
