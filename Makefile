@@ -5,18 +5,25 @@ PYTHON ?= python3
 CARGO ?= cargo
 PIP := $(PYTHON) -m pip
 # torch comes from PyPI with its CUDA wheels; it imports and runs on CPU.
-PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2"
+PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2" \
+	"transformers>=4.45" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5"
 
-.PHONY: setup build python demo test test-rust test-python test-loom test-miri bench lint
+.PHONY: setup system-deps build python demo test test-rust test-python test-loom test-miri bench lint
 
 ## setup: install the Python tools and build everything (idempotent)
 setup: build python
 
+## system-deps: redis-server for the side-by-side benchmark (Debian package; needs root)
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then echo "== installing redis-server"; (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; \
+	  else echo "== redis-server missing: sudo apt-get install -y redis-server (needed by the compare benchmark test)"; fi; }
+
 build:
 	$(CARGO) build --release --locked -p kachedb-cli
 
-python:
-	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout" 2>/dev/null \
+python: system-deps
+	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout, transformers, ray, redis, matplotlib" 2>/dev/null \
 	  || { echo "== installing Python dependencies (torch is ~5 GB; first time only)"; $(PIP) install -q $(PY_DEPS); }
 	$(PIP) install -q --no-build-isolation ./bindings/python
 

@@ -973,6 +973,10 @@ class Runner:
             cons.append(res["t1"] - res["tc0"])
             hand.append(res["t1"] - res["t0"])
             touch.append(res["touch_s"])
+            if os.environ.get("KACHEDB_COMPARE_DEBUG"):
+                self.log(f"    rep {r}: producer {fmt_time(res['tp'] - res['t0'])}, notify gap "
+                         f"{fmt_time(res['tc0'] - res['tp'])}, consumer {fmt_time(res['t1'] - res['tc0'])}, "
+                         f"handoff {fmt_time(res['t1'] - res['t0'])}")
             if res["digest"] != res["expect"]:
                 verified = False
         row = {"transport": tname, "bytes": case.nbytes, "count": case.count, "size": case.label,
@@ -1326,8 +1330,8 @@ def render_markdown(results: List[dict], cases: List[Case], transports: List[str
     lines.append("")
     lines.append("Detail (medians; `touch` = the consumer's first read of every page afterwards, not in handoff):")
     lines.append("")
-    lines.append("| size | transport | producer | consumer | handoff | × KacheDB | touch | reps | data |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    lines.append("| size | transport | producer | consumer | handoff | × KacheDB | handoff min–max | touch | reps | data |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for c in cases:
         for t in transports:
             r = by.get((t, c.label))
@@ -1337,10 +1341,11 @@ def render_markdown(results: List[dict], cases: List[Case], transports: List[str
                 ratio = r.get("ratio_vs_kachedb")
                 lines.append(f"| {case_title(c)} | {TITLES[t]} | {fmt_time(r['producer_s'])} | {fmt_time(r['consumer_s'])} | "
                              f"{fmt_time(r['handoff_s'])} | {'' if ratio is None else f'{ratio:.2f}'} | "
+                             f"{fmt_time(r['handoff_min_s'])} – {fmt_time(r['handoff_max_s'])} | "
                              f"{fmt_time(r['touch_s'])} | {r['reps']} | {'verified' if r['verified'] else 'MISMATCH'} |")
             else:
                 why = r.get("skipped") or ("failed: " + r.get("error", "?"))
-                lines.append(f"| {case_title(c)} | {TITLES[t]} | | | | | | | {why} |")
+                lines.append(f"| {case_title(c)} | {TITLES[t]} | | | | | | | | {why} |")
     skipped = [case_title(c) for c in cases
                if any(r["size"] == c.label and "MemAvailable" in r.get("skipped", "") for r in results)]
     if skipped:
