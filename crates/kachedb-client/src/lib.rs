@@ -103,7 +103,13 @@ impl ConnectOptions {
 struct Io {
     sub: Producer,
     comp: Consumer,
+    /// Request id of the next frame pushed.
     next_request_id: u32,
+    /// Request id the next completion must carry (completions come in order).
+    next_expected_id: u32,
+    /// Fire-and-forget frames (RELEASEs) pushed but not yet acknowledged;
+    /// their completions come before any later request's and are discarded.
+    unacked: usize,
     frames: Vec<TensorBlockDescriptor>,
 }
 
@@ -250,7 +256,7 @@ impl Client {
             .ok_or_else(|| ClientError::Protocol(format!("channel {channel} is outside the region")))?;
         let inner = Inner {
             region,
-            io: Mutex::new(Io { sub, comp, next_request_id: 1, frames: Vec::new() }),
+            io: Mutex::new(Io { sub, comp, next_request_id: 1, next_expected_id: 1, unacked: 0, frames: Vec::new() }),
             pending_release: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
             forked: AtomicBool::new(false),
@@ -536,7 +542,7 @@ impl Inner {
         }
         io.next_request_id = first_id.wrapping_add(frames.len() as u32);
         let mut buf = [TensorBlockDescriptor::default(); 64];
-        while received < frames.len() {
+        while received < frames.len() || io.unacked > 0 {
             if sent < frames.len() {
                 let Io { sub, frames: fr, .. } = &mut *io;
                 let n = sub.push_batch(&fr[sent..]).map_err(|e| self.ring_err(e))?;
@@ -545,7 +551,7 @@ impl Inner {
                     self.region.doorbell().notify();
                 }
             }
-            let want = (sent - received).min(buf.len());
+            let want = (io.unacked + sent - received).min(buf.len());
             if want == 0 {
                 // Nothing in flight yet the ring had no room: only a daemon that
                 // stopped consuming does that. Check it is alive, then retry.
@@ -591,12 +597,11 @@ impl Inner {
             }
             let got = got.map_err(|e| self.ring_err(e))?;
             for d in &buf[..got] {
-                let expect = first_id.wrapping_add(received as u32);
-                if d.request_id != expect {
-                    return Err(ClientError::Protocol(format!(
-                        "completion for request {} arrived when {expect} was expected",
-                        d.request_id
-                    )));
+                self.check_order(io, d)?;
+                if io.unacked > 0 {
+                    // The acknowledgement of an earlier fire-and-forget RELEASE.
+                    io.unacked -= 1;
+                    continue;
                 }
                 received += 1;
                 if keep {
@@ -604,7 +609,60 @@ impl Inner {
                 }
             }
         }
+        debug_assert_eq!(io.next_expected_id, first_id.wrapping_add(frames.len() as u32));
         Ok(out)
+    }
+
+    fn check_order(&self, io: &mut Io, d: &TensorBlockDescriptor) -> Result<()> {
+        let expect = io.next_expected_id;
+        if d.request_id != expect {
+            return Err(ClientError::Protocol(format!(
+                "completion for request {} arrived when {expect} was expected",
+                d.request_id
+            )));
+        }
+        io.next_expected_id = expect.wrapping_add(1);
+        Ok(())
+    }
+
+    /// Pushes fire-and-forget frames (RELEASEs): no wait for their
+    /// completions, which later calls discard. Falls back to waiting when the
+    /// ring is full.
+    fn post(&self, io: &mut Io, frames: &[TensorBlockDescriptor]) -> Result<()> {
+        if self.forked.load(Ordering::Acquire) || self.gone.load(Ordering::Acquire) {
+            return Ok(()); // nothing to release: the parent's, or a dead daemon's
+        }
+        // Discard acknowledgements that are already there (no waiting).
+        let mut buf = [TensorBlockDescriptor::default(); 64];
+        while io.unacked > 0 {
+            let want = io.unacked.min(buf.len());
+            let n = io.comp.pop_batch(&mut buf[..want]).map_err(|e| self.ring_err(e))?;
+            if n == 0 {
+                break;
+            }
+            for d in &buf[..n] {
+                self.check_order(io, d)?;
+            }
+            io.unacked -= n;
+        }
+        let first_id = io.next_request_id;
+        io.frames.clear();
+        io.frames.extend_from_slice(frames);
+        for (i, f) in io.frames.iter_mut().enumerate() {
+            f.request_id = first_id.wrapping_add(i as u32);
+        }
+        let Io { sub, frames: fr, .. } = &mut *io;
+        let n = sub.push_batch(fr).map_err(|e| self.ring_err(e))?;
+        io.next_request_id = first_id.wrapping_add(n as u32);
+        io.unacked += n;
+        if n > 0 {
+            self.region.doorbell().notify();
+        }
+        if n < frames.len() {
+            // The ring is full: wait for room the ordinary way.
+            self.exchange(io, &frames[n..], false)?;
+        }
+        Ok(())
     }
 
     fn gone_error(&self) -> ClientError {
@@ -650,7 +708,9 @@ impl Inner {
             Ok(mut io) => {
                 let mut f = TensorBlockDescriptor::request(Op::Release, 0, 0);
                 f.handle = handle;
-                let _ = self.exchange(&mut io, &[f], false);
+                if self.post(&mut io, &[f]).is_err() {
+                    self.closed.store(true, Ordering::Release);
+                }
                 self.flush_releases(&mut io);
                 drop(io);
                 self.after_unlock();
@@ -677,7 +737,9 @@ impl Inner {
                 f
             })
             .collect();
-        let _ = self.exchange(io, &frames, false);
+        if self.post(io, &frames).is_err() {
+            self.closed.store(true, Ordering::Release);
+        }
     }
 
     /// A release queued while we held the lock would otherwise wait for the

@@ -248,6 +248,7 @@ impl Daemon {
         let mut idle_since: Option<Instant> = None;
         let mut loops: u64 = 0;
         let mut rate = RateWindow::default();
+        let mut stats_waiting: Vec<Sender<serde_json::Value>> = Vec::new();
         let doorbell_region = self.region.clone();
         let doorbell = doorbell_region.doorbell();
         while !self.shutdown.load(Ordering::Relaxed) {
@@ -255,23 +256,24 @@ impl Daemon {
             // Control events.
             while let Ok(ev) = self.events.try_recv() {
                 did_work = true;
-                self.on_event(ev, &mut sessions, &mut counters, &rate);
+                match ev {
+                    Event::Stats(tx) => stats_waiting.push(tx),
+                    ev => self.on_event(ev, &mut sessions, &mut counters, &rate),
+                }
             }
             // Rings.
-            for slot in sessions.iter_mut() {
-                let Some(s) = slot.as_mut() else { continue };
-                if s.kicked {
-                    continue;
-                }
-                match serve_channel(&mut self.store, s, &mut req, &mut out, &mut counters) {
-                    Ok(n) => did_work |= n > 0,
-                    Err(e) => {
-                        tracing::warn!(pid = s.pid, "disconnecting a corrupt client: {e}");
-                        counters.clients_kicked += 1;
-                        s.kicked = true;
-                        // Its socket's EOF brings the Detach that cleans up.
-                        let _ = s.stream.shutdown(std::net::Shutdown::Both);
+            did_work |= serve_all(&mut self.store, &mut sessions, &mut req, &mut out, &mut counters);
+            if !stats_waiting.is_empty() {
+                // Answer stats only after serving every frame published before
+                // the request (e.g. a fire-and-forget RELEASE), so a client that
+                // releases and then asks sees its release counted.
+                for _ in 0..256 {
+                    if !serve_all(&mut self.store, &mut sessions, &mut req, &mut out, &mut counters) {
+                        break;
                     }
+                }
+                for tx in stats_waiting.drain(..) {
+                    let _ = tx.send(self.stats_json(&counters, &rate));
                 }
             }
             loops = loops.wrapping_add(1);
@@ -310,9 +312,11 @@ impl Daemon {
                     },
                     self.cfg.wait.park_timeout,
                 );
-                if let Some(ev) = first_event {
+                match first_event {
                     // The oldest queued event; the rest follow on the next pass.
-                    self.on_event(ev, &mut sessions, &mut counters, &rate);
+                    Some(Event::Stats(tx)) => stats_waiting.push(tx),
+                    Some(ev) => self.on_event(ev, &mut sessions, &mut counters, &rate),
+                    None => {}
                 }
             }
         }
@@ -383,6 +387,34 @@ impl Daemon {
         }
         v
     }
+}
+
+/// One pass over every live channel; whether any frame was served.
+fn serve_all(
+    store: &mut Store,
+    sessions: &mut [Option<Session>],
+    req: &mut [TensorBlockDescriptor; BATCH],
+    out: &mut Vec<TensorBlockDescriptor>,
+    counters: &mut Counters,
+) -> bool {
+    let mut did_work = false;
+    for slot in sessions.iter_mut() {
+        let Some(s) = slot.as_mut() else { continue };
+        if s.kicked {
+            continue;
+        }
+        match serve_channel(store, s, req, out, counters) {
+            Ok(n) => did_work |= n > 0,
+            Err(e) => {
+                tracing::warn!(pid = s.pid, "disconnecting a corrupt client: {e}");
+                counters.clients_kicked += 1;
+                s.kicked = true;
+                // Its socket's EOF brings the Detach that cleans up.
+                let _ = s.stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+    did_work
 }
 
 /// Handles what one channel has, bounded by room in its completion ring.

@@ -17,6 +17,7 @@ Times come from ``time.perf_counter`` (CLOCK_MONOTONIC, system-wide on Linux):
 
 Medians over several repetitions after a warm-up. The run cleans up every
 process and shared-memory segment it made and checks that it did.
+``KACHEDB_COMPARE_DEBUG=1`` prints every repetition's times.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ def fmt_time(s: Optional[float]) -> str:
     if s < 1.0:
         return f"{s * 1e3:.3g} ms" if s < 0.1 else f"{s * 1e3:.0f} ms"
     return f"{s:.2f} s"
+
+
+def fmt_ratio(r: float) -> str:
+    """``2.3×``; two decimals near 1 so that 0.97× does not read as a tie."""
+    return f"{r:.2f}×" if r < 1.1 else f"{r:.1f}×"
 
 
 def case_title(c: Case) -> str:
@@ -760,11 +766,11 @@ class Services:
         tdir = os.path.join(self.tmp, "ray")
         os.makedirs(tdir, exist_ok=True)
         ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=0, object_store_memory=store,
-                 include_dashboard=False, _temp_dir=tdir, log_to_driver=False,
+                 include_dashboard=False, _temp_dir=tdir, log_to_driver=False, _node_ip_address="127.0.0.1",
                  logging_level=logging.WARNING, configure_logging=True,
                  _system_config={"automatic_object_spilling_enabled": False})
         self.ray_up = True
-        self.log(f"  ray {ray.__version__}: local cluster, object store {fmt_bytes(store)}, no dashboard, spilling off")
+        self.log(f"  ray {ray.__version__}: local cluster on 127.0.0.1, object store {fmt_bytes(store)}, no dashboard, spilling off")
         return {"ray_store": store}
 
     def stop_ray(self) -> None:
@@ -929,11 +935,12 @@ class Runner:
 
     def too_slow(self, tname: str, case: Case) -> Optional[str]:
         """Why ``case`` would end past --time-limit (a warm-up and 3 repetitions,
-        each predicted from this transport's previous size, scaled by bytes)."""
+        each predicted from this transport's previous single-tensor size, scaled by
+        bytes)."""
         if self.over_budget():
             return f"time limit ({self.args.time_limit:.0f} s) reached"
         prev = self.last_wall.get(tname)
-        if prev is None:
+        if prev is None or case.count > 1:
             return None
         wall, total = prev
         est = 4 * wall * max(1.0, case.total / total)
@@ -958,15 +965,16 @@ class Runner:
         budget = min(self.args.case_budget, left / max(1, self.cases_left))
         self.cases_left -= 1
         w0 = time.monotonic()
-        run_rep(0)
+        warm = run_rep(0)
         wall = time.monotonic() - w0
-        self.last_wall[tname] = (wall, case.total)
+        if case.count == 1:  # many small blocks cost per block, not per byte: no basis for scaling
+            self.last_wall[tname] = (wall, case.total)
         if self.args.reps is not None:
             reps = self.args.reps
         else:
             reps = max(3, min(max_reps(case, self.args.quick), int(budget / max(wall, 1e-3))))
         prod, cons, hand, touch = [], [], [], []
-        verified = True
+        verified = warm["digest"] == warm["expect"]
         for r in range(1, reps + 1):
             res = run_rep(r)
             prod.append(res["tp"] - res["t0"])
@@ -1323,7 +1331,7 @@ def render_markdown(results: List[dict], cases: List[Case], transports: List[str
             elif "handoff_s" in r:
                 ratio = r.get("ratio_vs_kachedb")
                 mark = "" if r["verified"] else " ✗ DATA MISMATCH"
-                cells.append(fmt_time(r["handoff_s"]) + ("" if t == "kachedb" or ratio is None else f" ({ratio:.1f}×)") + mark)
+                cells.append(fmt_time(r["handoff_s"]) + ("" if t == "kachedb" or ratio is None else f" ({fmt_ratio(ratio)})") + mark)
             else:
                 cells.append("skipped" if "skipped" in r else "failed")
         lines.append(f"| {TITLES[t]} | " + " | ".join(cells) + " |")
@@ -1385,7 +1393,7 @@ def render_chart(results: List[dict], cases: List[Case], transports: List[str], 
                 xs.append(j + (i - (len(transports) - 1) / 2) * width)
                 ys.append(r["handoff_s"])
                 ratio = r.get("ratio_vs_kachedb")
-                labels.append("" if t == "kachedb" or ratio is None else f"{ratio:.1f}×")
+                labels.append("" if t == "kachedb" or ratio is None else fmt_ratio(ratio))
         ax.bar(xs, ys, width, label=TITLES[t], color=colors.get(t), edgecolor="black" if t == "kachedb" else None,
                linewidth=0.8)
         for x, y, lab in zip(xs, ys, labels):
@@ -1441,12 +1449,50 @@ def build_parser(prog: str = "kachedb bench compare") -> argparse.ArgumentParser
     p.add_argument("--json", action="store_true", help="JSON lines on stdout (progress and table on stderr)")
     p.add_argument("--out", default=None, help="directory for compare_table.md, compare_chart.png and compare_results.jsonl")
     p.add_argument("--doc", default=None, help="Markdown file whose generated block is replaced with the table")
+    p.add_argument("--render", metavar="JSONL", default=None,
+                   help="do not measure: re-render the table/chart/doc block (--out, --doc) from a "
+                        "compare_results.jsonl of an earlier run")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds after which remaining cases are skipped (default 510, quick 150); "
                         "each size of each transport gets a fair share of what is left")
     p.add_argument("--case-budget", type=float, default=None,
                    help="seconds per transport and size for the timed repetitions (default 6)")
     return p
+
+
+def write_outputs(results: List[dict], cases: List[Case], transports: List[str], meta: dict, rows: List[dict],
+                  out_dir: Optional[str], doc: Optional[str], log: Callable[[str], None]) -> str:
+    """The Markdown table (returned), and with ``out_dir`` compare_table.md,
+    compare_results.jsonl and compare_chart.png; with ``doc`` its generated block."""
+    md = render_markdown(results, cases, transports, meta)
+    chart_err = None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "compare_table.md"), "w") as f:
+            f.write(md)
+        with open(os.path.join(out_dir, "compare_results.jsonl"), "w") as f:
+            for d in rows:
+                f.write(json.dumps(d) + "\n")
+        chart_err = render_chart(results, cases, transports, os.path.join(out_dir, "compare_chart.png"), meta)
+        if chart_err:
+            log(chart_err)
+    if doc:
+        rel = None
+        if out_dir and not chart_err:
+            rel = os.path.relpath(os.path.join(out_dir, "compare_chart.png"), os.path.dirname(os.path.abspath(doc)))
+        update_doc(doc, md, rel)
+    return md
+
+
+def render_saved(path: str, out_dir: Optional[str], doc: Optional[str]) -> str:
+    """Re-renders the table, chart and doc block from a compare_results.jsonl
+    written by an earlier run (no measuring)."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    meta = next(r["meta"] for r in rows if "meta" in r)
+    meta["cleanup"] = next((r["cleanup"] for r in rows if "cleanup" in r), meta.get("cleanup"))
+    results = [r for r in rows if "transport" in r]
+    cases = [parse_size(s) for s in meta["sizes"]]
+    return write_outputs(results, cases, meta["transports"], meta, rows, out_dir, doc, lambda s: print(s, file=sys.stderr))
 
 
 def _command_of(prog: str) -> str:
@@ -1459,6 +1505,9 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb bench compare") -> int:
     args = build_parser(prog).parse_args(argv)
+    if args.render:
+        sys.stdout.write(render_saved(args.render, args.out, args.doc))
+        return 0
     if args.time_limit is None:
         args.time_limit = 150.0 if args.quick else 510.0
     if args.case_budget is None:
@@ -1536,24 +1585,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb bench compar
     add_ratios(runner.results)
     for r in runner.results:
         emit(r)
+    emit({"meta": {**meta, "sizes": [c.label for c in cases], "transports": transports}})
     emit({"cleanup": cleanup})
-    md = render_markdown(runner.results, cases, transports, meta)
-    chart_err = None
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "compare_table.md"), "w") as f:
-            f.write(md)
-        with open(os.path.join(args.out, "compare_results.jsonl"), "w") as f:
-            for d in rows_out:
-                f.write(json.dumps(d) + "\n")
-        chart_err = render_chart(runner.results, cases, transports, os.path.join(args.out, "compare_chart.png"), meta)
-        if chart_err:
-            log(chart_err)
-    if args.doc:
-        rel = None
-        if args.out and not chart_err:
-            rel = os.path.relpath(os.path.join(args.out, "compare_chart.png"), os.path.dirname(os.path.abspath(args.doc)))
-        update_doc(args.doc, md, rel)
+    md = write_outputs(runner.results, cases, transports, meta, rows_out, args.out, args.doc, log)
     if args.json:
         log("")
         log(md)
