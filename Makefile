@@ -6,7 +6,7 @@ CARGO ?= cargo
 PIP := $(PYTHON) -m pip
 # torch comes from PyPI with its CUDA wheels; it imports and runs on CPU.
 PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2" \
-	"transformers>=4.45" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5"
+	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5"
 
 .PHONY: setup system-deps build python demo test test-rust test-python test-loom test-miri bench lint
 
@@ -27,9 +27,11 @@ python: system-deps
 	  || { echo "== installing Python dependencies (torch is ~5 GB; first time only)"; $(PIP) install -q $(PY_DEPS); }
 	$(PIP) install -q --no-build-isolation ./bindings/python
 
-## demo: the daemon plus a demo client — a tensor put by one process, read zero-copy by another
+## demo: the daemon plus demo clients — a tensor put by one process, read zero-copy by
+## another; then a transformer's prompt KV cache reused across processes (CI size)
 demo: setup
 	$(PYTHON) examples/quickstart.py
+	$(PYTHON) examples/prefill_savings.py --small
 
 ## test: the whole suite, as CI runs it
 test: setup test-rust test-loom test-python
@@ -45,12 +47,14 @@ test-python:
 
 ## test-miri: the ring under Miri (needs `rustup +nightly component add miri`; not in CI)
 test-miri:
-	$(CARGO) +nightly miri test -p kachedb-shm --lib ring::
+	$(CARGO) +nightly miri test -p kachedb-shm --test heap_ring
 
 ## bench: every benchmark, printing figures against their same-run baselines
-bench: build
+bench: setup
 	./target/release/kachedb bench ring
 	./target/release/kachedb bench ops
+	$(PYTHON) -m kachedb bench
+	$(PYTHON) benchmarks/compare.py
 
 lint:
 	$(CARGO) fmt --all --check

@@ -77,7 +77,7 @@ impl<T: Copy> SlotCell<T> {
         // see two values (what is validated is what is used).
         #[cfg(not(loom))]
         // SAFETY: see the function's contract; `T: Copy` is plain data.
-        return unsafe { self.0.get().read() };
+        return unsafe { core::ptr::read_volatile(self.0.get()) };
         #[cfg(loom)]
         // SAFETY: see the function's contract (loom checks it).
         return self.0.with(|p| unsafe { p.read() });
