@@ -33,9 +33,8 @@ fn dtype(code: u8) -> PyResult<DType> {
 }
 
 fn shape(dims: &[u64]) -> PyResult<Shape> {
-    Shape::new(dims).ok_or_else(|| {
-        to_py_err("InvalidArgument", format!("shape {dims:?}: at most 6 dims, each below 2**32"))
-    })
+    Shape::new(dims)
+        .ok_or_else(|| to_py_err("InvalidArgument", format!("shape {dims:?}: at most 6 dims, each below 2**32")))
 }
 
 /// The DLPack element type a block is exported as to torch. float8 blocks go
@@ -201,7 +200,16 @@ impl NativeClient {
     ///
     /// The caller must keep the source object alive and unmodified during the call.
     #[allow(clippy::too_many_arguments)] // the Python signature
-    fn put_raw(&self, py: Python<'_>, lo: u64, hi: u64, code: u8, dims: Vec<u64>, address: usize, nbytes: usize) -> PyResult<()> {
+    fn put_raw(
+        &self,
+        py: Python<'_>,
+        lo: u64,
+        hi: u64,
+        code: u8,
+        dims: Vec<u64>,
+        address: usize,
+        nbytes: usize,
+    ) -> PyResult<()> {
         let (dt, sh) = (dtype(code)?, shape(&dims)?);
         let src = Src { address, nbytes };
         py.allow_threads(|| {
@@ -212,7 +220,10 @@ impl NativeClient {
             }
             let len = sh.len_bytes(dt).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
             if len != bytes.len() as u64 {
-                return Err(ClientError::Invalid(format!("shape and dtype make {len} bytes but {} were given", bytes.len())));
+                return Err(ClientError::Invalid(format!(
+                    "shape and dtype make {len} bytes but {} were given",
+                    bytes.len()
+                )));
             }
             // Same page offset as the source, as `put_tensor` asks for.
             let page_offset = (bytes.as_ptr() as u64 % 4096) & !63;
@@ -247,7 +258,12 @@ impl NativeClient {
         let mut r = r;
         let ptr = NonNull::new(r.as_mut_ptr()).ok_or_else(|| to_py_err("KacheDBError", "null reservation".into()))?;
         let len = r.len();
-        Ok(NativeReservation { inner: Mutex::new(Some(r)), region: self.inner.region().clone(), ptr: ptr.as_ptr() as usize, len })
+        Ok(NativeReservation {
+            inner: Mutex::new(Some(r)),
+            region: self.inner.region().clone(),
+            ptr: ptr.as_ptr() as usize,
+            len,
+        })
     }
 
     /// Pins `key`; `None` if absent.
@@ -341,7 +357,8 @@ impl NativeBlock {
     }
     /// A read-only DLPack exporter of the block's bytes, owning the pin.
     fn buffer(&self) -> PyResult<DLPackBuffer> {
-        let ptr = NonNull::new(self.view.as_ptr() as *mut u8).ok_or_else(|| to_py_err("KacheDBError", "null view".into()))?;
+        let ptr =
+            NonNull::new(self.view.as_ptr() as *mut u8).ok_or_else(|| to_py_err("KacheDBError", "null view".into()))?;
         let owner: Arc<dyn std::any::Any + Send + Sync> = self.view.clone();
         // SAFETY: the view is pinned (never evicted, moved or reused) and its
         // mapping kept alive for as long as `owner` (an Arc of the view) lives.
@@ -369,7 +386,8 @@ impl NativeReservation {
     /// after commit the block is immutable and may be evicted, so tensors made
     /// from this buffer must not be written (the mapping stays valid).
     fn buffer(&self) -> PyResult<DLPackBuffer> {
-        let ptr = NonNull::new(self.ptr as *mut u8).ok_or_else(|| to_py_err("KacheDBError", "null reservation".into()))?;
+        let ptr =
+            NonNull::new(self.ptr as *mut u8).ok_or_else(|| to_py_err("KacheDBError", "null reservation".into()))?;
         let owner: Arc<dyn std::any::Any + Send + Sync> = self.region.clone();
         // SAFETY: the range lies in the region's mapping, which `owner` (an Arc of
         // the region) keeps mapped for as long as any tensor made from it lives.

@@ -55,10 +55,7 @@ pub struct DlDtype {
 
 impl DlDtype {
     /// `uint8`.
-    pub const U8: DlDtype = DlDtype {
-        code: KDLUINT,
-        bits: 8,
-    };
+    pub const U8: DlDtype = DlDtype { code: KDLUINT, bits: 8 };
 }
 
 #[repr(C)]
@@ -167,9 +164,7 @@ impl DlOwner {
                     std::mem::forget(obj);
                     return;
                 }
-                let _ = catch_unwind(AssertUnwindSafe(move || {
-                    Python::with_gil(move |_py| drop(obj))
-                }));
+                let _ = catch_unwind(AssertUnwindSafe(move || Python::with_gil(move |_py| drop(obj))));
             }
         }
     }
@@ -212,11 +207,7 @@ unsafe impl ManagedTensor for DLManagedTensor {
     const USED_NAME: &'static CStr = c"used_dltensor";
 
     fn new(dl_tensor: DLTensor, _read_only: bool) -> Self {
-        DLManagedTensor {
-            dl_tensor,
-            manager_ctx: ptr::null_mut(),
-            deleter: Some(managed_deleter::<Self>),
-        }
+        DLManagedTensor { dl_tensor, manager_ctx: ptr::null_mut(), deleter: Some(managed_deleter::<Self>) }
     }
 
     unsafe fn link(managed: *mut Self, shape: *mut i64, manager_ctx: *mut c_void) {
@@ -253,11 +244,7 @@ unsafe impl ManagedTensor for DLManagedTensorVersioned {
             version: DLPackVersion { major: 1, minor: 0 },
             manager_ctx: ptr::null_mut(),
             deleter: Some(managed_deleter::<Self>),
-            flags: if read_only {
-                DLPACK_FLAG_BITMASK_READ_ONLY
-            } else {
-                0
-            },
+            flags: if read_only { DLPACK_FLAG_BITMASK_READ_ONLY } else { 0 },
             dl_tensor,
         }
     }
@@ -401,12 +388,10 @@ pub unsafe fn tensor_capsule<'py>(
     // SAFETY: forwarded contract.
     unsafe {
         match format {
-            DlpackFormat::Legacy => {
-                capsule_as::<DLManagedTensor>(py, data, len, dtype, shape, owner, false)
+            DlpackFormat::Legacy => capsule_as::<DLManagedTensor>(py, data, len, dtype, shape, owner, false),
+            DlpackFormat::Versioned { read_only } => {
+                capsule_as::<DLManagedTensorVersioned>(py, data, len, dtype, shape, owner, read_only)
             }
-            DlpackFormat::Versioned { read_only } => capsule_as::<DLManagedTensorVersioned>(
-                py, data, len, dtype, shape, owner, read_only,
-            ),
         }
     }
 }
@@ -439,15 +424,11 @@ unsafe fn capsule_as<'py, M: ManagedTensor>(
     let mut shape = [0i64; MAX_EXPORT_NDIM];
     let mut elems: u128 = 1;
     for (slot, &d) in shape.iter_mut().zip(dims) {
-        *slot = i64::try_from(d).map_err(|_| {
-            PyOverflowError::new_err(format!("dimension {d} does not fit a DLPack shape (i64)"))
-        })?;
+        *slot = i64::try_from(d)
+            .map_err(|_| PyOverflowError::new_err(format!("dimension {d} does not fit a DLPack shape (i64)")))?;
         elems = elems.saturating_mul(u128::from(d));
     }
-    if elems.saturating_mul(u128::from(dtype.bits / 8)) != len_i64 as u128
-        || dtype.bits % 8 != 0
-        || dtype.bits == 0
-    {
+    if elems.saturating_mul(u128::from(dtype.bits / 8)) != len_i64 as u128 || dtype.bits % 8 != 0 || dtype.bits == 0 {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
             "shape {dims:?} of {}-bit elements does not take exactly {len} bytes",
             dtype.bits
@@ -455,25 +436,14 @@ unsafe fn capsule_as<'py, M: ManagedTensor>(
     }
     let dl_tensor = DLTensor {
         data: data.as_ptr().cast(),
-        device: DLDevice {
-            device_type: KDLCPU,
-            device_id: 0,
-        },
+        device: DLDevice { device_type: KDLCPU, device_id: 0 },
         ndim: dims.len() as i32, // <= MAX_EXPORT_NDIM, checked above
-        dtype: DLDataType {
-            code: dtype.code,
-            bits: dtype.bits,
-            lanes: 1,
-        },
+        dtype: DLDataType { code: dtype.code, bits: dtype.bits, lanes: 1 },
         shape: ptr::null_mut(), // set below, once the allocation has its address
         strides: ptr::null_mut(),
         byte_offset: 0,
     };
-    let ctx = Box::into_raw(Box::new(ManagerCtx {
-        managed: M::new(dl_tensor, read_only),
-        shape,
-        owner,
-    }));
+    let ctx = Box::into_raw(Box::new(ManagerCtx { managed: M::new(dl_tensor, read_only), shape, owner }));
     // SAFETY: `ctx` comes from Box::into_raw just above: valid, aligned, unaliased.
     // The pointers stored point into that same allocation, which stays put until the
     // deleter frees it.
@@ -481,22 +451,13 @@ unsafe fn capsule_as<'py, M: ManagedTensor>(
     // valid for the capsule and its consumer until the deleter's Box::from_raw.
     let managed = unsafe {
         let managed = ptr::addr_of_mut!((*ctx).managed);
-        M::link(
-            managed,
-            ptr::addr_of_mut!((*ctx).shape).cast::<i64>(),
-            ctx.cast::<c_void>(),
-        );
+        M::link(managed, ptr::addr_of_mut!((*ctx).shape).cast::<i64>(), ctx.cast::<c_void>());
         managed
     };
     // SAFETY: the GIL is held (`py`); the name is a 'static C string, as capsules
     // keep the pointer; the destructor matches the capsule's contents.
-    let capsule = unsafe {
-        ffi::PyCapsule_New(
-            managed.cast::<c_void>(),
-            M::NAME.as_ptr(),
-            Some(capsule_destructor::<M>),
-        )
-    };
+    let capsule =
+        unsafe { ffi::PyCapsule_New(managed.cast::<c_void>(), M::NAME.as_ptr(), Some(capsule_destructor::<M>)) };
     if capsule.is_null() {
         // SAFETY: the capsule does not exist, so nothing else refers to `managed`;
         // delete it ourselves (drops the owner) before reporting the error.
@@ -560,19 +521,8 @@ impl DLPackBuffer {
     /// # Safety
     /// `data .. data + len` must stay valid for reads and writes for as long as
     /// `owner` (or any clone of the `Arc`) is alive.
-    pub unsafe fn new(
-        data: NonNull<u8>,
-        len: usize,
-        owner: Arc<dyn Any + Send + Sync>,
-        read_only: bool,
-    ) -> Self {
-        DLPackBuffer {
-            data: RawBytes(data),
-            len,
-            owner,
-            read_only,
-            mode: OwnerMode::Shared,
-        }
+    pub unsafe fn new(data: NonNull<u8>, len: usize, owner: Arc<dyn Any + Send + Sync>, read_only: bool) -> Self {
+        DLPackBuffer { data: RawBytes(data), len, owner, read_only, mode: OwnerMode::Shared }
     }
 
     /// Like [`DLPackBuffer::new`], but capsules hold the Python buffer object itself.
@@ -585,13 +535,7 @@ impl DLPackBuffer {
         owner: Arc<dyn Any + Send + Sync>,
         read_only: bool,
     ) -> Self {
-        DLPackBuffer {
-            data: RawBytes(data),
-            len,
-            owner,
-            read_only,
-            mode: OwnerMode::PyObject,
-        }
+        DLPackBuffer { data: RawBytes(data), len, owner, read_only, mode: OwnerMode::PyObject }
     }
 }
 
@@ -600,14 +544,10 @@ fn format_for(max_version: Option<&Bound<'_, PyAny>>, read_only: bool) -> PyResu
     let Some(max_version) = max_version else {
         return Ok(DlpackFormat::Legacy);
     };
-    let (major, _minor): (i64, i64) = max_version.extract().map_err(|_| {
-        PyTypeError::new_err("max_version must be None or a tuple (major, minor) of two ints")
-    })?;
-    Ok(if major >= 1 {
-        DlpackFormat::Versioned { read_only }
-    } else {
-        DlpackFormat::Legacy
-    })
+    let (major, _minor): (i64, i64) = max_version
+        .extract()
+        .map_err(|_| PyTypeError::new_err("max_version must be None or a tuple (major, minor) of two ints"))?;
+    Ok(if major >= 1 { DlpackFormat::Versioned { read_only } } else { DlpackFormat::Legacy })
 }
 
 #[pymethods]

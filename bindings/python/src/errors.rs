@@ -14,25 +14,14 @@ const ERRORS_MODULE: &str = "kachedb._errors";
 static ERRORS: GILOnceCell<Py<PyModule>> = GILOnceCell::new();
 
 /// The exception classes of `kachedb._errors`, by name (`kind` in [`to_py_err`]).
-pub const KINDS: [&str; 7] = [
-    "KacheDBError",
-    "NotFound",
-    "OutOfMemory",
-    "Disconnected",
-    "InvalidArgument",
-    "BadHandle",
-    "TooLarge",
-];
+pub const KINDS: [&str; 7] =
+    ["KacheDBError", "NotFound", "OutOfMemory", "Disconnected", "InvalidArgument", "BadHandle", "TooLarge"];
 
 /// The class `kachedb._errors.<kind>`; an unknown `kind` gives the base class
 /// `KacheDBError`.
 fn error_class<'py>(py: Python<'py>, kind: &str) -> PyResult<Bound<'py, PyType>> {
     let module = ERRORS.get_or_try_init(py, || py.import(ERRORS_MODULE).map(Bound::unbind))?;
-    let name = if KINDS.contains(&kind) {
-        kind
-    } else {
-        "KacheDBError"
-    };
+    let name = if KINDS.contains(&kind) { kind } else { "KacheDBError" };
     Ok(module.bind(py).getattr(name)?.downcast_into::<PyType>()?)
 }
 
@@ -43,14 +32,12 @@ fn error_class<'py>(py: Python<'py>, kind: &str) -> PyResult<Bound<'py, PyType>>
 /// imported (a broken install), the result is a `RuntimeError` that says so and
 /// carries `msg`.
 pub fn to_py_err(kind: &str, msg: String) -> PyErr {
-    Python::with_gil(|py| {
-        match error_class(py, kind) {
+    Python::with_gil(|py| match error_class(py, kind) {
         Ok(class) => PyErr::from_type(class, msg),
         Err(import_err) => PyRuntimeError::new_err(format!(
             "{msg} (and the exception class kachedb.{kind} could not be loaded from {ERRORS_MODULE}: \
              {import_err}; reinstall the kachedb package)"
         )),
-    }
     })
 }
 
@@ -74,9 +61,6 @@ pub const fn status_kind(status: u8) -> Option<&'static str> {
 pub fn status_to_py_err(status: u8, msg: String) -> PyErr {
     match status_kind(status) {
         Some(kind) => to_py_err(kind, msg),
-        None => to_py_err(
-            "KacheDBError",
-            format!("{msg} (internal error: status OK reported as a failure)"),
-        ),
+        None => to_py_err("KacheDBError", format!("{msg} (internal error: status OK reported as a failure)")),
     }
 }

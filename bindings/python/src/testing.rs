@@ -41,16 +41,12 @@ impl TestStorage {
             // No allocation, but a non-null, aligned address, as DLPack consumers want.
             NonNull::<[u8; ALIGN]>::dangling().cast::<u8>()
         } else {
-            let layout = Layout::from_size_align(len, ALIGN).map_err(|_| {
-                PyValueError::new_err(format!("{len} bytes is too large a test buffer"))
-            })?;
+            let layout = Layout::from_size_align(len, ALIGN)
+                .map_err(|_| PyValueError::new_err(format!("{len} bytes is too large a test buffer")))?;
             // SAFETY: `layout` has a non-zero size.
             let ptr = unsafe { alloc::alloc(layout) };
             let Some(data) = NonNull::new(ptr) else {
-                return Err(errors::to_py_err(
-                    "OutOfMemory",
-                    format!("cannot allocate a {len}-byte test buffer"),
-                ));
+                return Err(errors::to_py_err("OutOfMemory", format!("cannot allocate a {len}-byte test buffer")));
             };
             // SAFETY: `data` was just allocated with room for `len` bytes.
             unsafe { data.as_ptr().write_bytes(fill, len) };
@@ -64,8 +60,7 @@ impl TestStorage {
 impl Drop for TestStorage {
     fn drop(&mut self) {
         if self.len != 0 {
-            let layout =
-                Layout::from_size_align(self.len, ALIGN).expect("validated in TestStorage::new");
+            let layout = Layout::from_size_align(self.len, ALIGN).expect("validated in TestStorage::new");
             // SAFETY: allocated in TestStorage::new with this very layout, freed once.
             unsafe { alloc::dealloc(self.data.as_ptr(), layout) };
         }
@@ -79,10 +74,9 @@ impl Drop for TestStorage {
 #[pyfunction]
 #[pyo3(signature = (n, fill=0, *, py_owner=false, readonly=false))]
 pub fn _test_buffer(n: i64, fill: i64, py_owner: bool, readonly: bool) -> PyResult<DLPackBuffer> {
-    let len = usize::try_from(n)
-        .map_err(|_| PyValueError::new_err(format!("n must be >= 0, got {n}")))?;
-    let fill = u8::try_from(fill)
-        .map_err(|_| PyValueError::new_err(format!("fill must be a byte (0..=255), got {fill}")))?;
+    let len = usize::try_from(n).map_err(|_| PyValueError::new_err(format!("n must be >= 0, got {n}")))?;
+    let fill =
+        u8::try_from(fill).map_err(|_| PyValueError::new_err(format!("fill must be a byte (0..=255), got {fill}")))?;
     let storage = Arc::new(TestStorage::new(len, fill)?);
     let data = storage.data;
     // SAFETY: the storage's allocation is valid for `len` bytes until the storage is

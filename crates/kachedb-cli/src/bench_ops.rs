@@ -82,7 +82,11 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
     ping.sort_unstable();
     out.emit(
         json!({"bench":"ping_rtt","p50_ns":percentile(&ping,0.5),"p99_ns":percentile(&ping,0.99),"iters":rtt_iters}),
-        format!("PING round trip          p50 {:>7} ns   p99 {:>7} ns", percentile(&ping, 0.5), percentile(&ping, 0.99)),
+        format!(
+            "PING round trip          p50 {:>7} ns   p99 {:>7} ns",
+            percentile(&ping, 0.5),
+            percentile(&ping, 0.99)
+        ),
     );
     let mut get = Vec::with_capacity(rtt_iters);
     for _ in 0..rtt_iters {
@@ -94,7 +98,11 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
     get.sort_unstable();
     out.emit(
         json!({"bench":"get_rtt","p50_ns":percentile(&get,0.5),"p99_ns":percentile(&get,0.99),"iters":rtt_iters}),
-        format!("GET-hit round trip       p50 {:>7} ns   p99 {:>7} ns (4 KiB block, pinned view; release not timed)", percentile(&get, 0.5), percentile(&get, 0.99)),
+        format!(
+            "GET-hit round trip       p50 {:>7} ns   p99 {:>7} ns (4 KiB block, pinned view; release not timed)",
+            percentile(&get, 0.5),
+            percentile(&get, 0.99)
+        ),
     );
 
     // Batched ops.
@@ -121,8 +129,14 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
         gets.push((rounds * keys.len() * 2) as f64 / t.elapsed().as_secs_f64());
     }
     let (l, g) = (median(&mut lookups), median(&mut gets));
-    out.emit(json!({"bench":"lookup_batch","batch":64,"ops_per_s":l}), format!("LOOKUP batches of 64     {:>10.2} M ops/s", l / 1e6));
-    out.emit(json!({"bench":"get_many","batch":64,"ops_per_s":g}), format!("get_many(64)+release     {:>10.2} M ops/s (GET and RELEASE each counted)", g / 1e6));
+    out.emit(
+        json!({"bench":"lookup_batch","batch":64,"ops_per_s":l}),
+        format!("LOOKUP batches of 64     {:>10.2} M ops/s", l / 1e6),
+    );
+    out.emit(
+        json!({"bench":"get_many","batch":64,"ops_per_s":g}),
+        format!("get_many(64)+release     {:>10.2} M ops/s (GET and RELEASE each counted)", g / 1e6),
+    );
 
     // Large PUT against memcpy of the same bytes, and GET as a view.
     let src: Vec<u8> = (0..big as usize).map(|i| (i * 31 + 7) as u8).collect();
@@ -144,7 +158,13 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
     let (mg, pg) = (big as f64 / m / 1e9, big as f64 / p / 1e9);
     out.emit(
         json!({"bench":"put","bytes":big,"gbps":pg,"memcpy_gbps":mg,"ratio":pg/mg,"put_s":p,"memcpy_s":m}),
-        format!("PUT {:<10}           {:>6.2} GB/s vs memcpy {:>6.2} GB/s = {:.0} %", human_bytes(big), pg, mg, 100.0 * pg / mg),
+        format!(
+            "PUT {:<10}           {:>6.2} GB/s vs memcpy {:>6.2} GB/s = {:.0} %",
+            human_bytes(big),
+            pg,
+            mg,
+            100.0 * pg / mg
+        ),
     );
     let mut views = Vec::new();
     for _ in 0..if a.quick { 50 } else { 200 } {
@@ -162,7 +182,12 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
     drop(check);
     out.emit(
         json!({"bench":"get_view","bytes":big,"p50_ns":percentile(&views,0.5),"p99_ns":percentile(&views,0.99)}),
-        format!("GET {:<10} as a view   p50 {:>7} ns   p99 {:>7} ns", human_bytes(big), percentile(&views, 0.5), percentile(&views, 0.99)),
+        format!(
+            "GET {:<10} as a view   p50 {:>7} ns   p99 {:>7} ns",
+            human_bytes(big),
+            percentile(&views, 0.5),
+            percentile(&views, 0.99)
+        ),
     );
 
     // Idle daemon CPU.

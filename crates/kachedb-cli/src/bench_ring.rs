@@ -143,10 +143,8 @@ pub fn run(args: &RingArgs) -> Result<(), BoxError> {
         return Err("--msgs, --round-trips and --parked-round-trips must be at least 1".into());
     }
     let layout = Layout::new(1, args.capacity, 2 << 20)?;
-    let region = Region::create(
-        &CreateOptions { name: "kachedb_bench_ring".into(), layout, headroom_bytes: 0 },
-        |_, _| {},
-    )?;
+    let region =
+        Region::create(&CreateOptions { name: "kachedb_bench_ring".into(), layout, headroom_bytes: 0 }, |_, _| {})?;
     // Before pinning: afterwards this process may run on one CPU only.
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     // Spinning pairs are very sensitive to other load: say how busy the machine was.
@@ -271,7 +269,11 @@ impl ChildProc {
         let until = Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(status) = self.child.try_wait()? {
-                return if status.success() { Ok(()) } else { Err(format!("the bench child failed ({status})").into()) };
+                return if status.success() {
+                    Ok(())
+                } else {
+                    Err(format!("the bench child failed ({status})").into())
+                };
             }
             if Instant::now() > until {
                 return Err("the bench child did not exit".into());
@@ -292,7 +294,13 @@ impl Drop for ChildProc {
 
 impl Bench {
     /// Resets channel 0, attaches the parent's ends and spawns a child.
-    fn session(&self, mode: ChildMode, batch: usize, msgs: u64, runs: u32) -> Result<(Producer, Consumer, ChildProc), BoxError> {
+    fn session(
+        &self,
+        mode: ChildMode,
+        batch: usize,
+        msgs: u64,
+        runs: u32,
+    ) -> Result<(Producer, Consumer, ChildProc), BoxError> {
         self.region.reset_channel(0);
         let (sub, comp) = self.region.client_channel(0).ok_or("channel 0 missing")?;
         let exe = std::env::current_exe()?;
@@ -619,7 +627,7 @@ impl NaiveRing {
         Some(f)
     }
 
-#[inline(never)] // a separate symbol, so its code can be inspected with objdump
+    #[inline(never)] // a separate symbol, so its code can be inspected with objdump
     fn produce(&mut self, n: u64, child: &mut ChildProc) -> Result<(), BoxError> {
         let mut f = frame(0);
         let mut i = 0;
@@ -730,10 +738,14 @@ fn wait_pop(
     policy: &SpinThenPark,
     alive: &impl Fn() -> Result<(), BoxError>,
 ) -> Result<TensorBlockDescriptor, BoxError> {
-    let got = c.wait_with(policy, |c| c.try_pop().transpose(), || match alive() {
-        Ok(()) => Tick::Continue,
-        Err(e) => Tick::Stop(e),
-    })?;
+    let got = c.wait_with(
+        policy,
+        |c| c.try_pop().transpose(),
+        || match alive() {
+            Ok(()) => Tick::Continue,
+            Err(e) => Tick::Stop(e),
+        },
+    )?;
     got.map_err(|e: RingError| Box::new(e) as BoxError)
 }
 
@@ -832,7 +844,10 @@ impl Output {
             println!("{v}");
         } else {
             let pin = if v["pinned"] == true {
-                format!("pinned to CPUs {} (parent, producer) and {} (child, consumer)", v["parent_cpu"], v["child_cpu"])
+                format!(
+                    "pinned to CPUs {} (parent, producer) and {} (child, consumer)",
+                    v["parent_cpu"], v["child_cpu"]
+                )
             } else {
                 "not pinned".to_string()
             };

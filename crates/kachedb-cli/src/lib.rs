@@ -9,8 +9,8 @@ use std::ffi::OsString;
 pub mod bench_ops;
 pub mod bench_ring;
 pub mod demo;
-pub mod spawn;
 pub mod serve_cmd;
+pub mod spawn;
 
 /// KacheDB: a node-local KV-cache block store over shared memory.
 #[derive(Debug, Parser)]

@@ -78,7 +78,11 @@ pub fn human_bytes(n: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 { format!("{n} B") } else { format!("{v:.1} {}", units[i]) }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", units[i])
+    }
 }
 
 /// The default megaslab size: a quarter of available memory, at most 4 GiB,
@@ -109,10 +113,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         ring_capacity: a.ring_capacity,
         allow_gids: a.allow_gids.clone(),
         headroom_bytes: a.headroom,
-        wait: SpinThenPark {
-            park_after: std::time::Duration::from_micros(a.park_after_us),
-            ..SpinThenPark::default()
-        },
+        wait: SpinThenPark { park_after: std::time::Duration::from_micros(a.park_after_us), ..SpinThenPark::default() },
     };
     eprintln!(
         "kachedb: reserving {} of shared memory for instance {}{}",
@@ -162,10 +163,24 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
     println!("blocks            {}", get("blocks"));
     println!("reserved          {}", get("reserved"));
     println!("pins              {}", get("pins"));
-    println!("bytes used        {} of {} (largest free extent {})", bytes("bytes_used"), bytes("bytes_total"), bytes("largest_free_bytes"));
-    println!("clients           {} connected, {} since start, {} disconnected as corrupt", get("clients_connected"), get("clients_total"), get("clients_kicked"));
+    println!(
+        "bytes used        {} of {} (largest free extent {})",
+        bytes("bytes_used"),
+        bytes("bytes_total"),
+        bytes("largest_free_bytes")
+    );
+    println!(
+        "clients           {} connected, {} since start, {} disconnected as corrupt",
+        get("clients_connected"),
+        get("clients_total"),
+        get("clients_kicked")
+    );
     println!("evictions         {} ({})", get("evictions"), bytes("evicted_bytes"));
     println!("rejected frames   {}", get("rejected_frames"));
-    println!("ops               {} total, {:.0}/s over the last second", get("ops"), get("ops_per_s").as_f64().unwrap_or(0.0));
+    println!(
+        "ops               {} total, {:.0}/s over the last second",
+        get("ops"),
+        get("ops_per_s").as_f64().unwrap_or(0.0)
+    );
     Ok(())
 }

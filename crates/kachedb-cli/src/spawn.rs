@@ -46,7 +46,9 @@ impl DaemonProcess {
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);
         cmd.arg("serve").arg("--size").arg(size_bytes.to_string()).arg("--socket").arg(&socket).args(extra);
-        cmd.stdout(Stdio::null()).stderr(Stdio::inherit()).env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()));
+        cmd.stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()));
         let child = cmd.spawn()?;
         let mut d = DaemonProcess { child, socket, _dir: dir };
         d.wait_ready(Duration::from_secs(60))?;

@@ -164,7 +164,11 @@ impl TempDir {
     fn new(name: &str) -> TempDir {
         use std::os::unix::fs::DirBuilderExt;
         static N: AtomicU32 = AtomicU32::new(0);
-        let p = std::env::temp_dir().join(format!("kdbt-{}-{name}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        let p = std::env::temp_dir().join(format!(
+            "kdbt-{}-{name}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&p).expect("create temp dir");
         TempDir(p)
@@ -318,14 +322,10 @@ fn stats(socket: &Path) -> Value {
         .env_remove("KACHEDB_SOCKET")
         .output()
         .expect("run kachedb stats");
-    assert!(
-        out.status.success(),
-        "kachedb stats failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("kachedb stats --json printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    assert!(out.status.success(), "kachedb stats failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!("kachedb stats --json printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout))
+    })
 }
 
 fn num(v: &Value, k: &str) -> u64 {
@@ -429,7 +429,9 @@ impl Proc {
 
     fn send(&mut self, line: &str) {
         let stdin = self.stdin.as_mut().expect("stdin open");
-        writeln!(stdin, "{line}").and_then(|_| stdin.flush()).unwrap_or_else(|e| panic!("{}: write stdin: {e}\n{}", self.name, self.dump()));
+        writeln!(stdin, "{line}")
+            .and_then(|_| stdin.flush())
+            .unwrap_or_else(|e| panic!("{}: write stdin: {e}\n{}", self.name, self.dump()));
     }
 
     fn pid(&self) -> u32 {
@@ -617,9 +619,15 @@ fn rt_write(kc: &Client, cases: &[RtCase]) {
             }
             Method::Reserve { page_offset } => {
                 let (dtype, shape) = c.layout();
-                let mut r = kc.reserve(key, dtype, &shape, page_offset).unwrap_or_else(|e| panic!("{}: reserve: {e}", c.name));
+                let mut r =
+                    kc.reserve(key, dtype, &shape, page_offset).unwrap_or_else(|e| panic!("{}: reserve: {e}", c.name));
                 assert_eq!(r.len(), c.len, "{}: reservation length", c.name);
-                assert_eq!(r.as_mut_ptr() as usize % 4096, page_offset as usize, "{}: page offset not honoured", c.name);
+                assert_eq!(
+                    r.as_mut_ptr() as usize % 4096,
+                    page_offset as usize,
+                    "{}: page offset not honoured",
+                    c.name
+                );
                 fill(r.as_mut_slice(), seed);
                 let sum = checksum(r.as_mut_slice());
                 r.commit().unwrap_or_else(|e| panic!("{}: commit: {e}", c.name));
@@ -703,7 +711,9 @@ fn round_trip(set: &str, size: &str) {
     assert_eq!(num(&v, "evictions"), 0, "{v}");
     assert!(num(&v, "bytes_used") >= cases.iter().map(|c| c.len as u64).sum::<u64>(), "{v}");
     assert!(invariants_ok(&v), "{v}");
-    let (_, _) = poll_stats(&daemon.socket, Duration::from_secs(3), "readers' pins released", |v| num(v, "pins") == 0 && num(v, "clients_connected") == 0);
+    let (_, _) = poll_stats(&daemon.socket, Duration::from_secs(3), "readers' pins released", |v| {
+        num(v, "pins") == 0 && num(v, "clients_connected") == 0
+    });
     eprintln!(
         "round trip {set}: {} blocks, daemon start {t_start:.2?}, writer process {t_write:.2?}, reader process {t_read:.2?}\n{}",
         cases.len(),
@@ -766,7 +776,9 @@ fn mix_write(kc: &Client, k: Key, how: u64, rng: &mut Rng) -> bool {
             .put_tensor(k, DType::I8, &Shape::new(&[len as u64]).expect("shape"), &mix_content(k))
             .expect("put_tensor"),
         2 => {
-            let mut r = kc.reserve(k, DType::U8, &Shape::for_bytes(len as u64).expect("shape"), 64 * rng.below(64)).expect("reserve");
+            let mut r = kc
+                .reserve(k, DType::U8, &Shape::for_bytes(len as u64).expect("shape"), 64 * rng.below(64))
+                .expect("reserve");
             fill(r.as_mut_slice(), seed_of(k));
             r.commit().expect("commit");
         }
@@ -1128,7 +1140,9 @@ fn kill_victim(kc: &Client) {
         .reserve(Key::from_str("kill/reserved/0"), DType::U8, &Shape::for_bytes(len as u64).expect("shape"), 0)
         .expect("reserve");
     fill(&mut r.as_mut_slice()[..len / 2], 7);
-    let r2 = kc.reserve(Key::from_str("kill/reserved/1"), DType::F16, &Shape::new(&[512, 1024]).expect("shape"), 128).expect("reserve");
+    let r2 = kc
+        .reserve(Key::from_str("kill/reserved/1"), DType::F16, &Shape::new(&[512, 1024]).expect("shape"), 128)
+        .expect("reserve");
     say("HOLDING", format!("channel={} pins={} reservations=2", kc.channel(), views.len()));
     std::thread::sleep(Duration::from_secs(600));
     drop((views, r, r2));
@@ -1142,7 +1156,8 @@ fn sigkilled_client_leaves_no_pins_or_reservations() {
     let dir = TempDir::new("kill");
     let daemon = Daemon::start(&dir.socket(), "64MiB");
     spawn_child("kill_committer", &daemon.socket, &[]).finish(Duration::from_secs(30));
-    let (base, _) = poll_stats(&daemon.socket, Duration::from_secs(3), "committer gone", |v| num(v, "clients_connected") == 0);
+    let (base, _) =
+        poll_stats(&daemon.socket, Duration::from_secs(3), "committer gone", |v| num(v, "clients_connected") == 0);
     assert_eq!(num(&base, "blocks"), 4, "{base}");
     let committed_bytes = num(&base, "bytes_used");
     assert!(committed_bytes >= (0..4).map(|j| kill_len(j) as u64).sum::<u64>(), "{base}");
@@ -1157,9 +1172,13 @@ fn sigkilled_client_leaves_no_pins_or_reservations() {
     let t = Instant::now();
     let status = victim.kill9();
     assert!(!status.success(), "the victim was killed: {status}");
-    let (v, detach) = poll_stats(&daemon.socket, Duration::from_secs(3), "the killed client's pins and reservations released", |v| {
-        num(v, "pins") == 0 && num(v, "reserved") == 0 && num(v, "clients_connected") == 0 && num(v, "bytes_used") == committed_bytes
-    });
+    let (v, detach) =
+        poll_stats(&daemon.socket, Duration::from_secs(3), "the killed client's pins and reservations released", |v| {
+            num(v, "pins") == 0
+                && num(v, "reserved") == 0
+                && num(v, "clients_connected") == 0
+                && num(v, "bytes_used") == committed_bytes
+        });
     let since_kill = t.elapsed();
     assert!(invariants_ok(&v), "{v}");
     assert_eq!(num(&v, "blocks"), 4, "{v}");
@@ -1183,7 +1202,9 @@ fn sigkilled_client_leaves_no_pins_or_reservations() {
     assert_eq!(num(&v, "bytes_free"), num(&v, "bytes_total"), "{v}");
     assert_eq!(num(&v, "free_extents"), 1, "{v}");
     assert!(invariants_ok(&v), "{v}");
-    eprintln!("sigkill: victim {holding}; clean stats {detach:.2?} after the first poll ({since_kill:.2?} after SIGKILL)");
+    eprintln!(
+        "sigkill: victim {holding}; clean stats {detach:.2?} after the first poll ({since_kill:.2?} after SIGKILL)"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -1269,7 +1290,8 @@ fn malformed_frames_get_error_status_and_daemon_serves_on() {
     assert_eq!(c.status, Status::TooLarge as u8, "1 GiB in a 64 MiB daemon: {c:?}");
 
     // Forged handles.
-    let forged: Vec<u64> = vec![0, 1, 0xdead_beef, u64::MAX, 1 << 62, (1 << 62) | 999_999, (2 << 62) | 12345, (3 << 62) | 1];
+    let forged: Vec<u64> =
+        vec![0, 1, 0xdead_beef, u64::MAX, 1 << 62, (1 << 62) | 999_999, (2 << 62) | 12345, (3 << 62) | 1];
     let mut n_bad = 0u64;
     for &h in &forged {
         for op in [Op::Commit, Op::Abort, Op::Release] {
@@ -1366,7 +1388,11 @@ fn malformed_frames_get_error_status_and_daemon_serves_on() {
     });
     assert!(invariants_ok(&v), "{v}");
     assert_eq!(num(&v, "clients_kicked"), 0, "no client was kicked: {v}");
-    eprintln!("malformed: {} rejected frames, {} bad handles; daemon serving", num(&v, "rejected_frames"), num(&v, "bad_handle"));
+    eprintln!(
+        "malformed: {} rejected frames, {} bad handles; daemon serving",
+        num(&v, "rejected_frames"),
+        num(&v, "bad_handle")
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -1385,7 +1411,8 @@ fn startup_refusals_and_stale_socket_reclaim() {
     // Too large.
     let t = Instant::now();
     let mut big = Daemon::spawn(&sock, "100TiB");
-    let status = big.wait_exit(Duration::from_secs(30)).unwrap_or_else(|| panic!("--size 100TiB did not exit:\n{}", big.log()));
+    let status =
+        big.wait_exit(Duration::from_secs(30)).unwrap_or_else(|| panic!("--size 100TiB did not exit:\n{}", big.log()));
     let log = big.log();
     assert!(!status.success(), "--size 100TiB must fail:\n{log}");
     assert!(log.contains("--size"), "the error names the fix (--size):\n{log}");
@@ -1399,7 +1426,9 @@ fn startup_refusals_and_stale_socket_reclaim() {
     let key = Key::from_str("startup/k");
     kc.put(key, b"first daemon").expect("put");
     let mut second = Daemon::spawn(&sock, "64MiB");
-    let status = second.wait_exit(Duration::from_secs(30)).unwrap_or_else(|| panic!("the second daemon did not exit:\n{}", second.log()));
+    let status = second
+        .wait_exit(Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("the second daemon did not exit:\n{}", second.log()));
     let log2 = second.log();
     assert!(!status.success(), "a second daemon on the same socket must fail:\n{log2}");
     assert!(log2.contains("already serves"), "clear error:\n{log2}");
@@ -1430,7 +1459,10 @@ fn startup_refusals_and_stale_socket_reclaim() {
     assert_eq!(&*kc.get(key).expect("get").expect("present"), b"second daemon");
     let v = stats(&sock);
     assert_eq!(num(&v, "daemon_pid"), u64::from(restarted.pid()), "{v}");
-    eprintln!("startup: 100TiB refused in {t_big:.2?}; restart on a stale socket ready in {t_restart:.2?}\n{}", log.trim());
+    eprintln!(
+        "startup: 100TiB refused in {t_big:.2?}; restart on a stale socket ready in {t_restart:.2?}\n{}",
+        log.trim()
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -1456,12 +1488,14 @@ fn client_blocked_when_daemon_dies_gets_disconnected() {
         kc.put(*k, &[7; 100]).expect("put");
     }
     let views: Vec<BlockView> = more.iter().map(|k| kc.get(*k).expect("get").expect("present")).collect();
-    let resv = kc.reserve(Key::from_str("death/r"), DType::U8, &Shape::for_bytes(4096).expect("shape"), 0).expect("reserve");
+    let resv =
+        kc.reserve(Key::from_str("death/r"), DType::U8, &Shape::for_bytes(4096).expect("shape"), 0).expect("reserve");
     // Freeze the daemon so the next op blocks, then kill it.
     // Two blocked clients: the default wait policy (spin, then park), and one that
     // never parks (`SpinThenPark::spin_only`, a public option).
     let spinner = Arc::new(
-        Client::connect(&ConnectOptions { wait: SpinThenPark::spin_only(), ..daemon.opts() }).expect("connect spin-only"),
+        Client::connect(&ConnectOptions { wait: SpinThenPark::spin_only(), ..daemon.opts() })
+            .expect("connect spin-only"),
     );
     spinner.ping().expect("ping");
     daemon.signal(rustix::process::Signal::STOP);
@@ -1526,7 +1560,8 @@ fn sigterm_exits_zero_and_removes_socket() {
     let view = kc.get(key).expect("get").expect("present");
     let t = Instant::now();
     daemon.signal(rustix::process::Signal::TERM);
-    let status = daemon.wait_exit(Duration::from_secs(10)).unwrap_or_else(|| panic!("no exit after SIGTERM:\n{}", daemon.log()));
+    let status =
+        daemon.wait_exit(Duration::from_secs(10)).unwrap_or_else(|| panic!("no exit after SIGTERM:\n{}", daemon.log()));
     let t_exit = t.elapsed();
     assert_eq!(status.code(), Some(0), "SIGTERM exits 0:\n{}", daemon.log());
     assert!(!sock.exists(), "the socket file is removed");
@@ -1588,7 +1623,9 @@ fn client_with_corrupt_ring_is_kicked_and_others_served() {
     honest.put(key, &data).expect("put");
     let evil = Client::connect(&daemon.opts()).expect("connect");
     let view = evil.get(key).expect("get").expect("present");
-    let resv = evil.reserve(Key::from_str("corrupt/r"), DType::U8, &Shape::for_bytes(MIB as u64).expect("shape"), 0).expect("reserve");
+    let resv = evil
+        .reserve(Key::from_str("corrupt/r"), DType::U8, &Shape::for_bytes(MIB as u64).expect("shape"), 0)
+        .expect("reserve");
     let v = stats(&daemon.socket);
     assert!(num(&v, "pins") == 1 && num(&v, "reserved") == 1, "{v}");
     // Line 1 of the submission ring's header holds the producer cursor
@@ -1602,7 +1639,10 @@ fn client_with_corrupt_ring_is_kicked_and_others_served() {
     tail.store(1 << 40, Ordering::SeqCst);
     evil.region().doorbell().notify();
     let (v, t_kick) = poll_stats(&daemon.socket, Duration::from_secs(3), "corrupt client kicked and cleaned up", |v| {
-        num(v, "clients_kicked") == 1 && num(v, "clients_connected") == 1 && num(v, "pins") == 0 && num(v, "reserved") == 0
+        num(v, "clients_kicked") == 1
+            && num(v, "clients_connected") == 1
+            && num(v, "pins") == 0
+            && num(v, "reserved") == 0
     });
     assert!(invariants_ok(&v), "{v}");
     let t = Instant::now();

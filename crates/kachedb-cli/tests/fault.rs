@@ -136,7 +136,8 @@ fn check_block(data: &[u8], key: Key) -> Result<u64, String> {
 }
 
 fn verify(view: &BlockView, key: Key, what: &str) -> u64 {
-    check_block(view, key).unwrap_or_else(|e| panic!("{what}: key {}: {e} (block at offset {})", key.lo(), view.offset()))
+    check_block(view, key)
+        .unwrap_or_else(|e| panic!("{what}: key {}: {e} (block at offset {})", key.lo(), view.offset()))
 }
 
 /// A byte length: mostly small, some page-sized, some up to 256 KiB.
@@ -164,7 +165,13 @@ fn layout_of(len: usize, rng: &mut Rng) -> (DType, Shape) {
 /// Writes one block of `key` with a fresh version, by `put` or by reserve +
 /// in-place write + commit; `announce` runs just before the commit is sent.
 /// `Ok(None)`: the store was full (OUT_OF_MEMORY).
-fn write_one(kc: &Client, key: Key, len: usize, rng: &mut Rng, announce: &mut dyn FnMut(Key, u64)) -> Result<Option<u64>, ClientError> {
+fn write_one(
+    kc: &Client,
+    key: Key,
+    len: usize,
+    rng: &mut Rng,
+    announce: &mut dyn FnMut(Key, u64),
+) -> Result<Option<u64>, ClientError> {
     let version = rng.next() | 1;
     let r = if rng.below(2) == 0 {
         let data = block_vec(key, version, len);
@@ -214,7 +221,12 @@ impl Owned {
     /// have evicted it, which `get` reports as absent).
     fn check(&self, j: usize, v: &BlockView, what: &str) -> u64 {
         let got = verify(v, self.key(j), what);
-        assert_eq!(Some(got), self.present[j], "{what}: key {j} holds version {got:#x}, the last committed is {:?}", self.present[j]);
+        assert_eq!(
+            Some(got),
+            self.present[j],
+            "{what}: key {j} holds version {got:#x}, the last committed is {:?}",
+            self.present[j]
+        );
         got
     }
 
@@ -259,8 +271,13 @@ impl Owned {
                 js.sort_unstable();
                 js.dedup();
                 let versions: Vec<u64> = js.iter().map(|_| rng.next() | 1).collect();
-                let bufs: Vec<Vec<u8>> = js.iter().zip(&versions).map(|(&j, &ver)| block_vec(self.key(j), ver, HDR + rng.below(8192) as usize)).collect();
-                let items: Vec<(Key, &[u8])> = js.iter().zip(&bufs).map(|(&j, b)| (self.key(j), b.as_slice())).collect();
+                let bufs: Vec<Vec<u8>> = js
+                    .iter()
+                    .zip(&versions)
+                    .map(|(&j, &ver)| block_vec(self.key(j), ver, HDR + rng.below(8192) as usize))
+                    .collect();
+                let items: Vec<(Key, &[u8])> =
+                    js.iter().zip(&bufs).map(|(&j, b)| (self.key(j), b.as_slice())).collect();
                 match kc.put_many(&items) {
                     Ok(()) => {
                         for (&j, &ver) in js.iter().zip(&versions) {
@@ -590,23 +607,34 @@ fn kl_victim(kc: Client, seed: u64, mode: u64) {
         }
         3 => {
             // Holding many pins (one batch, plus single gets, some twice).
-            let keys = { let n = 16 + rng.below(112); kl_random_keys(&mut rng, n) };
+            let keys = {
+                let n = 16 + rng.below(112);
+                kl_random_keys(&mut rng, n)
+            };
             let views = kc.get_many(&keys).expect("get_many");
             for (k, v) in keys.iter().zip(&views) {
                 if let Some(v) = v {
                     verify(v, *k, "pinned");
                 }
             }
-            let _more: Vec<BlockView> = (0..rng.below(8)).filter_map(|_| kc.get(kl_key(rng.below(KL_KEYS))).expect("get")).collect();
+            let _more: Vec<BlockView> =
+                (0..rng.below(8)).filter_map(|_| kc.get(kl_key(rng.below(KL_KEYS))).expect("get")).collect();
             die()
         }
         4 => {
             // Inside put_many batches (reserve batch, copies, commit batch).
             killer(Duration::from_micros(rng.below(4000)));
             loop {
-                let keys = { let n = 8 + rng.below(56); kl_random_keys(&mut rng, n) };
+                let keys = {
+                    let n = 8 + rng.below(56);
+                    kl_random_keys(&mut rng, n)
+                };
                 let versions: Vec<u64> = keys.iter().map(|_| rng.next() | 1).collect();
-                let bufs: Vec<Vec<u8>> = keys.iter().zip(&versions).map(|(k, v)| block_vec(*k, *v, HDR + rng.below(4096) as usize)).collect();
+                let bufs: Vec<Vec<u8>> = keys
+                    .iter()
+                    .zip(&versions)
+                    .map(|(k, v)| block_vec(*k, *v, HDR + rng.below(4096) as usize))
+                    .collect();
                 for (k, v) in keys.iter().zip(&versions) {
                     kl_announce(*k, *v);
                 }
@@ -621,7 +649,10 @@ fn kl_victim(kc: Client, seed: u64, mode: u64) {
             // Inside get_many batches.
             killer(Duration::from_micros(rng.below(4000)));
             loop {
-                let keys = { let n = 32 + rng.below(128); kl_random_keys(&mut rng, n) };
+                let keys = {
+                    let n = 32 + rng.below(128);
+                    kl_random_keys(&mut rng, n)
+                };
                 for (k, v) in keys.iter().zip(kc.get_many(&keys).expect("get_many")) {
                     if let Some(v) = v {
                         verify(&v, *k, "get_many");
@@ -697,7 +728,11 @@ fn kl_reader(kc: Client, seed: u64) {
     while !stop.load(Ordering::Relaxed) {
         let n = if rng.below(3) == 0 { 1 } else { 1 + rng.below(24) };
         let keys = kl_random_keys(&mut rng, n);
-        let views = if n == 1 { vec![kc.get(keys[0]).expect("reader get")] } else { kc.get_many(&keys).expect("reader get_many") };
+        let views = if n == 1 {
+            vec![kc.get(keys[0]).expect("reader get")]
+        } else {
+            kc.get_many(&keys).expect("reader get_many")
+        };
         gets += n;
         for (k, v) in keys.iter().zip(views) {
             let Some(v) = v else { continue };
@@ -772,7 +807,8 @@ fn client_kill_loop() {
             .expect("room for the seed blocks");
         }
     }
-    let mut readers: Vec<Proc> = (0..3).map(|_| spawn_child("kl_reader", &sock, &[("KDB_SEED", rng.next().to_string())])).collect();
+    let mut readers: Vec<Proc> =
+        (0..3).map(|_| spawn_child("kl_reader", &sock, &[("KDB_SEED", rng.next().to_string())])).collect();
     for r in &mut readers {
         r.expect("READY", Duration::from_secs(30));
     }
@@ -787,7 +823,11 @@ fn client_kill_loop() {
         assert!(start.elapsed() < limit, "only {kills} of {target} kills within {limit:?}");
         while live.len() < conc && kills + (live.len() as u64) < target {
             let mode = rng.below(KL_MODES.len() as u64) as usize;
-            let p = spawn_child("kl_victim", &sock, &[("KDB_SEED", rng.next().to_string()), ("KDB_MODE", mode.to_string())]);
+            let p = spawn_child(
+                "kl_victim",
+                &sock,
+                &[("KDB_SEED", rng.next().to_string()), ("KDB_MODE", mode.to_string())],
+            );
             let now = Instant::now();
             let kill_at = if KL_MODES[mode] == "parent_kill" {
                 Some(now + Duration::from_micros(5_000 + rng.below(80_000)))
@@ -821,7 +861,12 @@ fn client_kill_loop() {
                     announced.insert((j, ver));
                 }
             }
-            assert_eq!(status.signal(), Some(9), "victim ({}) ended with {status}, not SIGKILL:\n{dump}", KL_MODES[v.mode]);
+            assert_eq!(
+                status.signal(),
+                Some(9),
+                "victim ({}) ended with {status}, not SIGKILL:\n{dump}",
+                KL_MODES[v.mode]
+            );
             kills += 1;
             by_mode[v.mode] += 1;
             parent_kills += u64::from(v.parent_killed);
@@ -840,7 +885,12 @@ fn client_kill_loop() {
             for pair in chunk.split(',').filter(|p| !p.is_empty()) {
                 let (j, ver) = pair.split_once(':').expect("j:ver");
                 let pair = (j.parse::<u64>().expect("j"), u64::from_str_radix(ver, 16).expect("ver"));
-                assert!(announced.contains(&pair), "a reader got version {:#x} of key {}, which no writer committed", pair.1, pair.0);
+                assert!(
+                    announced.contains(&pair),
+                    "a reader got version {:#x} of key {}, which no writer committed",
+                    pair.1,
+                    pair.0
+                );
                 seen_pairs += 1;
             }
         }
@@ -874,7 +924,9 @@ fn client_kill_loop() {
         }
     }
     drop(kc);
-    let (v, _) = poll_stats(&sock, Duration::from_secs(5), "the checker's pins released", |v| num(v, "clients_connected") == 0 && num(v, "pins") == 0);
+    let (v, _) = poll_stats(&sock, Duration::from_secs(5), "the checker's pins released", |v| {
+        num(v, "clients_connected") == 0 && num(v, "pins") == 0
+    });
     assert_eq!(num(&v, "blocks"), found, "{v}");
     assert_eq!(num(&v, "bytes_used"), extent_bytes, "bytes_used is the committed blocks' extents: {v}");
     assert!(invariants_ok(&v), "{v}");
@@ -969,7 +1021,10 @@ fn dk_client(id: u64) {
         let kc = Client::connect(&opts(&socket)).unwrap_or_else(|e| panic!("round {round}: connect: {e}"));
         if round > 0 {
             for j in 0..DK_KEYS {
-                assert!(!kc.contains(tkey(dk_tag(owner, round - 1), j)).expect("contains"), "round {round}: a block of the killed daemon is still there");
+                assert!(
+                    !kc.contains(tkey(dk_tag(owner, round - 1), j)).expect("contains"),
+                    "round {round}: a block of the killed daemon is still there"
+                );
             }
         }
         say("CONNECTED", round);
@@ -1028,8 +1083,15 @@ fn describe_holders(holders: &[String]) -> String {
             let pid = h.split_whitespace().nth(1).unwrap_or("?");
             let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
             let field = |k: &str| status.lines().find_map(|l| l.strip_prefix(k)).unwrap_or("?").trim().to_string();
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| String::from_utf8_lossy(&c).replace('\0', " ")).unwrap_or_default();
-            format!("{h} [ppid {} state {} (this test is pid {}): {cmd}]", field("PPid:"), field("State:"), std::process::id())
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+                .unwrap_or_default();
+            format!(
+                "{h} [ppid {} state {} (this test is pid {}): {cmd}]",
+                field("PPid:"),
+                field("State:"),
+                std::process::id()
+            )
         })
         .collect::<Vec<_>>()
         .join("\n")
@@ -1038,7 +1100,12 @@ fn describe_holders(holders: &[String]) -> String {
 /// Names in `/dev/shm` that contain "kachedb".
 fn dev_shm_kachedb() -> std::collections::BTreeSet<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.to_ascii_lowercase().contains("kachedb")).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.to_ascii_lowercase().contains("kachedb"))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -1067,7 +1134,8 @@ fn daemon_kill_loop() {
     let sock = dir.socket();
     let lock = lock_path(&sock);
     let shm_before = dev_shm_kachedb();
-    let mut procs: Vec<Proc> = (0..PROCS).map(|i| spawn_child("dk_client", &sock, &[("KDB_ID", i.to_string())])).collect();
+    let mut procs: Vec<Proc> =
+        (0..PROCS).map(|i| spawn_child("dk_client", &sock, &[("KDB_ID", i.to_string())])).collect();
     for p in &mut procs {
         p.expect("READY", Duration::from_secs(30));
     }
@@ -1126,7 +1194,10 @@ fn daemon_kill_loop() {
         for h in &loaders {
             while !h.is_finished() {
                 // A hung thread is left behind (the process exits at the end of the run).
-                assert!(killed.elapsed() < Duration::from_secs(5), "round {round}: a client is still blocked 5 s after the daemon was killed");
+                assert!(
+                    killed.elapsed() < Duration::from_secs(5),
+                    "round {round}: a client is still blocked 5 s after the daemon was killed"
+                );
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
@@ -1171,9 +1242,17 @@ fn daemon_kill_loop() {
             eprintln!("round {round}: transient holders:\n{}", describe_holders(&h));
             std::thread::sleep(Duration::from_millis(20));
         };
-        assert!(holders.is_empty(), "round {round}: the dead daemon's region is still held:\n{}", describe_holders(&holders));
+        assert!(
+            holders.is_empty(),
+            "round {round}: the dead daemon's region is still held:\n{}",
+            describe_holders(&holders)
+        );
         let shm_now = dev_shm_kachedb();
-        assert!(shm_now.is_subset(&shm_before), "round {round}: new /dev/shm entries: {:?}", shm_now.difference(&shm_before).collect::<Vec<_>>());
+        assert!(
+            shm_now.is_subset(&shm_before),
+            "round {round}: new /dev/shm entries: {:?}",
+            shm_now.difference(&shm_before).collect::<Vec<_>>()
+        );
     }
     let worst = lat.iter().max().copied().unwrap_or_default();
     assert!(worst < Duration::from_secs(1), "a client took {worst:?} to get Disconnected");
@@ -1248,11 +1327,13 @@ fn good_client(kc: Client, id: u64) {
 fn hostile() {
     let socket = PathBuf::from(env_str(SOCKET_VAR));
     let secs = env_u64("KDB_SECS");
-    let victim: Vec<u64> = env_str("KDB_VICTIM_HANDLES").split(',').map(|h| u64::from_str_radix(h, 16).expect("hex handle")).collect();
+    let victim: Vec<u64> =
+        env_str("KDB_VICTIM_HANDLES").split(',').map(|h| u64::from_str_radix(h, 16).expect("hex handle")).collect();
     let pin_key = Key(u128::from_str_radix(&env_str("KDB_PIN_KEY"), 16).expect("hex key"));
     let mut rng = Rng::new(env_u64("KDB_SEED"));
     let end = Instant::now() + Duration::from_secs(secs);
-    let (mut conns, mut via_client, mut victim_frames, mut raw_frames, mut scribbles, mut stale) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut conns, mut via_client, mut victim_frames, mut raw_frames, mut scribbles, mut stale) =
+        (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
     let mut kick_ms: Vec<f64> = Vec::new();
     let mut how: BTreeMap<&str, u64> = BTreeMap::new();
     let mut next_op: BTreeMap<&str, u64> = BTreeMap::new();
@@ -1275,7 +1356,8 @@ fn hostile() {
 
         // A: through the client: random frames, the victim's handles, a pin
         // and reservations for the kick to clean up.
-        let mut frames: Vec<TensorBlockDescriptor> = (0..1 + rng.below(200)).map(|_| random_frame(&mut rng, &handles)).collect();
+        let mut frames: Vec<TensorBlockDescriptor> =
+            (0..1 + rng.below(200)).map(|_| random_frame(&mut rng, &handles)).collect();
         frames.push(TensorBlockDescriptor::request(Op::Get, 0, pin_key.0));
         for _ in 0..2 {
             let mut f = TensorBlockDescriptor::request(Op::Reserve, 0, u128::from(rng.next()));
@@ -1294,11 +1376,18 @@ fn hostile() {
         via_client += frames.len() as u64;
         for (f, c) in frames.iter().zip(&done) {
             assert!(Status::from_code(c.status).is_some(), "completion with an unknown status: {c:?}");
-            if let Ok(kachedb_shm::Request::Commit { handle } | kachedb_shm::Request::Abort { handle } | kachedb_shm::Request::Release { handle }) =
-                kachedb_shm::Request::decode(f)
+            if let Ok(
+                kachedb_shm::Request::Commit { handle }
+                | kachedb_shm::Request::Abort { handle }
+                | kachedb_shm::Request::Release { handle },
+            ) = kachedb_shm::Request::decode(f)
             {
                 if victim.contains(&handle) {
-                    assert_eq!(c.status, Status::BadHandle as u8, "another client's handle was accepted: {f:?} -> {c:?}");
+                    assert_eq!(
+                        c.status,
+                        Status::BadHandle as u8,
+                        "another client's handle was accepted: {f:?} -> {c:?}"
+                    );
                     victim_frames += 1;
                 }
             }
@@ -1393,7 +1482,10 @@ fn hostile() {
             if num(&stats_fast(&socket), "clients_kicked") > kicked0 {
                 break;
             }
-            assert!(t0.elapsed() < Duration::from_secs(5), "hostile: not disconnected 5 s after making its ring corrupt ({what})");
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "hostile: not disconnected 5 s after making its ring corrupt ({what})"
+            );
             std::thread::sleep(Duration::from_millis(2));
         }
         kick_ms.push(ms(t0.elapsed()));
@@ -1471,10 +1563,12 @@ fn hostile_client_is_contained() {
             let mut rng = Rng::new(mono_ns());
             let (mut n, mut ops) = (0u64, 0u64);
             while !stop.load(Ordering::Relaxed) {
-                let kc = Client::connect(&opts(&sock)).unwrap_or_else(|e| panic!("short-lived good client {n}: connect: {e}"));
+                let kc = Client::connect(&opts(&sock))
+                    .unwrap_or_else(|e| panic!("short-lived good client {n}: connect: {e}"));
                 let mut m = Owned::new(CHURN_TAG | n, 16);
                 for _ in 0..20 {
-                    m.step(&kc, &mut rng).unwrap_or_else(|e| panic!("short-lived good client {n} (channel {}): {e}", kc.channel()));
+                    m.step(&kc, &mut rng)
+                        .unwrap_or_else(|e| panic!("short-lived good client {n} (channel {}): {e}", kc.channel()));
                 }
                 ops += m.ops;
                 n += 1;
@@ -1517,7 +1611,9 @@ fn hostile_client_is_contained() {
     drop(victim);
 
     let conns = h["connections"].as_u64().expect("connections");
-    let (v, _) = poll_stats(&sock, Duration::from_secs(5), "everyone gone", |v| num(v, "clients_connected") == 0 && num(v, "pins") == 0 && num(v, "reserved") == 0);
+    let (v, _) = poll_stats(&sock, Duration::from_secs(5), "everyone gone", |v| {
+        num(v, "clients_connected") == 0 && num(v, "pins") == 0 && num(v, "reserved") == 0
+    });
     assert_eq!(num(&v, "clients_kicked"), conns, "every hostile connection was kicked, and no good client: {v}");
     assert!(num(&v, "rejected_frames") > 0, "{v}");
     assert!(num(&v, "bad_handle") >= h["victim_handle_frames"].as_u64().expect("n"), "{v}");
@@ -1564,7 +1660,12 @@ fn region_cannot_be_resized_or_resealed() {
     let len = region.layout().region_len;
     let seals = fcntl_get_seals(fd).expect("get seals");
     assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL), "seals {seals:?}");
-    let reopened = rustix::fs::open(format!("/proc/self/fd/{}", fd.as_raw_fd()).as_str(), rustix::fs::OFlags::RDWR, rustix::fs::Mode::empty()).expect("reopen");
+    let reopened = rustix::fs::open(
+        format!("/proc/self/fd/{}", fd.as_raw_fd()).as_str(),
+        rustix::fs::OFlags::RDWR,
+        rustix::fs::Mode::empty(),
+    )
+    .expect("reopen");
     let mut attempts = Vec::new();
     for (what, r) in [
         ("ftruncate to 0", ftruncate(fd, 0)),
@@ -1651,7 +1752,9 @@ fn other_uid() {
             n += 1;
             match r {
                 Ok(()) => clear += 1,
-                Err(e) if e.to_string().contains("uid 65534") || e.to_string().contains("ermission denied") => clear += 1,
+                Err(e) if e.to_string().contains("uid 65534") || e.to_string().contains("ermission denied") => {
+                    clear += 1
+                }
                 Err(e) => say("UNCLEAR", e),
             }
         }
@@ -1692,7 +1795,9 @@ fn strip_ansi(s: &str) -> String {
 }
 
 fn run_as_nobody(socket: &Path, daemon_pid: u32, groups: &[u32]) -> String {
-    let p = spawn_child_with("other_uid", socket, &[("KDB_DAEMON_PID", daemon_pid.to_string())], |cmd| drop_privileges(cmd, 65534, 65534, groups));
+    let p = spawn_child_with("other_uid", socket, &[("KDB_DAEMON_PID", daemon_pid.to_string())], |cmd| {
+        drop_privileges(cmd, 65534, 65534, groups)
+    });
     p.finish(Duration::from_secs(30))
 }
 
@@ -1781,7 +1886,9 @@ fn socket_and_directory_are_private() {
     drop(d);
 
     let mut refused = Vec::new();
-    for (name, mode, owner) in [("world-writable", 0o777, None), ("group-writable", 0o770, None), ("foreign", 0o700, Some(65534))] {
+    for (name, mode, owner) in
+        [("world-writable", 0o777, None), ("group-writable", 0o770, None), ("foreign", 0o700, Some(65534))]
+    {
         let p = dir.0.join(name);
         std::fs::create_dir(&p).expect("mkdir");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
@@ -1792,10 +1899,15 @@ fn socket_and_directory_are_private() {
         }
         let s = p.join("s.sock");
         let mut d = Daemon::spawn(&s, "16MiB");
-        let status = d.wait_exit(Duration::from_secs(30)).unwrap_or_else(|| panic!("{name}: the daemon started in an unsafe directory:\n{}", d.log()));
+        let status = d
+            .wait_exit(Duration::from_secs(30))
+            .unwrap_or_else(|| panic!("{name}: the daemon started in an unsafe directory:\n{}", d.log()));
         let log = d.log();
         assert!(!status.success(), "{name}: must be refused:\n{log}");
-        assert!(log.contains(&p.display().to_string()) && log.contains("--socket"), "{name}: the error names the directory and the fix:\n{log}");
+        assert!(
+            log.contains(&p.display().to_string()) && log.contains("--socket"),
+            "{name}: the error names the directory and the fix:\n{log}"
+        );
         assert!(!s.exists(), "{name}: no socket was created");
         refused.push(log.lines().find(|l| l.contains("error")).unwrap_or_default().to_string());
     }
@@ -1804,7 +1916,10 @@ fn socket_and_directory_are_private() {
     std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
     let d = Daemon::start(&sticky.join("s.sock"), "16MiB");
     Client::connect(&d.opts()).expect("connect").ping().expect("ping");
-    figures("socket_and_directory_are_private", json!({"created_dirs_mode": "0700", "socket_mode": "0600", "refused": refused}));
+    figures(
+        "socket_and_directory_are_private",
+        json!({"created_dirs_mode": "0700", "socket_mode": "0600", "refused": refused}),
+    );
 }
 
 /// One client cannot commit, abort or release another client's reservation
@@ -1824,7 +1939,9 @@ fn forged_handles_cannot_touch_another_clients_reservation() {
     let pkey = tkey(VICTIM_TAG, 22);
     victim.put(pkey, &block_vec(pkey, 0x5678, 3000)).expect("put");
     let pin = victim.get(pkey).expect("get").expect("present");
-    let mine = attacker.reserve(tkey(VICTIM_TAG, 23), DType::U8, &Shape::for_bytes(100).expect("shape"), 0).expect("attacker's own");
+    let mine = attacker
+        .reserve(tkey(VICTIM_TAG, 23), DType::U8, &Shape::for_bytes(100).expect("shape"), 0)
+        .expect("attacker's own");
     let before = stats(&daemon.socket);
 
     let mut forged: Vec<u64> = vec![res.handle(), pin.handle(), 0, u64::MAX];
@@ -1858,7 +1975,11 @@ fn forged_handles_cannot_touch_another_clients_reservation() {
     assert!(!attacker.delete(rkey).expect("delete"), "an uncommitted reservation cannot be deleted");
     let after = stats(&daemon.socket);
     assert_eq!(num(&after, "bad_handle") - num(&before, "bad_handle"), frames.len() as u64, "{after}");
-    assert_eq!((num(&after, "pins"), num(&after, "reserved")), (num(&before, "pins"), num(&before, "reserved")), "nothing released or aborted");
+    assert_eq!(
+        (num(&after, "pins"), num(&after, "reserved")),
+        (num(&before, "pins"), num(&before, "reserved")),
+        "nothing released or aborted"
+    );
 
     res.commit().expect("the victim's reservation still commits");
     drop(pin);
@@ -1867,9 +1988,14 @@ fn forged_handles_cannot_touch_another_clients_reservation() {
     assert_eq!(verify(&got, rkey, "the victim's block"), 0x1234);
     drop(got);
     drop((victim, attacker));
-    let (v, _) = poll_stats(&daemon.socket, Duration::from_secs(3), "clients gone", |v| num(v, "clients_connected") == 0 && num(v, "pins") == 0 && num(v, "reserved") == 0);
+    let (v, _) = poll_stats(&daemon.socket, Duration::from_secs(3), "clients gone", |v| {
+        num(v, "clients_connected") == 0 && num(v, "pins") == 0 && num(v, "reserved") == 0
+    });
     assert!(invariants_ok(&v), "{v}");
-    figures("forged_handles_cannot_touch_another_clients_reservation", json!({"forged_frames": frames.len(), "all_bad_handle": true}));
+    figures(
+        "forged_handles_cannot_touch_another_clients_reservation",
+        json!({"forged_frames": frames.len(), "all_bad_handle": true}),
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -1924,16 +2050,22 @@ impl Cgroup {
             _ => {
                 let path = own.lines().find_map(|l| l.strip_prefix("0::")).ok_or("no cgroup v2 path")?;
                 let parent = PathBuf::from(format!("/sys/fs/cgroup{path}"));
-                let ctl = std::fs::read_to_string(parent.join("cgroup.subtree_control")).map_err(|e| format!("cgroup v2: {e}"))?;
+                let ctl = std::fs::read_to_string(parent.join("cgroup.subtree_control"))
+                    .map_err(|e| format!("cgroup v2: {e}"))?;
                 if !ctl.split_whitespace().any(|c| c == "memory") {
-                    std::fs::write(parent.join("cgroup.subtree_control"), "+memory").map_err(|e| format!("cgroup v2: enabling memory in {}: {e}", parent.display()))?;
+                    std::fs::write(parent.join("cgroup.subtree_control"), "+memory")
+                        .map_err(|e| format!("cgroup v2: enabling memory in {}: {e}", parent.display()))?;
                 }
                 (parent, "memory.max")
             }
         };
         let dir = parent.join(name);
         std::fs::create_dir(&dir).map_err(|e| format!("mkdir {}: {e}", dir.display()))?;
-        let cg = Cgroup { procs: std::ffi::CString::new(dir.join("cgroup.procs").into_os_string().into_encoded_bytes()).expect("path"), dir };
+        let cg = Cgroup {
+            procs: std::ffi::CString::new(dir.join("cgroup.procs").into_os_string().into_encoded_bytes())
+                .expect("path"),
+            dir,
+        };
         std::fs::write(cg.dir.join(limit_file), limit.to_string()).map_err(|e| format!("{limit_file}: {e}"))?;
         Ok(cg)
     }
@@ -1986,7 +2118,11 @@ fn region_larger_than_cgroup_fails_at_start() {
     let mut d = Daemon::launch(cmd, &sock);
     let status = d.wait_exit(Duration::from_secs(60)).expect("exits");
     let log = d.log();
-    assert_ne!(status.signal(), Some(9), "the daemon was OOM-killed while reserving memory instead of refusing to start:\n{log}");
+    assert_ne!(
+        status.signal(),
+        Some(9),
+        "the daemon was OOM-killed while reserving memory instead of refusing to start:\n{log}"
+    );
     assert_eq!(status.code(), Some(1), "{status}:\n{log}");
     assert!(log.contains("cgroup") && log.contains("--size"), "names the cgroup limit and the fix:\n{log}");
     assert!(!sock.exists());
@@ -2003,7 +2139,10 @@ fn region_larger_than_cgroup_fails_at_start() {
     drop(kc);
     d.signal(rustix::process::Signal::TERM);
     d.wait_exit(Duration::from_secs(10)).expect("exit");
-    figures("region_larger_than_cgroup_fails_at_start", json!({"cgroup": cg.dir.display().to_string(), "limit_mib": 256, "asked_mib": 512, "message": msg, "64mib_in_cgroup_serves": true}));
+    figures(
+        "region_larger_than_cgroup_fails_at_start",
+        json!({"cgroup": cg.dir.display().to_string(), "limit_mib": 256, "asked_mib": 512, "message": msg, "64mib_in_cgroup_serves": true}),
+    );
 }
 
 const OOM_TAG: u64 = 0x4F4F_4D00_0000_0000;
@@ -2028,7 +2167,10 @@ fn oom_reader(kc: Client) {
             while !stop.load(Ordering::Relaxed) {
                 let j = rng.below(OOM_PINNED);
                 let k = tkey(OOM_TAG, j);
-                let v = kc.get(k).unwrap_or_else(|e| panic!("a reader's get failed while the store was full: {e}")).expect("a pinned block is present");
+                let v = kc
+                    .get(k)
+                    .unwrap_or_else(|e| panic!("a reader's get failed while the store was full: {e}"))
+                    .expect("a pinned block is present");
                 assert_eq!(verify(&v, k, "reader during OOM"), j + 1);
                 assert_eq!(kc.lookup(&[k]).expect("lookup"), 1);
                 count.fetch_add(1, Ordering::Relaxed);
@@ -2070,7 +2212,12 @@ fn full_store_returns_oom_and_keeps_serving_readers() {
     // Reserve (and scribble over) every free byte: 1 MiB pieces, then 64 KiB, then pages.
     for piece in [1u64 << 20, 64 << 10, 4096] {
         let err = loop {
-            match writer.reserve(tkey(OOM_TAG, 1000 + held.len() as u64), DType::U8, &Shape::for_bytes(piece).expect("shape"), 0) {
+            match writer.reserve(
+                tkey(OOM_TAG, 1000 + held.len() as u64),
+                DType::U8,
+                &Shape::for_bytes(piece).expect("shape"),
+                0,
+            ) {
                 Ok(mut r) => {
                     r.as_mut_slice().fill(0x5A);
                     held.push(r);
@@ -2094,7 +2241,8 @@ fn full_store_returns_oom_and_keeps_serving_readers() {
             1 => writer.put(k, &block_vec(k, 1, 300_000)),
             _ => {
                 let bufs: Vec<Vec<u8>> = (0..4).map(|i| block_vec(tkey(OOM_TAG, 9000 + i), 1, 400_000)).collect();
-                let items: Vec<(Key, &[u8])> = bufs.iter().enumerate().map(|(i, b)| (tkey(OOM_TAG, 9000 + i as u64), b.as_slice())).collect();
+                let items: Vec<(Key, &[u8])> =
+                    bufs.iter().enumerate().map(|(i, b)| (tkey(OOM_TAG, 9000 + i as u64), b.as_slice())).collect();
                 writer.put_many(&items)
             }
         };
@@ -2119,7 +2267,9 @@ fn full_store_returns_oom_and_keeps_serving_readers() {
     reader.send("stop");
     let total: u64 = first(&reader.finish(Duration::from_secs(30)), "DONE").parse().expect("n");
     drop(writer);
-    let (v, _) = poll_stats(&daemon.socket, Duration::from_secs(3), "clients gone", |v| num(v, "clients_connected") == 0 && num(v, "pins") == 0 && num(v, "reserved") == 0);
+    let (v, _) = poll_stats(&daemon.socket, Duration::from_secs(3), "clients gone", |v| {
+        num(v, "clients_connected") == 0 && num(v, "pins") == 0 && num(v, "reserved") == 0
+    });
     assert!(invariants_ok(&v), "{v}");
     figures(
         "full_store_returns_oom_and_keeps_serving_readers",

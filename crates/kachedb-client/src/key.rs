@@ -141,26 +141,14 @@ mod tests {
             assert_eq!(Key::from_bytes(input), Key(want), "input {input:?}");
         }
         let counting: Vec<u8> = (0..=255u8).collect();
-        assert_eq!(
-            Key::from_bytes(&counting),
-            Key(0x1741f5ae23177cbc8ed2e64f58d49f4d)
-        );
-        assert_eq!(
-            Key::from_bytes(&[b'a'; 1000]),
-            Key(0x8ad8b1f306fbf8e81817298fe5c2b041)
-        );
+        assert_eq!(Key::from_bytes(&counting), Key(0x1741f5ae23177cbc8ed2e64f58d49f4d));
+        assert_eq!(Key::from_bytes(&[b'a'; 1000]), Key(0x8ad8b1f306fbf8e81817298fe5c2b041));
     }
 
     #[test]
     fn str_is_utf8_bytes() {
-        assert_eq!(
-            Key::from_str("héllo"),
-            Key(0x4fa4808aa8b5421cb149d0917030966d)
-        );
-        assert_eq!(
-            "prefix-hash-0".parse::<Key>().unwrap(),
-            Key(0x94084cce0aa7c1d500b9bd01869f5bc9)
-        );
+        assert_eq!(Key::from_str("héllo"), Key(0x4fa4808aa8b5421cb149d0917030966d));
+        assert_eq!("prefix-hash-0".parse::<Key>().unwrap(), Key(0x94084cce0aa7c1d500b9bd01869f5bc9));
         assert_eq!(Key::from("héllo"), Key::from_bytes("héllo".as_bytes()));
     }
 
@@ -168,14 +156,8 @@ mod tests {
     fn digest_halves_are_little_endian() {
         // hashlib digest of b"" is 36c77310e5fd1316 4a34e082d73ace2c (hex, in byte order).
         let key = Key::from_bytes(b"");
-        assert_eq!(
-            key.lo(),
-            u64::from_le_bytes([0x36, 0xc7, 0x73, 0x10, 0xe5, 0xfd, 0x13, 0x16])
-        );
-        assert_eq!(
-            key.hi(),
-            u64::from_le_bytes([0x4a, 0x34, 0xe0, 0x82, 0xd7, 0x3a, 0xce, 0x2c])
-        );
+        assert_eq!(key.lo(), u64::from_le_bytes([0x36, 0xc7, 0x73, 0x10, 0xe5, 0xfd, 0x13, 0x16]));
+        assert_eq!(key.hi(), u64::from_le_bytes([0x4a, 0x34, 0xe0, 0x82, 0xd7, 0x3a, 0xce, 0x2c]));
         assert_eq!(Key::from_parts(key.lo(), key.hi()), key);
     }
 
@@ -195,9 +177,6 @@ mod tests {
     #[test]
     fn formatting() {
         assert_eq!(Key(0xab).to_string(), "000000000000000000000000000000ab");
-        assert_eq!(
-            format!("{:?}", Key(1)),
-            "Key(0x00000000000000000000000000000001)"
-        );
+        assert_eq!(format!("{:?}", Key(1)), "Key(0x00000000000000000000000000000001)");
     }
 }

@@ -21,7 +21,9 @@ pub mod key;
 pub use kachedb_shm::{DType, Shape};
 pub use key::Key;
 
-use kachedb_shm::{Completion, Consumer, Op, Producer, Region, RingError, SpinThenPark, Status, Tick, TensorBlockDescriptor};
+use kachedb_shm::{
+    Completion, Consumer, Op, Producer, Region, RingError, SpinThenPark, Status, TensorBlockDescriptor, Tick,
+};
 use std::io::{BufRead, BufReader, IoSliceMut, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::AsFd;
@@ -155,8 +157,9 @@ fn recv_hello(stream: &UnixStream) -> Result<(serde_json::Value, Option<std::os:
     while !line.contains(&b'\n') {
         let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut cmsg = RecvAncillaryBuffer::new(&mut space);
-        let r = rustix::net::recvmsg(stream.as_fd(), &mut [IoSliceMut::new(&mut buf)], &mut cmsg, RecvFlags::CMSG_CLOEXEC)
-            .map_err(|e| ClientError::Disconnected(format!("reading the daemon's hello reply: {e}")))?;
+        let r =
+            rustix::net::recvmsg(stream.as_fd(), &mut [IoSliceMut::new(&mut buf)], &mut cmsg, RecvFlags::CMSG_CLOEXEC)
+                .map_err(|e| ClientError::Disconnected(format!("reading the daemon's hello reply: {e}")))?;
         for msg in cmsg.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = msg {
                 for f in fds {
@@ -173,7 +176,8 @@ fn recv_hello(stream: &UnixStream) -> Result<(serde_json::Value, Option<std::os:
         }
     }
     let end = line.iter().position(|&b| b == b'\n').unwrap_or(line.len());
-    let v: serde_json::Value = serde_json::from_slice(&line[..end]).map_err(|e| ClientError::Protocol(format!("hello reply is not JSON: {e}")))?;
+    let v: serde_json::Value = serde_json::from_slice(&line[..end])
+        .map_err(|e| ClientError::Protocol(format!("hello reply is not JSON: {e}")))?;
     Ok((v, fd))
 }
 
@@ -219,7 +223,8 @@ pub fn daemon_stats(opts: &ConnectOptions) -> Result<serde_json::Value> {
     })?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(|e| ClientError::Disconnected(e.to_string()))?;
-    let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| ClientError::Protocol(format!("stats reply is not JSON: {e}")))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&line).map_err(|e| ClientError::Protocol(format!("stats reply is not JSON: {e}")))?;
     if v.get("ok") != Some(&serde_json::Value::Bool(true)) {
         return Err(ClientError::Protocol(v.get("error").map(|e| e.to_string()).unwrap_or_else(|| line.clone())));
     }
@@ -301,7 +306,8 @@ impl Client {
     /// 4096) asks for a data start with that offset within a 4 KiB page, which
     /// makes a copy from a source with the same alignment run at full speed.
     pub fn reserve(&self, key: Key, dtype: DType, shape: &Shape, page_offset: u64) -> Result<Reservation> {
-        let len = shape.len_bytes(dtype).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
+        let len =
+            shape.len_bytes(dtype).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
         let mut f = TensorBlockDescriptor::request(Op::Reserve, 0, key.0);
         f.set_shape(dtype, shape);
         f.offset = page_offset;
@@ -321,9 +327,13 @@ impl Client {
 
     /// Stores a tensor's bytes under `key` (one copy into shared memory).
     pub fn put_tensor(&self, key: Key, dtype: DType, shape: &Shape, bytes: &[u8]) -> Result<()> {
-        let len = shape.len_bytes(dtype).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
+        let len =
+            shape.len_bytes(dtype).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
         if len != bytes.len() as u64 {
-            return Err(ClientError::Invalid(format!("shape and dtype make {len} bytes but {} were given", bytes.len())));
+            return Err(ClientError::Invalid(format!(
+                "shape and dtype make {len} bytes but {} were given",
+                bytes.len()
+            )));
         }
         let mut r = self.reserve(key, dtype, shape, page_offset_of(bytes.as_ptr()))?;
         r.as_mut_slice().copy_from_slice(bytes);
@@ -334,8 +344,9 @@ impl Client {
     pub fn put_many(&self, items: &[(Key, &[u8])]) -> Result<()> {
         let mut tensors = Vec::with_capacity(items.len());
         for (key, bytes) in items {
-            let shape = Shape::for_bytes(bytes.len() as u64)
-                .ok_or_else(|| ClientError::Invalid("a flat block above 4 GiB must be a multiple of 4096 bytes".into()))?;
+            let shape = Shape::for_bytes(bytes.len() as u64).ok_or_else(|| {
+                ClientError::Invalid("a flat block above 4 GiB must be a multiple of 4096 bytes".into())
+            })?;
             tensors.push((*key, DType::U8, shape, *bytes));
         }
         self.put_many_tensors(&tensors)
@@ -347,9 +358,13 @@ impl Client {
     pub fn put_many_tensors(&self, items: &[(Key, DType, Shape, &[u8])]) -> Result<()> {
         let mut frames = Vec::with_capacity(items.len());
         for (key, dtype, shape, bytes) in items {
-            let len = shape.len_bytes(*dtype).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
+            let len =
+                shape.len_bytes(*dtype).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
             if len != bytes.len() as u64 {
-                return Err(ClientError::Invalid(format!("shape and dtype make {len} bytes but {} were given", bytes.len())));
+                return Err(ClientError::Invalid(format!(
+                    "shape and dtype make {len} bytes but {} were given",
+                    bytes.len()
+                )));
             }
             let mut f = TensorBlockDescriptor::request(Op::Reserve, 0, key.0);
             f.set_shape(*dtype, shape);
@@ -366,7 +381,9 @@ impl Client {
                     match self.inner.region.slab_ptr(c.offset, bytes.len() as u64) {
                         // SAFETY: the daemon reserved [offset, offset+len) for this
                         // client alone; it stays allocated until commit or abort.
-                        Some(ptr) => unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr(), bytes.len()) },
+                        Some(ptr) => unsafe {
+                            std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr(), bytes.len())
+                        },
                         None => {
                             first_err.get_or_insert(ClientError::Protocol("reservation outside the megaslab".into()));
                         }
@@ -505,7 +522,9 @@ impl Inner {
     fn call_many(&self, frames: &[TensorBlockDescriptor]) -> Result<Vec<Completion>> {
         let raw = self.call_raw(frames)?;
         raw.iter()
-            .map(|d| Completion::decode(d).map_err(|e| ClientError::Protocol(format!("daemon sent a bad completion: {e}"))))
+            .map(|d| {
+                Completion::decode(d).map_err(|e| ClientError::Protocol(format!("daemon sent a bad completion: {e}")))
+            })
             .collect()
     }
 
@@ -524,9 +543,16 @@ impl Inner {
 
     /// Pushes `frames` (request ids assigned here) and collects one completion
     /// each, in order.
-    fn exchange(&self, io: &mut Io, frames: &[TensorBlockDescriptor], keep: bool) -> Result<Vec<TensorBlockDescriptor>> {
+    fn exchange(
+        &self,
+        io: &mut Io,
+        frames: &[TensorBlockDescriptor],
+        keep: bool,
+    ) -> Result<Vec<TensorBlockDescriptor>> {
         if self.forked.load(Ordering::Acquire) {
-            return Err(ClientError::Disconnected("this client was inherited through fork(): connect again in this process".into()));
+            return Err(ClientError::Disconnected(
+                "this client was inherited through fork(): connect again in this process".into(),
+            ));
         }
         if self.gone.load(Ordering::Acquire) {
             return Err(self.gone_error());
@@ -571,7 +597,9 @@ impl Inner {
             let mut dead = None;
             let got = self.wait.wait(
                 // The completion ring's line-0 cell: the daemon notifies it.
-                self.region.completion_wait_cell(self.channel).ok_or_else(|| ClientError::Protocol("channel outside the region".into()))?,
+                self.region
+                    .completion_wait_cell(self.channel)
+                    .ok_or_else(|| ClientError::Protocol("channel outside the region".into()))?,
                 || {
                     match comp.pop_batch(&mut buf[..want]) {
                         Ok(0) => {}
@@ -666,7 +694,10 @@ impl Inner {
     }
 
     fn gone_error(&self) -> ClientError {
-        ClientError::Disconnected(format!("the daemon at {} went away: restart it and connect again", self.socket_path.display()))
+        ClientError::Disconnected(format!(
+            "the daemon at {} went away: restart it and connect again",
+            self.socket_path.display()
+        ))
     }
 
     fn ring_err(&self, e: RingError) -> ClientError {
@@ -758,7 +789,6 @@ impl Inner {
     }
 }
 
-
 /// A pinned, immutable view of a committed block. Dropping it releases the pin.
 pub struct BlockView {
     inner: Arc<Inner>,
@@ -777,7 +807,11 @@ unsafe impl Sync for BlockView {}
 
 impl std::fmt::Debug for BlockView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BlockView").field("dtype", &self.dtype).field("shape", &self.shape.dims()).field("len", &self.len).finish()
+        f.debug_struct("BlockView")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape.dims())
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -886,7 +920,11 @@ impl Reservation {
     fn finish(&self, op: Op) -> Result<()> {
         let mut f = TensorBlockDescriptor::request(op, 0, 0);
         f.handle = self.handle;
-        let mut io = self.inner.io.lock().map_err(|_| ClientError::Disconnected("a thread panicked while using this client".into()))?;
+        let mut io = self
+            .inner
+            .io
+            .lock()
+            .map_err(|_| ClientError::Disconnected("a thread panicked while using this client".into()))?;
         let r = self.inner.exchange(&mut io, &[f], true);
         self.inner.flush_releases(&mut io);
         drop(io);

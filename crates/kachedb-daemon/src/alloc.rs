@@ -87,10 +87,7 @@ impl ExtentAllocator {
     /// the next page boundary instead (and loses the bytes before it). `len` is
     /// rounded down to whole pages, and clipped so the range ends within `u64`.
     pub fn new(base_offset: u64, len: u64) -> Self {
-        debug_assert!(
-            is_page_aligned(base_offset),
-            "base_offset {base_offset} is not page aligned"
-        );
+        debug_assert!(is_page_aligned(base_offset), "base_offset {base_offset} is not page aligned");
         let (aligned_base, len) = match base_offset.checked_next_multiple_of(PAGE_LEN) {
             Some(b) => (b, len.saturating_sub(b - base_offset)),
             None => (base_offset - base_offset % PAGE_LEN, 0),
@@ -148,9 +145,7 @@ impl ExtentAllocator {
 
     /// Live allocations in offset order.
     pub fn allocated_extents(&self) -> impl Iterator<Item = Extent> + '_ {
-        self.allocated
-            .iter()
-            .map(|(&offset, &len)| Extent { offset, len })
+        self.allocated.iter().map(|(&offset, &len)| Extent { offset, len })
     }
 
     /// Whether `e` is exactly a live allocation.
@@ -164,19 +159,13 @@ impl ExtentAllocator {
     /// `O(log n)` in the number of free extents.
     pub fn alloc(&mut self, len: u64) -> Option<Extent> {
         let need = round_up_to_pages(len)?;
-        let (free_len, free_offset) = *self
-            .free_by_len
-            .range((Bound::Included((need, 0)), Bound::Unbounded))
-            .next()?;
+        let (free_len, free_offset) = *self.free_by_len.range((Bound::Included((need, 0)), Bound::Unbounded)).next()?;
         self.remove_free(free_offset, free_len);
         if free_len > need {
             self.insert_free(free_offset + need, free_len - need);
         }
         self.allocated.insert(free_offset, need);
-        Some(Extent {
-            offset: free_offset,
-            len: need,
-        })
+        Some(Extent { offset: free_offset, len: need })
     }
 
     /// Frees `e`, which must be a live allocation, coalescing it with free
@@ -199,10 +188,7 @@ impl ExtentAllocator {
     /// that is not exactly a live allocation with [`FreeError::NotAllocated`].
     pub fn try_free(&mut self, e: Extent) -> Result<(), FreeError> {
         if !self.is_allocated(e) {
-            return Err(FreeError::NotAllocated {
-                offset: e.offset,
-                len: e.len,
-            });
+            return Err(FreeError::NotAllocated { offset: e.offset, len: e.len });
         }
         self.allocated.remove(&e.offset);
         let mut start = e.offset;
@@ -245,15 +231,9 @@ impl ExtentAllocator {
     /// `free_bytes + used_bytes == total_bytes`. `O(n)`.
     pub fn check_invariants(&self) -> Result<(), String> {
         if !is_page_aligned(self.base_offset) || !is_page_aligned(self.total_len) {
-            return Err(format!(
-                "range {} + {} is not page aligned",
-                self.base_offset, self.total_len
-            ));
+            return Err(format!("range {} + {} is not page aligned", self.base_offset, self.total_len));
         }
-        let end = self
-            .base_offset
-            .checked_add(self.total_len)
-            .ok_or_else(|| "range end overflows u64".to_string())?;
+        let end = self.base_offset.checked_add(self.total_len).ok_or_else(|| "range end overflows u64".to_string())?;
         if self.free_by_offset.len() != self.free_by_len.len() {
             return Err(format!(
                 "free indexes disagree: {} by offset, {} by len",
@@ -264,27 +244,19 @@ impl ExtentAllocator {
         let mut free_sum = 0u64;
         for (&offset, &len) in &self.free_by_offset {
             if !self.free_by_len.contains(&(len, offset)) {
-                return Err(format!(
-                    "free extent {offset}+{len} missing from the by-len index"
-                ));
+                return Err(format!("free extent {offset}+{len} missing from the by-len index"));
             }
             free_sum += len;
         }
         if free_sum != self.free_len {
-            return Err(format!(
-                "free_len {} but free extents sum to {free_sum}",
-                self.free_len
-            ));
+            return Err(format!("free_len {} but free extents sum to {free_sum}", self.free_len));
         }
         let mut used_sum = 0u64;
         for &len in self.allocated.values() {
             used_sum += len;
         }
         if free_sum + used_sum != self.total_len {
-            return Err(format!(
-                "free {free_sum} + used {used_sum} != total {}",
-                self.total_len
-            ));
+            return Err(format!("free {free_sum} + used {used_sum} != total {}", self.total_len));
         }
         // Merge the two offset-ordered lists and walk the range start to end.
         let mut free = self.free_by_offset.iter().peekable();
@@ -311,26 +283,18 @@ impl ExtentAllocator {
             };
             let kind = if is_free { "free" } else { "allocated" };
             if len == 0 || !is_page_aligned(offset) || !is_page_aligned(len) {
-                return Err(format!(
-                    "{kind} extent {offset}+{len} is empty or not page aligned"
-                ));
+                return Err(format!("{kind} extent {offset}+{len} is empty or not page aligned"));
             }
             if offset != cursor {
-                return Err(format!(
-                    "{kind} extent {offset}+{len} does not start at {cursor}: gap or overlap"
-                ));
+                return Err(format!("{kind} extent {offset}+{len} does not start at {cursor}: gap or overlap"));
             }
             if is_free && prev_was_free {
-                return Err(format!(
-                    "free extent at {offset} is not coalesced with the one before"
-                ));
+                return Err(format!("free extent at {offset} is not coalesced with the one before"));
             }
             cursor = offset
                 .checked_add(len)
                 .filter(|&e| e <= end)
-                .ok_or_else(|| {
-                    format!("{kind} extent {offset}+{len} runs past the range end {end}")
-                })?;
+                .ok_or_else(|| format!("{kind} extent {offset}+{len} runs past the range end {end}"))?;
             prev_was_free = is_free;
         }
         if cursor != end {
@@ -384,21 +348,9 @@ mod tests {
     fn rounds_up_to_pages() {
         let mut a = ExtentAllocator::new(0, 16 * PAGE_LEN);
         let zero = a.alloc(0).unwrap();
-        assert_eq!(
-            zero,
-            Extent {
-                offset: 0,
-                len: PAGE_LEN
-            }
-        );
+        assert_eq!(zero, Extent { offset: 0, len: PAGE_LEN });
         let one = a.alloc(1).unwrap();
-        assert_eq!(
-            one,
-            Extent {
-                offset: PAGE_LEN,
-                len: PAGE_LEN
-            }
-        );
+        assert_eq!(one, Extent { offset: PAGE_LEN, len: PAGE_LEN });
         let exact = a.alloc(PAGE_LEN).unwrap();
         assert_eq!(exact.len, PAGE_LEN);
         let over = a.alloc(PAGE_LEN + 1).unwrap();
@@ -462,10 +414,7 @@ mod tests {
         assert_eq!(big.len, 2 * GIB);
         assert!(a.alloc(GIB).is_none(), "only 1 GiB - 1 page is left");
         assert!(a.free(small));
-        assert!(
-            a.alloc(GIB).is_none(),
-            "the freed page is not adjacent to the tail"
-        );
+        assert!(a.alloc(GIB).is_none(), "the freed page is not adjacent to the tail");
         assert!(a.free(big));
         assert_eq!(a.free_extent_count(), 1);
         assert_eq!(a.alloc(GIB).unwrap().offset, 2 * MIB);
@@ -478,39 +427,13 @@ mod tests {
         let e = a.alloc(2 * PAGE_LEN).unwrap();
         let _f = a.alloc(PAGE_LEN).unwrap();
         assert_eq!(a.try_free(e), Ok(()));
-        assert_eq!(
-            a.try_free(e),
-            Err(FreeError::NotAllocated {
-                offset: e.offset,
-                len: e.len
-            })
-        );
+        assert_eq!(a.try_free(e), Err(FreeError::NotAllocated { offset: e.offset, len: e.len }));
         // Part of a live allocation, a wrong length, outside the range.
         let g = a.alloc(4 * PAGE_LEN).unwrap();
-        assert!(a
-            .try_free(Extent {
-                offset: g.offset,
-                len: PAGE_LEN
-            })
-            .is_err());
-        assert!(a
-            .try_free(Extent {
-                offset: g.offset + PAGE_LEN,
-                len: PAGE_LEN
-            })
-            .is_err());
-        assert!(a
-            .try_free(Extent {
-                offset: 1 << 40,
-                len: PAGE_LEN
-            })
-            .is_err());
-        assert!(a
-            .try_free(Extent {
-                offset: u64::MAX,
-                len: u64::MAX
-            })
-            .is_err());
+        assert!(a.try_free(Extent { offset: g.offset, len: PAGE_LEN }).is_err());
+        assert!(a.try_free(Extent { offset: g.offset + PAGE_LEN, len: PAGE_LEN }).is_err());
+        assert!(a.try_free(Extent { offset: 1 << 40, len: PAGE_LEN }).is_err());
+        assert!(a.try_free(Extent { offset: u64::MAX, len: u64::MAX }).is_err());
         a.check_invariants().unwrap();
         assert_eq!(a.try_free(g), Ok(()));
         a.check_invariants().unwrap();

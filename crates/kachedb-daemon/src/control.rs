@@ -177,12 +177,8 @@ pub fn run(
             continue;
         }
         let listener_ready = !pollfds[0].revents().is_empty();
-        let ready: Vec<i32> = fds
-            .iter()
-            .zip(&pollfds[1..])
-            .filter(|(_, p)| !p.revents().is_empty())
-            .map(|(fd, _)| *fd)
-            .collect();
+        let ready: Vec<i32> =
+            fds.iter().zip(&pollfds[1..]).filter(|(_, p)| !p.revents().is_empty()).map(|(fd, _)| *fd).collect();
         drop(pollfds);
         if listener_ready {
             accept_all(&listener, &access, &mut conns);
@@ -236,7 +232,8 @@ fn accept_all(listener: &UnixListener, access: &Access, conns: &mut HashMap<i32,
                     continue;
                 }
                 let fd = stream.as_raw_fd();
-                conns.insert(fd, Conn { stream: Arc::new(stream), buf: Vec::new(), channel: None, pid, refused: false });
+                conns
+                    .insert(fd, Conn { stream: Arc::new(stream), buf: Vec::new(), channel: None, pid, refused: false });
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
             Err(e) => {

@@ -11,7 +11,10 @@
 use crate::control::{self, Access, Channels};
 use crate::store::Store;
 use kachedb_shm::region::{CreateOptions, Layout};
-use kachedb_shm::{Completion, Consumer, Op, Producer, Region, RegionError, Request, RingError, SpinThenPark, Status, TensorBlockDescriptor};
+use kachedb_shm::{
+    Completion, Consumer, Op, Producer, Region, RegionError, Request, RingError, SpinThenPark, Status,
+    TensorBlockDescriptor,
+};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -160,7 +163,11 @@ fn check_socket_dir(dir: &Path) -> Result<(), ServeError> {
     let why = if md.uid() != euid && md.uid() != 0 {
         format!("it belongs to uid {}", md.uid())
     } else if md.mode() & 0o022 != 0 && md.mode() & 0o1000 == 0 {
-        format!("its mode {:o} lets {} write to it", md.mode() & 0o7777, if md.mode() & 0o002 != 0 { "everyone" } else { "its group" })
+        format!(
+            "its mode {:o} lets {} write to it",
+            md.mode() & 0o7777,
+            if md.mode() & 0o002 != 0 { "everyone" } else { "its group" }
+        )
     } else {
         return Ok(());
     };
@@ -170,12 +177,20 @@ fn check_socket_dir(dir: &Path) -> Result<(), ServeError> {
 impl Daemon {
     /// Takes the instance lock, creates the region (calling `progress` while
     /// memory is reserved), binds the control socket and starts its thread.
-    pub fn start(cfg: ServeConfig, shutdown: Arc<AtomicBool>, progress: impl FnMut(u64, u64)) -> Result<Daemon, ServeError> {
+    pub fn start(
+        cfg: ServeConfig,
+        shutdown: Arc<AtomicBool>,
+        progress: impl FnMut(u64, u64),
+    ) -> Result<Daemon, ServeError> {
         use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         let sock = cfg.socket_path.clone();
         if let Some(dir) = sock.parent() {
             if !dir.as_os_str().is_empty() && !dir.exists() {
-                std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(io_err("creating the socket directory", dir))?;
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(dir)
+                    .map_err(io_err("creating the socket directory", dir))?;
             }
             check_socket_dir(if dir.as_os_str().is_empty() { Path::new(".") } else { dir })?;
         }
@@ -188,7 +203,8 @@ impl Daemon {
             .open(&lock_path)
             .map_err(io_err("opening the lock file", &lock_path))?;
         if rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
-            let pid = std::fs::read_to_string(&lock_path).ok().map(|p| format!(" by pid {}", p.trim())).unwrap_or_default();
+            let pid =
+                std::fs::read_to_string(&lock_path).ok().map(|p| format!(" by pid {}", p.trim())).unwrap_or_default();
             return Err(ServeError::AlreadyRunning {
                 socket: sock.display().to_string(),
                 lock: lock_path.display().to_string(),
@@ -204,7 +220,11 @@ impl Daemon {
         }
         let layout = Layout::new(cfg.channels, cfg.ring_capacity, cfg.slab_bytes)?;
         let region = Region::create(
-            &CreateOptions { name: kachedb_shm::naming::region_name(cfg.instance), layout, headroom_bytes: cfg.headroom_bytes },
+            &CreateOptions {
+                name: kachedb_shm::naming::region_name(cfg.instance),
+                layout,
+                headroom_bytes: cfg.headroom_bytes,
+            },
             progress,
         )?;
         // We hold the lock, so a socket file here is a crashed daemon's leftover.
@@ -212,8 +232,11 @@ impl Daemon {
             std::fs::remove_file(&sock).map_err(io_err("removing the stale socket", &sock))?;
         }
         let listener = UnixListener::bind(&sock).map_err(io_err("binding the control socket", &sock))?;
-        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(if cfg.allow_gids.is_empty() { 0o600 } else { 0o660 }))
-            .map_err(io_err("setting permissions of", &sock))?;
+        std::fs::set_permissions(
+            &sock,
+            std::fs::Permissions::from_mode(if cfg.allow_gids.is_empty() { 0o600 } else { 0o660 }),
+        )
+        .map_err(io_err("setting permissions of", &sock))?;
         let (tx, rx) = mpsc::channel();
         let channels = Arc::new(Channels::new(cfg.channels));
         let access = Access { uid: rustix::process::geteuid().as_raw(), allow_gids: cfg.allow_gids.clone() };
@@ -225,7 +248,17 @@ impl Daemon {
                 .map_err(io_err("spawning the control thread for", &sock))?
         };
         let store = Store::new(layout.slab_offset, layout.slab_len);
-        Ok(Daemon { cfg, region, store, events: rx, channels, shutdown, control: Some(control), _lock: lock, started: Instant::now() })
+        Ok(Daemon {
+            cfg,
+            region,
+            store,
+            events: rx,
+            channels,
+            shutdown,
+            control: Some(control),
+            _lock: lock,
+            started: Instant::now(),
+        })
     }
 
     /// The control socket path.

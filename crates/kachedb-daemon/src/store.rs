@@ -333,9 +333,7 @@ impl Store {
             return;
         };
         for (&block_index, &pin_index) in &session.pins {
-            let r = self
-                .take_pin_slot(pin_index)
-                .and_then(|count| self.drop_block_pins(block_index, count));
+            let r = self.take_pin_slot(pin_index).and_then(|count| self.drop_block_pins(block_index, count));
             if r.is_err() {
                 self.counters.internal += 1;
             }
@@ -354,24 +352,18 @@ impl Store {
         let result = if self.sessions.contains_key(&s) {
             match *req {
                 Request::Ping => Ok(Reply::default()),
-                Request::Reserve {
-                    key,
-                    dtype,
-                    shape,
-                    len,
-                    page_offset,
-                } => self.reserve(s, key, dtype, shape, len, page_offset),
+                Request::Reserve { key, dtype, shape, len, page_offset } => {
+                    self.reserve(s, key, dtype, shape, len, page_offset)
+                }
                 Request::Commit { handle } => self.commit(s, handle),
                 Request::Abort { handle } => self.abort(s, handle),
                 Request::Get { key } => self.get(s, key),
                 Request::Release { handle } => self.release(s, handle),
                 Request::Lookup { key } => self.lookup(key),
                 Request::Delete { key } => self.delete(key),
-                Request::Stats => Ok(Reply {
-                    handle: self.keys.len() as u64,
-                    offset: self.alloc.used_bytes(),
-                    tensor: None,
-                }),
+                Request::Stats => {
+                    Ok(Reply { handle: self.keys.len() as u64, offset: self.alloc.used_bytes(), tensor: None })
+                }
             }
         } else {
             Err(Status::Internal)
@@ -404,14 +396,7 @@ impl Store {
                     Status::TooLarge => c.too_large += 1,
                     Status::Internal => c.internal += 1,
                 }
-                Completion {
-                    request_id,
-                    op,
-                    status,
-                    handle: 0,
-                    offset: 0,
-                    tensor: None,
-                }
+                Completion { request_id, op, status, handle: 0, offset: 0, tensor: None }
             }
         }
     }
@@ -420,9 +405,7 @@ impl Store {
     pub fn peek(&self, key: u128) -> Option<BlockInfo> {
         let &index = self.keys.get(&key)?;
         match &self.slots.get(index as usize)?.state {
-            SlotState::Block {
-                tensor: t, pins, ..
-            } => Some(BlockInfo {
+            SlotState::Block { tensor: t, pins, .. } => Some(BlockInfo {
                 key: t.key,
                 dtype: t.dtype,
                 shape: t.shape,
@@ -449,12 +432,7 @@ impl Store {
                 _ => {}
             }
         }
-        st.pins = self
-            .pin_slots
-            .iter()
-            .filter_map(|p| p.pin)
-            .map(|p| p.count)
-            .sum();
+        st.pins = self.pin_slots.iter().filter_map(|p| p.pin).map(|p| p.count).sum();
         st.bytes_used = self.alloc.used_bytes();
         st.bytes_free = self.alloc.free_bytes();
         st.bytes_total = self.alloc.total_bytes();
@@ -536,29 +514,14 @@ impl Store {
             return Err(Status::OutOfMemory);
         }
         let extent = self.alloc_evicting(need_len)?;
-        let tensor = Tensor {
-            key,
-            dtype,
-            shape,
-            len,
-            data_offset: extent.offset + page_offset,
-            extent,
-        };
+        let tensor = Tensor { key, dtype, shape, len, data_offset: extent.offset + page_offset, extent };
         let Some(index) = self.take_slot(SlotState::Reserved { owner: s, tensor }) else {
             // Unreachable after the check above; give the extent back.
             let _ = self.alloc.try_free(extent);
             return Err(Status::Internal);
         };
-        let generation = self
-            .slots
-            .get(index as usize)
-            .map(|slot| slot.generation)
-            .ok_or(Status::Internal)?;
-        self.sessions
-            .get_mut(&s)
-            .ok_or(Status::Internal)?
-            .reservations
-            .insert(index);
+        let generation = self.slots.get(index as usize).map(|slot| slot.generation).ok_or(Status::Internal)?;
+        self.sessions.get_mut(&s).ok_or(Status::Internal)?.reservations.insert(index);
         Ok(Reply {
             handle: encode_handle(HandleKind::Reservation, index, generation),
             offset: tensor.data_offset,
@@ -574,9 +537,7 @@ impl Store {
         }
         let slot = self.slots.get(index as usize).ok_or(Status::BadHandle)?;
         match slot.state {
-            SlotState::Reserved { owner, .. } if owner == s && slot.generation == generation => {
-                Ok(index)
-            }
+            SlotState::Reserved { owner, .. } if owner == s && slot.generation == generation => Ok(index),
             _ => Err(Status::BadHandle),
         }
     }
@@ -587,12 +548,7 @@ impl Store {
         let SlotState::Reserved { tensor, .. } = slot.state else {
             return Err(Status::Internal);
         };
-        slot.state = SlotState::Block {
-            tensor,
-            linked: true,
-            pins: 0,
-            lru_tick: None,
-        };
+        slot.state = SlotState::Block { tensor, linked: true, pins: 0, lru_tick: None };
         if let Some(session) = self.sessions.get_mut(&s) {
             session.reservations.remove(&index);
         }
@@ -616,56 +572,26 @@ impl Store {
     fn get(&mut self, s: SessionId, key: u128) -> Result<Reply, Status> {
         let &index = self.keys.get(&key).ok_or(Status::NotFound)?;
         let tensor = match self.slots.get(index as usize).map(|slot| &slot.state) {
-            Some(SlotState::Block {
-                tensor,
-                linked: true,
-                ..
-            }) => *tensor,
+            Some(SlotState::Block { tensor, linked: true, .. }) => *tensor,
             _ => return Err(Status::Internal),
         };
-        let existing = self
-            .sessions
-            .get(&s)
-            .ok_or(Status::Internal)?
-            .pins
-            .get(&index)
-            .copied();
+        let existing = self.sessions.get(&s).ok_or(Status::Internal)?.pins.get(&index).copied();
         let pin_index = match existing {
             Some(p) => {
-                let pin = self
-                    .pin_slots
-                    .get_mut(p as usize)
-                    .and_then(|ps| ps.pin.as_mut())
-                    .ok_or(Status::Internal)?;
+                let pin = self.pin_slots.get_mut(p as usize).and_then(|ps| ps.pin.as_mut()).ok_or(Status::Internal)?;
                 pin.count += 1;
                 p
             }
             None => {
                 let p = self
-                    .take_pin_slot_for(Pin {
-                        session: s,
-                        block_index: index,
-                        count: 1,
-                    })
+                    .take_pin_slot_for(Pin { session: s, block_index: index, count: 1 })
                     .ok_or(Status::OutOfMemory)?;
-                self.sessions
-                    .get_mut(&s)
-                    .ok_or(Status::Internal)?
-                    .pins
-                    .insert(index, p);
+                self.sessions.get_mut(&s).ok_or(Status::Internal)?.pins.insert(index, p);
                 p
             }
         };
-        let generation = self
-            .pin_slots
-            .get(pin_index as usize)
-            .ok_or(Status::Internal)?
-            .generation;
-        let first_pin = match self
-            .slots
-            .get_mut(index as usize)
-            .map(|slot| &mut slot.state)
-        {
+        let generation = self.pin_slots.get(pin_index as usize).ok_or(Status::Internal)?.generation;
+        let first_pin = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
             Some(SlotState::Block { pins, .. }) => {
                 *pins += 1;
                 *pins == 1
@@ -687,10 +613,7 @@ impl Store {
         if kind != HandleKind::Pin {
             return Err(Status::BadHandle);
         }
-        let ps = self
-            .pin_slots
-            .get_mut(pin_index as usize)
-            .ok_or(Status::BadHandle)?;
+        let ps = self.pin_slots.get_mut(pin_index as usize).ok_or(Status::BadHandle)?;
         let pin = match ps.pin.as_mut() {
             Some(pin) if pin.session == s && ps.generation == generation => pin,
             _ => return Err(Status::BadHandle),
@@ -766,10 +689,7 @@ impl Store {
             return None;
         }
         let index = u32::try_from(self.slots.len()).ok()?;
-        self.slots.push(Slot {
-            generation: 0,
-            state,
-        });
+        self.slots.push(Slot { generation: 0, state });
         Some(index)
     }
 
@@ -792,19 +712,13 @@ impl Store {
             return None;
         }
         let index = u32::try_from(self.pin_slots.len()).ok()?;
-        self.pin_slots.push(PinSlot {
-            generation: 0,
-            pin: Some(pin),
-        });
+        self.pin_slots.push(PinSlot { generation: 0, pin: Some(pin) });
         Some(index)
     }
 
     /// Empties pin slot `index` (bumping its generation); returns the count it held.
     fn take_pin_slot(&mut self, index: u32) -> Result<u64, Status> {
-        let ps = self
-            .pin_slots
-            .get_mut(index as usize)
-            .ok_or(Status::Internal)?;
+        let ps = self.pin_slots.get_mut(index as usize).ok_or(Status::Internal)?;
         let pin = ps.pin.take().ok_or(Status::Internal)?;
         ps.generation = next_generation(ps.generation);
         self.free_pin_slots.push(index);
@@ -814,11 +728,7 @@ impl Store {
     /// Drops `count` pins of block `index`; at zero the block becomes
     /// evictable (linked) or is freed (unlinked).
     fn drop_block_pins(&mut self, index: u32, count: u64) -> Result<(), Status> {
-        let (now_unpinned, linked) = match self
-            .slots
-            .get_mut(index as usize)
-            .map(|slot| &mut slot.state)
-        {
+        let (now_unpinned, linked) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
             Some(SlotState::Block { pins, linked, .. }) => {
                 *pins = pins.checked_sub(count).ok_or(Status::Internal)?;
                 (*pins == 0, *linked)
@@ -840,17 +750,10 @@ impl Store {
     fn lru_touch(&mut self, index: u32) -> Result<(), Status> {
         self.tick = self.tick.wrapping_add(1);
         let tick = self.tick;
-        let (old, extent_len) = match self
-            .slots
-            .get_mut(index as usize)
-            .map(|slot| &mut slot.state)
-        {
-            Some(SlotState::Block {
-                tensor,
-                linked: true,
-                pins: 0,
-                lru_tick,
-            }) => (lru_tick.replace(tick), tensor.extent.len),
+        let (old, extent_len) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { tensor, linked: true, pins: 0, lru_tick }) => {
+                (lru_tick.replace(tick), tensor.extent.len)
+            }
             Some(SlotState::Block { linked: true, .. }) => return Ok(()),
             _ => return Err(Status::Internal),
         };
@@ -866,22 +769,13 @@ impl Store {
 
     /// Takes block `index` off the LRU list if it is on it.
     fn lru_remove(&mut self, index: u32) -> Result<(), Status> {
-        let (old, extent_len) = match self
-            .slots
-            .get_mut(index as usize)
-            .map(|slot| &mut slot.state)
-        {
-            Some(SlotState::Block {
-                tensor, lru_tick, ..
-            }) => (lru_tick.take(), tensor.extent.len),
+        let (old, extent_len) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { tensor, lru_tick, .. }) => (lru_tick.take(), tensor.extent.len),
             _ => return Err(Status::Internal),
         };
         if let Some(old) = old {
             self.lru.remove(&old);
-            self.evictable_bytes = self
-                .evictable_bytes
-                .checked_sub(extent_len)
-                .ok_or(Status::Internal)?;
+            self.evictable_bytes = self.evictable_bytes.checked_sub(extent_len).ok_or(Status::Internal)?;
         }
         Ok(())
     }
@@ -889,17 +783,8 @@ impl Store {
     /// Unlinks block `index` from its key (if it is still the key's block) and
     /// the LRU list; frees it now if unpinned, else its last RELEASE will.
     fn unlink(&mut self, index: u32) -> Result<(), Status> {
-        let (key, pins) = match self
-            .slots
-            .get_mut(index as usize)
-            .map(|slot| &mut slot.state)
-        {
-            Some(SlotState::Block {
-                tensor,
-                linked,
-                pins,
-                ..
-            }) if *linked => {
+        let (key, pins) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { tensor, linked, pins, .. }) if *linked => {
                 *linked = false;
                 (tensor.key, *pins)
             }
@@ -918,12 +803,7 @@ impl Store {
     /// Frees the extent and slot of unlinked, unpinned block `index`.
     fn free_block(&mut self, index: u32) -> Result<(), Status> {
         let extent = match self.slots.get(index as usize).map(|slot| &slot.state) {
-            Some(SlotState::Block {
-                tensor,
-                linked: false,
-                pins: 0,
-                lru_tick: None,
-            }) => tensor.extent,
+            Some(SlotState::Block { tensor, linked: false, pins: 0, lru_tick: None }) => tensor.extent,
             _ => return Err(Status::Internal),
         };
         self.alloc.try_free(extent).map_err(|_| Status::Internal)?;
@@ -975,29 +855,17 @@ impl Store {
                     continue;
                 }
                 SlotState::Reserved { owner, tensor } => {
-                    let listed = self
-                        .sessions
-                        .get(owner)
-                        .is_some_and(|s| s.reservations.contains(&index));
+                    let listed = self.sessions.get(owner).is_some_and(|s| s.reservations.contains(&index));
                     if !listed {
-                        return Err(format!(
-                            "reservation {index} is not listed by its session {owner:?}"
-                        ));
+                        return Err(format!("reservation {index} is not listed by its session {owner:?}"));
                     }
                     tensor
                 }
-                SlotState::Block {
-                    tensor,
-                    linked,
-                    pins,
-                    lru_tick,
-                } => {
+                SlotState::Block { tensor, linked, pins, lru_tick } => {
                     if *linked {
                         linked_count += 1;
                         if self.keys.get(&tensor.key) != Some(&index) {
-                            return Err(format!(
-                                "linked block {index} is not the block of its key"
-                            ));
+                            return Err(format!("linked block {index} is not the block of its key"));
                         }
                     } else if *pins == 0 {
                         return Err(format!("unlinked block {index} is unpinned but not freed"));
@@ -1005,9 +873,7 @@ impl Store {
                     match (*linked && *pins == 0, lru_tick) {
                         (true, Some(tick)) => {
                             if self.lru.get(tick) != Some(&index) {
-                                return Err(format!(
-                                    "block {index} has LRU tick {tick} but is not there"
-                                ));
+                                return Err(format!("block {index} has LRU tick {tick} but is not there"));
                             }
                             lru_count += 1;
                             evictable += tensor.extent.len;
@@ -1028,10 +894,7 @@ impl Store {
                 return Err(format!("live slot {index} is on the free list"));
             }
             let t = tensor;
-            let in_page = t
-                .data_offset
-                .checked_sub(t.extent.offset)
-                .filter(|&d| d < PAGE_LEN);
+            let in_page = t.data_offset.checked_sub(t.extent.offset).filter(|&d| d < PAGE_LEN);
             let Some(page_offset) = in_page else {
                 return Err(format!(
                     "slot {index}: data offset {} outside the first page of its extent",
@@ -1039,10 +902,7 @@ impl Store {
                 ));
             };
             if t.shape.len_bytes(t.dtype) != Some(t.len) {
-                return Err(format!(
-                    "slot {index}: len {} does not match its shape",
-                    t.len
-                ));
+                return Err(format!("slot {index}: len {} does not match its shape", t.len));
             }
             let need = t.len.checked_add(page_offset).and_then(round_up_to_pages);
             if need != Some(t.extent.len) {
@@ -1052,39 +912,23 @@ impl Store {
                 ));
             }
             if extents.insert(t.extent.offset, t.extent.len).is_some() {
-                return Err(format!(
-                    "extent at {} is held by two slots",
-                    t.extent.offset
-                ));
+                return Err(format!("extent at {} is held by two slots", t.extent.offset));
             }
         }
         if free_slots.iter().any(|&i| i as usize >= self.slots.len()) {
             return Err("free list names a slot that does not exist".into());
         }
-        if !extents
-            .iter()
-            .map(|(&o, &l)| Extent { offset: o, len: l })
-            .eq(self.alloc.allocated_extents())
-        {
+        if !extents.iter().map(|(&o, &l)| Extent { offset: o, len: l }).eq(self.alloc.allocated_extents()) {
             return Err("allocated extents differ from the extents of live slots".into());
         }
         if linked_count != self.keys.len() {
-            return Err(format!(
-                "{} keys but {linked_count} linked blocks",
-                self.keys.len()
-            ));
+            return Err(format!("{} keys but {linked_count} linked blocks", self.keys.len()));
         }
         if lru_count != self.lru.len() {
-            return Err(format!(
-                "LRU list has {} entries, {lru_count} blocks are on it",
-                self.lru.len()
-            ));
+            return Err(format!("LRU list has {} entries, {lru_count} blocks are on it", self.lru.len()));
         }
         if evictable != self.evictable_bytes {
-            return Err(format!(
-                "evictable_bytes {} but LRU blocks hold {evictable}",
-                self.evictable_bytes
-            ));
+            return Err(format!("evictable_bytes {} but LRU blocks hold {evictable}", self.evictable_bytes));
         }
 
         // Pins: records agree with sessions and with block counts.
@@ -1105,10 +949,7 @@ impl Store {
                     if pin.count == 0 {
                         return Err(format!("pin slot {index} has count 0"));
                     }
-                    let listed = self
-                        .sessions
-                        .get(&pin.session)
-                        .and_then(|s| s.pins.get(&pin.block_index));
+                    let listed = self.sessions.get(&pin.session).and_then(|s| s.pins.get(&pin.block_index));
                     if listed != Some(&index) {
                         return Err(format!("pin slot {index} is not listed by its session"));
                     }
@@ -1116,10 +957,7 @@ impl Store {
                 }
             }
         }
-        if free_pins
-            .iter()
-            .any(|&i| i as usize >= self.pin_slots.len())
-        {
+        if free_pins.iter().any(|&i| i as usize >= self.pin_slots.len()) {
             return Err("pin free list names a slot that does not exist".into());
         }
         for (&block, &sum) in &pin_sums {
@@ -1132,9 +970,7 @@ impl Store {
         }
         for (&block, &pins) in &block_pins {
             if pins != pin_sums.get(&block).copied().unwrap_or(0) {
-                return Err(format!(
-                    "block {block} counts {pins} pins that no record holds"
-                ));
+                return Err(format!("block {block} counts {pins} pins that no record holds"));
             }
         }
         for (&id, session) in &self.sessions {
@@ -1145,9 +981,7 @@ impl Store {
                     .and_then(|ps| ps.pin)
                     .is_some_and(|p| p.session == id && p.block_index == block);
                 if !ok {
-                    return Err(format!(
-                        "session {id:?} lists pin {pin_index} of block {block} it does not hold"
-                    ));
+                    return Err(format!("session {id:?} lists pin {pin_index} of block {block} it does not hold"));
                 }
             }
             for &index in &session.reservations {
@@ -1156,9 +990,7 @@ impl Store {
                     Some(SlotState::Reserved { owner, .. }) if *owner == id
                 );
                 if !ok {
-                    return Err(format!(
-                        "session {id:?} lists reservation {index} it does not own"
-                    ));
+                    return Err(format!("session {id:?} lists reservation {index} it does not own"));
                 }
             }
         }
@@ -1178,13 +1010,7 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn reserve_req(key: u128, len: u64, page_offset: u64) -> Request {
-        Request::Reserve {
-            key,
-            dtype: DType::U8,
-            shape: Shape::for_bytes(len).unwrap(),
-            len,
-            page_offset,
-        }
+        Request::Reserve { key, dtype: DType::U8, shape: Shape::for_bytes(len).unwrap(), len, page_offset }
     }
 
     struct T {
@@ -1194,10 +1020,7 @@ mod tests {
 
     impl T {
         fn new(pages: u64) -> T {
-            T {
-                st: Store::new(SLAB_OFFSET, pages * PAGE_LEN),
-                next_id: 0,
-            }
+            T { st: Store::new(SLAB_OFFSET, pages * PAGE_LEN), next_id: 0 }
         }
         fn req(&mut self, s: SessionId, req: Request) -> Completion {
             self.next_id += 1;
@@ -1213,10 +1036,7 @@ mod tests {
         fn put(&mut self, s: SessionId, key: u128, len: u64) -> u64 {
             let c = self.reserve(s, key, len);
             assert_eq!(c.status, Status::Ok, "reserve {key}");
-            assert_eq!(
-                self.req(s, Request::Commit { handle: c.handle }).status,
-                Status::Ok
-            );
+            assert_eq!(self.req(s, Request::Commit { handle: c.handle }).status, Status::Ok);
             c.offset
         }
         fn get(&mut self, s: SessionId, key: u128) -> Completion {
@@ -1234,10 +1054,7 @@ mod tests {
         let c = t.req(s, Request::Ping);
         assert_eq!((c.op, c.status), (Op::Ping, Status::Ok));
         let c = t.req(s, Request::Stats);
-        assert_eq!(
-            (c.op, c.status, c.handle, c.offset),
-            (Op::Stats, Status::Ok, 0, 0)
-        );
+        assert_eq!((c.op, c.status, c.handle, c.offset), (Op::Stats, Status::Ok, 0, 0));
         t.put(s, 1, 5000);
         let c = t.req(s, Request::Stats);
         assert_eq!((c.handle, c.offset), (1, 2 * PAGE_LEN));
@@ -1259,13 +1076,7 @@ mod tests {
         let mut t = T::new(16);
         let s = t.st.open_session();
         let shape = Shape::new(&[2, 3, 100]).unwrap();
-        let req = Request::Reserve {
-            key: 42,
-            dtype: DType::F16,
-            shape,
-            len: 1200,
-            page_offset: 192,
-        };
+        let req = Request::Reserve { key: 42, dtype: DType::F16, shape, len: 1200, page_offset: 192 };
         let r = t.req(s, req);
         assert_eq!((r.op, r.status), (Op::Reserve, Status::Ok));
         assert_eq!(r.offset % PAGE_LEN, 192);
@@ -1279,10 +1090,7 @@ mod tests {
         assert_eq!(t.req(s, Request::Stats).handle, 0);
         assert_eq!(t.st.peek(42), None);
 
-        assert_eq!(
-            t.status(s, Request::Commit { handle: r.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Commit { handle: r.handle }), Status::Ok);
         assert_eq!(t.st.stats().reserved, 0);
         assert_eq!(t.status(s, Request::Lookup { key: 42 }), Status::Ok);
         let g = t.get(s, 42);
@@ -1297,10 +1105,7 @@ mod tests {
         let rel = t.req(s, Request::Release { handle: g.handle });
         assert_eq!((rel.op, rel.status), (Op::Release, Status::Ok));
         assert_eq!(t.st.stats().pins, 0);
-        assert_eq!(
-            t.status(s, Request::Release { handle: g.handle }),
-            Status::BadHandle
-        );
+        assert_eq!(t.status(s, Request::Release { handle: g.handle }), Status::BadHandle);
         assert_eq!(t.st.stats().get_hits, 1);
         assert_eq!(t.st.stats().gets, 2);
     }
@@ -1310,22 +1115,10 @@ mod tests {
         let mut t = T::new(4);
         let s = t.st.open_session();
         let shape = Shape::new(&[0, 8]).unwrap();
-        let r = t.req(
-            s,
-            Request::Reserve {
-                key: 1,
-                dtype: DType::F32,
-                shape,
-                len: 0,
-                page_offset: 0,
-            },
-        );
+        let r = t.req(s, Request::Reserve { key: 1, dtype: DType::F32, shape, len: 0, page_offset: 0 });
         assert_eq!(r.status, Status::Ok);
         assert_eq!(t.st.stats().bytes_used, PAGE_LEN);
-        assert_eq!(
-            t.status(s, Request::Commit { handle: r.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Commit { handle: r.handle }), Status::Ok);
         assert_eq!(t.get(s, 1).tensor, Some((DType::F32, shape, 0)));
     }
 
@@ -1335,10 +1128,7 @@ mod tests {
         let s = t.st.open_session();
         assert_eq!(t.reserve(s, 1, 16 * PAGE_LEN + 1).status, Status::TooLarge);
         // Fits exactly without a page offset, not with one.
-        assert_eq!(
-            t.status(s, reserve_req(1, 16 * PAGE_LEN, 64)),
-            Status::TooLarge
-        );
+        assert_eq!(t.status(s, reserve_req(1, 16 * PAGE_LEN, 64)), Status::TooLarge);
         let c = t.reserve(s, 1, 16 * PAGE_LEN);
         assert_eq!(c.status, Status::Ok);
         assert_eq!(t.status(s, Request::Abort { handle: c.handle }), Status::Ok);
@@ -1346,22 +1136,12 @@ mod tests {
         let shape = Shape::new(&[64, (1 << 29) - 1, (1 << 29) + 1]).unwrap();
         let len = shape.len_bytes(DType::U8).unwrap();
         assert_eq!(len, u64::MAX - 63);
-        let req = Request::Reserve {
-            key: 1,
-            dtype: DType::U8,
-            shape,
-            len,
-            page_offset: 128,
-        };
+        let req = Request::Reserve { key: 1, dtype: DType::U8, shape, len, page_offset: 128 };
         assert_eq!(t.status(s, req), Status::TooLarge);
         // A slab that is not a page multiple: the last partial page is unusable.
         let mut st = Store::new(SLAB_OFFSET, 2 * PAGE_LEN + 100);
         let s2 = st.open_session();
-        assert_eq!(
-            st.handle(s2, 1, &reserve_req(1, 2 * PAGE_LEN + 50, 0))
-                .status,
-            Status::TooLarge
-        );
+        assert_eq!(st.handle(s2, 1, &reserve_req(1, 2 * PAGE_LEN + 50, 0)).status, Status::TooLarge);
         assert_eq!(st.stats().too_large, 1);
         assert_eq!(t.st.stats().too_large, 3);
     }
@@ -1374,13 +1154,8 @@ mod tests {
         assert_eq!(t.status(s, reserve_req(1, 10, 65)), Status::Invalid);
         assert_eq!(t.status(s, reserve_req(1, 10, u64::MAX)), Status::Invalid);
         // len disagrees with the shape.
-        let req = Request::Reserve {
-            key: 1,
-            dtype: DType::F32,
-            shape: Shape::new(&[4]).unwrap(),
-            len: 4,
-            page_offset: 0,
-        };
+        let req =
+            Request::Reserve { key: 1, dtype: DType::F32, shape: Shape::new(&[4]).unwrap(), len: 4, page_offset: 0 };
         assert_eq!(t.status(s, req), Status::Invalid);
         assert_eq!(t.st.stats().invalid, 4);
         assert_eq!(t.st.stats().bytes_used, 0);
@@ -1392,11 +1167,7 @@ mod tests {
         let s = st.open_session();
         let c = st.handle(s, 1, &reserve_req(1, 2 * GIB, 0));
         assert_eq!(c.status, Status::Ok);
-        assert_eq!(
-            st.handle(s, 2, &Request::Commit { handle: c.handle })
-                .status,
-            Status::Ok
-        );
+        assert_eq!(st.handle(s, 2, &Request::Commit { handle: c.handle }).status, Status::Ok);
         let g = st.handle(s, 3, &Request::Get { key: 1 });
         assert_eq!(g.tensor.unwrap().2, 2 * GIB);
         st.check_invariants().unwrap();
@@ -1409,69 +1180,24 @@ mod tests {
         let b = t.st.open_session();
         let r = t.reserve(a, 1, 100);
         // Other session, forged values, a pin handle used as a reservation.
-        assert_eq!(
-            t.status(b, Request::Commit { handle: r.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(b, Request::Abort { handle: r.handle }),
-            Status::BadHandle
-        );
-        for forged in [
-            0,
-            1,
-            u64::MAX,
-            r.handle ^ 1,
-            r.handle ^ (1 << 32),
-            r.handle ^ (3 << 62),
-        ] {
-            assert_eq!(
-                t.status(a, Request::Commit { handle: forged }),
-                Status::BadHandle,
-                "{forged:#x}"
-            );
-            assert_eq!(
-                t.status(a, Request::Abort { handle: forged }),
-                Status::BadHandle,
-                "{forged:#x}"
-            );
+        assert_eq!(t.status(b, Request::Commit { handle: r.handle }), Status::BadHandle);
+        assert_eq!(t.status(b, Request::Abort { handle: r.handle }), Status::BadHandle);
+        for forged in [0, 1, u64::MAX, r.handle ^ 1, r.handle ^ (1 << 32), r.handle ^ (3 << 62)] {
+            assert_eq!(t.status(a, Request::Commit { handle: forged }), Status::BadHandle, "{forged:#x}");
+            assert_eq!(t.status(a, Request::Abort { handle: forged }), Status::BadHandle, "{forged:#x}");
         }
-        assert_eq!(
-            t.status(a, Request::Commit { handle: r.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(a, Request::Commit { handle: r.handle }), Status::Ok);
         // Committed: the reservation handle is spent.
-        assert_eq!(
-            t.status(a, Request::Commit { handle: r.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(a, Request::Abort { handle: r.handle }),
-            Status::BadHandle
-        );
+        assert_eq!(t.status(a, Request::Commit { handle: r.handle }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::Abort { handle: r.handle }), Status::BadHandle);
         let g = t.get(a, 1);
-        assert_eq!(
-            t.status(a, Request::Commit { handle: g.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(a, Request::Abort { handle: g.handle }),
-            Status::BadHandle
-        );
+        assert_eq!(t.status(a, Request::Commit { handle: g.handle }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::Abort { handle: g.handle }), Status::BadHandle);
         // A reservation handle is not a pin handle.
         let r2 = t.reserve(a, 2, 100);
-        assert_eq!(
-            t.status(a, Request::Release { handle: r2.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(a, Request::Abort { handle: r2.handle }),
-            Status::Ok
-        );
-        assert_eq!(
-            t.status(a, Request::Abort { handle: r2.handle }),
-            Status::BadHandle
-        );
+        assert_eq!(t.status(a, Request::Release { handle: r2.handle }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::Abort { handle: r2.handle }), Status::Ok);
+        assert_eq!(t.status(a, Request::Abort { handle: r2.handle }), Status::BadHandle);
         assert_eq!(t.st.stats().bad_handle, 20);
     }
 
@@ -1480,39 +1206,21 @@ mod tests {
         let mut t = T::new(16);
         let s = t.st.open_session();
         let r1 = t.reserve(s, 1, 100);
-        assert_eq!(
-            t.status(s, Request::Abort { handle: r1.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Abort { handle: r1.handle }), Status::Ok);
         let r2 = t.reserve(s, 1, 100);
         // Same slot and same extent, new generation.
         assert_eq!(r1.handle as u32, r2.handle as u32);
         assert_eq!(r1.offset, r2.offset);
         assert_ne!(r1.handle, r2.handle);
-        assert_eq!(
-            t.status(s, Request::Commit { handle: r1.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(s, Request::Commit { handle: r2.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Commit { handle: r1.handle }), Status::BadHandle);
+        assert_eq!(t.status(s, Request::Commit { handle: r2.handle }), Status::Ok);
         // Pins too: release to zero, pin again, the old pin handle is stale.
         let g1 = t.get(s, 1);
-        assert_eq!(
-            t.status(s, Request::Release { handle: g1.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Release { handle: g1.handle }), Status::Ok);
         let g2 = t.get(s, 1);
         assert_ne!(g1.handle, g2.handle);
-        assert_eq!(
-            t.status(s, Request::Release { handle: g1.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(s, Request::Release { handle: g2.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Release { handle: g1.handle }), Status::BadHandle);
+        assert_eq!(t.status(s, Request::Release { handle: g2.handle }), Status::Ok);
     }
 
     #[test]
@@ -1542,37 +1250,16 @@ mod tests {
         assert_ne!(g1.handle, gb.handle);
         assert_eq!(t.st.peek(7).unwrap().pins, 3);
         // Each session may only release its own.
-        assert_eq!(
-            t.status(b, Request::Release { handle: g1.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(a, Request::Release { handle: gb.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(a, Request::Release { handle: g1.handle }),
-            Status::Ok
-        );
-        assert_eq!(
-            t.status(a, Request::Release { handle: g1.handle }),
-            Status::Ok
-        );
-        assert_eq!(
-            t.status(a, Request::Release { handle: g1.handle }),
-            Status::BadHandle
-        );
+        assert_eq!(t.status(b, Request::Release { handle: g1.handle }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::Release { handle: gb.handle }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::Release { handle: g1.handle }), Status::Ok);
+        assert_eq!(t.status(a, Request::Release { handle: g1.handle }), Status::Ok);
+        assert_eq!(t.status(a, Request::Release { handle: g1.handle }), Status::BadHandle);
         assert_eq!(t.st.peek(7).unwrap().pins, 1);
-        assert_eq!(
-            t.status(b, Request::Release { handle: gb.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(b, Request::Release { handle: gb.handle }), Status::Ok);
         assert_eq!(t.st.stats().pins, 0);
         for forged in [0, 2 << 62, (2 << 62) | 12345, u64::MAX] {
-            assert_eq!(
-                t.status(a, Request::Release { handle: forged }),
-                Status::BadHandle
-            );
+            assert_eq!(t.status(a, Request::Release { handle: forged }), Status::BadHandle);
         }
     }
 
@@ -1602,24 +1289,15 @@ mod tests {
         assert_eq!(t.get(a, 1).status, Status::NotFound);
         assert_eq!(t.status(a, Request::Lookup { key: 1 }), Status::NotFound);
         let st = t.st.stats();
-        assert_eq!(
-            (st.blocks, st.unlinked_blocks, st.bytes_used),
-            (0, 1, 3 * PAGE_LEN)
-        );
+        assert_eq!((st.blocks, st.unlinked_blocks, st.bytes_used), (0, 1, 3 * PAGE_LEN));
         // The extent is not reused while pinned.
         let r = t.reserve(a, 2, 13 * PAGE_LEN);
         assert_eq!(r.status, Status::Ok);
         assert!(r.offset >= data_offset + 3 * PAGE_LEN);
         assert_eq!(t.status(a, Request::Abort { handle: r.handle }), Status::Ok);
-        assert_eq!(
-            t.status(a, Request::Release { handle: ga.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(a, Request::Release { handle: ga.handle }), Status::Ok);
         assert_eq!(t.st.stats().bytes_used, 3 * PAGE_LEN);
-        assert_eq!(
-            t.status(b, Request::Release { handle: gb.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(b, Request::Release { handle: gb.handle }), Status::Ok);
         assert_eq!(t.st.stats().bytes_used, 0);
         assert_eq!(t.st.stats().unlinked_blocks, 0);
     }
@@ -1631,11 +1309,7 @@ mod tests {
         let first = t.put(s, 1, 100);
         let second = t.put(s, 1, 200);
         assert_ne!(first, second);
-        assert_eq!(
-            t.st.stats().bytes_used,
-            PAGE_LEN,
-            "the unpinned old block is freed"
-        );
+        assert_eq!(t.st.stats().bytes_used, PAGE_LEN, "the unpinned old block is freed");
         assert_eq!(t.get(s, 1).offset, second);
         // Pinned old block: kept until released.
         let g = t.get(s, 1);
@@ -1646,19 +1320,10 @@ mod tests {
         assert_eq!(now.offset, third);
         assert_eq!(now.tensor.unwrap().2, 300);
         // g was taken twice on the same block (handle reused), release both.
-        assert_eq!(
-            t.status(s, Request::Release { handle: g.handle }),
-            Status::Ok
-        );
-        assert_eq!(
-            t.status(s, Request::Release { handle: g.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Release { handle: g.handle }), Status::Ok);
+        assert_eq!(t.status(s, Request::Release { handle: g.handle }), Status::Ok);
         assert_eq!(t.st.stats().bytes_used, PAGE_LEN);
-        assert_eq!(
-            t.status(s, Request::Release { handle: now.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Release { handle: now.handle }), Status::Ok);
     }
 
     #[test]
@@ -1667,21 +1332,11 @@ mod tests {
         let s = t.st.open_session();
         let r1 = t.reserve(s, 9, 10);
         let r2 = t.reserve(s, 9, 20);
-        assert_eq!(
-            t.status(s, Request::Commit { handle: r2.handle }),
-            Status::Ok
-        );
-        assert_eq!(
-            t.status(s, Request::Commit { handle: r1.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Commit { handle: r2.handle }), Status::Ok);
+        assert_eq!(t.status(s, Request::Commit { handle: r1.handle }), Status::Ok);
         // Last commit wins.
         assert_eq!(t.get(s, 9).offset, r1.offset);
-        assert_eq!(
-            t.st.stats().bytes_used,
-            PAGE_LEN,
-            "r2's block was replaced and freed"
-        );
+        assert_eq!(t.st.stats().bytes_used, PAGE_LEN, "r2's block was replaced and freed");
     }
 
     #[test]
@@ -1694,10 +1349,7 @@ mod tests {
         // Use order now: 1 2 3 4. Touch 1 (LOOKUP) and 2 (GET + RELEASE).
         assert_eq!(t.status(s, Request::Lookup { key: 1 }), Status::Ok);
         let g = t.get(s, 2);
-        assert_eq!(
-            t.status(s, Request::Release { handle: g.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Release { handle: g.handle }), Status::Ok);
         // Order: 3 4 1 2. One page evicts 3.
         t.put(s, 5, 1);
         assert!(t.st.peek(3).is_none());
@@ -1732,10 +1384,7 @@ mod tests {
             assert!(t.st.peek(key).is_some(), "{key}");
         }
         assert_eq!(t.st.stats().evictions, 4);
-        assert_eq!(
-            t.status(s, Request::Release { handle: g.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(s, Request::Release { handle: g.handle }), Status::Ok);
     }
 
     #[test]
@@ -1758,10 +1407,7 @@ mod tests {
         // Nothing else can go: everything left is pinned or reserved.
         assert_eq!(t.reserve(a, 6, 1).status, Status::OutOfMemory);
         assert!(t.st.peek(2).is_none() && t.st.peek(4).is_none());
-        assert_eq!(
-            t.status(b, Request::Commit { handle: res.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(b, Request::Commit { handle: res.handle }), Status::Ok);
         assert_eq!(t.get(a, 1).offset, pinned.offset);
         assert_eq!(t.st.stats().reserved, 1);
     }
@@ -1777,10 +1423,7 @@ mod tests {
         let res = t.reserve(s, 9, 1);
         assert_eq!(res.status, Status::Ok);
         let c = t.reserve(s, 4, 1);
-        assert_eq!(
-            (c.op, c.status, c.handle, c.offset),
-            (Op::Reserve, Status::OutOfMemory, 0, 0)
-        );
+        assert_eq!((c.op, c.status, c.handle, c.offset), (Op::Reserve, Status::OutOfMemory, 0, 0));
         assert_eq!(t.st.stats().evictions, 0);
         assert_eq!(t.st.stats().out_of_memory, 1);
         for key in 1..=3 {
@@ -1841,26 +1484,13 @@ mod tests {
         assert!(!t.st.is_open(b));
         let st = t.st.stats();
         assert_eq!((st.pins, st.reserved, st.sessions), (1, 0, 1));
-        assert_eq!(
-            st.bytes_used,
-            2 * PAGE_LEN,
-            "reservation aborted, 2 still pinned by a"
-        );
+        assert_eq!(st.bytes_used, 2 * PAGE_LEN, "reservation aborted, 2 still pinned by a");
         assert_eq!(st.evictable_bytes, PAGE_LEN, "1 is evictable again");
         // Requests of a closed session are refused; its handles are dead.
         assert_eq!(t.status(b, Request::Ping), Status::Internal);
-        assert_eq!(
-            t.status(a, Request::Release { handle: g1.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(a, Request::Commit { handle: res.handle }),
-            Status::BadHandle
-        );
-        assert_eq!(
-            t.status(a, Request::Release { handle: ga.handle }),
-            Status::Ok
-        );
+        assert_eq!(t.status(a, Request::Release { handle: g1.handle }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::Commit { handle: res.handle }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::Release { handle: ga.handle }), Status::Ok);
         assert_eq!(t.st.stats().bytes_used, PAGE_LEN);
         t.st.close_session(b);
         t.st.close_session(a);
@@ -1880,11 +1510,9 @@ mod tests {
 
     #[test]
     fn handle_encoding_round_trips() {
-        for (kind, index, generation) in [
-            (HandleKind::Reservation, 0, 0),
-            (HandleKind::Pin, u32::MAX, GEN_MASK),
-            (HandleKind::Pin, 7, 12345),
-        ] {
+        for (kind, index, generation) in
+            [(HandleKind::Reservation, 0, 0), (HandleKind::Pin, u32::MAX, GEN_MASK), (HandleKind::Pin, 7, 12345)]
+        {
             let h = encode_handle(kind, index, generation);
             assert_ne!(h, 0);
             assert_eq!(decode_handle(h), Some((kind, index, generation)));
@@ -2018,20 +1646,9 @@ mod tests {
     impl Model {
         fn new() -> Model {
             let mut st = Store::new(SLAB_OFFSET, PAGES * PAGE_LEN);
-            let sessions = (0..SESSIONS)
-                .map(|_| MSession {
-                    id: st.open_session(),
-                    res: Vec::new(),
-                    pins: Vec::new(),
-                })
-                .collect();
-            Model {
-                st,
-                sessions,
-                committed: HashMap::new(),
-                dead: Vec::new(),
-                next_id: 0,
-            }
+            let sessions =
+                (0..SESSIONS).map(|_| MSession { id: st.open_session(), res: Vec::new(), pins: Vec::new() }).collect();
+            Model { st, sessions, committed: HashMap::new(), dead: Vec::new(), next_id: 0 }
         }
 
         fn send(&mut self, s: usize, req: Request) -> Completion {
@@ -2052,22 +1669,11 @@ mod tests {
         }
 
         fn is_pinned(&self, region: &Region) -> bool {
-            self.sessions.iter().any(|s| {
-                s.pins
-                    .iter()
-                    .any(|p| p.region.data_offset == region.data_offset)
-            })
+            self.sessions.iter().any(|s| s.pins.iter().any(|p| p.region.data_offset == region.data_offset))
         }
 
         /// A handle for a Commit/Abort/Release step and whether it must succeed.
-        fn pick_handle(
-            &self,
-            s: usize,
-            pick: usize,
-            how: u8,
-            random: u64,
-            pin: bool,
-        ) -> (u64, bool) {
+        fn pick_handle(&self, s: usize, pick: usize, how: u8, random: u64, pin: bool) -> (u64, bool) {
             let own: Vec<u64> = if pin {
                 self.sessions[s].pins.iter().map(|p| p.handle).collect()
             } else {
@@ -2098,44 +1704,24 @@ mod tests {
         fn run(&mut self, step: &Step) -> Result<(), TestCaseError> {
             let evictions_before = self.st.stats().evictions;
             match *step {
-                Step::Reserve {
-                    s,
-                    key,
-                    len,
-                    page_offset,
-                } => {
+                Step::Reserve { s, key, len, page_offset } => {
                     let key = u128::from(key);
                     let c = self.send(s, reserve_req(key, len, page_offset));
                     let need = round_up_to_pages(len + page_offset).unwrap();
-                    prop_assert_eq!(
-                        c.status == Status::TooLarge,
-                        len + page_offset > PAGES * PAGE_LEN
-                    );
+                    prop_assert_eq!(c.status == Status::TooLarge, len + page_offset > PAGES * PAGE_LEN);
                     match c.status {
                         Status::Ok => {
-                            let region = Region {
-                                data_offset: c.offset,
-                                len,
-                            };
+                            let region = Region { data_offset: c.offset, len };
                             prop_assert_eq!(c.offset % PAGE_LEN, page_offset);
                             prop_assert!(c.offset >= SLAB_OFFSET);
                             prop_assert!(c.offset + len <= SLAB_OFFSET + PAGES * PAGE_LEN);
                             // Evictions happened first; drop what they took from the model.
                             self.reconcile(true)?;
                             for live in self.live_regions() {
-                                prop_assert!(
-                                    !region.overlaps(&live),
-                                    "{:?} overlaps live {:?}",
-                                    region,
-                                    live
-                                );
+                                prop_assert!(!region.overlaps(&live), "{:?} overlaps live {:?}", region, live);
                             }
                             prop_assert!(!self.dead.contains(&c.handle));
-                            self.sessions[s].res.push(MRes {
-                                handle: c.handle,
-                                key,
-                                region,
-                            });
+                            self.sessions[s].res.push(MRes { handle: c.handle, key, region });
                         }
                         Status::TooLarge => prop_assert!(len + page_offset > PAGES * PAGE_LEN),
                         Status::OutOfMemory => {
@@ -2143,8 +1729,7 @@ mod tests {
                             let st = self.st.stats();
                             prop_assert!(st.largest_free_bytes < need);
                             prop_assert!(
-                                st.evictable_bytes == 0
-                                    || st.bytes_free + st.evictable_bytes < need,
+                                st.evictable_bytes == 0 || st.bytes_free + st.evictable_bytes < need,
                                 "OOM with evictable blocks left: {:?}",
                                 st
                             );
@@ -2152,21 +1737,12 @@ mod tests {
                         other => prop_assert!(false, "reserve -> {:?}", other),
                     }
                 }
-                Step::Commit {
-                    s,
-                    pick,
-                    how,
-                    random,
-                } => {
+                Step::Commit { s, pick, how, random } => {
                     let (h, own) = self.pick_handle(s, pick, how, random, false);
                     let c = self.send(s, Request::Commit { handle: h });
                     if own {
                         prop_assert_eq!(c.status, Status::Ok);
-                        let i = self.sessions[s]
-                            .res
-                            .iter()
-                            .position(|r| r.handle == h)
-                            .unwrap();
+                        let i = self.sessions[s].res.iter().position(|r| r.handle == h).unwrap();
                         let r = self.sessions[s].res.swap_remove(i);
                         self.committed.insert(r.key, r.region);
                         self.dead.push(h);
@@ -2174,12 +1750,7 @@ mod tests {
                         prop_assert_eq!(c.status, Status::BadHandle);
                     }
                 }
-                Step::Abort {
-                    s,
-                    pick,
-                    how,
-                    random,
-                } => {
+                Step::Abort { s, pick, how, random } => {
                     let (h, own) = self.pick_handle(s, pick, how, random, false);
                     let c = self.send(s, Request::Abort { handle: h });
                     if own {
@@ -2208,20 +1779,12 @@ mod tests {
                                 }
                             }
                             prop_assert!(!self.dead.contains(&c.handle));
-                            self.sessions[s].pins.push(MPin {
-                                handle: c.handle,
-                                region,
-                            });
+                            self.sessions[s].pins.push(MPin { handle: c.handle, region });
                         }
                         None => prop_assert_eq!(c.status, Status::NotFound),
                     }
                 }
-                Step::Release {
-                    s,
-                    pick,
-                    how,
-                    random,
-                } => {
+                Step::Release { s, pick, how, random } => {
                     let (h, own) = self.pick_handle(s, pick, how, random, true);
                     let c = self.send(s, Request::Release { handle: h });
                     if own {
@@ -2239,21 +1802,13 @@ mod tests {
                 Step::Lookup { s, key } => {
                     let key = u128::from(key);
                     let c = self.send(s, Request::Lookup { key });
-                    let want = if self.committed.contains_key(&key) {
-                        Status::Ok
-                    } else {
-                        Status::NotFound
-                    };
+                    let want = if self.committed.contains_key(&key) { Status::Ok } else { Status::NotFound };
                     prop_assert_eq!(c.status, want);
                 }
                 Step::Delete { s, key } => {
                     let key = u128::from(key);
                     let c = self.send(s, Request::Delete { key });
-                    let want = if self.committed.remove(&key).is_some() {
-                        Status::Ok
-                    } else {
-                        Status::NotFound
-                    };
+                    let want = if self.committed.remove(&key).is_some() { Status::Ok } else { Status::NotFound };
                     prop_assert_eq!(c.status, want);
                 }
                 Step::Stats { s } => {
@@ -2301,43 +1856,19 @@ mod tests {
         fn check(&self) -> Result<(), TestCaseError> {
             self.st.check_invariants().map_err(TestCaseError::fail)?;
             for key in 0..u128::from(KEYS) {
-                prop_assert_eq!(
-                    self.st.peek(key).is_some(),
-                    self.committed.contains_key(&key)
-                );
+                prop_assert_eq!(self.st.peek(key).is_some(), self.committed.contains_key(&key));
             }
             // Distinct live objects never share bytes (pins of one block share its region).
-            let mut regions: Vec<(u64, u64)> = self
-                .live_regions()
-                .iter()
-                .map(|r| (r.data_offset, r.end()))
-                .collect();
+            let mut regions: Vec<(u64, u64)> = self.live_regions().iter().map(|r| (r.data_offset, r.end())).collect();
             regions.sort_unstable();
             regions.dedup();
             for w in regions.windows(2) {
-                prop_assert!(
-                    w[0].1 <= w[1].0,
-                    "live regions {:?} and {:?} overlap",
-                    w[0],
-                    w[1]
-                );
+                prop_assert!(w[0].1 <= w[1].0, "live regions {:?} and {:?} overlap", w[0], w[1]);
             }
             let st = self.st.stats();
             prop_assert_eq!(st.blocks, self.committed.len() as u64);
-            prop_assert_eq!(
-                st.reserved,
-                self.sessions
-                    .iter()
-                    .map(|m| m.res.len() as u64)
-                    .sum::<u64>()
-            );
-            prop_assert_eq!(
-                st.pins,
-                self.sessions
-                    .iter()
-                    .map(|m| m.pins.len() as u64)
-                    .sum::<u64>()
-            );
+            prop_assert_eq!(st.reserved, self.sessions.iter().map(|m| m.res.len() as u64).sum::<u64>());
+            prop_assert_eq!(st.pins, self.sessions.iter().map(|m| m.pins.len() as u64).sum::<u64>());
             prop_assert_eq!(st.bytes_used + st.bytes_free, st.bytes_total);
             Ok(())
         }

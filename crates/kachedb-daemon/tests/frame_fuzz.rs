@@ -10,7 +10,10 @@ mod fuzz_driver;
 use proptest::prelude::*;
 
 fn cases(ci: u32) -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(if std::env::var("KACHEDB_SOAK").is_ok_and(|v| !v.is_empty() && v != "0") { ci * 20 } else { ci })
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if std::env::var("KACHEDB_SOAK").is_ok_and(|v| !v.is_empty() && v != "0") { ci * 20 } else { ci })
 }
 
 proptest! {

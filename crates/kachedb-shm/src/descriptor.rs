@@ -416,11 +416,7 @@ impl Completion {
     pub fn decode(d: &TensorBlockDescriptor) -> Result<Self, DecodeError> {
         let op = Op::from_code(d.op).ok_or(DecodeError::UnknownOp(d.op))?;
         let status = Status::from_code(d.status).ok_or(DecodeError::UnknownStatus(d.status))?;
-        let tensor = if op == Op::Get && status == Status::Ok {
-            Some(checked_shape(d)?)
-        } else {
-            None
-        };
+        let tensor = if op == Op::Get && status == Status::Ok { Some(checked_shape(d)?) } else { None };
         Ok(Self { request_id: d.request_id, op, status, handle: d.handle, offset: d.offset, tensor })
     }
 

@@ -17,6 +17,6 @@ pub mod sync;
 pub mod wait;
 
 pub use descriptor::{Completion, DType, DecodeError, Op, Request, Shape, Status, TensorBlockDescriptor, MAX_DIMS};
+pub use region::{CreateOptions, Layout, Region, RegionError};
 pub use ring::{Consumer, HeapRing, Producer, RingError, RingHeader};
 pub use wait::{SpinThenPark, Tick, WaitCell};
-pub use region::{CreateOptions, Layout, Region, RegionError};

@@ -310,7 +310,11 @@ impl Region {
             let fix = format!(
                 "ask for a smaller region (e.g. --size {}MiB) or {}",
                 (avail.saturating_sub(opts.headroom_bytes) / 2) >> 20,
-                if is_cgroup_source(&source_name) { "raise the cgroup's memory limit (e.g. `docker run --memory`)" } else { "free memory" }
+                if is_cgroup_source(&source_name) {
+                    "raise the cgroup's memory limit (e.g. `docker run --memory`)"
+                } else {
+                    "free memory"
+                }
             );
             return Err(RegionError::NotEnoughMemory {
                 need_bytes: layout.region_len,
@@ -511,7 +515,8 @@ impl Region {
 }
 
 fn map_fd(fd: &OwnedFd, len: u64) -> Result<memmap2::MmapRaw, RegionError> {
-    let len = usize::try_from(len).map_err(|_| RegionError::BadLayout("region larger than the address space".into()))?;
+    let len =
+        usize::try_from(len).map_err(|_| RegionError::BadLayout("region larger than the address space".into()))?;
     memmap2::MmapOptions::new()
         .len(len)
         .populate()
@@ -569,8 +574,8 @@ mod tests {
     #[test]
     fn too_large_is_a_clear_error() {
         let layout = Layout::new(1, 8, 1 << 50).unwrap();
-        let e = Region::create(&CreateOptions { name: "big".into(), layout, headroom_bytes: 0 }, |_, _| {})
-            .unwrap_err();
+        let e =
+            Region::create(&CreateOptions { name: "big".into(), layout, headroom_bytes: 0 }, |_, _| {}).unwrap_err();
         let msg = e.to_string();
         assert!(msg.contains("--size"), "{msg}");
     }

@@ -230,10 +230,7 @@ pub unsafe fn attach(base: NonNull<u8>, capacity: u32, owner: Arc<dyn Send + Syn
     // `RingError::Corrupt` (and no `tail - cached_head` underflows).
     let consistent = head <= tail && tail - head <= mem.capacity;
     let cached_head = if consistent { head } else { tail.wrapping_sub(mem.capacity) };
-    (
-        Producer { mem: mem.clone(), tail, cached_head },
-        Consumer { mem, head, cached_tail: head },
-    )
+    (Producer { mem: mem.clone(), tail, cached_head }, Consumer { mem, head, cached_tail: head })
 }
 
 /// Attaches the producing end of a ring at `base`.

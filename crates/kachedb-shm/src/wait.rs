@@ -233,11 +233,7 @@ mod tests {
         let (c2, f2) = (cell.clone(), flag.clone());
         let t = std::thread::spawn(move || {
             let policy = SpinThenPark { park_timeout: Duration::from_secs(30), ..SpinThenPark::park_immediately() };
-            policy.wait(
-                &c2,
-                || f2.load(std::sync::atomic::Ordering::Acquire).then_some(()),
-                || Tick::<()>::Continue,
-            )
+            policy.wait(&c2, || f2.load(std::sync::atomic::Ordering::Acquire).then_some(()), || Tick::<()>::Continue)
         });
         while !cell.is_parked() {
             std::thread::yield_now();
@@ -252,10 +248,18 @@ mod tests {
         let cell = WaitCell::new();
         let policy = SpinThenPark { park_timeout: Duration::from_millis(1), ..SpinThenPark::park_immediately() };
         let mut ticks = 0;
-        let r: Result<(), &str> = policy.wait(&cell, || None, || {
-            ticks += 1;
-            if ticks == 3 { Tick::Stop("gone") } else { Tick::Continue }
-        });
+        let r: Result<(), &str> = policy.wait(
+            &cell,
+            || None,
+            || {
+                ticks += 1;
+                if ticks == 3 {
+                    Tick::Stop("gone")
+                } else {
+                    Tick::Continue
+                }
+            },
+        );
         assert_eq!(r, Err("gone"));
     }
 }

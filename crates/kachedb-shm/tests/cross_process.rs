@@ -161,7 +161,11 @@ fn child_tick(parent: u32, started: Instant) -> impl FnMut() -> Tick<String> {
 }
 
 /// One frame from the child, waiting with `policy`.
-fn child_pop(c: &mut Consumer, policy: &SpinThenPark, tick: &mut impl FnMut() -> Tick<String>) -> TensorBlockDescriptor {
+fn child_pop(
+    c: &mut Consumer,
+    policy: &SpinThenPark,
+    tick: &mut impl FnMut() -> Tick<String>,
+) -> TensorBlockDescriptor {
     c.wait_with(policy, |c| c.try_pop().transpose(), &mut *tick)
         .unwrap_or_else(|e| panic!("child: {e}"))
         .unwrap_or_else(|e: RingError| panic!("child: {e}"))
@@ -183,7 +187,14 @@ fn push_one(p: &mut Producer, f: &TensorBlockDescriptor, mut check: impl FnMut()
 
 /// The child's report: a completion with `handle` = count, `offset` = checksum.
 fn send_report(comp: &mut Producer, count: u64, sum: u64) {
-    let report = Completion { request_id: REPORT_ID, op: Op::Stats, status: Status::Ok, handle: count, offset: sum, tensor: None };
+    let report = Completion {
+        request_id: REPORT_ID,
+        op: Op::Stats,
+        status: Status::Ok,
+        handle: count,
+        offset: sum,
+        tensor: None,
+    };
     push_one(comp, &report.encode(), || {});
     comp.notify_consumer();
 }
@@ -357,7 +368,11 @@ fn parked_consumer_is_woken_per_burst() {
         let t0 = Instant::now();
         woken += u64::from(sub.notify_consumer());
         while !sub.is_drained() {
-            assert!(t0.elapsed() < park_timeout / 2, "burst {b} not consumed within {:?}: lost wake-up", park_timeout / 2);
+            assert!(
+                t0.elapsed() < park_timeout / 2,
+                "burst {b} not consumed within {:?}: lost wake-up",
+                park_timeout / 2
+            );
             child.check("waiting for a burst to drain");
             std::thread::yield_now();
         }

@@ -151,7 +151,9 @@ fn check_completion(f: &TensorBlockDescriptor) {
             let dt = DType::from_code(f.dtype).unwrap();
             assert!(overflow_is_right(&f.shape[..usize::from(f.ndim)], dt.itemsize()));
         }
-        Err(_) => assert!(f.op == Op::Get as u8 && f.status == Status::Ok as u8, "only a GET OK completion checks its shape"),
+        Err(_) => {
+            assert!(f.op == Op::Get as u8 && f.status == Status::Ok as u8, "only a GET OK completion checks its shape")
+        }
     }
 }
 

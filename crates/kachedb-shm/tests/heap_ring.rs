@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 fn frame(i: u64) -> TensorBlockDescriptor {
-    let mut d = TensorBlockDescriptor::request(Op::Get, i as u32, u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15) << 3);
+    let mut d =
+        TensorBlockDescriptor::request(Op::Get, i as u32, u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15) << 3);
     d.handle = !i;
     d.offset = i.rotate_left(17);
     d.ndim = (i % 7) as u8;
@@ -118,14 +119,18 @@ fn wait_with_stops_on_tick() {
     let (_p, mut c) = HeapRing::with_capacity(2);
     let policy = SpinThenPark { park_timeout: Duration::from_millis(1), ..SpinThenPark::park_immediately() };
     let mut ticks = 0;
-    let r = c.wait_with(&policy, |c| c.try_pop().transpose(), || {
-        ticks += 1;
-        if ticks == 2 {
-            Tick::Stop("peer gone")
-        } else {
-            Tick::Continue
-        }
-    });
+    let r = c.wait_with(
+        &policy,
+        |c| c.try_pop().transpose(),
+        || {
+            ticks += 1;
+            if ticks == 2 {
+                Tick::Stop("peer gone")
+            } else {
+                Tick::Continue
+            }
+        },
+    );
     assert_eq!(r, Err("peer gone"));
 }
 

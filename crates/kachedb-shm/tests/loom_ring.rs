@@ -25,7 +25,8 @@ use std::time::Duration;
 /// A frame whose every field depends on `i`, so a torn or stale slot read is
 /// caught by the equality check.
 fn frame(i: u64) -> TensorBlockDescriptor {
-    let mut d = TensorBlockDescriptor::request(Op::Get, i as u32, u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut d =
+        TensorBlockDescriptor::request(Op::Get, i as u32, u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     d.handle = !i;
     d.offset = i << 6;
     d.shape[0] = i as u32 ^ 0xa5a5;
@@ -214,9 +215,7 @@ fn ring_consumer_parks_and_is_woken() {
         });
         let policy = SpinThenPark { park_timeout: Duration::from_secs(3600), ..SpinThenPark::park_immediately() };
         for i in 0..2 {
-            let f = c
-                .wait_with(&policy, |c| c.try_pop().unwrap(), || Tick::<()>::Continue)
-                .unwrap();
+            let f = c.wait_with(&policy, |c| c.try_pop().unwrap(), || Tick::<()>::Continue).unwrap();
             assert_eq!(f, frame(i));
         }
         t.join().unwrap();

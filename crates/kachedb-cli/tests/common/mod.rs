@@ -124,7 +124,11 @@ impl TempDir {
     pub fn new(name: &str) -> TempDir {
         use std::os::unix::fs::DirBuilderExt;
         static N: AtomicU32 = AtomicU32::new(0);
-        let p = std::env::temp_dir().join(format!("kdbt-{}-{name}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        let p = std::env::temp_dir().join(format!(
+            "kdbt-{}-{name}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&p).expect("create temp dir");
         TempDir(p)
@@ -288,14 +292,10 @@ pub fn stats(socket: &Path) -> Value {
         .env_remove("KACHEDB_SOCKET")
         .output()
         .expect("run kachedb stats");
-    assert!(
-        out.status.success(),
-        "kachedb stats failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("kachedb stats --json printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    assert!(out.status.success(), "kachedb stats failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!("kachedb stats --json printed no JSON ({e}): {}", String::from_utf8_lossy(&out.stdout))
+    })
 }
 
 pub fn num(v: &Value, k: &str) -> u64 {
@@ -338,7 +338,12 @@ pub fn spawn_child(role: &str, socket: &Path, env: &[(&str, String)]) -> Proc {
 
 /// As [`spawn_child`], with `customize` applied to the command before it is
 /// spawned (e.g. a `pre_exec` that drops privileges).
-pub fn spawn_child_with(role: &str, socket: &Path, env: &[(&str, String)], customize: impl FnOnce(&mut Command)) -> Proc {
+pub fn spawn_child_with(
+    role: &str,
+    socket: &Path,
+    env: &[(&str, String)],
+    customize: impl FnOnce(&mut Command),
+) -> Proc {
     let exe = std::env::current_exe().expect("current_exe");
     let mut cmd = Command::new(exe);
     cmd.args(["--exact", "child_process", "--nocapture", "--test-threads=1"])
@@ -406,7 +411,9 @@ impl Proc {
 
     pub fn send(&mut self, line: &str) {
         let stdin = self.stdin.as_mut().expect("stdin open");
-        writeln!(stdin, "{line}").and_then(|_| stdin.flush()).unwrap_or_else(|e| panic!("{}: write stdin: {e}\n{}", self.name, self.dump()));
+        writeln!(stdin, "{line}")
+            .and_then(|_| stdin.flush())
+            .unwrap_or_else(|e| panic!("{}: write stdin: {e}\n{}", self.name, self.dump()));
     }
 
     pub fn pid(&self) -> u32 {

@@ -33,7 +33,11 @@ pub fn check_decode(bytes: &[u8]) -> Result<(), String> {
         }
         match req {
             Request::Reserve { key, dtype, shape, len, page_offset } => {
-                if key != d.key() || dtype as u8 != d.dtype || shape.ndim() != usize::from(d.ndim) || shape.ndim() > MAX_DIMS {
+                if key != d.key()
+                    || dtype as u8 != d.dtype
+                    || shape.ndim() != usize::from(d.ndim)
+                    || shape.ndim() > MAX_DIMS
+                {
                     return Err(format!("reserve fields differ from the frame: {req:?} {d:?}"));
                 }
                 if shape.len_bytes(dtype) != Some(len) {
@@ -46,7 +50,9 @@ pub fn check_decode(bytes: &[u8]) -> Result<(), String> {
                     return Err(format!("non-zero unused dims accepted: {d:?}"));
                 }
             }
-            Request::Commit { handle } | Request::Abort { handle } | Request::Release { handle } if handle != d.handle => {
+            Request::Commit { handle } | Request::Abort { handle } | Request::Release { handle }
+                if handle != d.handle =>
+            {
                 return Err(format!("handle {handle} is not the frame's {}", d.handle));
             }
             Request::Get { key } | Request::Lookup { key } | Request::Delete { key } if key != d.key() => {
@@ -151,7 +157,13 @@ pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
             d.ndim %= 3;
             let ndim = usize::from(d.ndim);
             for (k, dim) in d.shape.iter_mut().enumerate() {
-                *dim = if k >= ndim { 0 } else if ndim == 1 { *dim % 40_000 } else { *dim % 128 };
+                *dim = if k >= ndim {
+                    0
+                } else if ndim == 1 {
+                    *dim % 40_000
+                } else {
+                    *dim % 128
+                };
             }
             d.offset = (d.offset % 64) * 64;
         }
@@ -228,7 +240,9 @@ pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
                     }
                 }
                 (None, Status::BadHandle) => {}
-                (p, st) => return Err(format!("RELEASE of {handle:#x} by session {i} (pinned here: {}): {st:?}", p.is_some())),
+                (p, st) => {
+                    return Err(format!("RELEASE of {handle:#x} by session {i} (pinned here: {}): {st:?}", p.is_some()))
+                }
             },
             _ => {}
         }
@@ -236,7 +250,12 @@ pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
         let stats = st.stats();
         let model_pins: u64 = pins.values().map(|p| p.1).sum();
         if stats.pins != model_pins || stats.reserved != reservations.len() as u64 {
-            return Err(format!("store has {} pins, {} reservations; the model {model_pins}, {}", stats.pins, stats.reserved, reservations.len()));
+            return Err(format!(
+                "store has {} pins, {} reservations; the model {model_pins}, {}",
+                stats.pins,
+                stats.reserved,
+                reservations.len()
+            ));
         }
     }
     for s in sessions.into_iter().flatten() {
