@@ -15,8 +15,9 @@ a config with a fixed seed, so nothing is downloaded) runs in two processes:
   tokens greedily each time:
 
   1. ``cold``: prefills the whole request itself;
-  2. ``kachedb``: ``lookup`` of its key chain, ``get_many`` of the hits as
-     zero-copy views of shared memory, a ``DynamicCache`` built on those views,
+  2. ``kachedb``: ``get_prefix`` of its key chain (the leading stored blocks,
+     looked up and pinned in one round trip) as zero-copy views of shared
+     memory, a ``DynamicCache`` built on those views,
      then prefills only the tokens after the cached prefix. The blocks are joined
      along the token axis inside the model's own first cache update (the one
      ``torch.cat`` that the model does anyway), so no other copy is made;
@@ -34,6 +35,7 @@ a config with a fixed seed, so nothing is downloaded) runs in two processes:
 
     python examples/prefill_savings.py            # full size: 106 M params, 2048-token prompt
     python examples/prefill_savings.py --small    # CI size: 2 layers, hidden 64, 128 tokens
+    python examples/prefill_savings.py --demo     # make demo: 4 layers, hidden 512, 1024 tokens
     python examples/prefill_savings.py --json     # one JSON object per line
     python examples/prefill_savings.py --model /path/to/local/llama   # a local model directory
 
@@ -75,6 +77,10 @@ FULL = dict(layers=8, hidden=768, heads=12, kv_heads=12, intermediate=2048, voca
             prompt_len=2048, suffix_len=32, block_size=256, new_tokens=16, repeat=5)
 SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=1000,
              prompt_len=128, suffix_len=8, block_size=16, new_tokens=8, repeat=1)
+#: `make demo`'s size: a prefill long enough (~0.5 s cold on a 2-core CPU) for reuse
+#: to show, a run of well under a minute.
+DEMO = dict(layers=4, hidden=512, heads=8, kv_heads=8, intermediate=1024, vocab=8000,
+            prompt_len=1024, suffix_len=16, block_size=64, new_tokens=8, repeat=3)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: allclose tolerances of the first-step logits, warm path vs cold, per dtype.
@@ -398,16 +404,19 @@ def _producer(conn: Any, spec: Dict[str, Any], socket_path: str) -> None:
         raise RuntimeError(f"cache layout {(layers, kv_heads, head_dim)} != config's {kv_layout(config)}")
     dtype = ks[0].dtype
 
-    # Store: one block per `bs` tokens, every layer's K and V, written in place.
+    # Store: one block per `bs` tokens, every layer's K and V, written in place;
+    # all blocks reserved in one batch and committed in one batch.
     kc = kachedb.connect(socket=socket_path)
     t0 = now()
-    for i, key in enumerate(keys):
-        s, e = i * bs, (i + 1) * bs
-        with kc.reserve(key, (layers, 2, kv_heads, bs, head_dim), dtype) as out:
+    with kc.reserve_many(keys, (layers, 2, kv_heads, bs, head_dim), dtype) as outs:
+        for i, out in enumerate(outs):
+            s, e = i * bs, (i + 1) * bs
             for l in range(layers):
                 out[l, 0].copy_(ks[l][0, :, s:e])
                 out[l, 1].copy_(vs[l][0, :, s:e])
     store_s = now() - t0
+    if kc.lookup(keys) != len(keys):
+        raise RuntimeError("the KV blocks just committed are not all in the store")
     block_bytes = layers * 2 * kv_heads * bs * head_dim * ks[0].element_size()
 
     # The TCP baseline's server keeps the same KV in its own memory, already in the
@@ -480,13 +489,12 @@ def _consumer(spec: Dict[str, Any], socket_path: str, port: int, checksum: float
         return r
 
     def from_kachedb(eager_concat: bool) -> Dict[str, Any]:
-        # lookup + get_many (zero-copy views) + a cache built on them.
+        # get_prefix (the leading present blocks as zero-copy views, looked up
+        # and pinned in one round trip) + a cache built on them.
         t0 = now()
-        hits = kc.lookup(keys)
-        views = kc.get_many(keys[:hits]) if hits else []
-        if None in views:  # evicted between lookup and get: use the leading ones
-            views = views[:views.index(None)]
-        n = cached_len(len(views))
+        views = kc.get_prefix(keys)
+        hits = len(views)
+        n = cached_len(hits)
         if not eager_concat:
             k_parts, v_parts = parts_of_blocks(views, n)
         else:  # the obvious alternative: one private contiguous copy of the blocks first
@@ -622,6 +630,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true",
                    help="CI size: 2 layers, hidden 64, a 128-token prompt, 16-token blocks")
+    p.add_argument("--demo", action="store_true",
+                   help="make demo's size: 4 layers, hidden 512, a 1024-token prompt in blocks of 64 (~0.5 s cold prefill)")
     p.add_argument("--model", metavar="PATH",
                    help="a local model directory (from_pretrained, no download) instead of the random Llama")
     p.add_argument("--layers", type=int, help=f"decoder layers (default {FULL['layers']})")
@@ -651,7 +661,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each process may take to answer")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     a = p.parse_args(argv)
-    preset = SMALL if a.small else FULL
+    preset = SMALL if a.small else DEMO if a.demo else FULL
     for k, v in preset.items():
         if getattr(a, k) is None:
             setattr(a, k, v)

@@ -1,6 +1,6 @@
-"""The side-by-side handoff benchmark (benchmarks/compare.py, ``python -m kachedb
-bench compare``) in its CI size: every transport runs for real, its consumer
-verifies the data, and the run leaves no process or shared-memory segment behind.
+"""The side-by-side handoff benchmark (benchmarks/compare.py) in its CI size:
+every transport runs for real, its consumer verifies the data, and the run
+leaves no process or shared-memory segment behind.
 
 Needs what CI installs: ``pip install ray redis hiredis matplotlib`` and
 ``apt-get install -y redis-server``.
@@ -18,7 +18,8 @@ import time
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "benchmarks", "compare.py")
+BENCHMARKS = os.path.join(REPO, "benchmarks")
+SCRIPT = os.path.join(BENCHMARKS, "compare.py")
 TRANSPORTS = ["kachedb", "tcp", "uds", "shm", "torch_mp", "redis", "ray"]
 QUICK = {(65536, 200), (64 << 20, 1)}
 
@@ -103,7 +104,11 @@ def test_quick_compare_runs_every_transport_and_cleans_up(tmp_path):
 
 
 def test_sizes_flag_parses_and_rejects():
-    from kachedb._compare import parse_size
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from compare import parse_size
+    finally:
+        sys.path.remove(BENCHMARKS)
 
     c = parse_size("64KiBx10000")
     assert (c.nbytes, c.count, c.shape) == (65536, 10000, (2, 1, 8, 16, 128))

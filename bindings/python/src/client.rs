@@ -2,26 +2,60 @@
 //! `kachedb_client` that release the GIL while waiting on the ring and hand
 //! blocks out as DLPack exporters whose owner keeps the pin.
 
-use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat};
-use crate::errors::to_py_err;
-use kachedb_client::{BlockView, ClientError, ConnectOptions, DType, Key, Shape};
+use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat, Reader};
+use crate::errors::{client_err, InvalidArgument, KacheDBError};
+use kachedb_client::copy::copy_into;
+use kachedb_client::{BlockView, ClientError, ConnectOptions, DType, Key, Reservation, Shape};
 use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyBytes, PyDict, PyInt, PyString};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-/// Maps a client error to the `kachedb` exception that names it.
-pub fn client_err(e: ClientError) -> PyErr {
-    let kind = match &e {
-        ClientError::NotFound => "NotFound",
-        ClientError::OutOfMemory => "OutOfMemory",
-        ClientError::TooLarge(_) => "TooLarge",
-        ClientError::Invalid(_) => "InvalidArgument",
-        ClientError::BadHandle => "BadHandle",
-        ClientError::Disconnected(_) => "Disconnected",
-        ClientError::Internal | ClientError::Protocol(_) | ClientError::Region(_) => "KacheDBError",
-    };
-    to_py_err(kind, e.to_string())
+/// `kachedb._keys.key_parts`, the reference mapping of keys.
+static KEY_PARTS: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+
+/// The 128-bit key of a Python key (`docs/PROTOCOL.md`, "Keys"): `bytes`, `str`
+/// and `int` here, without a Python call; anything else (bytearray,
+/// memoryview, a str that is not UTF-8, a wrong type and its error) through
+/// `kachedb._keys.key_parts`.
+fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
+    if let Ok(b) = obj.downcast_exact::<PyBytes>() {
+        return Ok(Key::from_bytes(b.as_bytes()));
+    }
+    if let Ok(st) = obj.downcast_exact::<PyString>() {
+        if let Ok(st) = st.to_cow() {
+            return Ok(Key::from_str(&st));
+        }
+    } else if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = obj.extract::<u128>() {
+            return Ok(Key(v));
+        }
+        if let Ok(v) = obj.extract::<i128>() {
+            return Ok(Key::from_i128_wrapping(v));
+        }
+    }
+    let py = obj.py();
+    let f = KEY_PARTS.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+        Ok(py.import("kachedb._keys")?.getattr("key_parts")?.unbind())
+    })?;
+    let (lo, hi): (u64, u64) = f.bind(py).call1((obj,))?.extract()?;
+    Ok(Key::from_parts(lo, hi))
+}
+
+/// [`key_of`] of every key of an iterable.
+fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
+    keys.try_iter()?.map(|k| key_of(&k?)).collect()
+}
+
+/// A source block of `put_many_values`: its dtype, shape and bytes.
+struct SrcBlock {
+    key: Key,
+    dtype: DType,
+    shape: Shape,
+    src: Src,
 }
 
 fn key(lo: u64, hi: u64) -> Key {
@@ -29,104 +63,32 @@ fn key(lo: u64, hi: u64) -> Key {
 }
 
 fn dtype(code: u8) -> PyResult<DType> {
-    DType::from_code(code).ok_or_else(|| to_py_err("InvalidArgument", format!("unknown dtype code {code}")))
+    DType::from_code(code).ok_or_else(|| InvalidArgument::new_err(format!("unknown dtype code {code}")))
 }
 
 fn shape(dims: &[u64]) -> PyResult<Shape> {
     Shape::new(dims)
-        .ok_or_else(|| to_py_err("InvalidArgument", format!("shape {dims:?}: at most 6 dims, each below 2**32")))
-}
-
-/// The DLPack element type a block is exported as to torch. float8 blocks go
-/// out as `uint8` of the same shape (itemsize 1; DLPack before 1.1 has no
-/// float8, and torch 2.1 reads none): Python views them as their dtype.
-fn dl_dtype(dt: DType) -> DlDtype {
-    const INT: u8 = 0;
-    const UINT: u8 = 1;
-    const FLOAT: u8 = 2;
-    const BFLOAT: u8 = 4;
-    const BOOL: u8 = 6;
-    let (code, bits) = match dt {
-        DType::U8 | DType::F8E4M3FN | DType::F8E5M2 => (UINT, 8),
-        DType::I8 => (INT, 8),
-        DType::I16 => (INT, 16),
-        DType::I32 => (INT, 32),
-        DType::I64 => (INT, 64),
-        DType::F16 => (FLOAT, 16),
-        DType::BF16 => (BFLOAT, 16),
-        DType::F32 => (FLOAT, 32),
-        DType::F64 => (FLOAT, 64),
-        DType::Bool => (BOOL, 8),
-    };
-    DlDtype { code, bits }
+        .ok_or_else(|| InvalidArgument::new_err(format!("shape {dims:?}: at most 6 dims, each below 2**32")))
 }
 
 /// An exported block: a DLPack capsule and the block's dtype code.
 type Exported<'py> = (Bound<'py, PyAny>, u8);
 
-/// A pinned block as a legacy DLPack capsule of its dtype and shape, whose
-/// deleter releases the pin; with the block's dtype code.
+/// A pinned block as a legacy DLPack capsule of its dtype (as torch reads it:
+/// [`DlDtype::of`]) and shape, whose deleter releases the pin; with the block's
+/// dtype code.
 fn block_capsule(py: Python<'_>, v: BlockView) -> PyResult<Exported<'_>> {
     let code = v.dtype() as u8;
-    let dt = dl_dtype(v.dtype());
+    let dt = DlDtype::of(v.dtype(), Reader::Torch);
     let dims: Vec<u64> = v.shape().dims().iter().map(|&d| u64::from(d)).collect();
     let (len, ptr) = (v.len(), v.as_ptr() as *mut u8);
-    let ptr = NonNull::new(ptr).ok_or_else(|| to_py_err("KacheDBError", "null view".into()))?;
+    let ptr = NonNull::new(ptr).ok_or_else(|| KacheDBError::new_err("null view"))?;
     // SAFETY: the view is pinned (never evicted, moved or reused) and its mapping
     // kept alive for as long as it lives; the capsule's owner is the view itself.
     // Consumers may write through the tensor: readers must not (blocks are
     // immutable by contract).
     let cap = unsafe { tensor_capsule(py, ptr, len, dt, &dims, DlOwner::Rust(Box::new(v)), DlpackFormat::Legacy)? };
     Ok((cap, code))
-}
-
-/// Copies of at least this many bytes are split between threads.
-const PARALLEL_COPY_MIN: usize = 32 << 20;
-/// Each copying thread gets at least this many bytes.
-const PARALLEL_COPY_CHUNK: usize = 16 << 20;
-/// At most this many threads copy one block (a few saturate a socket's memory
-/// bandwidth; torch's own `copy_` is multi-threaded, and a single `memcpy` reaches
-/// about half of it).
-const PARALLEL_COPY_MAX_THREADS: usize = 8;
-
-/// How many threads copy `n` bytes: 1 below [`PARALLEL_COPY_MIN`], else up to one
-/// per [`PARALLEL_COPY_CHUNK`], per available core, and [`PARALLEL_COPY_MAX_THREADS`].
-fn copy_threads(n: usize) -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    if n < PARALLEL_COPY_MIN {
-        return 1;
-    }
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |c| c.get()));
-    cores.min(PARALLEL_COPY_MAX_THREADS).min(n / PARALLEL_COPY_CHUNK).max(1)
-}
-
-/// `dst.copy_from_slice(src)`, split into page-aligned chunks that
-/// [`copy_threads`] threads (this one included) take in turn. If a thread cannot
-/// be started, the others copy its share.
-fn parallel_copy(dst: &mut [u8], src: &[u8]) {
-    assert_eq!(dst.len(), src.len(), "parallel_copy of slices of different lengths");
-    let threads = copy_threads(src.len());
-    if threads <= 1 {
-        dst.copy_from_slice(src);
-        return;
-    }
-    let chunk = src.len().div_ceil(threads).next_multiple_of(4096);
-    let work = Mutex::new(dst.chunks_mut(chunk).zip(src.chunks(chunk)));
-    let run = || loop {
-        let next = work.lock().unwrap_or_else(std::sync::PoisonError::into_inner).next();
-        match next {
-            Some((d, s)) => d.copy_from_slice(s),
-            None => break,
-        }
-    };
-    std::thread::scope(|scope| {
-        for _ in 1..threads {
-            if std::thread::Builder::new().name("kachedb-copy".into()).spawn_scoped(scope, run).is_err() {
-                break;
-            }
-        }
-        run();
-    });
 }
 
 /// A raw readable byte range handed in from Python (a tensor's or array's data).
@@ -158,11 +120,12 @@ pub struct NativeClient {
 
 #[pymethods]
 impl NativeClient {
-    /// Connects to the daemon at `socket` (default: the instance's socket).
+    /// Connects to the daemon at `socket` (default: the instance's socket),
+    /// trusting a daemon of `trust_uid` besides this process's uid and root.
     #[staticmethod]
-    #[pyo3(signature = (socket=None, instance=0))]
-    fn connect(py: Python<'_>, socket: Option<PathBuf>, instance: u32) -> PyResult<Self> {
-        let opts = ConnectOptions { socket, instance, ..Default::default() };
+    #[pyo3(signature = (socket=None, instance=0, trust_uid=None))]
+    fn connect(py: Python<'_>, socket: Option<PathBuf>, instance: u32, trust_uid: Option<u32>) -> PyResult<Self> {
+        let opts = ConnectOptions { socket, instance, trust_uid, ..Default::default() };
         let path = opts.socket_path().display().to_string();
         let inner = py.allow_threads(|| kachedb_client::Client::connect(&opts)).map_err(client_err)?;
         Ok(NativeClient { inner, socket: path })
@@ -195,8 +158,8 @@ impl NativeClient {
         py.allow_threads(|| self.inner.ping()).map_err(client_err)
     }
 
-    /// Copies `nbytes` at `address` into a new block (one copy, GIL released;
-    /// blocks of 32 MiB and more are copied by several threads).
+    /// Copies `nbytes` at `address` into a new block: one copy, GIL released,
+    /// by several threads for large blocks (`copy.rs`).
     ///
     /// The caller must keep the source object alive and unmodified during the call.
     #[allow(clippy::too_many_arguments)] // the Python signature
@@ -215,9 +178,6 @@ impl NativeClient {
         py.allow_threads(|| {
             // SAFETY: the Python caller holds the source for the whole call.
             let bytes = unsafe { src.slice() };
-            if copy_threads(bytes.len()) <= 1 {
-                return self.inner.put_tensor(key(lo, hi), dt, &sh, bytes);
-            }
             let len = sh.len_bytes(dt).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
             if len != bytes.len() as u64 {
                 return Err(ClientError::Invalid(format!(
@@ -225,10 +185,11 @@ impl NativeClient {
                     bytes.len()
                 )));
             }
-            // Same page offset as the source, as `put_tensor` asks for.
-            let page_offset = (bytes.as_ptr() as u64 % 4096) & !63;
+            // The source's offset in its page, as the client's `put_tensor`
+            // reserves: source and block then share their alignment.
+            let page_offset = kachedb_shm::page_offset_of(bytes.as_ptr());
             let mut r = self.inner.reserve(key(lo, hi), dt, &sh, page_offset)?;
-            parallel_copy(r.as_mut_slice(), bytes);
+            copy_into(r.as_mut_slice(), bytes);
             r.commit()
         })
         .map_err(client_err)
@@ -251,12 +212,140 @@ impl NativeClient {
         .map_err(client_err)
     }
 
+    /// `put_many` in one native call: `keys` (any iterable of keys) and
+    /// `values` (a list). A contiguous CPU torch tensor is read here
+    /// (`data_ptr`, `dtype` through `codes`, a dict from torch dtypes to codes,
+    /// `shape`, `nbytes`); any other value goes through `source(value)`, which
+    /// returns `(code, shape, address, nbytes, keepalive)`. Then one RESERVE
+    /// batch, the copies (GIL released, threads for large batches), one COMMIT
+    /// batch; all or nothing.
+    fn put_many_values(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        codes: &Bound<'_, PyDict>,
+        source: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let keys = keys_of(keys)?;
+        let values: Vec<Bound<'_, PyAny>> = values.try_iter()?.collect::<PyResult<_>>()?;
+        if keys.len() != values.len() {
+            return Err(InvalidArgument::new_err(format!(
+                "put_many got {} keys but {} values",
+                keys.len(),
+                values.len()
+            )));
+        }
+        let mut blocks = Vec::with_capacity(values.len());
+        // Temporaries made by `source` (contiguous copies...), alive until the copies are done.
+        let mut keep = Vec::new();
+        for (key, v) in keys.into_iter().zip(&values) {
+            // A torch dtype in `codes` and a contiguous CPU tensor; anything else
+            // (or any attribute missing) goes through `source`.
+            let is = |name: &Bound<'_, PyString>, call: bool| -> bool {
+                let r = if call { v.call_method0(name) } else { v.getattr(name) };
+                r.and_then(|x| x.is_truthy()).unwrap_or(false)
+            };
+            let fast = match v.getattr(pyo3::intern!(py, "dtype")).and_then(|dt| codes.get_item(dt)) {
+                Ok(Some(code))
+                    if is(pyo3::intern!(py, "is_cpu"), false) && is(pyo3::intern!(py, "is_contiguous"), true) =>
+                {
+                    code.extract::<u8>().ok()
+                }
+                _ => None,
+            };
+            let (code, dims, address, nbytes): (u8, Vec<u64>, usize, usize) = match fast {
+                Some(code) => (
+                    code,
+                    v.getattr(pyo3::intern!(py, "shape"))?.extract()?,
+                    v.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?,
+                    v.getattr(pyo3::intern!(py, "nbytes"))?.extract()?,
+                ),
+                None => {
+                    let got = source.call1((v,))?;
+                    let (code, dims, address, nbytes, ka): (u8, Vec<u64>, usize, usize, Bound<'_, PyAny>) =
+                        got.extract()?;
+                    keep.push(ka);
+                    (code, dims, address, nbytes)
+                }
+            };
+            blocks.push(SrcBlock { key, dtype: dtype(code)?, shape: shape(&dims)?, src: Src { address, nbytes } });
+        }
+        py.allow_threads(|| {
+            let tensors: Vec<_> = blocks
+                .iter()
+                // SAFETY: the caller's `values` (and `keep`) hold every source for the whole call.
+                .map(|b| (b.key, b.dtype, b.shape, unsafe { b.src.slice() }))
+                .collect();
+            self.inner.put_many_tensors(&tensors)
+        })
+        .map_err(client_err)?;
+        drop(keep);
+        Ok(())
+    }
+
+    /// Reserves one block per key, each `dims` of dtype `code`, in one batch;
+    /// all or nothing. Returns a `NativeReservations` to write and commit.
+    fn reserve_many(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        code: u8,
+        dims: Vec<u64>,
+    ) -> PyResult<NativeReservations> {
+        let (dt, sh) = (dtype(code)?, shape(&dims)?);
+        let keys = keys_of(keys)?;
+        let items: Vec<_> = keys.into_iter().map(|k| (k, dt, sh, 0)).collect();
+        let rs = py.allow_threads(|| self.inner.reserve_many(&items)).map_err(client_err)?;
+        Ok(NativeReservations {
+            inner: Mutex::new(Some(rs)),
+            region: self.inner.region().clone(),
+            code,
+            dims,
+        })
+    }
+
+    /// Pins the leading present keys in one round trip and exports each as
+    /// `get_dlpack` does: `[(capsule, dtype_code), ...]`.
+    fn get_prefix_dlpack<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Vec<Exported<'py>>> {
+        let keys = keys_of(keys)?;
+        let v = py.allow_threads(|| self.inner.get_prefix(&keys)).map_err(client_err)?;
+        v.into_iter().map(|v| block_capsule(py, v)).collect()
+    }
+
+    /// Waits (GIL released) until `key` is committed, then exports it as
+    /// `get_dlpack` does. `timeout` in seconds (`None`: no deadline);
+    /// `TimedOut` when it passes.
+    #[pyo3(signature = (key, timeout=None))]
+    fn wait_for_dlpack<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Exported<'py>> {
+        let k = key_of(key)?;
+        let timeout = match timeout {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX)),
+            Some(t) if t == f64::INFINITY => None,
+            Some(t) => return Err(InvalidArgument::new_err(format!("timeout must be >= 0 seconds or None, got {t}"))),
+        };
+        let v = py.allow_threads(|| self.inner.wait_for(k, timeout)).map_err(client_err)?;
+        block_capsule(py, v)
+    }
+
+    /// Unlinks many keys in one batch; how many were present.
+    fn delete_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
+        py.allow_threads(|| self.inner.delete_many(&keys)).map_err(client_err)
+    }
+
     /// Reserves a block; returns a `NativeReservation` to write and commit.
     fn reserve(&self, py: Python<'_>, lo: u64, hi: u64, code: u8, dims: Vec<u64>) -> PyResult<NativeReservation> {
         let (dt, sh) = (dtype(code)?, shape(&dims)?);
         let r = py.allow_threads(|| self.inner.reserve(key(lo, hi), dt, &sh, 0)).map_err(client_err)?;
         let mut r = r;
-        let ptr = NonNull::new(r.as_mut_ptr()).ok_or_else(|| to_py_err("KacheDBError", "null reservation".into()))?;
+        let ptr = NonNull::new(r.as_mut_ptr()).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
         let len = r.len();
         Ok(NativeReservation {
             inner: Mutex::new(Some(r)),
@@ -275,16 +364,19 @@ impl NativeClient {
     /// Pins `key` and exports it as a DLPack capsule (legacy `"dltensor"`, as
     /// torch reads it) of the block's dtype and shape, whose deleter releases the
     /// pin: `(capsule, dtype_code)`, or `None` if absent. float8 blocks come as
-    /// `uint8` of the same shape (view them as their dtype). The fast path of
-    /// `Client.get`.
+    /// `uint8` of the same shape (`kachedb._views` views them as their dtype).
     fn get_dlpack<'py>(&self, py: Python<'py>, lo: u64, hi: u64) -> PyResult<Option<Exported<'py>>> {
         let v = py.allow_threads(|| self.inner.get(key(lo, hi))).map_err(client_err)?;
         v.map(|v| block_capsule(py, v)).transpose()
     }
 
-    /// `get_dlpack` of many keys in one batch.
-    fn get_many_dlpack<'py>(&self, py: Python<'py>, keys: Vec<(u64, u64)>) -> PyResult<Vec<Option<Exported<'py>>>> {
-        let keys: Vec<Key> = keys.iter().map(|&(lo, hi)| key(lo, hi)).collect();
+    /// `get_dlpack` of many keys (any iterable of keys) in one batch.
+    fn get_many_dlpack<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Option<Exported<'py>>>> {
+        let keys = keys_of(keys)?;
         let v = py.allow_threads(|| self.inner.get_many(&keys)).map_err(client_err)?;
         v.into_iter().map(|b| b.map(|v| block_capsule(py, v)).transpose()).collect()
     }
@@ -296,9 +388,9 @@ impl NativeClient {
         Ok(v.into_iter().map(|b| b.map(NativeBlock::new)).collect())
     }
 
-    /// How many leading keys are present.
-    fn lookup(&self, py: Python<'_>, keys: Vec<(u64, u64)>) -> PyResult<usize> {
-        let keys: Vec<Key> = keys.iter().map(|&(lo, hi)| key(lo, hi)).collect();
+    /// How many leading keys (any iterable of keys) are present.
+    fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
         py.allow_threads(|| self.inner.lookup(&keys)).map_err(client_err)
     }
 
@@ -308,7 +400,7 @@ impl NativeClient {
 
     /// The daemon's stats as a JSON string.
     fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
-        py.allow_threads(|| self.inner.stats()).map(|v| v.to_string()).map_err(client_err)
+        py.allow_threads(|| self.inner.stats()).map(|s| s.to_json()).map_err(client_err)
     }
 
     /// No new operations; the connection stays open while views live.
@@ -355,10 +447,10 @@ impl NativeBlock {
     fn address(&self) -> usize {
         self.view.as_ptr() as usize
     }
-    /// A read-only DLPack exporter of the block's bytes, owning the pin.
+    /// A read-only DLPack exporter of the block's bytes, owning the pin
+    /// (`typed(dtype_code, shape)` exports it as the block).
     fn buffer(&self) -> PyResult<DLPackBuffer> {
-        let ptr =
-            NonNull::new(self.view.as_ptr() as *mut u8).ok_or_else(|| to_py_err("KacheDBError", "null view".into()))?;
+        let ptr = NonNull::new(self.view.as_ptr() as *mut u8).ok_or_else(|| KacheDBError::new_err("null view"))?;
         let owner: Arc<dyn std::any::Any + Send + Sync> = self.view.clone();
         // SAFETY: the view is pinned (never evicted, moved or reused) and its
         // mapping kept alive for as long as `owner` (an Arc of the view) lives.
@@ -382,12 +474,12 @@ impl NativeReservation {
     fn nbytes(&self) -> usize {
         self.len
     }
-    /// A writable DLPack exporter of the reserved bytes. Write before commit:
+    /// A writable DLPack exporter of the reserved bytes (`typed(code, shape)`
+    /// exports them as the block). Write before commit:
     /// after commit the block is immutable and may be evicted, so tensors made
     /// from this buffer must not be written (the mapping stays valid).
     fn buffer(&self) -> PyResult<DLPackBuffer> {
-        let ptr =
-            NonNull::new(self.ptr as *mut u8).ok_or_else(|| to_py_err("KacheDBError", "null reservation".into()))?;
+        let ptr = NonNull::new(self.ptr as *mut u8).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
         let owner: Arc<dyn std::any::Any + Send + Sync> = self.region.clone();
         // SAFETY: the range lies in the region's mapping, which `owner` (an Arc of
         // the region) keeps mapped for as long as any tensor made from it lives.
@@ -409,7 +501,81 @@ impl NativeReservation {
             .lock()
             .ok()
             .and_then(|mut g| g.take())
-            .ok_or_else(|| to_py_err("InvalidArgument", "the reservation was already committed or aborted".into()))
+            .ok_or_else(|| InvalidArgument::new_err("the reservation was already committed or aborted"))
+    }
+}
+
+/// Reservations of one `reserve_many` batch (private API): `capsules()`
+/// exports each as a writable DLPack capsule of its dtype and shape;
+/// `commit()` / `abort()` finish all of them in one batch.
+#[pyclass(frozen, module = "kachedb._kachedb_rust", name = "NativeReservations")]
+pub struct NativeReservations {
+    inner: Mutex<Option<Vec<Reservation>>>,
+    region: Arc<kachedb_shm::Region>,
+    code: u8,
+    dims: Vec<u64>,
+}
+
+impl std::fmt::Debug for NativeReservations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NativeReservations").field("code", &self.code).field("dims", &self.dims).finish()
+    }
+}
+
+#[pymethods]
+impl NativeReservations {
+    fn __len__(&self) -> usize {
+        self.inner.lock().ok().and_then(|g| g.as_ref().map(Vec::len)).unwrap_or(0)
+    }
+
+    /// One legacy DLPack capsule per reservation, of the batch's dtype (as
+    /// torch reads it) and shape; each keeps the region mapped. Write before
+    /// commit: after commit the blocks are immutable and may be evicted.
+    fn capsules<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut g = self.inner.lock().map_err(|_| KacheDBError::new_err("poisoned"))?;
+        let rs = g.as_mut().ok_or_else(|| InvalidArgument::new_err("the reservations were already committed or aborted"))?;
+        let dt = DlDtype::of(dtype(self.code)?, Reader::Torch);
+        rs.iter_mut()
+            .map(|r| {
+                let (ptr, len) = (r.as_mut_ptr(), r.len());
+                let ptr = NonNull::new(ptr).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
+                // SAFETY: the range lies in the region's mapping, which the owner
+                // (an Arc of the region) keeps mapped while any tensor made from it lives.
+                unsafe {
+                    tensor_capsule(
+                        py,
+                        ptr,
+                        len,
+                        dt,
+                        &self.dims,
+                        DlOwner::Rust(Box::new(self.region.clone())),
+                        DlpackFormat::Legacy,
+                    )
+                }
+            })
+            .collect()
+    }
+
+    /// Commits every reservation in one batch.
+    fn commit(&self, py: Python<'_>) -> PyResult<()> {
+        let rs = self.take()?;
+        py.allow_threads(|| Reservation::commit_all(rs)).map_err(client_err)
+    }
+
+    /// Aborts every reservation in one batch.
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        let rs = self.take()?;
+        py.allow_threads(|| Reservation::abort_all(rs)).map_err(client_err)
+    }
+}
+
+impl NativeReservations {
+    fn take(&self) -> PyResult<Vec<Reservation>> {
+        self.inner
+            .lock()
+            .ok()
+            .and_then(|mut g| g.take())
+            .ok_or_else(|| InvalidArgument::new_err("the reservations were already committed or aborted"))
     }
 }
 

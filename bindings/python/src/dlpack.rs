@@ -1,8 +1,11 @@
-//! DLPack export of raw byte ranges as zero-copy `uint8` CPU tensors.
+//! DLPack export of KacheDB blocks as zero-copy CPU tensors.
 //!
-//! * [`u8_capsule`] wraps `len` bytes at `data` in a managed tensor describing a
-//!   1-D `uint8` tensor on `kDLCPU` (shape `[len]`, strides NULL = compact,
-//!   byte_offset 0) and puts it in a `PyCapsule`: legacy DLPack 0.x
+//! * [`DlDtype::of`] is the one mapping from a block's [`DType`] to a DLPack element
+//!   type. A dtype the reader cannot import (float8 for torch, bfloat16 and float8
+//!   for numpy) goes out as the unsigned integer of the same width, same shape;
+//!   `kachedb._views` views it as its dtype (same itemsize, no copy).
+//! * [`tensor_capsule`] wraps a compact (row-major, strides NULL, byte_offset 0)
+//!   tensor of a dtype and shape in a `PyCapsule`: legacy DLPack 0.x
 //!   (`DLManagedTensor`, `"dltensor"`), or DLPack 1.0 (`DLManagedTensorVersioned`,
 //!   `"dltensor_versioned"`, which can carry the read-only flag) for consumers that
 //!   pass `max_version >= (1, 0)` (torch and numpy 2 do). numpy imports every legacy
@@ -14,13 +17,11 @@
 //!   the tensor (and drops the owner) in its own destructor, which checks the name
 //!   first, as the DLPack specification says.
 //! * [`DLPackBuffer`] is the Python-visible exporter (`__dlpack__`,
-//!   `__dlpack_device__`): each export clones its shared owner, so the owner is
-//!   dropped only when the buffer object *and* every tensor made from it (slices,
-//!   `.view(dtype)`, `as_strided`, …, which all share the consumer's one deleter)
-//!   are gone.
-//!
-//! Typing the bytes (`t.view(torch.bfloat16).view(shape)`) is left to Python
-//! (`kachedb._views`), which works for dtypes that DLPack cannot describe (float8).
+//!   `__dlpack_device__`) of a byte range, as `uint8` bytes or, through
+//!   [`DLPackBuffer::typed`], as a block of a dtype and shape. Each export clones its
+//!   shared owner, so the owner is dropped only when the buffer object *and* every
+//!   tensor made from it (slices, `.view(dtype)`, `as_strided`, …, which all share
+//!   the consumer's one deleter) are gone.
 
 use std::any::Any;
 use std::ffi::{c_void, CStr};
@@ -29,19 +30,30 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
+use kachedb_shm::{DType, Shape};
 use pyo3::exceptions::{PyBufferError, PyOverflowError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::errors::{InvalidArgument, TooLarge};
+
 /// `DLDeviceType::kDLCPU`.
 pub const KDLCPU: i32 = 1;
+/// `DLDataTypeCode::kDLInt`.
+const KDLINT: u8 = 0;
 /// `DLDataTypeCode::kDLUInt`.
 const KDLUINT: u8 = 1;
+/// `DLDataTypeCode::kDLFloat`.
+const KDLFLOAT: u8 = 2;
+/// `DLDataTypeCode::kDLBfloat`.
+const KDLBFLOAT: u8 = 4;
+/// `DLDataTypeCode::kDLBool`.
+const KDLBOOL: u8 = 6;
 /// `DLPACK_FLAG_BITMASK_READ_ONLY` (DLPack >= 1.0).
 const DLPACK_FLAG_BITMASK_READ_ONLY: u64 = 1 << 0;
 
-/// Most dimensions [`tensor_capsule`] exports (a KacheDB descriptor holds 6).
-pub const MAX_EXPORT_NDIM: usize = 6;
+/// Most dimensions [`tensor_capsule`] exports: what a descriptor holds.
+pub const MAX_EXPORT_NDIM: usize = kachedb_shm::MAX_DIMS;
 
 /// A DLPack element type: `DLDataType` with one lane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,9 +65,52 @@ pub struct DlDtype {
     pub bits: u8,
 }
 
+/// Who imports an export; decides how dtypes it cannot read go out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reader {
+    /// `torch.from_dlpack`: reads every DLPack element type of a block but float8
+    /// (DLPack 1.0 has no float8 codes).
+    Torch,
+    /// `numpy.from_dlpack`: reads ints, floats and bool; not bfloat16 nor float8.
+    Numpy,
+}
+
+impl Reader {
+    /// Whether this reader imports a DLPack tensor of `dtype`'s own element type.
+    pub fn reads(self, dtype: DType) -> bool {
+        match dl_code(dtype) {
+            None => false,
+            Some(code) => !(self == Reader::Numpy && code == KDLBFLOAT),
+        }
+    }
+}
+
+/// `dtype`'s DLPack type code (1.0), if DLPack has one.
+fn dl_code(dtype: DType) -> Option<u8> {
+    match dtype {
+        DType::U8 => Some(KDLUINT),
+        DType::I8 | DType::I16 | DType::I32 | DType::I64 => Some(KDLINT),
+        DType::F16 | DType::F32 | DType::F64 => Some(KDLFLOAT),
+        DType::BF16 => Some(KDLBFLOAT),
+        DType::Bool => Some(KDLBOOL),
+        DType::F8E4M3FN | DType::F8E5M2 => None,
+    }
+}
+
 impl DlDtype {
     /// `uint8`.
     pub const U8: DlDtype = DlDtype { code: KDLUINT, bits: 8 };
+
+    /// The DLPack element type a block of `dtype` is exported as to `reader`: its
+    /// own where the reader [reads](Reader::reads) it, else the unsigned integer of
+    /// the same width (which `kachedb._views` views as `dtype`).
+    pub fn of(dtype: DType, reader: Reader) -> DlDtype {
+        let bits = (dtype.itemsize() * 8) as u8; // itemsize <= 8
+        match dl_code(dtype) {
+            Some(code) if reader.reads(dtype) => DlDtype { code, bits },
+            _ => DlDtype { code: KDLUINT, bits },
+        }
+    }
 }
 
 #[repr(C)]
@@ -303,7 +358,7 @@ unsafe extern "C" fn managed_deleter<M: ManagedTensor>(managed: *mut M) {
 /// The capsule's destructor: frees the tensor only if no consumer took it.
 ///
 /// # Safety
-/// Called by CPython, with the GIL held, on a capsule created by [`u8_capsule`]
+/// Called by CPython, with the GIL held, on a capsule created by [`tensor_capsule`]
 /// holding an `M`.
 #[allow(deprecated)] // PyErr_Fetch/Restore: their successors are 3.12+, we target the 3.9 abi3
 unsafe extern "C" fn capsule_destructor<M: ManagedTensor>(capsule: *mut ffi::PyObject) {
@@ -336,37 +391,12 @@ unsafe extern "C" fn capsule_destructor<M: ManagedTensor>(capsule: *mut ffi::PyO
     unsafe { ffi::PyErr_Restore(ptype, pvalue, ptraceback) };
 }
 
-/// Wraps `len` bytes at `data` in a DLPack capsule (`"dltensor"`, or
-/// `"dltensor_versioned"` for [`DlpackFormat::Versioned`]) describing a 1-D `uint8`
-/// CPU tensor (shape `[len]`, strides NULL, byte_offset 0), whose deleter drops
-/// `owner`.
+/// Wraps the compact (row-major, strides NULL, byte_offset 0) CPU tensor of
+/// element type `dtype` and shape `shape` at `data` (`len` bytes) in a DLPack
+/// capsule (`"dltensor"`, or `"dltensor_versioned"` for
+/// [`DlpackFormat::Versioned`]) whose deleter drops `owner`.
 ///
 /// `len` may be 0 (`data` is still non-null, as DLPack consumers expect).
-///
-/// # Errors
-/// `OverflowError` if `len` does not fit an `i64`; a Python error if the capsule
-/// cannot be created. `owner` has been dropped when an error is returned.
-///
-/// # Safety
-/// `data .. data + len` must be valid for reads and writes, and not be freed or
-/// unmapped, for as long as `owner` is alive. Consumers may write through the
-/// tensor (torch has no read-only tensors): if other code reads the range, that is
-/// the caller's protocol to uphold (blocks handed to readers are immutable by
-/// contract, not by the MMU).
-pub unsafe fn u8_capsule<'py>(
-    py: Python<'py>,
-    data: NonNull<u8>,
-    len: usize,
-    owner: DlOwner,
-    format: DlpackFormat,
-) -> PyResult<Bound<'py, PyAny>> {
-    // SAFETY: forwarded contract.
-    unsafe { tensor_capsule(py, data, len, DlDtype::U8, &[len as u64], owner, format) }
-}
-
-/// Wraps the compact (row-major, strides NULL) CPU tensor of element type
-/// `dtype` and shape `shape` at `data` (`len` bytes) in a DLPack capsule, like
-/// [`u8_capsule`] (which is this function with `uint8` and `[len]`).
 ///
 /// # Errors
 /// `OverflowError` if `len` or a dimension does not fit an `i64`; `ValueError` if
@@ -375,7 +405,11 @@ pub unsafe fn u8_capsule<'py>(
 /// `owner` has been dropped when an error is returned.
 ///
 /// # Safety
-/// As for [`u8_capsule`].
+/// `data .. data + len` must be valid for reads and writes, and not be freed or
+/// unmapped, for as long as `owner` is alive. Consumers may write through the
+/// tensor (torch has no read-only tensors): if other code reads the range, that is
+/// the caller's protocol to uphold (blocks handed to readers are immutable by
+/// contract, not by the MMU).
 pub unsafe fn tensor_capsule<'py>(
     py: Python<'py>,
     data: NonNull<u8>,
@@ -399,7 +433,7 @@ pub unsafe fn tensor_capsule<'py>(
 /// [`tensor_capsule`] for one managed-tensor layout.
 ///
 /// # Safety
-/// As for [`u8_capsule`].
+/// As for [`tensor_capsule`].
 unsafe fn capsule_as<'py, M: ManagedTensor>(
     py: Python<'py>,
     data: NonNull<u8>,
@@ -491,6 +525,8 @@ enum OwnerMode {
 }
 
 /// A byte range exportable as DLPack: `torch.from_dlpack(buf)`, `numpy.from_dlpack(buf)`.
+/// It exports a 1-D `uint8` tensor of its bytes, or, once [`typed`](Self::typed),
+/// a block's dtype (as [`DlDtype::of`] maps it) and shape.
 ///
 /// The range stays valid for as long as this object or any tensor made from it lives.
 #[pyclass(frozen, module = "kachedb._kachedb_rust", name = "DLPackBuffer")]
@@ -500,6 +536,11 @@ pub struct DLPackBuffer {
     owner: Arc<dyn Any + Send + Sync>,
     read_only: bool,
     mode: OwnerMode,
+    /// Element type of the export.
+    dtype: DlDtype,
+    /// The export's shape: the first `ndim` entries.
+    shape: [u64; MAX_EXPORT_NDIM],
+    ndim: usize,
 }
 
 impl fmt::Debug for DLPackBuffer {
@@ -509,20 +550,23 @@ impl fmt::Debug for DLPackBuffer {
             .field("len", &self.len)
             .field("read_only", &self.read_only)
             .field("mode", &self.mode)
+            .field("dtype", &self.dtype)
+            .field("shape", &&self.shape[..self.ndim])
             .finish_non_exhaustive()
     }
 }
 
 impl DLPackBuffer {
-    /// An exporter for `len` bytes at `data`, kept valid by `owner`. `read_only` is
-    /// what versioned (DLPack 1.0) capsules tell consumers (numpy honours it; torch
-    /// has no read-only tensors: see `__dlpack__`).
+    /// An exporter for `len` bytes at `data` (a 1-D `uint8` tensor), kept valid by
+    /// `owner`. `read_only` is what versioned (DLPack 1.0) capsules tell consumers
+    /// (numpy honours it; torch has no read-only tensors: see `__dlpack__`).
     ///
     /// # Safety
     /// `data .. data + len` must stay valid for reads and writes for as long as
     /// `owner` (or any clone of the `Arc`) is alive.
     pub unsafe fn new(data: NonNull<u8>, len: usize, owner: Arc<dyn Any + Send + Sync>, read_only: bool) -> Self {
-        DLPackBuffer { data: RawBytes(data), len, owner, read_only, mode: OwnerMode::Shared }
+        // SAFETY: forwarded contract.
+        unsafe { Self::bytes(data, len, owner, read_only, OwnerMode::Shared) }
     }
 
     /// Like [`DLPackBuffer::new`], but capsules hold the Python buffer object itself.
@@ -535,7 +579,24 @@ impl DLPackBuffer {
         owner: Arc<dyn Any + Send + Sync>,
         read_only: bool,
     ) -> Self {
-        DLPackBuffer { data: RawBytes(data), len, owner, read_only, mode: OwnerMode::PyObject }
+        // SAFETY: forwarded contract.
+        unsafe { Self::bytes(data, len, owner, read_only, OwnerMode::PyObject) }
+    }
+
+    /// The exporter of `len` bytes at `data` as a 1-D `uint8` tensor.
+    ///
+    /// # Safety
+    /// As for [`DLPackBuffer::new`].
+    unsafe fn bytes(
+        data: NonNull<u8>,
+        len: usize,
+        owner: Arc<dyn Any + Send + Sync>,
+        read_only: bool,
+        mode: OwnerMode,
+    ) -> Self {
+        let mut shape = [0; MAX_EXPORT_NDIM];
+        shape[0] = len as u64;
+        DLPackBuffer { data: RawBytes(data), len, owner, read_only, mode, dtype: DlDtype::U8, shape, ndim: 1 }
     }
 }
 
@@ -552,10 +613,10 @@ fn format_for(max_version: Option<&Bound<'_, PyAny>>, read_only: bool) -> PyResu
 
 #[pymethods]
 impl DLPackBuffer {
-    /// Exports the bytes as a DLPack capsule (1-D `uint8`, CPU): DLPack 1.0
-    /// (`"dltensor_versioned"`, flagged read-only if this buffer is) when the
-    /// consumer passes `max_version >= (1, 0)`, else legacy (`"dltensor"`, which
-    /// cannot say read-only).
+    /// Exports the range as a DLPack capsule (CPU; 1-D `uint8`, or the dtype and
+    /// shape given to `typed`): DLPack 1.0 (`"dltensor_versioned"`, flagged
+    /// read-only if this buffer is) when the consumer passes `max_version >= (1, 0)`,
+    /// else legacy (`"dltensor"`, which cannot say read-only).
     ///
     /// `stream` is accepted and ignored (host memory needs no stream).
     /// `dl_device` other than CPU, or `copy=True`, raise `BufferError`.
@@ -591,12 +652,52 @@ impl DLPackBuffer {
         // SAFETY: `this.owner` keeps the range valid (DLPackBuffer::new's contract),
         // and the capsule's owner keeps `this.owner` alive: either a clone of the Arc,
         // or a reference to this buffer object, which holds the Arc.
-        unsafe { u8_capsule(slf.py(), this.data.0, this.len, owner, format) }
+        unsafe { tensor_capsule(slf.py(), this.data.0, this.len, this.dtype, &this.shape[..this.ndim], owner, format) }
     }
 
     /// `(kDLCPU, 0)`.
     fn __dlpack_device__(&self) -> (i32, i32) {
         (KDLCPU, 0)
+    }
+
+    /// The same range, kept alive by the same owner, exported as a block of dtype
+    /// `code` and `shape` for `numpy.from_dlpack` (`numpy=True`) or
+    /// `torch.from_dlpack`. `InvalidArgument` for an unknown code, a shape a block
+    /// cannot have, or one whose elements do not take exactly this range's bytes.
+    #[pyo3(signature = (code, shape, *, numpy=false))]
+    fn typed(&self, code: u8, shape: Vec<u64>, numpy: bool) -> PyResult<DLPackBuffer> {
+        let this = self;
+        let dtype = DType::from_code(code).ok_or_else(|| {
+            InvalidArgument::new_err(format!("unknown dtype code {code}; known codes are 1..{}", DType::ALL.len()))
+        })?;
+        let block = Shape::new(&shape).ok_or_else(|| {
+            InvalidArgument::new_err(format!(
+                "shape {shape:?}: a block has at most {MAX_EXPORT_NDIM} dimensions, each below 2**32"
+            ))
+        })?;
+        let need = block.len_bytes(dtype).ok_or_else(|| {
+            TooLarge::new_err(format!("a {} block of shape {shape:?} overflows 64 bits", dtype.name()))
+        })?;
+        if need != this.len as u64 {
+            return Err(InvalidArgument::new_err(format!(
+                "the buffer has {} bytes, but a {} block of shape {shape:?} needs {need}",
+                this.len,
+                dtype.name()
+            )));
+        }
+        let mut dims = [0; MAX_EXPORT_NDIM];
+        dims[..shape.len()].copy_from_slice(&shape);
+        let reader = if numpy { Reader::Numpy } else { Reader::Torch };
+        Ok(DLPackBuffer {
+            data: this.data,
+            len: this.len,
+            owner: Arc::clone(&this.owner),
+            read_only: this.read_only,
+            mode: this.mode,
+            dtype: DlDtype::of(dtype, reader),
+            shape: dims,
+            ndim: shape.len(),
+        })
     }
 
     /// Length of the range in bytes.

@@ -11,8 +11,13 @@ use std::sync::Arc;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use kachedb_client::ClientError;
+use kachedb_shm::Status;
+
 use crate::dlpack::DLPackBuffer;
-use crate::errors;
+use crate::errors::{
+    self, BadHandle, Disconnected, InvalidArgument, KacheDBError, NotFound, OutOfMemory, TimedOut, TooLarge,
+};
 
 /// Number of [`TestStorage`] values alive. Relaxed is enough: it orders nothing
 /// else, and the tests read it after the drops they check for (same thread, or
@@ -46,7 +51,7 @@ impl TestStorage {
             // SAFETY: `layout` has a non-zero size.
             let ptr = unsafe { alloc::alloc(layout) };
             let Some(data) = NonNull::new(ptr) else {
-                return Err(errors::to_py_err("OutOfMemory", format!("cannot allocate a {len}-byte test buffer")));
+                return Err(OutOfMemory::new_err(format!("cannot allocate a {len}-byte test buffer")));
             };
             // SAFETY: `data` was just allocated with room for `len` bytes.
             unsafe { data.as_ptr().write_bytes(fill, len) };
@@ -96,15 +101,39 @@ pub fn _live_test_buffers() -> usize {
     LIVE_TEST_BUFFERS.load(Ordering::Relaxed)
 }
 
-/// `_raise_error(kind, msg)`: raises what the Rust side raises for `kind`.
+/// `_raise_error(kind, msg)`: raises the `kachedb` exception class named `kind`
+/// (the base `KacheDBError` for any other name) with message `msg`.
 #[pyfunction]
 pub fn _raise_error(kind: &str, msg: String) -> PyResult<()> {
-    Err(errors::to_py_err(kind, msg))
+    Err(match kind {
+        "NotFound" => NotFound::new_err(msg),
+        "OutOfMemory" => OutOfMemory::new_err(msg),
+        "Disconnected" => Disconnected::new_err(msg),
+        "InvalidArgument" => InvalidArgument::new_err(msg),
+        "BadHandle" => BadHandle::new_err(msg),
+        "TooLarge" => TooLarge::new_err(msg),
+        "TimedOut" => TimedOut::new_err(msg),
+        _ => KacheDBError::new_err(msg),
+    })
 }
 
-/// `_raise_status(status, msg)`: raises what the Rust side raises for a
-/// completion `status` code.
+/// `_raise_status(status, msg)`: raises what an operation answered with
+/// completion `status` raises (the client's error for it, mapped by
+/// [`errors::exception`]), with message `msg`. Status `OK` is not an error: it
+/// raises `KacheDBError` saying so.
 #[pyfunction]
 pub fn _raise_status(status: u8, msg: String) -> PyResult<()> {
-    Err(errors::status_to_py_err(status, msg))
+    let e = match Status::from_code(status) {
+        Some(Status::Ok) => {
+            return Err(KacheDBError::new_err(format!("{msg} (internal error: status OK reported as a failure)")))
+        }
+        Some(Status::NotFound) => ClientError::NotFound,
+        Some(Status::OutOfMemory) => ClientError::OutOfMemory,
+        Some(Status::Invalid) => ClientError::Invalid(String::new()),
+        Some(Status::BadHandle) => ClientError::BadHandle,
+        Some(Status::TooLarge) => ClientError::TooLarge(0),
+        Some(Status::TimedOut) => ClientError::TimedOut(std::time::Duration::ZERO),
+        Some(Status::Internal) | None => ClientError::Internal,
+    };
+    Err(errors::exception(&e, msg))
 }

@@ -1,6 +1,11 @@
 import gc
+import os
 
 import pytest
+
+# Daemons started by the tests run the store's full invariant check for every
+# stats answer, so that `invariants_ok` means the full check.
+os.environ.setdefault("KACHEDB_CHECK_INVARIANTS", "1")
 
 from kachedb import _kachedb_rust as rust
 

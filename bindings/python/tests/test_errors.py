@@ -14,6 +14,7 @@ BUILTIN_BASES = {
     "InvalidArgument": ValueError,
     "TooLarge": ValueError,
     "BadHandle": None,
+    "TimedOut": TimeoutError,
 }
 
 
@@ -56,6 +57,7 @@ def test_unknown_kind_is_the_base_class():
         (4, kachedb.BadHandle),
         (5, kachedb.TooLarge),
         (6, kachedb.KacheDBError),  # INTERNAL
+        (7, kachedb.TimedOut),
         (77, kachedb.KacheDBError),  # unknown
     ],
 )

@@ -1,4 +1,5 @@
-"""Raw uint8 DLPack tensors -> typed, shaped views (kachedb._views)."""
+"""Byte ranges exported as blocks of a dtype and shape (``DLPackBuffer.typed``)
+-> torch / numpy views (kachedb._views)."""
 
 import numpy as np
 import pytest
@@ -115,35 +116,43 @@ def test_numpy_view_of_bf16_fp8(code):
 
 def test_size_mismatch():
     b = rust._test_buffer(10)
-    raw = torch.from_dlpack(b)
     with pytest.raises(InvalidArgument, match="needs 16"):
-        v.torch_view(raw, 7, (4,))
+        v.torch_from_dlpack(b, 7, (4,))
     with pytest.raises(ValueError):
-        v.numpy_view(np.from_dlpack(b), 7, (4,))
+        v.numpy_from_dlpack(b, 7, (4,))
 
 
-def test_raw_must_be_1d_uint8():
-    with pytest.raises(TypeError, match="1-D torch.uint8"):
-        v.torch_view(torch.zeros(4, dtype=torch.float32), 1, (16,))
-    with pytest.raises(TypeError, match="1-D torch.uint8"):
-        v.torch_view(torch.zeros(2, 2, dtype=torch.uint8), 1, (4,))
-    with pytest.raises(TypeError, match="1-D torch.uint8"):
-        v.torch_view(np.zeros(4, np.uint8), 1, (4,))
-    with pytest.raises(TypeError, match="1-D numpy.uint8"):
-        v.numpy_view(np.zeros(4, np.int8), 1, (4,))
-    with pytest.raises(TypeError, match="1-D numpy.uint8"):
-        v.numpy_view(torch.zeros(4, dtype=torch.uint8), 1, (4,))
+@pytest.mark.parametrize(
+    "name,torch_gets,numpy_gets",
+    [
+        ("float32", "float32", "float32"),
+        ("int16", "int16", "int16"),
+        ("bool", "bool", "bool"),
+        ("bfloat16", "bfloat16", "uint16"),  # numpy reads no bfloat16
+        ("float8_e4m3fn", "uint8", "uint8"),  # nor does either read float8
+        ("float8_e5m2", "uint8", "uint8"),
+    ],
+)
+def test_typed_exports_carry_the_dtype_the_reader_imports(name, torch_gets, numpy_gets):
+    code = d.dtype_code(name)
+    b = _buffer(code, (2, 3))
+    t = torch.from_dlpack(b.typed(code, [2, 3]))
+    assert t.dtype == getattr(torch, torch_gets) and tuple(t.shape) == (2, 3) and t.data_ptr() == b.address
+    a = np.from_dlpack(b.typed(code, [2, 3], numpy=True))
+    assert a.dtype == np.dtype(numpy_gets) and a.shape == (2, 3) and a.ctypes.data == b.address
+    assert tuple(torch.from_dlpack(b).shape) == (b.nbytes,)  # the buffer itself stays bytes
 
 
 def test_bad_shapes_and_codes():
     b = rust._test_buffer(8)
-    raw = torch.from_dlpack(b)
     with pytest.raises(TypeError):
-        v.torch_view(raw, 1, "8")
+        v.torch_from_dlpack(b, 1, "8")
     with pytest.raises(ValueError):
-        v.torch_view(raw, 1, (1,) * 7 + (8,))
+        v.torch_from_dlpack(b, 1, (1,) * 7 + (8,))
     with pytest.raises(ValueError):
-        v.torch_view(raw, 99, (8,))
+        v.torch_from_dlpack(b, 99, (8,))
+    with pytest.raises(ValueError):
+        b.typed(1, [1] * 7 + [8])
 
 
 def test_hypothesis_round_trips():

@@ -2,6 +2,7 @@
 
 use clap::Args;
 use kachedb_daemon::{Daemon, ServeConfig};
+use kachedb_shm::units::{human_bytes, parse_size};
 use kachedb_shm::SpinThenPark;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -36,6 +37,40 @@ pub struct ServeArgs {
     /// Microseconds the serve loop polls an idle ring before parking.
     #[arg(long, default_value_t = 100)]
     pub park_after_us: u64,
+    /// Serve Prometheus metrics (`GET /metrics`) and `GET /healthz` over HTTP
+    /// at this address, e.g. `127.0.0.1:9464` (docs/metrics.md). Off by default.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Log format on stderr: `text`, or `json` (one object per line, for log shippers).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Most bytes one client may hold reserved and pinned at once, e.g. `1GiB`
+    /// (beyond it its reserves and gets answer OUT_OF_MEMORY; others are not
+    /// affected). Default: no limit.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub max_client_bytes: Option<u64>,
+    /// Most control connections open at once (connected clients and those not
+    /// yet past hello); more are closed at once.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: u32,
+    /// Milliseconds a new connection may take to send its first request
+    /// before it is closed.
+    #[arg(long, default_value_t = 5000)]
+    pub hello_timeout_ms: u64,
+    /// Run the store's full invariant check for every stats answer (slow with
+    /// many blocks: for tests and debugging; stats otherwise cross-check counters).
+    #[arg(long, env = "KACHEDB_CHECK_INVARIANTS", action = clap::ArgAction::SetTrue,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub check_invariants: bool,
+}
+
+/// How `kachedb serve` writes its log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (tracing's JSON layer; event fields at the top level).
+    Json,
 }
 
 /// Options of `kachedb stats`.
@@ -50,39 +85,10 @@ pub struct StatsArgs {
     /// Control socket path (default as for `serve`).
     #[arg(long, env = "KACHEDB_SOCKET")]
     pub socket: Option<PathBuf>,
-}
-
-/// Parses `8GiB`, `512MiB`, `3G`, `100M`, `4096K`, `12345`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let num: f64 = num.parse().map_err(|_| format!("{s:?} is not a size: use e.g. 8GiB, 512MiB or a byte count"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        u => return Err(format!("unknown size unit {u:?} in {s:?}: use KiB, MiB, GiB or TiB")),
-    };
-    Ok((num * mult as f64) as u64)
-}
-
-/// `1.5 GiB`-style text.
-pub fn human_bytes(n: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < units.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", units[i])
-    }
+    /// A live view, refreshed every SECS seconds (default 1) until Ctrl-C:
+    /// rates per second, hit ratios, memory. With --json: one object per line.
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "1")]
+    pub watch: Option<f64>,
 }
 
 /// The default megaslab size: a quarter of available memory, at most 4 GiB,
@@ -95,10 +101,18 @@ pub fn default_size() -> u64 {
 
 /// Runs the daemon until SIGINT/SIGTERM.
 pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let _ = tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match a.log_format {
+        LogFormat::Text => fmt.try_init(),
+        LogFormat::Json => fmt.json().flatten_event(true).with_current_span(false).with_span_list(false).try_init(),
+    };
+    // The daemon's own notes on stderr: plain lines, or log events when the log is JSON.
+    let say = |msg: String| match a.log_format {
+        LogFormat::Text => eprintln!("kachedb: {msg}"),
+        LogFormat::Json => tracing::info!("{msg}"),
+    };
     let size = a.size.unwrap_or_else(default_size);
     let socket_path = a.socket.clone().unwrap_or_else(|| kachedb_shm::naming::default_socket_path(a.instance));
     let shutdown = Arc::new(AtomicBool::new(false));
@@ -114,18 +128,23 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         allow_gids: a.allow_gids.clone(),
         headroom_bytes: a.headroom,
         wait: SpinThenPark { park_after: std::time::Duration::from_micros(a.park_after_us), ..SpinThenPark::default() },
+        metrics_addr: a.metrics_addr,
+        max_client_bytes: a.max_client_bytes,
+        max_connections: a.max_connections,
+        hello_timeout: std::time::Duration::from_millis(a.hello_timeout_ms),
+        check_invariants: a.check_invariants,
     };
-    eprintln!(
-        "kachedb: reserving {} of shared memory for instance {}{}",
+    say(format!(
+        "reserving {} of shared memory for instance {}{}",
         human_bytes(size),
         a.instance,
         if a.size.is_none() { " (default: a quarter of available memory, at most 4 GiB; set with --size)" } else { "" }
-    );
+    ));
     let mut last_pct = 0;
     let daemon = Daemon::start(cfg, shutdown, |done, total| {
         let pct = done * 100 / total.max(1);
         if total > (1 << 30) && pct >= last_pct + 25 {
-            eprintln!("kachedb: reserved {} / {} ({pct}%)", human_bytes(done), human_bytes(total));
+            say(format!("reserved {} / {} ({pct}%)", human_bytes(done), human_bytes(total)));
             last_pct = pct;
         }
     })?;
@@ -142,45 +161,47 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
+    if let Some(addr) = daemon.metrics_addr() {
+        say(format!("metrics at http://{addr}/metrics"));
+    }
     daemon.run();
-    eprintln!("kachedb: stopped");
+    say("stopped".into());
     Ok(())
 }
 
 /// Prints the daemon's stats.
 pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
     let opts = kachedb_client::ConnectOptions { socket: a.socket.clone(), instance: a.instance, ..Default::default() };
-    let v = kachedb_client::daemon_stats(&opts)?;
+    if let Some(secs) = a.watch {
+        if !(0.1..=3600.0).contains(&secs) {
+            return Err(format!("--watch {secs}: give an interval between 0.1 and 3600 seconds").into());
+        }
+        return crate::watch::run(&opts, std::time::Duration::from_secs_f64(secs), a.json);
+    }
+    let s = kachedb_client::daemon_stats(&opts)?;
     if a.json {
-        println!("{v}");
+        println!("{}", s.to_json());
         return Ok(());
     }
-    let get = |k: &str| v.get(k).cloned().unwrap_or(serde_json::Value::Null);
-    let bytes = |k: &str| get(k).as_u64().map(human_bytes).unwrap_or_else(|| "-".into());
-    println!("socket            {}", get("socket").as_str().unwrap_or("-"));
-    println!("daemon pid        {}", get("daemon_pid"));
-    println!("uptime            {:.1} s", get("uptime_s").as_f64().unwrap_or(0.0));
-    println!("blocks            {}", get("blocks"));
-    println!("reserved          {}", get("reserved"));
-    println!("pins              {}", get("pins"));
+    let (store, serve) = (&s.store, &s.serve);
+    println!("socket            {}", if s.socket.is_empty() { "-" } else { &s.socket });
+    println!("daemon pid        {}", s.daemon_pid);
+    println!("uptime            {:.1} s", s.uptime_s);
+    println!("blocks            {}", store.blocks);
+    println!("reserved          {}", store.reserved);
+    println!("pins              {}", store.pins);
     println!(
         "bytes used        {} of {} (largest free extent {})",
-        bytes("bytes_used"),
-        bytes("bytes_total"),
-        bytes("largest_free_bytes")
+        human_bytes(store.bytes_used),
+        human_bytes(store.bytes_total),
+        human_bytes(store.largest_free_bytes)
     );
     println!(
         "clients           {} connected, {} since start, {} disconnected as corrupt",
-        get("clients_connected"),
-        get("clients_total"),
-        get("clients_kicked")
+        serve.clients_connected, serve.clients_total, serve.clients_kicked
     );
-    println!("evictions         {} ({})", get("evictions"), bytes("evicted_bytes"));
-    println!("rejected frames   {}", get("rejected_frames"));
-    println!(
-        "ops               {} total, {:.0}/s over the last second",
-        get("ops"),
-        get("ops_per_s").as_f64().unwrap_or(0.0)
-    );
+    println!("evictions         {} ({})", store.evictions, human_bytes(store.evicted_bytes));
+    println!("rejected frames   {}", serve.rejected_frames);
+    println!("ops               {} total, {:.0}/s over the last second", serve.ops, s.ops_per_s);
     Ok(())
 }

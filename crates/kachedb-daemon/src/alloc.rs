@@ -18,8 +18,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound;
 
-/// Allocation granule in bytes (one 4 KiB page frame).
-pub const PAGE_LEN: u64 = 4096;
+/// Allocation granule in bytes: the region's page frame.
+pub use kachedb_shm::region::PAGE_LEN;
 const _: () = assert!(PAGE_LEN.is_power_of_two());
 
 /// A contiguous run of whole pages of the region.

@@ -1,10 +1,24 @@
 //! KacheDB daemon: the megaslab allocator ([`alloc`]), the block store
-//! ([`store`]), the control socket ([`control`]) and the serve loop ([`serve`]).
+//! ([`store`]), the control socket thread ([`control`]), the serve loop
+//! (`serve`) and the daemon's start and shutdown ([`daemon`]).
+//!
+//! Arrows point one way: `daemon` starts `control` and runs `serve`; both
+//! of those share only the channel pool ([`channels`]) and the event queue
+//! ([`events`]) from `control` to `serve`. Both also count into the
+//! [`metrics`] (atomics), which the optional HTTP endpoint ([`http`]) reads
+//! on its own threads.
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod channels;
 pub mod control;
-pub mod serve;
+pub mod daemon;
+pub mod events;
+pub mod http;
+pub mod lock;
+pub mod metrics;
+mod serve;
 pub mod store;
+mod waits;
 
-pub use serve::{Daemon, ServeConfig, ServeError};
+pub use daemon::{Daemon, ServeConfig, ServeError};

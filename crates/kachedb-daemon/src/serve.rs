@@ -1,387 +1,302 @@
-//! The daemon: owns the region, the store and the serve loop.
+//! The serve loop: one thread serves every channel.
 //!
-//! One thread serves every channel: it pops a batch of submissions from each
-//! ring that has work (as many as the client's completion ring has room for),
-//! answers them from the [`Store`], publishes the completions once per batch and
-//! wakes the client only if it parked. With no work it spins briefly, then
-//! parks on the region doorbell (idle CPU ~0 %). Control events (attach, detach,
-//! stats) arrive on an mpsc queue from the control thread, which rings the
-//! doorbell.
+//! Each pass handles the control [`Event`]s queued, then pops a batch of
+//! submissions from each ring that has work (as many as the client's
+//! completion ring has room for), answers them from the [`Store`], publishes
+//! the completions once per batch and wakes the client only if it parked.
+//! With no work it waits by the daemon's [`SpinThenPark`] policy on the region
+//! doorbell, which the clients ring after publishing and the control thread
+//! after queueing an event (idle CPU ~0 %).
 
-use crate::control::{self, Access, Channels};
-use crate::store::Store;
-use kachedb_shm::region::{CreateOptions, Layout};
+use crate::channels::Channels;
+use crate::events::Event;
+use crate::metrics::{Metrics, MetricsWriter};
+use crate::store::{SessionId, Store};
+use crate::waits::{Waiter, Waits};
+use kachedb_shm::control::ServeStats;
 use kachedb_shm::{
-    Completion, Consumer, Op, Producer, Region, RegionError, Request, RingError, SpinThenPark, Status,
-    TensorBlockDescriptor,
+    Completion, Consumer, Op, Producer, Region, Request, RingError, SpinThenPark, Stats, Status, TensorBlockDescriptor,
+    Tick, WaitState, WAIT_FOREVER,
 };
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Frames handled per channel per pass (bounds latency for the others).
 const BATCH: usize = 64;
 
-/// How the daemon is set up.
-#[derive(Clone, Debug)]
-pub struct ServeConfig {
-    /// Instance number (names the region `kachedb_<instance>`).
-    pub instance: u32,
-    /// Control socket path.
-    pub socket_path: PathBuf,
-    /// Megaslab bytes.
-    pub slab_bytes: u64,
-    /// Channels (clients connected at once).
-    pub channels: u32,
-    /// Slots per ring.
-    pub ring_capacity: u32,
-    /// Groups allowed besides the daemon's uid.
-    pub allow_gids: Vec<u32>,
-    /// Memory to leave free beside the region (bytes).
-    pub headroom_bytes: u64,
-    /// Idle policy of the serve loop.
-    pub wait: SpinThenPark,
-}
-
-/// Why the daemon could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    /// Another daemon holds the lock.
-    #[error("another kachedb daemon already serves {socket} (lock {lock} is held{pid}): stop it, or use another --instance or --socket")]
-    AlreadyRunning {
-        /// Socket path.
-        socket: String,
-        /// Lock path.
-        lock: String,
-        /// Holder pid text.
-        pid: String,
-    },
-    /// The socket's directory could let another user replace the socket.
-    #[error("refusing to serve in {dir}: {why}, so another user could replace the socket; give a private directory (yours, mode 0700) with --socket")]
-    UnsafeSocketDir {
-        /// The directory.
-        dir: String,
-        /// What is wrong with it.
-        why: String,
-    },
-    /// The region could not be made.
-    #[error(transparent)]
-    Region(#[from] RegionError),
-    /// A filesystem or socket operation failed.
-    #[error("{what} {path}: {source}")]
-    Io {
-        /// What.
-        what: &'static str,
-        /// Path.
-        path: String,
-        /// Error.
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-/// Messages from the control thread.
-#[derive(Debug)]
-pub enum Event {
-    /// A client said hello and got `channel`.
-    Attach {
-        /// Channel.
-        channel: u32,
-        /// Its socket (to shut down a corrupt client).
-        stream: Arc<UnixStream>,
-        /// Peer pid.
-        pid: i32,
-    },
-    /// A client's socket closed.
-    Detach {
-        /// Channel.
-        channel: u32,
-        /// The daemon closed it (a control protocol error), not the client.
-        closed_by_daemon: bool,
-    },
-    /// Someone asked for stats.
-    Stats(Sender<serde_json::Value>),
-}
-
+/// One connected client's channel, as the serve loop holds it.
 struct Session {
-    session: crate::store::SessionId,
+    session: SessionId,
     sub: Consumer,
     comp: Producer,
     stream: Arc<UnixStream>,
     pid: i32,
+    uid: u32,
     /// Frames popped whose completions are not yet pushed (completion ring full).
     backlog: Vec<TensorBlockDescriptor>,
     kicked: bool,
+    /// A WAIT of this channel is parked ([`Waits`]): nothing more of it is
+    /// served until it is answered, so completions stay in request order.
+    waiting: bool,
+    /// Request frames popped after a WAIT that parked, served (before any
+    /// newer frame) once it is answered.
+    held: Vec<TensorBlockDescriptor>,
 }
 
-/// Daemon-level counters (the store has its own).
-#[derive(Debug, Default, Clone, serde::Serialize)]
-struct Counters {
-    ops: u64,
-    rejected_frames: u64,
-    clients_connected: u64,
-    clients_total: u64,
-    clients_kicked: u64,
-    wakeups_sent: u64,
-    parks: u64,
+impl Session {
+    /// Whether a pass would find something to do on this channel.
+    fn has_work(&mut self) -> bool {
+        !self.kicked
+            && (!self.backlog.is_empty() || (!self.waiting && (!self.held.is_empty() || self.sub.has_data())))
+    }
 }
 
-/// A started daemon: region made, socket bound, control thread running.
-pub struct Daemon {
-    cfg: ServeConfig,
+/// What woke an idle serve loop.
+enum Wake {
+    /// The oldest queued control event (the rest wait for the next pass).
+    Event(Event),
+    /// Frames or completions waiting on a channel.
+    Rings,
+}
+
+/// The serve loop's state; [`run`](Serve::run) consumes it.
+pub(crate) struct Serve {
     region: Arc<Region>,
     store: Store,
     events: Receiver<Event>,
     channels: Arc<Channels>,
     shutdown: Arc<AtomicBool>,
-    control: Option<std::thread::JoinHandle<()>>,
-    _lock: std::fs::File,
+    wait: SpinThenPark,
+    socket_path: PathBuf,
     started: Instant,
+    /// Indexed by channel.
+    sessions: Vec<Option<Session>>,
+    counters: ServeStats,
+    /// The only writer of the metrics the serve loop owns.
+    metrics: MetricsWriter,
+    rate: RateWindow,
+    /// Stats requests, answered at the end of the pass that saw them.
+    stats_waiting: Vec<Sender<Stats>>,
+    req: [TensorBlockDescriptor; BATCH],
+    out: Vec<TensorBlockDescriptor>,
+    /// Parked WAITs.
+    waits: Waits,
+    /// The spin budget learnt from the idle waits (yield at once when clients
+    /// share the daemon's core).
+    wait_state: WaitState,
+    /// Run the store's full `O(n log n)` invariant check for every stats
+    /// answer (`kachedb serve --check-invariants`, tests); otherwise stats
+    /// make only the `O(1)` cross-checks of [`Store::check_counters`], so a
+    /// stats poll never stalls the data path.
+    full_checks: bool,
 }
 
-impl std::fmt::Debug for Daemon {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Daemon").field("cfg", &self.cfg).finish()
-    }
-}
-
-fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ServeError + 'a {
-    move |source| ServeError::Io { what, path: path.display().to_string(), source }
-}
-
-/// Refuses a socket directory that someone else could swap the socket (or
-/// the lock file) in: one owned by another user (root excepted), or writable
-/// by group or others without the sticky bit (a sticky one such as /tmp lets
-/// nobody remove or rename another user's file).
-fn check_socket_dir(dir: &Path) -> Result<(), ServeError> {
-    use std::os::unix::fs::MetadataExt;
-    let md = std::fs::metadata(dir).map_err(io_err("checking the socket directory", dir))?;
-    let euid = rustix::process::geteuid().as_raw();
-    let why = if md.uid() != euid && md.uid() != 0 {
-        format!("it belongs to uid {}", md.uid())
-    } else if md.mode() & 0o022 != 0 && md.mode() & 0o1000 == 0 {
-        format!(
-            "its mode {:o} lets {} write to it",
-            md.mode() & 0o7777,
-            if md.mode() & 0o002 != 0 { "everyone" } else { "its group" }
-        )
-    } else {
-        return Ok(());
-    };
-    Err(ServeError::UnsafeSocketDir { dir: dir.display().to_string(), why })
-}
-
-impl Daemon {
-    /// Takes the instance lock, creates the region (calling `progress` while
-    /// memory is reserved), binds the control socket and starts its thread.
-    pub fn start(
-        cfg: ServeConfig,
+impl Serve {
+    #[allow(clippy::too_many_arguments)] // the daemon's parts, handed over once
+    pub(crate) fn new(
+        region: Arc<Region>,
+        store: Store,
+        events: Receiver<Event>,
+        channels: Arc<Channels>,
         shutdown: Arc<AtomicBool>,
-        progress: impl FnMut(u64, u64),
-    ) -> Result<Daemon, ServeError> {
-        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-        let sock = cfg.socket_path.clone();
-        if let Some(dir) = sock.parent() {
-            if !dir.as_os_str().is_empty() && !dir.exists() {
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(dir)
-                    .map_err(io_err("creating the socket directory", dir))?;
-            }
-            check_socket_dir(if dir.as_os_str().is_empty() { Path::new(".") } else { dir })?;
-        }
-        let lock_path = PathBuf::from(format!("{}.lock", sock.display()));
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io_err("opening the lock file", &lock_path))?;
-        if rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
-            let pid =
-                std::fs::read_to_string(&lock_path).ok().map(|p| format!(" by pid {}", p.trim())).unwrap_or_default();
-            return Err(ServeError::AlreadyRunning {
-                socket: sock.display().to_string(),
-                lock: lock_path.display().to_string(),
-                pid,
-            });
-        }
-        {
-            use std::io::{Seek, Write};
-            let mut l = &lock;
-            let _ = l.set_len(0);
-            let _ = l.seek(std::io::SeekFrom::Start(0));
-            let _ = write!(l, "{}", std::process::id());
-        }
-        let layout = Layout::new(cfg.channels, cfg.ring_capacity, cfg.slab_bytes)?;
-        let region = Region::create(
-            &CreateOptions {
-                name: kachedb_shm::naming::region_name(cfg.instance),
-                layout,
-                headroom_bytes: cfg.headroom_bytes,
-            },
-            progress,
-        )?;
-        // We hold the lock, so a socket file here is a crashed daemon's leftover.
-        if sock.exists() {
-            std::fs::remove_file(&sock).map_err(io_err("removing the stale socket", &sock))?;
-        }
-        let listener = UnixListener::bind(&sock).map_err(io_err("binding the control socket", &sock))?;
-        std::fs::set_permissions(
-            &sock,
-            std::fs::Permissions::from_mode(if cfg.allow_gids.is_empty() { 0o600 } else { 0o660 }),
-        )
-        .map_err(io_err("setting permissions of", &sock))?;
-        let (tx, rx) = mpsc::channel();
-        let channels = Arc::new(Channels::new(cfg.channels));
-        let access = Access { uid: rustix::process::geteuid().as_raw(), allow_gids: cfg.allow_gids.clone() };
-        let control = {
-            let (region, channels, shutdown) = (region.clone(), channels.clone(), shutdown.clone());
-            std::thread::Builder::new()
-                .name("kachedb-control".into())
-                .spawn(move || control::run(listener, region, access, channels, tx, shutdown))
-                .map_err(io_err("spawning the control thread for", &sock))?
-        };
-        let store = Store::new(layout.slab_offset, layout.slab_len);
-        Ok(Daemon {
-            cfg,
+        wait: SpinThenPark,
+        socket_path: PathBuf,
+        started: Instant,
+        metrics: Arc<Metrics>,
+    ) -> Serve {
+        let sessions = (0..region.layout().channel_count).map(|_| None).collect();
+        let waits = Waits::new(region.layout().channel_count);
+        Serve {
             region,
             store,
-            events: rx,
+            events,
             channels,
             shutdown,
-            control: Some(control),
-            _lock: lock,
-            started: Instant::now(),
-        })
+            wait,
+            socket_path,
+            started,
+            sessions,
+            counters: ServeStats::default(),
+            metrics: MetricsWriter::new(metrics),
+            rate: RateWindow::default(),
+            stats_waiting: Vec::new(),
+            req: [TensorBlockDescriptor::default(); BATCH],
+            out: Vec::with_capacity(BATCH),
+            waits,
+            wait_state: WaitState::new(),
+            full_checks: false,
+        }
     }
 
-    /// The control socket path.
-    pub fn socket_path(&self) -> &Path {
-        &self.cfg.socket_path
+    /// Whether every stats answer runs the full invariant check (see `full_checks`).
+    pub(crate) fn with_full_checks(mut self, on: bool) -> Serve {
+        self.full_checks = on;
+        self
     }
 
-    /// The region.
-    pub fn region(&self) -> &Arc<Region> {
-        &self.region
-    }
-
-    /// Serves until the shutdown flag is set; then closes every channel,
-    /// removes the socket and returns.
-    pub fn run(mut self) {
-        let mut sessions: Vec<Option<Session>> = (0..self.cfg.channels).map(|_| None).collect();
-        let mut counters = Counters::default();
-        let mut req = [TensorBlockDescriptor::default(); BATCH];
-        let mut out: Vec<TensorBlockDescriptor> = Vec::with_capacity(BATCH);
-        let mut idle_since: Option<Instant> = None;
-        let mut loops: u64 = 0;
-        let mut rate = RateWindow::default();
-        let mut stats_waiting: Vec<Sender<serde_json::Value>> = Vec::new();
-        let doorbell_region = self.region.clone();
-        let doorbell = doorbell_region.doorbell();
+    /// Serves until the shutdown flag is set, then closes every channel.
+    pub(crate) fn run(mut self) {
+        let region = self.region.clone();
+        let doorbell = region.doorbell();
+        let mut passes: u64 = 0;
+        self.metrics.publish_store(&self.store.gauges());
+        self.metrics.set_serving(true);
         while !self.shutdown.load(Ordering::Relaxed) {
-            let mut did_work = false;
-            // Control events.
-            while let Ok(ev) = self.events.try_recv() {
-                did_work = true;
-                match ev {
-                    Event::Stats(tx) => stats_waiting.push(tx),
-                    ev => self.on_event(ev, &mut sessions, &mut counters, &rate),
+            if self.pass() {
+                passes = passes.wrapping_add(1);
+                if passes % 1024 == 0 {
+                    self.rate.tick(self.counters.ops);
                 }
-            }
-            // Rings.
-            did_work |= serve_all(&mut self.store, &mut sessions, &mut req, &mut out, &mut counters);
-            if !stats_waiting.is_empty() {
-                // Answer stats only after serving every frame published before
-                // the request (e.g. a fire-and-forget RELEASE), so a client that
-                // releases and then asks sees its release counted.
-                for _ in 0..256 {
-                    if !serve_all(&mut self.store, &mut sessions, &mut req, &mut out, &mut counters) {
-                        break;
-                    }
-                }
-                for tx in stats_waiting.drain(..) {
-                    let _ = tx.send(self.stats_json(&counters, &rate));
-                }
-            }
-            loops = loops.wrapping_add(1);
-            if loops % 1024 == 0 || !did_work {
-                rate.tick(counters.ops);
-            }
-            if did_work {
-                idle_since = None;
                 continue;
             }
-            let since = *idle_since.get_or_insert_with(Instant::now);
-            let idle = since.elapsed();
-            if idle < self.cfg.wait.spin {
-                std::hint::spin_loop();
-            } else if idle < self.cfg.wait.park_after {
-                std::thread::yield_now();
-            } else {
-                counters.parks += 1;
-                // The control thread rings the doorbell after queueing an event,
-                // so the ready check must look at the queue too: an event queued
-                // between the `try_recv` loop above and the park would otherwise
-                // find the cell not yet PARKED (no wake) and wait out the timeout.
-                // SYNC: `park`'s SeqCst fence between storing PARKED and this
-                // check pairs with the fence in `notify` after the control
-                // thread's `send`: either we see the event here, or it sees
-                // PARKED and wakes us.
-                let events = &self.events;
-                let mut first_event = None;
-                doorbell.park(
-                    || {
-                        if let Ok(ev) = events.try_recv() {
-                            first_event = Some(ev);
-                            return true;
-                        }
-                        sessions.iter_mut().flatten().any(|s| !s.kicked && (s.sub.has_data() || !s.backlog.is_empty()))
-                    },
-                    self.cfg.wait.park_timeout,
-                );
-                match first_event {
-                    // The oldest queued event; the rest follow on the next pass.
-                    Some(Event::Stats(tx)) => stats_waiting.push(tx),
-                    Some(ev) => self.on_event(ev, &mut sessions, &mut counters, &rate),
-                    None => {}
-                }
+            self.rate.tick(self.counters.ops);
+            // Idle: wait by the policy on the doorbell, parking no later than
+            // the next WAIT deadline.
+            let ops = self.counters.ops;
+            let deadline = self.waits.next_deadline();
+            let mut policy = self.wait;
+            if let Some(d) = deadline {
+                policy.park_timeout = policy.park_timeout.min(d.saturating_duration_since(Instant::now()));
+            }
+            let (events, sessions, rate, shutdown) = (&self.events, &mut self.sessions, &mut self.rate, &self.shutdown);
+            let parks = &mut self.counters.parks;
+            let woke = policy.wait_adaptive(
+                &self.wait_state,
+                doorbell,
+                // The control thread rings the doorbell after queueing an
+                // event, so this looks at the queue too.
+                // SYNC POINT: inside `park`, this runs after the SeqCst fence
+                // that follows storing PARKED; it pairs with the fence in
+                // `notify` after a client's Release publish of `tail` or the
+                // control thread's `send`: either this sees the frame or the
+                // event, or the notifier sees PARKED and wakes us.
+                || match events.try_recv() {
+                    Ok(ev) => Some(Wake::Event(ev)),
+                    Err(_) => (sessions.iter_mut().flatten().any(Session::has_work)
+                        || deadline.is_some_and(|d| Instant::now() >= d))
+                    .then_some(Wake::Rings),
+                },
+                || {
+                    rate.tick(ops);
+                    if shutdown.load(Ordering::Relaxed) {
+                        Tick::Stop(())
+                    } else {
+                        Tick::Continue
+                    }
+                },
+                || *parks += 1,
+            );
+            self.metrics.publish_serve(&self.counters);
+            match woke {
+                Ok(Wake::Event(ev)) => self.on_event(ev),
+                Ok(Wake::Rings) => {}
+                Err(()) => break,
             }
         }
-        tracing::info!("shutting down: closing {} client channel(s)", sessions.iter().flatten().count());
-        for (ch, s) in sessions.iter_mut().enumerate() {
+        self.metrics.set_serving(false);
+        tracing::info!("shutting down: closing {} client channel(s)", self.sessions.iter().flatten().count());
+        for (ch, s) in self.sessions.iter_mut().enumerate() {
             if let Some(s) = s.take() {
                 self.region.close_channel(ch as u32);
                 s.comp.notify_consumer();
                 let _ = s.stream.shutdown(std::net::Shutdown::Both);
             }
         }
-        if let Some(c) = self.control.take() {
-            let _ = c.join();
-        }
-        let _ = std::fs::remove_file(&self.cfg.socket_path);
-        let _ = std::fs::remove_file(format!("{}.lock", self.cfg.socket_path.display()));
     }
 
-    fn on_event(&mut self, ev: Event, sessions: &mut [Option<Session>], counters: &mut Counters, rate: &RateWindow) {
+    /// Control events, then every channel once; whether anything was done.
+    fn pass(&mut self) -> bool {
+        let mut did_work = false;
+        while let Ok(ev) = self.events.try_recv() {
+            did_work = true;
+            self.on_event(ev);
+        }
+        did_work |= self.serve_all();
+        if !self.waits.is_empty() {
+            did_work |= self.expire_waits();
+        }
+        if !self.stats_waiting.is_empty() {
+            // Answer stats only after serving every frame published before
+            // the request (e.g. a fire-and-forget RELEASE), so a client that
+            // releases and then asks sees its release counted.
+            for _ in 0..256 {
+                if !self.serve_all() {
+                    break;
+                }
+            }
+            let stats = self.stats();
+            for tx in self.stats_waiting.drain(..) {
+                let _ = tx.send(stats.clone());
+            }
+        }
+        if did_work {
+            // Events (sessions closed, clients kicked) change gauges outside batches.
+            self.metrics.publish_store(&self.store.gauges());
+            self.metrics.publish_serve(&self.counters);
+        }
+        did_work
+    }
+
+    fn serve_all(&mut self) -> bool {
+        serve_all(
+            &mut self.store,
+            &mut self.sessions,
+            &mut self.req,
+            &mut self.out,
+            &mut self.counters,
+            &mut self.metrics,
+            &mut self.waits,
+        )
+    }
+
+    /// Answers `TIMED_OUT` to the WAITs whose deadline passed; whether any.
+    fn expire_waits(&mut self) -> bool {
+        let expired = self.waits.take_expired(Instant::now());
+        for &(ch, w) in &expired {
+            let Some(s) = self.sessions.get_mut(ch as usize).and_then(Option::as_mut) else { continue };
+            let c = Completion {
+                request_id: w.request_id,
+                op: Op::Wait,
+                status: Status::TimedOut,
+                handle: 0,
+                offset: 0,
+                tensor: None,
+            };
+            answer_wait(s, c, &mut self.counters);
+        }
+        !expired.is_empty()
+    }
+
+    fn on_event(&mut self, ev: Event) {
         match ev {
-            Event::Attach { channel, stream, pid } => {
-                let Some(slot) = sessions.get_mut(channel as usize) else { return };
+            Event::Attach { channel, stream, pid, uid } => {
+                let Some(slot) = self.sessions.get_mut(channel as usize) else { return };
                 let Some((sub, comp)) = self.region.daemon_channel(channel) else { return };
                 let session = self.store.open_session();
-                *slot = Some(Session { session, sub, comp, stream, pid, backlog: Vec::new(), kicked: false });
-                counters.clients_connected += 1;
-                counters.clients_total += 1;
+                *slot = Some(Session {
+                    session,
+                    sub,
+                    comp,
+                    stream,
+                    pid,
+                    uid,
+                    backlog: Vec::new(),
+                    kicked: false,
+                    waiting: false,
+                    held: Vec::new(),
+                });
+                self.counters.clients_connected += 1;
+                self.counters.clients_total += 1;
             }
             Event::Detach { channel, closed_by_daemon } => {
-                if let Some(s) = sessions.get_mut(channel as usize).and_then(Option::take) {
+                if let Some(s) = self.sessions.get_mut(channel as usize).and_then(Option::take) {
+                    self.waits.remove_channel(channel);
                     self.store.close_session(s.session);
-                    counters.clients_connected = counters.clients_connected.saturating_sub(1);
+                    self.counters.clients_connected = self.counters.clients_connected.saturating_sub(1);
                     let (kicked, pid) = (s.kicked, s.pid);
                     drop(s);
                     self.region.reset_channel(channel);
@@ -393,32 +308,37 @@ impl Daemon {
                     }
                 }
             }
-            Event::Stats(reply) => {
-                let _ = reply.send(self.stats_json(counters, rate));
-            }
+            Event::Stats(reply) => self.stats_waiting.push(reply),
         }
+        // Sessions opened and closed change the gauges outside any batch.
+        self.metrics.publish_store(&self.store.gauges());
+        self.metrics.publish_serve(&self.counters);
     }
 
-    fn stats_json(&self, counters: &Counters, rate: &RateWindow) -> serde_json::Value {
+    fn stats(&self) -> Stats {
         let l = self.region.layout();
-        let mut v = serde_json::to_value(self.store.stats()).unwrap_or_default();
-        if let Some(m) = v.as_object_mut() {
-            if let Ok(serde_json::Value::Object(c)) = serde_json::to_value(counters) {
-                m.extend(c);
-            }
-            m.insert("ops_per_s".into(), rate.per_second().into());
-            m.insert("region_bytes".into(), l.region_len.into());
-            m.insert("slab_bytes".into(), l.slab_len.into());
-            m.insert("channels".into(), l.channel_count.into());
-            m.insert("ring_capacity".into(), l.ring_capacity.into());
-            m.insert("uptime_s".into(), self.started.elapsed().as_secs_f64().into());
-            m.insert("daemon_pid".into(), std::process::id().into());
-            m.insert("socket".into(), self.cfg.socket_path.display().to_string().into());
-            m.insert("invariants_ok".into(), self.store.check_invariants().is_ok().into());
-            self.channels.release_exited();
-            m.insert("channels_quarantined".into(), self.channels.quarantined().into());
+        self.channels.release_exited();
+        let store = self.store.stats();
+        let invariants_ok = if self.full_checks {
+            self.store.check_invariants().is_ok()
+        } else {
+            self.store.check_counters(&store).is_ok()
+        };
+        Stats {
+            store,
+            serve: self.counters.clone(),
+            ops_per_s: self.rate.per_second(),
+            region_bytes: l.region_len,
+            slab_bytes: l.slab_len,
+            channels: l.channel_count,
+            ring_capacity: l.ring_capacity,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            daemon_pid: std::process::id(),
+            socket: self.socket_path.display().to_string(),
+            invariants_ok,
+            invariants_full: self.full_checks,
+            channels_quarantined: self.channels.quarantined() as u64,
         }
-        v
     }
 }
 
@@ -428,18 +348,31 @@ fn serve_all(
     sessions: &mut [Option<Session>],
     req: &mut [TensorBlockDescriptor; BATCH],
     out: &mut Vec<TensorBlockDescriptor>,
-    counters: &mut Counters,
+    counters: &mut ServeStats,
+    metrics: &mut MetricsWriter,
+    waits: &mut Waits,
 ) -> bool {
     let mut did_work = false;
-    for slot in sessions.iter_mut() {
-        let Some(s) = slot.as_mut() else { continue };
+    let mut committed = Vec::new();
+    for ch in 0..sessions.len() {
+        let Some(s) = sessions[ch].as_mut() else { continue };
         if s.kicked {
             continue;
         }
-        match serve_channel(store, s, req, out, counters) {
+        let served = serve_channel(store, s, ch as u32, req, out, counters, metrics, waits, &mut committed);
+        if !committed.is_empty() {
+            wake_waits(store, sessions, waits, &mut committed, counters);
+        }
+        let Some(s) = sessions[ch].as_mut() else { continue };
+        match served {
             Ok(n) => did_work |= n > 0,
             Err(e) => {
-                tracing::warn!(pid = s.pid, "disconnecting a corrupt client: {e}");
+                tracing::warn!(
+                    event = "client_kicked",
+                    pid = s.pid,
+                    uid = s.uid,
+                    "disconnecting a corrupt client: {e}"
+                );
                 counters.clients_kicked += 1;
                 s.kicked = true;
                 // Its socket's EOF brings the Detach that cleans up.
@@ -450,13 +383,59 @@ fn serve_all(
     did_work
 }
 
+/// Answers the WAITs of the keys in `committed` (COMMITs just served) with a
+/// pin of the new block; a WAIT whose key is gone again (deleted in the same
+/// batch) stays parked.
+fn wake_waits(
+    store: &mut Store,
+    sessions: &mut [Option<Session>],
+    waits: &mut Waits,
+    committed: &mut Vec<u128>,
+    counters: &mut ServeStats,
+) {
+    for key in committed.drain(..) {
+        for (ch, w) in waits.take_key(key) {
+            let Some(s) = sessions.get_mut(ch as usize).and_then(Option::as_mut) else { continue };
+            let c = store.handle(s.session, w.request_id, &Request::Wait { key, timeout_us: 0 });
+            if c.status == Status::NotFound {
+                waits.park(ch, w);
+                continue;
+            }
+            answer_wait(s, c, counters);
+        }
+    }
+}
+
+/// Sends the completion of the parked WAIT of `s`; its held frames are served
+/// from the next pass on.
+fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeStats) {
+    s.waiting = false;
+    let d = c.encode();
+    // Behind completions still waiting for room, or when the ring is full (or
+    // corrupt: the next pass finds out): sent later, in order.
+    if !s.backlog.is_empty() || !matches!(s.comp.push_batch(std::slice::from_ref(&d)), Ok(1)) {
+        s.backlog.push(d);
+    }
+    if s.comp.notify_consumer() {
+        counters.wakeups_sent += 1;
+    }
+}
+
 /// Handles what one channel has, bounded by room in its completion ring.
+/// A WAIT for an absent key parks (in `waits`; the frames after it are held),
+/// and the keys of the COMMITs served are added to `committed` while any WAIT
+/// is parked.
+#[allow(clippy::too_many_arguments)] // the serve loop's parts
 fn serve_channel(
     store: &mut Store,
     s: &mut Session,
+    channel: u32,
     req: &mut [TensorBlockDescriptor; BATCH],
     out: &mut Vec<TensorBlockDescriptor>,
-    counters: &mut Counters,
+    counters: &mut ServeStats,
+    metrics: &mut MetricsWriter,
+    waits: &mut Waits,
+    committed: &mut Vec<u128>,
 ) -> Result<usize, RingError> {
     // First flush completions that did not fit last time.
     if !s.backlog.is_empty() {
@@ -469,18 +448,59 @@ fn serve_channel(
             return Ok(n);
         }
     }
+    if s.waiting {
+        return Ok(0);
+    }
     let room = s.comp.free_slots()?.min(BATCH);
     if room == 0 {
         return Ok(0);
     }
-    let n = s.sub.pop_batch(&mut req[..room])?;
+    let n = if s.held.is_empty() {
+        s.sub.pop_batch(&mut req[..room])?
+    } else {
+        let k = s.held.len().min(room);
+        req[..k].copy_from_slice(&s.held[..k]);
+        s.held.drain(..k);
+        k
+    };
     if n == 0 {
         return Ok(0);
     }
     out.clear();
-    for frame in &req[..n] {
+    let timer = metrics.batch_start();
+    for (i, frame) in req[..n].iter().enumerate() {
         counters.ops += 1;
         let c = match Request::decode(frame) {
+            Ok(Request::Commit { handle }) if !waits.is_empty() => {
+                let key = store.reservation_key(s.session, handle);
+                let c = store.handle(s.session, frame.request_id, &Request::Commit { handle });
+                if let (Some(key), Status::Ok) = (key, c.status) {
+                    committed.push(key);
+                }
+                c
+            }
+            Ok(r @ Request::Wait { key, timeout_us }) => {
+                let c = store.handle(s.session, frame.request_id, &r);
+                if c.status == Status::NotFound {
+                    if timeout_us == 0 {
+                        Completion { status: Status::TimedOut, ..c }
+                    } else {
+                        // Park it; serve nothing more of this channel until it
+                        // is answered (the rest of this batch is held).
+                        let deadline = (timeout_us != WAIT_FOREVER)
+                            .then(|| Instant::now().checked_add(Duration::from_micros(timeout_us)))
+                            .flatten();
+                        waits.park(channel, Waiter { key, request_id: frame.request_id, deadline });
+                        s.waiting = true;
+                        let rest = &req[i + 1..n];
+                        s.held.splice(0..0, rest.iter().copied());
+                        metrics.frame(frame.op, c.status);
+                        break;
+                    }
+                } else {
+                    c
+                }
+            }
             Ok(r) => store.handle(s.session, frame.request_id, &r),
             Err(e) => {
                 counters.rejected_frames += 1;
@@ -495,12 +515,17 @@ fn serve_channel(
                 }
             }
         };
+        metrics.frame(frame.op, c.status);
         out.push(c.encode());
     }
+    // Before the completions go out: a client that saw its answer and then
+    // scrapes finds it counted.
+    metrics.publish_store(&store.gauges());
     let pushed = s.comp.push_batch(out)?;
     if pushed < out.len() {
         s.backlog.extend_from_slice(&out[pushed..]);
     }
+    metrics.batch_end(timer, &req[..n]);
     if s.comp.notify_consumer() {
         counters.wakeups_sent += 1;
     }

@@ -1,15 +1,43 @@
-//! `TensorBlockDescriptor`: the 64-byte frame every ring slot holds, and the
-//! checked decoder that turns a frame copied out of shared memory into a
-//! [`Request`] (daemon side) or a [`Completion`] (client side).
+//! `TensorBlockDescriptor`: the 64-byte frame every ring slot holds, the
+//! encoders that build frames ([`Request::encode`] on the client side,
+//! [`Completion::encode`] on the daemon side) and the checked decoders that
+//! turn a frame copied out of shared memory back into a [`Request`] (daemon
+//! side) or a [`Completion`] (client side).
 //!
-//! The layout is the wire contract of `docs/PROTOCOL.md`. Everything read from
-//! shared memory is untrusted: decoding never panics and never indexes with an
+//! The layout is the wire contract of `docs/PROTOCOL.md`, and each of its
+//! rules is written here once: the RESERVE page offset
+//! ([`page_offset_is_valid`], [`page_offset_of`]), a tensor's byte length
+//! ([`Shape::len_bytes`], [`Shape::check_len`]). Everything read from shared
+//! memory is untrusted: decoding never panics and never indexes with an
 //! unchecked value.
 
 use bytemuck::{Pod, Zeroable};
 
 /// Most dimensions a descriptor carries.
 pub const MAX_DIMS: usize = 6;
+
+/// The page: the unit of the region's layout and of the megaslab's extents,
+/// and what RESERVE page offsets are within. Defined here, the ground floor
+/// of the crate (the region and the ring import this module, not the reverse).
+pub const PAGE_LEN: u64 = 4096;
+const _: () = assert!(PAGE_LEN.is_power_of_two());
+
+/// RESERVE page offsets are multiples of this many bytes.
+pub const PAGE_OFFSET_ALIGN: u64 = 64;
+const _: () = assert!(PAGE_OFFSET_ALIGN.is_power_of_two() && PAGE_OFFSET_ALIGN < PAGE_LEN);
+
+/// Whether `page_offset` is a valid RESERVE page offset: a multiple of
+/// [`PAGE_OFFSET_ALIGN`] below [`PAGE_LEN`] (0 asks for no particular offset).
+pub const fn page_offset_is_valid(page_offset: u64) -> bool {
+    page_offset < PAGE_LEN && page_offset & (PAGE_OFFSET_ALIGN - 1) == 0
+}
+
+/// The RESERVE page offset that gives a block the alignment within a page of
+/// the source at `addr` (rounded down to [`PAGE_OFFSET_ALIGN`]), so a copy
+/// from that source into the block runs at full speed. Always valid.
+pub fn page_offset_of(addr: *const u8) -> u64 {
+    (addr as u64 % PAGE_LEN) & !(PAGE_OFFSET_ALIGN - 1)
+}
 
 /// One ring slot: 64 bytes, plain old data, every bit pattern valid.
 #[repr(C)]
@@ -136,6 +164,9 @@ code_enum! {
         Delete = 8,
         /// Block count and bytes used.
         Stats = 9,
+        /// GET that, if the key is absent, waits in the daemon until it is
+        /// committed or the timeout the frame carries passes.
+        Wait = 10,
     }
 }
 
@@ -156,6 +187,8 @@ code_enum! {
         TooLarge = 5,
         /// The daemon broke an invariant of its own (a bug; reported, never a panic).
         Internal = 6,
+        /// WAIT: the key was not committed before the timeout passed.
+        TimedOut = 7,
     }
 }
 
@@ -240,12 +273,12 @@ impl Shape {
     }
 
     /// A flat byte shape `[len]`; for lengths above `u32::MAX` a 2-D shape
-    /// `[len / 4096, 4096]` when `len` is a multiple of 4096.
+    /// `[len / 4096, 4096]` (rows of one [`PAGE_LEN`]) when `len` is a multiple of 4096.
     pub fn for_bytes(len: u64) -> Option<Self> {
         if len <= u64::from(u32::MAX) {
             Self::new(&[len])
-        } else if len & 4095 == 0 {
-            Self::new(&[len / 4096, 4096])
+        } else if len % PAGE_LEN == 0 {
+            Self::new(&[len / PAGE_LEN, PAGE_LEN])
         } else {
             None
         }
@@ -270,6 +303,31 @@ impl Shape {
     pub fn len_bytes(&self, dtype: DType) -> Option<u64> {
         self.numel()?.checked_mul(dtype.itemsize())
     }
+
+    /// Checks that `given` bytes are exactly this shape of `dtype`; returns the length.
+    pub fn check_len(&self, dtype: DType, given: u64) -> Result<u64, LenError> {
+        match self.len_bytes(dtype) {
+            None => Err(LenError::Overflow),
+            Some(len) if len != given => Err(LenError::Mismatch { expected: len, given }),
+            Some(len) => Ok(len),
+        }
+    }
+}
+
+/// Why bytes do not fit a shape and dtype ([`Shape::check_len`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LenError {
+    /// `numel * itemsize` does not fit in 64 bits.
+    #[error("shape times itemsize overflows 64 bits")]
+    Overflow,
+    /// The shape and dtype make another length than the bytes given.
+    #[error("shape and dtype make {expected} bytes but {given} were given")]
+    Mismatch {
+        /// `numel * itemsize`.
+        expected: u64,
+        /// Bytes given.
+        given: u64,
+    },
 }
 
 /// Why a frame was rejected.
@@ -293,8 +351,8 @@ pub enum DecodeError {
     /// `numel * itemsize` does not fit in 64 bits.
     #[error("shape times itemsize overflows 64 bits")]
     LengthOverflow,
-    /// RESERVE: the wanted page offset is not a multiple of 64 below 4096.
-    #[error("page offset {0} is not a multiple of 64 below 4096")]
+    /// RESERVE: the wanted page offset fails [`page_offset_is_valid`].
+    #[error("page offset {0} is not a multiple of {PAGE_OFFSET_ALIGN} below {PAGE_LEN}")]
     BadPageOffset(u64),
     /// A request carried a non-zero status.
     #[error("request frames must carry status 0, got {0}")]
@@ -316,7 +374,7 @@ pub enum Request {
         shape: Shape,
         /// Bytes (`numel * itemsize`), may be 0.
         len: u64,
-        /// Wanted data offset modulo 4096 (multiple of 64).
+        /// Wanted data offset modulo [`PAGE_LEN`] ([`page_offset_is_valid`]).
         page_offset: u64,
     },
     /// COMMIT a reservation.
@@ -351,9 +409,22 @@ pub enum Request {
     },
     /// STATS.
     Stats,
+    /// WAIT for a key: a GET answered once the key is committed, or
+    /// `TIMED_OUT` after `timeout_us` microseconds.
+    Wait {
+        /// Key.
+        key: u128,
+        /// Microseconds to wait from when the daemon reads the frame; 0 = do not
+        /// wait, [`WAIT_FOREVER`] = no deadline.
+        timeout_us: u64,
+    },
 }
 
-fn checked_shape(d: &TensorBlockDescriptor) -> Result<(DType, Shape, u64), DecodeError> {
+/// The WAIT timeout that means "no deadline".
+pub const WAIT_FOREVER: u64 = u64::MAX;
+
+/// Dtype and shape of a frame, checked: a known dtype, `ndim <= 6`, unused dims zero.
+fn checked_dims(d: &TensorBlockDescriptor) -> Result<(DType, Shape), DecodeError> {
     let dtype = DType::from_code(d.dtype).ok_or(DecodeError::UnknownDType(d.dtype))?;
     if usize::from(d.ndim) > MAX_DIMS {
         return Err(DecodeError::TooManyDims(d.ndim));
@@ -361,12 +432,51 @@ fn checked_shape(d: &TensorBlockDescriptor) -> Result<(DType, Shape, u64), Decod
     if let Some(i) = (usize::from(d.ndim)..MAX_DIMS).find(|&i| d.shape[i] != 0) {
         return Err(DecodeError::UnusedDimNotZero(i));
     }
-    let shape = Shape { ndim: d.ndim, dims: d.shape };
+    Ok((dtype, Shape { ndim: d.ndim, dims: d.shape }))
+}
+
+/// [`checked_dims`] and the byte length.
+fn checked_shape(d: &TensorBlockDescriptor) -> Result<(DType, Shape, u64), DecodeError> {
+    let (dtype, shape) = checked_dims(d)?;
     let len = shape.len_bytes(dtype).ok_or(DecodeError::LengthOverflow)?;
     Ok((dtype, shape, len))
 }
 
 impl Request {
+    /// A RESERVE, checked as [`decode`](Self::decode) checks a RESERVE frame:
+    /// the length must fit in 64 bits and the page offset must be valid.
+    pub fn reserve(key: u128, dtype: DType, shape: Shape, page_offset: u64) -> Result<Self, DecodeError> {
+        let len = shape.len_bytes(dtype).ok_or(DecodeError::LengthOverflow)?;
+        if !page_offset_is_valid(page_offset) {
+            return Err(DecodeError::BadPageOffset(page_offset));
+        }
+        Ok(Request::Reserve { key, dtype, shape, len, page_offset })
+    }
+
+    /// Bytes a RESERVE asks for (`numel * itemsize`); 0 for the other ops.
+    pub fn reserve_len(&self) -> u64 {
+        match self {
+            Request::Reserve { len, .. } => *len,
+            _ => 0,
+        }
+    }
+
+    /// The operation.
+    pub fn op(&self) -> Op {
+        match self {
+            Request::Ping => Op::Ping,
+            Request::Reserve { .. } => Op::Reserve,
+            Request::Commit { .. } => Op::Commit,
+            Request::Abort { .. } => Op::Abort,
+            Request::Get { .. } => Op::Get,
+            Request::Release { .. } => Op::Release,
+            Request::Lookup { .. } => Op::Lookup,
+            Request::Delete { .. } => Op::Delete,
+            Request::Stats => Op::Stats,
+            Request::Wait { .. } => Op::Wait,
+        }
+    }
+
     /// Decodes a request frame copied out of shared memory.
     pub fn decode(d: &TensorBlockDescriptor) -> Result<Self, DecodeError> {
         if d.status != 0 {
@@ -377,11 +487,8 @@ impl Request {
         Ok(match op {
             Op::Ping => Request::Ping,
             Op::Reserve => {
-                let (dtype, shape, len) = checked_shape(d)?;
-                if d.offset >= 4096 || d.offset & 63 != 0 {
-                    return Err(DecodeError::BadPageOffset(d.offset));
-                }
-                Request::Reserve { key, dtype, shape, len, page_offset: d.offset }
+                let (dtype, shape) = checked_dims(d)?;
+                Request::reserve(key, dtype, shape, d.offset)?
             }
             Op::Commit => Request::Commit { handle: d.handle },
             Op::Abort => Request::Abort { handle: d.handle },
@@ -390,7 +497,31 @@ impl Request {
             Op::Lookup => Request::Lookup { key },
             Op::Delete => Request::Delete { key },
             Op::Stats => Request::Stats,
+            Op::Wait => Request::Wait { key, timeout_us: d.handle },
         })
+    }
+
+    /// The frame a client sends for this request, carrying `request_id`; the
+    /// fields the op does not use are zero. For every request that
+    /// [`decode`](Self::decode) returns (and every one [`reserve`](Self::reserve)
+    /// builds), `decode(&r.encode(id)) == Ok(r)`.
+    pub fn encode(&self, request_id: u32) -> TensorBlockDescriptor {
+        let mut d = TensorBlockDescriptor { op: self.op() as u8, request_id, ..TensorBlockDescriptor::default() };
+        match *self {
+            Request::Ping | Request::Stats => {}
+            Request::Reserve { key, dtype, shape, len: _, page_offset } => {
+                d.set_key(key);
+                d.set_shape(dtype, &shape);
+                d.offset = page_offset;
+            }
+            Request::Commit { handle } | Request::Abort { handle } | Request::Release { handle } => d.handle = handle,
+            Request::Get { key } | Request::Lookup { key } | Request::Delete { key } => d.set_key(key),
+            Request::Wait { key, timeout_us } => {
+                d.set_key(key);
+                d.handle = timeout_us;
+            }
+        }
+        d
     }
 }
 
@@ -407,7 +538,7 @@ pub struct Completion {
     pub handle: u64,
     /// Data offset from the region base (RESERVE, GET), bytes used (STATS).
     pub offset: u64,
-    /// Block element type and shape (GET), when present.
+    /// Block element type and shape (GET, WAIT), when present.
     pub tensor: Option<(DType, Shape, u64)>,
 }
 
@@ -416,7 +547,8 @@ impl Completion {
     pub fn decode(d: &TensorBlockDescriptor) -> Result<Self, DecodeError> {
         let op = Op::from_code(d.op).ok_or(DecodeError::UnknownOp(d.op))?;
         let status = Status::from_code(d.status).ok_or(DecodeError::UnknownStatus(d.status))?;
-        let tensor = if op == Op::Get && status == Status::Ok { Some(checked_shape(d)?) } else { None };
+        let pins = matches!(op, Op::Get | Op::Wait);
+        let tensor = if pins && status == Status::Ok { Some(checked_shape(d)?) } else { None };
         Ok(Self { request_id: d.request_id, op, status, handle: d.handle, offset: d.offset, tensor })
     }
 
@@ -494,6 +626,58 @@ mod tests {
             tensor: Some((DType::BF16, shape, 30)),
         };
         assert_eq!(Completion::decode(&c.encode()).unwrap(), c);
+        let w = Completion { op: Op::Wait, ..c };
+        assert_eq!(Completion::decode(&w.encode()).unwrap(), w);
+        let t = Completion { op: Op::Wait, status: Status::TimedOut, handle: 0, offset: 0, tensor: None, ..c };
+        assert_eq!(Completion::decode(&t.encode()).unwrap(), t);
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        let shape = Shape::new(&[2, 16, 8, 128]).unwrap();
+        let key = 0xdead_beef_u128 << 70 | 5;
+        let all = [
+            Request::Ping,
+            Request::reserve(key, DType::F16, shape, 128).unwrap(),
+            Request::Commit { handle: 1 << 62 | 7 },
+            Request::Abort { handle: u64::MAX },
+            Request::Get { key },
+            Request::Release { handle: 2 << 62 },
+            Request::Lookup { key: u128::MAX },
+            Request::Delete { key: 0 },
+            Request::Stats,
+            Request::Wait { key, timeout_us: 1500 },
+            Request::Wait { key: 3, timeout_us: WAIT_FOREVER },
+        ];
+        for (i, r) in all.iter().enumerate() {
+            let d = r.encode(i as u32 + 10);
+            assert_eq!((d.request_id, d.op, d.status), (i as u32 + 10, r.op() as u8, 0));
+            assert_eq!(Request::decode(&d), Ok(*r));
+        }
+    }
+
+    #[test]
+    fn one_page_offset_rule() {
+        assert!(page_offset_is_valid(0) && page_offset_is_valid(64) && page_offset_is_valid(4032));
+        assert!(!page_offset_is_valid(65) && !page_offset_is_valid(4096) && !page_offset_is_valid(u64::MAX));
+        let shape = Shape::new(&[4]).unwrap();
+        assert_eq!(Request::reserve(1, DType::U8, shape, 4096), Err(DecodeError::BadPageOffset(4096)));
+        let buf = [0u8; 8192];
+        for i in [0, 1, 63, 64, 100, 4095] {
+            let p = buf[i..].as_ptr();
+            let off = page_offset_of(p);
+            assert!(page_offset_is_valid(off));
+            assert_eq!(off, (p as u64 % PAGE_LEN) / 64 * 64);
+        }
+    }
+
+    #[test]
+    fn check_len() {
+        let shape = Shape::new(&[3, 5]).unwrap();
+        assert_eq!(shape.check_len(DType::F32, 60), Ok(60));
+        assert_eq!(shape.check_len(DType::F32, 59), Err(LenError::Mismatch { expected: 60, given: 59 }));
+        let huge = Shape::new(&[u64::from(u32::MAX); 3]).unwrap();
+        assert_eq!(huge.check_len(DType::F64, 0), Err(LenError::Overflow));
     }
 
     #[test]

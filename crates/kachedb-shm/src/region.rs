@@ -21,9 +21,9 @@ use std::sync::Arc;
 /// First bytes of every region.
 pub const MAGIC: [u8; 8] = *b"KACHEDB\0";
 /// Bumped on any change to this layout or to `docs/PROTOCOL.md`.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Page size the layout aligns to.
-pub const PAGE_LEN: u64 = 4096;
+pub use crate::descriptor::PAGE_LEN;
 /// The megaslab starts on a 2 MiB boundary.
 pub const SLAB_ALIGN: u64 = 2 << 20;
 /// Bytes of the region header page.
@@ -385,15 +385,21 @@ impl Region {
         if fd_len < HEADER_LEN {
             return Err(RegionError::BadHeader(format!("memfd is only {fd_len} bytes")));
         }
-        let map = map_fd(&fd, fd_len)?;
-        // SAFETY: the mapping holds at least HEADER_LEN bytes (checked above) and
-        // is page aligned; RegionHeader is plain data for which every bit pattern
-        // is valid except nothing (arrays, integers, an atomic); we copy the
-        // fields once and never trust them again without validation.
-        let header = unsafe { &*map.as_ptr().cast::<RegionHeader>() };
-        let layout = Layout::from_header(header, fd_len)?;
-        let generation = header.generation;
-        Ok(Arc::new(Region { map, fd, layout, generation }))
+        // The header page alone first, not pre-faulted: a hostile or broken
+        // daemon's fd may be huge (and sparse), and mapping and pre-faulting
+        // all of it before the header is checked would allocate that much
+        // shared memory, charged to this process.
+        let header = {
+            let page = memmap2::MmapOptions::new()
+                .len(HEADER_LEN as usize)
+                .map_raw(fd.as_raw_fd())
+                .map_err(|e| RegionError::Os { what: "mmap of the region header", source: e })?;
+            copy_header(&page)
+        };
+        let layout = Layout::from_header(&header, fd_len)?;
+        // Only now the whole region, pre-faulted (its size is the checked layout's).
+        let map = map_fd(&fd, layout.region_len)?;
+        Ok(Arc::new(Region { map, fd, layout, generation: header.generation }))
     }
 
     /// Opens a region by path (`/proc/<pid>/fd/<n>` of another process); for
@@ -514,6 +520,45 @@ impl Region {
     }
 }
 
+/// A copy of the header fields before the doorbell, read once as aligned
+/// 64-bit atomic loads (the daemon, or any peer, may write the page while we
+/// read it: plain reads of it would be a data race). The copy is then
+/// validated ([`Layout::from_header`]) and never re-read.
+fn copy_header(page: &memmap2::MmapRaw) -> RegionHeader {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    const WORDS: usize = core::mem::offset_of!(RegionHeader, doorbell) / 8;
+    let mut bytes = [0u8; WORDS * 8];
+    let base = page.as_ptr().cast::<AtomicU64>();
+    for (i, chunk) in bytes.chunks_exact_mut(8).enumerate() {
+        // SAFETY: the page is HEADER_LEN (4096) bytes, mapped and page aligned,
+        // so word i < 16 is in bounds and 8-byte aligned; AtomicU64 is valid for
+        // every bit pattern, and the mapping outlives this loop. Relaxed: the
+        // fields were written before the fd was handed over (sendmsg/recvmsg
+        // order them); no later write is trusted anyway.
+        let w = unsafe { (*base.add(i)).load(Ordering::Relaxed) };
+        chunk.copy_from_slice(&w.to_ne_bytes());
+    }
+    let u32_at = |off: usize| u32::from_ne_bytes(bytes[off..off + 4].try_into().expect("4 bytes"));
+    let u64_at = |off: usize| u64::from_ne_bytes(bytes[off..off + 8].try_into().expect("8 bytes"));
+    use core::mem::offset_of;
+    RegionHeader {
+        magic: bytes[..8].try_into().expect("8 bytes"),
+        layout_version: u32_at(offset_of!(RegionHeader, layout_version)),
+        header_len: u32_at(offset_of!(RegionHeader, header_len)),
+        generation: u64_at(offset_of!(RegionHeader, generation)),
+        region_len: u64_at(offset_of!(RegionHeader, region_len)),
+        channel_offset: u64_at(offset_of!(RegionHeader, channel_offset)),
+        channel_stride: u64_at(offset_of!(RegionHeader, channel_stride)),
+        channel_count: u32_at(offset_of!(RegionHeader, channel_count)),
+        ring_capacity: u32_at(offset_of!(RegionHeader, ring_capacity)),
+        slab_offset: u64_at(offset_of!(RegionHeader, slab_offset)),
+        slab_len: u64_at(offset_of!(RegionHeader, slab_len)),
+        daemon_pid: u32_at(offset_of!(RegionHeader, daemon_pid)),
+        _reserved: [0; 4],
+        doorbell: Doorbell::default(),
+    }
+}
+
 fn map_fd(fd: &OwnedFd, len: u64) -> Result<memmap2::MmapRaw, RegionError> {
     let len =
         usize::try_from(len).map_err(|_| RegionError::BadLayout("region larger than the address space".into()))?;
@@ -589,5 +634,43 @@ mod tests {
         rustix::fs::ftruncate(&fd, 1 << 20).unwrap();
         rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW).unwrap();
         assert!(matches!(Region::attach(fd), Err(RegionError::BadHeader(_))));
+    }
+
+    /// Issue 12, item 3: a huge sparse sealed memfd with a bad header is
+    /// refused after mapping its header page only: nothing of it is
+    /// allocated (before, the whole fd was mapped with MAP_POPULATE first,
+    /// which allocated all of it).
+    #[test]
+    fn oversized_fd_is_refused_before_it_is_mapped_whole() {
+        use rustix::fs::{fcntl_add_seals, fstat, ftruncate, memfd_create, MemfdFlags, SealFlags};
+        let fd = memfd_create("huge", MemfdFlags::ALLOW_SEALING).unwrap();
+        ftruncate(&fd, 1 << 30).unwrap();
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+        let keep = fd.try_clone().unwrap();
+        let t = std::time::Instant::now();
+        assert!(matches!(Region::attach(fd), Err(RegionError::BadHeader(_))));
+        assert!(t.elapsed() < std::time::Duration::from_millis(200), "{:?}", t.elapsed());
+        // st_blocks: 512-byte units allocated; at most the header page.
+        assert!(fstat(&keep).unwrap().st_blocks <= 8, "{} blocks allocated", fstat(&keep).unwrap().st_blocks);
+        // A good header whose layout does not match the fd's size is refused too.
+        let good = small();
+        let fd = memfd_create("huge2", MemfdFlags::ALLOW_SEALING).unwrap();
+        ftruncate(&fd, 1 << 30).unwrap();
+        let mut head = vec![0u8; HEADER_LEN as usize];
+        // SAFETY: the region maps at least HEADER_LEN bytes for the life of `good`.
+        unsafe { std::ptr::copy_nonoverlapping(good.base(), head.as_mut_ptr(), head.len()) };
+        rustix::io::pwrite(&fd, &head, 0).unwrap();
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+        let keep = fd.try_clone().unwrap();
+        assert!(matches!(Region::attach(fd), Err(RegionError::BadHeader(m)) if m.contains("memfd has")));
+        assert!(fstat(&keep).unwrap().st_blocks <= 8);
+        // And a faithful copy attaches.
+        let fd = rustix::fs::memfd_create("ok", MemfdFlags::ALLOW_SEALING).unwrap();
+        ftruncate(&fd, good.layout().region_len).unwrap();
+        rustix::io::pwrite(&fd, &head, 0).unwrap();
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+        let r = Region::attach(fd).unwrap();
+        assert_eq!(r.generation(), good.generation());
+        assert_eq!(r.layout().region_len, good.layout().region_len);
     }
 }

@@ -16,6 +16,17 @@
 use crate::sync::{fence, spin_loop, yield_now, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// A `sched_yield` that took at least this long gave the CPU to another task:
+/// a bare `sched_yield` with nothing else runnable on the core returns in a few
+/// hundred nanoseconds, a switch to another process and back takes longer.
+const YIELD_SWITCHED: Duration = Duration::from_micros(1);
+
+/// A `sched_yield` that took this long or longer gave the CPU to something that
+/// ran a whole time slice (a compile job sharing the core, say), not to the
+/// other side, whose turn is a few microseconds: it says nothing about where the
+/// other side runs.
+const YIELD_PEER_MAX: Duration = Duration::from_micros(250);
+
 const RUNNING: u32 = 0;
 const PARKED: u32 = 1;
 
@@ -116,13 +127,63 @@ fn futex_wait(word: &AtomicU32, expected: u32, _timeout: Duration) {
 #[cfg(loom)]
 fn futex_wake(_word: &AtomicU32) {}
 
-/// The adaptive wait policy: spin, then spin with yields, then park.
+/// What one waiter learnt from its recent waits: how long to spin before it
+/// yields. Process-local (never in shared memory); one per waiting side (a
+/// client channel, the daemon's serve loop).
+///
+/// Spinning only helps when the other side runs on another core. When both
+/// share a core (`taskset -c 0` for both, or a busy node), every microsecond
+/// spent spinning is a microsecond the other side cannot run: the answer comes
+/// only after we yield. So:
+/// * a wait answered right after a `sched_yield` that gave the CPU away for a
+///   short turn (at least [`YIELD_SWITCHED`], less than [`YIELD_PEER_MAX`])
+///   means the other side ran on *our* core: the next waits yield at once
+///   (spin budget 0);
+/// * a wait answered while yielding without the CPU changing hands (or after a
+///   whole time slice of another task) means the other side runs elsewhere but
+///   was slower than the budget: back to the policy's full spin;
+/// * a wait answered while spinning, or after a park, changes nothing.
+#[derive(Debug)]
+pub struct WaitState {
+    /// Spin budget in nanoseconds; `u64::MAX` = not learnt yet (the policy's `spin`).
+    spin_ns: std::sync::atomic::AtomicU64,
+}
+
+impl Default for WaitState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl WaitState {
+    /// Nothing learnt yet: the first wait spins for the policy's `spin`.
+    pub const fn new() -> Self {
+        Self { spin_ns: std::sync::atomic::AtomicU64::new(u64::MAX) }
+    }
+
+    /// The spin budget the next wait uses under `policy`.
+    pub fn spin_budget(&self, policy: &SpinThenPark) -> Duration {
+        // Relaxed: a hint; a stale value only costs one wait's latency.
+        match self.spin_ns.load(std::sync::atomic::Ordering::Relaxed) {
+            u64::MAX => policy.spin,
+            ns => Duration::from_nanos(ns).min(policy.spin),
+        }
+    }
+
+    fn set(&self, budget: Duration) {
+        let ns = u64::try_from(budget.as_nanos()).unwrap_or(u64::MAX - 1).min(u64::MAX - 1);
+        self.spin_ns.store(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The adaptive wait policy: spin, then spin with yields, then park. The spin
+/// phase adapts to where the other side runs ([`WaitState`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpinThenPark {
     /// Pure spinning (no syscalls) for this long.
     pub spin: Duration,
     /// After `spin`, keep polling with `sched_yield` between polls until this
-    /// much time has passed in total, then park (the seed's ~100 µs).
+    /// much time has passed in total, then park (100 µs by default).
     pub park_after: Duration,
     /// How long one park lasts at most before `tick` runs and polling resumes.
     pub park_timeout: Duration,
@@ -159,40 +220,82 @@ impl SpinThenPark {
     }
 
     /// Waits until `poll` yields a value. `cell` is the waiter's own wait cell;
-    /// `tick` runs after each park (woken or timed out) and may stop the wait.
+    /// `tick` runs after each park that found nothing (woken or timed out) and
+    /// may stop the wait.
+    #[inline]
     pub fn wait<T, E>(
         &self,
         cell: &WaitCell,
+        poll: impl FnMut() -> Option<T>,
+        tick: impl FnMut() -> Tick<E>,
+    ) -> Result<T, E> {
+        self.wait_observed(cell, poll, tick, || {})
+    }
+
+    /// [`wait`](Self::wait), calling `on_park` just before each park (to count
+    /// parks: `tick` does not run after a park that found work).
+    pub fn wait_observed<T, E>(
+        &self,
+        cell: &WaitCell,
+        poll: impl FnMut() -> Option<T>,
+        tick: impl FnMut() -> Tick<E>,
+        on_park: impl FnMut(),
+    ) -> Result<T, E> {
+        self.wait_adaptive(&WaitState::new(), cell, poll, tick, on_park)
+    }
+
+    /// [`wait_observed`](Self::wait_observed) with a spin budget learnt from
+    /// this waiter's earlier waits (`state`, see [`WaitState`]): when the other
+    /// side shares this core, the wait yields at once instead of spinning.
+    pub fn wait_adaptive<T, E>(
+        &self,
+        state: &WaitState,
+        cell: &WaitCell,
         mut poll: impl FnMut() -> Option<T>,
         mut tick: impl FnMut() -> Tick<E>,
+        mut on_park: impl FnMut(),
     ) -> Result<T, E> {
         if let Some(v) = poll() {
             return Ok(v);
         }
+        let budget = state.spin_budget(self);
         let start = Instant::now();
         let mut spins: u32 = 0;
+        // Yields so far, and whether the last one gave the CPU away.
+        let mut yields: u32 = 0;
+        let mut switched = false;
         loop {
             // `park_after == 0` ("park immediately"): the empty poll above is
             // the one poll; do not spin 64 polls before the first clock read.
             if !self.park_after.is_zero() {
                 if let Some(v) = poll() {
+                    if switched {
+                        state.set(Duration::ZERO);
+                    } else if yields > 0 {
+                        state.set(self.spin);
+                    }
                     return Ok(v);
                 }
                 spins = spins.wrapping_add(1);
-                if spins & 63 != 0 {
+                if !budget.is_zero() && spins & 63 != 0 {
                     spin_loop();
                     continue;
                 }
                 let waited = start.elapsed();
-                if waited < self.spin {
+                if waited < budget {
                     spin_loop();
                     continue;
                 }
                 if waited < self.park_after {
+                    let before = Instant::now();
                     yield_now();
+                    let took = before.elapsed();
+                    switched = (YIELD_SWITCHED..YIELD_PEER_MAX).contains(&took);
+                    yields = yields.saturating_add(1);
                     continue;
                 }
             }
+            on_park();
             let mut found = None;
             cell.park(
                 || {
@@ -241,6 +344,54 @@ mod tests {
         flag.store(true, std::sync::atomic::Ordering::Release);
         assert!(cell.notify());
         assert_eq!(t.join().unwrap(), Ok(()));
+    }
+
+    #[test]
+    fn parks_are_observed() {
+        let cell = WaitCell::new();
+        let policy = SpinThenPark { park_timeout: Duration::from_millis(1), ..SpinThenPark::park_immediately() };
+        let (mut parks, mut ticks, mut polls) = (0, 0, 0);
+        let r: Result<(), ()> = policy.wait_observed(
+            &cell,
+            || {
+                polls += 1;
+                (polls == 8).then_some(())
+            },
+            || {
+                ticks += 1;
+                Tick::Continue
+            },
+            || parks += 1,
+        );
+        assert_eq!(r, Ok(()));
+        // One poll before the first park; per park: one inside it, one after.
+        assert_eq!((parks, ticks), (4, 3));
+    }
+
+    #[test]
+    fn spin_budget_starts_at_the_policy_and_never_exceeds_it() {
+        let policy = SpinThenPark::default();
+        let state = WaitState::new();
+        assert_eq!(state.spin_budget(&policy), policy.spin);
+        state.set(Duration::ZERO);
+        assert_eq!(state.spin_budget(&policy), Duration::ZERO);
+        state.set(Duration::from_secs(1));
+        assert_eq!(state.spin_budget(&policy), policy.spin);
+        // A wait answered while spinning leaves the budget as it was.
+        state.set(Duration::from_micros(3));
+        let mut polls = 0;
+        let r: Result<(), ()> = policy.wait_adaptive(
+            &state,
+            &WaitCell::new(),
+            || {
+                polls += 1;
+                (polls == 3).then_some(())
+            },
+            || Tick::Continue,
+            || {},
+        );
+        assert_eq!(r, Ok(()));
+        assert_eq!(state.spin_budget(&policy), Duration::from_micros(3));
     }
 
     #[test]

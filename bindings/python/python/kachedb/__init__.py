@@ -12,9 +12,10 @@ from ._errors import (
     KacheDBError,
     NotFound,
     OutOfMemory,
+    TimedOut,
     TooLarge,
 )
-from ._client import Client, Reservation, connect, default_socket_path
+from ._client import Client, Reservation, Reservations, connect, default_socket_path
 from ._kachedb_rust import __version__
 from ._keys import KeyLike, key_of
 
@@ -22,6 +23,7 @@ __all__ = [
     "connect",
     "Client",
     "Reservation",
+    "Reservations",
     "default_socket_path",
     "__version__",
     "key_of",
@@ -33,4 +35,5 @@ __all__ = [
     "InvalidArgument",
     "BadHandle",
     "TooLarge",
+    "TimedOut",
 ]

@@ -1,40 +1,20 @@
 """``python -m kachedb …`` and the ``kachedb`` console script: the Rust CLI
-(``kachedb serve | stats | demo | bench ring | bench ops …``) run in-process,
-except the benchmarks written in Python: ``kachedb bench`` with no subcommand
-(or ``bench py``) runs ``kachedb._bench``, and ``bench compare`` runs
-``kachedb._compare`` when this package has it."""
+(``kachedb serve | stats …``) run in-process. The package's CLI has no
+benchmarks; for ``bench`` it says where they are."""
 
 from __future__ import annotations
 
 import sys
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from . import _kachedb_rust
 
-#: `kachedb bench …` arguments that go to the Python benchmark: none, options
-#: only (`bench --json --quick`), or the `py` subcommand.
-_PY_BENCH = "py"
-#: Other `kachedb bench` subcommands implemented in Python: subcommand -> module
-#: (with `main(argv, prog=...)`). Used only if the module is there.
-_PY_SUBCOMMANDS = {"compare": "kachedb._compare"}
-
-
-def _python_bench_args(args: List[str]) -> Optional[List[str]]:
-    """The Python benchmark's arguments if ``args`` asks for it, else ``None``."""
-    if not args or args[0] != "bench":
-        return None
-    rest = args[1:]
-    if rest and rest[0] == _PY_BENCH:
-        return rest[1:]
-    if any(a in ("-h", "--help") for a in rest):
-        return None  # the Rust help lists the subcommands; see _bench_help_note
-    if all(a.startswith("-") or (i > 0 and rest[i - 1] == "--socket") for i, a in enumerate(rest)):
-        return rest
-    return None
-
-
-def _bench_help_note(args: List[str]) -> bool:
-    return len(args) >= 2 and args[0] == "bench" and all(a in ("-h", "--help") for a in args[1:])
+#: Said after the CLI rejects ``bench``: the benchmarks are not part of the package.
+_BENCH_ELSEWHERE = (
+    "kachedb: the benchmarks are not part of the Python package: run `python benchmarks/python_ops.py` "
+    "from a KacheDB checkout for the Python figures, or the `kachedb` binary "
+    "(`cargo build --release -p kachedb-cli`) for `kachedb bench ring|ops`"
+)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -44,35 +24,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (``["kachedb", *argv]``), as clap expects.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) >= 2 and args[0] == "bench" and args[1] in _PY_SUBCOMMANDS:
-        import importlib
+    if args[:1] == ["vllm-config"]:  # the vLLM --kv-transfer-config JSON (kachedb.vllm, pure Python)
+        from .vllm.config import main as vllm_config_main
 
-        try:
-            module = importlib.import_module(_PY_SUBCOMMANDS[args[1]])
-        except ModuleNotFoundError:
-            module = None  # not in this build: the Rust CLI says what it has
-        if module is not None:
-            return int(module.main(args[2:], prog=f"kachedb bench {args[1]}"))
-    bench_args = _python_bench_args(args)
-    if bench_args is not None:
-        from ._bench import main as bench_main
-
-        return bench_main(bench_args)
+        return int(vllm_config_main(args[1:]))
     cli_main = getattr(_kachedb_rust, "cli_main", None)
     if cli_main is None:
         print(
-            "kachedb: this build of the Python package has no command-line interface yet "
+            "kachedb: this build of the Python package has no command-line interface "
             "(kachedb._kachedb_rust.cli_main is missing); run the `kachedb` binary built from "
             "crates/kachedb-cli (`cargo run --release -p kachedb-cli -- ...`) instead.",
             file=sys.stderr,
         )
         return 2
-    code = int(cli_main(["kachedb", *args]))
-    if code == 0 and _bench_help_note(args):
-        print(
-            "\nFrom Python, `kachedb bench [--json] [--quick] [--socket PATH]` (or `kachedb bench py …`) runs the "
-            "Python-side benchmark: get round trip, get of big blocks as views, put vs torch copy, get_many."
-        )
+    # The Rust commands stop cleanly on SIGINT themselves (`serve`, `stats --watch`);
+    # Python's own SIGINT handler, chained behind theirs, would then raise
+    # KeyboardInterrupt (a traceback) as soon as they return.
+    import signal
+    import threading
+
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        restore = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        code = int(cli_main(["kachedb", *args]))
+    finally:
+        if restore is not None:
+            signal.signal(signal.SIGINT, restore)
+    if code == 2 and args[:1] == ["bench"]:  # 2: the CLI's usage error
+        print(_BENCH_ELSEWHERE, file=sys.stderr)
     return code
 
 

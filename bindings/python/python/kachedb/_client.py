@@ -10,21 +10,20 @@ operations but keeps live views valid (and pinned) until they go.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import weakref
-from typing import Any, Iterable, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from . import _kachedb_rust as _native
-from ._dtypes import CODE_NAMES, ShapeLike, _np, _torch, check_shape, dtype_code, is_torch_dtype, numpy_dtype, torch_dtype
+from ._dtypes import ShapeLike, _np, _torch, _torch_table, check_shape, dtype_code, is_torch_dtype
 from ._errors import Disconnected, InvalidArgument, KacheDBError, NotFound
 from ._keys import KeyLike, key_parts
-from ._views import numpy_from_dlpack, numpy_view, torch_view
+from ._views import block_tensor, numpy_from_dlpack, torch_from_dlpack, writable_tensors
 
-__all__ = ["connect", "Client", "default_socket_path"]
+__all__ = ["connect", "Client", "Reservation", "Reservations", "default_socket_path"]
 
 _live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
 
@@ -60,6 +59,31 @@ def _parse_size(size: Union[int, str, None]) -> Optional[str]:
     raise TypeError(f"size must be an int (bytes) or a str like '8GiB', got {type(size).__name__}")
 
 
+def _open_log(log_dir: str, log_path: str) -> Any:
+    """Opens the spawned daemon's log for appending without following a
+    symlink or writing into a file someone else planted there: the directory
+    must be ours (or root's) and not writable by others unless sticky, and the
+    log a regular file of ours with one link."""
+    st = os.stat(log_dir)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise KacheDBError(f"refusing to write the daemon's log in {log_dir}: it belongs to uid {st.st_uid}; pass a socket in a directory of yours")
+    if st.st_mode & 0o022 and not st.st_mode & 0o1000:
+        raise KacheDBError(
+            f"refusing to write the daemon's log in {log_dir}: its mode {st.st_mode & 0o7777:o} lets others write to it; "
+            "pass a socket in a private directory (mode 0700)"
+        )
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(log_path, flags, 0o600)
+    except OSError as e:
+        raise KacheDBError(f"cannot open the daemon's log {log_path} ({e}); a symlink there is refused: remove it") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise KacheDBError(f"refusing to append to the daemon's log {log_path}: it is not a regular file of yours with one link; remove it")
+    return os.fdopen(fd, "ab")
+
+
 def _spawn_daemon(socket: str, instance: int, size: Union[int, str, None], timeout: float) -> subprocess.Popen:
     argv = [sys.executable, "-m", "kachedb", "serve", "--socket", socket, "--instance", str(instance)]
     s = _parse_size(size)
@@ -68,7 +92,7 @@ def _spawn_daemon(socket: str, instance: int, size: Union[int, str, None], timeo
     log_dir = os.path.dirname(socket) or "."
     os.makedirs(log_dir, mode=0o700, exist_ok=True)
     log_path = os.path.join(log_dir, f"kachedb_{instance}.log")
-    log = open(log_path, "ab")
+    log = _open_log(log_dir, log_path)
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     finally:
@@ -101,6 +125,7 @@ def connect(
     instance: int = 0,
     size: Union[int, str, None] = None,
     timeout: float = 60.0,
+    trust_uid: Optional[int] = None,
 ) -> "Client":
     """Connects to the KacheDB daemon.
 
@@ -111,16 +136,22 @@ def connect(
     memory, at most 4 GiB) and wait up to ``timeout`` seconds for it. The spawned
     daemon outlives this client (other workers share it); ``Client.stop_daemon()``
     stops it.
+
+    The client trusts only a daemon running as its own uid or root, in a socket
+    directory nobody else can write to; ``trust_uid`` (or ``$KACHEDB_TRUST_UID``)
+    also trusts a daemon of that uid (one shared with ``--allow-gid``). An
+    untrusted socket, or one that does not answer within 10 s, raises
+    ``KacheDBError`` saying why.
     """
     path = socket or default_socket_path(instance)
     proc = None
     try:
-        native = _native.NativeClient.connect(path, instance)
+        native = _native.NativeClient.connect(path, instance, trust_uid)
     except Disconnected:
         if not start:
             raise
         proc = _spawn_daemon(path, instance, size, timeout)
-        native = _native.NativeClient.connect(path, instance)
+        native = _native.NativeClient.connect(path, instance, trust_uid)
     return Client(native, proc)
 
 
@@ -138,79 +169,6 @@ def _is_ndarray(x: Any) -> bool:
     return np is not None and isinstance(x, np.ndarray)
 
 
-def _make_view_class() -> Any:
-    torch = _torch()
-
-    class KVView(torch.Tensor):
-        """A ``torch.Tensor`` that is a view of a pinned KacheDB block. Usable as a
-        context manager (``with kc.get(k) as t``). Operations on it return plain
-        tensors; the pin lasts while any tensor sharing its memory lives. Pickling
-        (``torch.save``, multiprocessing queues) and ``copy.deepcopy`` give plain
-        tensors holding a copy of the data."""
-
-        __torch_function__ = torch._C._disabled_torch_function_impl
-
-        def __enter__(self) -> "KVView":
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
-            return None
-
-        def __reduce_ex__(self, protocol: Any) -> Any:
-            # KVView is a local class (it needs torch): pickle as a plain tensor.
-            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
-
-        def __deepcopy__(self, memo: dict) -> Any:
-            out = self.as_subclass(torch.Tensor).clone()
-            memo[id(self)] = out
-            return out
-
-    return KVView
-
-
-# Built on the first get (they need torch): the view class, torch's DLPack import
-# and the float8 dtypes that blocks are re-typed to.
-_view_class: Any = None
-_from_dlpack: Any = None
-_f8_dtypes: dict = {}
-
-
-def _init_views() -> None:
-    global _view_class, _from_dlpack, _f8_dtypes
-    torch = _torch()
-    # torch.from_dlpack(capsule) ends in torch._C._from_dlpack; call it directly
-    # when it is there (saves ~0.3 us a get).
-    _from_dlpack = getattr(torch._C, "_from_dlpack", None) or torch.from_dlpack
-    _f8_dtypes = {code: getattr(torch, CODE_NAMES[code], None) for code in (9, 10)}
-    _view_class = _make_view_class()
-
-
-def _as_view(t: Any) -> Any:
-    """``t`` (a fresh tensor that nothing else refers to) as a ``KVView``."""
-    if _view_class is None:
-        _init_views()
-    try:
-        # Re-typing the fresh Python object costs ~0.1 us, a subclass alias ~2 us.
-        t.__class__ = _view_class
-        return t
-    except TypeError:  # a torch that forbids it: make an alias
-        return _view_class._make_subclass(_view_class, t, False)
-
-
-def _tensor_from_capsule(cap: Any, code: int) -> Any:
-    """A capsule from ``NativeClient.get_dlpack`` (typed, shaped; float8 as uint8)
-    as a ``KVView``."""
-    if _view_class is None:
-        _init_views()
-    t = _from_dlpack(cap)
-    if code == 9 or code == 10:
-        dt = _f8_dtypes[code]
-        if dt is None:
-            torch_dtype(code)  # raises TypeError naming the torch version needed
-        t = t.view(dt)
-    return _as_view(t)
-
-
 class Reservation:
     """A reserved block being written: ``out`` is a writable tensor (or numpy
     array) of the block. Committed on normal exit of ``with``, aborted if the
@@ -220,10 +178,9 @@ class Reservation:
         self._native = native
         buf = native.buffer()
         if as_numpy:
-            raw = _np().from_dlpack(buf)
-            self.out = numpy_view(raw, code, shape, writeable=True)
+            self.out = numpy_from_dlpack(buf, code, shape, writeable=True)
         else:
-            self.out = torch_view(_torch().from_dlpack(buf), code, shape)
+            self.out = torch_from_dlpack(buf, code, shape)
         self._done = False
 
     def commit(self) -> None:
@@ -251,6 +208,64 @@ class Reservation:
                 self.abort()
             except Exception:
                 pass
+
+
+class Reservations:
+    """Blocks reserved together by ``Client.reserve_many``: ``out`` is the list
+    of writable tensors, one per key. All committed (one batch) on normal exit of
+    ``with``, all aborted if the block raises. Do not write them after the
+    ``with`` block."""
+
+    def __init__(self, native: Any, code: int) -> None:
+        self._native = native
+        self._done = False
+        self.out = writable_tensors(native.capsules(), code)
+
+    def commit(self) -> None:
+        self._done = True
+        self._native.commit()
+
+    def abort(self) -> None:
+        self._done = True
+        self._native.abort()
+
+    def __len__(self) -> int:
+        return len(self.out)
+
+    def __enter__(self) -> List[Any]:
+        return self.out
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._done:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            try:
+                self.abort()
+            except Exception:
+                pass
+
+
+def _batch_source(value: Any) -> tuple:
+    """``put_many``'s path for a value the native layer does not read itself
+    (numpy, bytes, non-contiguous or CUDA tensors): ``(code, shape, address,
+    nbytes, keepalive)``."""
+    if _is_tensor(value) and value.device.type != "cpu":
+        value = value.detach().cpu()
+    code, shape, addr, nbytes, keep = Client._source(value)
+    return code, list(check_shape(shape)), addr, nbytes, keep
+
+
+def _torch_codes() -> dict:
+    """torch dtype -> code, for the native ``put_many`` ({} without torch)."""
+    if "torch" not in sys.modules:
+        return {}
+    return _torch_table()[1]
 
 
 class Client:
@@ -354,23 +369,11 @@ class Client:
         del keep
 
     def put_many(self, keys: Sequence[KeyLike], values: Sequence[Any]) -> None:
-        """``put`` of many blocks with one batch of reservations and one batch of
-        commits. All or nothing: if one reservation fails, none is committed."""
-        keys, values = list(keys), list(values)
-        if len(keys) != len(values):
-            raise InvalidArgument(f"put_many got {len(keys)} keys but {len(values)} values")
-        native = self._check()
-        if any(_is_tensor(v) and v.device.type != "cpu" for v in values):
-            values = [v.detach().cpu() if _is_tensor(v) else v for v in values]
-        items, keep = [], []
-        for k, v in zip(keys, values):
-            code, shape, addr, nbytes, ka = self._source(v)
-            check_shape(shape)
-            lo, hi = key_parts(k)
-            items.append((lo, hi, code, list(shape), addr, nbytes))
-            keep.append(ka)
-        native.put_many_raw(items)
-        del keep
+        """``put`` of many blocks in one native call: one batch of reservations,
+        the copies (GIL released, split between threads for large batches), one
+        batch of commits. All or nothing: if one reservation fails, none is
+        committed."""
+        self._check().put_many_values(keys, values, _torch_codes(), _batch_source)
 
     def reserve(self, key: KeyLike, shape: ShapeLike, dtype: Any) -> Reservation:
         """Reserves a block to be written in place: ``with kc.reserve(k, shape,
@@ -385,11 +388,27 @@ class Client:
         r = native.reserve(lo, hi, code, list(dims))
         return Reservation(r, code, dims, as_numpy)
 
+    def reserve_many(self, keys: Sequence[KeyLike], shape: ShapeLike, dtype: Any) -> Reservations:
+        """Reserves one block of ``shape`` and ``dtype`` (a torch dtype or a
+        name) per key in one batch: ``with kc.reserve_many(keys, shape,
+        torch.float16) as outs: ...`` yields a list of writable torch tensors,
+        committed together (one batch) on normal exit, all aborted if the block
+        raises. All or nothing: if one reservation fails (``OutOfMemory``…),
+        none is kept."""
+        native = self._check()
+        dims = check_shape(shape)
+        if not is_torch_dtype(dtype) and not isinstance(dtype, str):
+            raise TypeError(
+                f"reserve_many yields torch tensors: pass a torch dtype or a dtype name, not {dtype!r}"
+            )
+        code = dtype_code(dtype)
+        return Reservations(native.reserve_many(keys, code, list(dims)), code)
+
     # -- reads -------------------------------------------------------------
     @staticmethod
     def _tensor_of(got: Any, device: Any) -> Any:
         """A ``(capsule, code)`` from ``get_dlpack`` as a view, or copied to ``device``."""
-        t = _tensor_from_capsule(*got)
+        t = block_tensor(*got)
         if device is not None and str(device) != "cpu":
             # The copy holds no pin: drop the view's as soon as it is made.
             return t.as_subclass(_torch().Tensor).to(device)
@@ -411,17 +430,44 @@ class Client:
         block = self._check().get(*key_parts(key))
         if block is None:
             raise NotFound(f"no block with key {key!r}")
-        numpy_dtype(block.dtype_code)  # TypeError naming torch, before exporting
-        return numpy_from_dlpack(block.buffer(), block.dtype_code, tuple(block.shape))
+        return numpy_from_dlpack(block.buffer(), block.dtype_code, block.shape)
 
     def get_many(self, keys: Sequence[KeyLike], *, device: Any = None) -> List[Any]:
         """``get`` of many keys in one batch; ``None`` for each missing key."""
-        got = self._check().get_many_dlpack([key_parts(k) for k in keys])
+        got = self._check().get_many_dlpack(keys)
+        if device is None:
+            return [None if g is None else block_tensor(*g) for g in got]
         return [None if g is None else self._tensor_of(g, device) for g in got]
+
+    def get_prefix(self, keys: Sequence[KeyLike], *, device: Any = None) -> List[Any]:
+        """Views of the leading present keys of ``keys`` (a prefix hash chain),
+        in one round trip: each key is looked up and pinned at once, so no block
+        can be evicted in between. Stops at the first missing key (the pins
+        taken past it are released). Each view keeps its pin as ``get``'s does."""
+        got = self._check().get_prefix_dlpack(keys)
+        if device is None:
+            return [block_tensor(*g) for g in got]
+        return [self._tensor_of(g, device) for g in got]
+
+    def wait_for(self, key: KeyLike, timeout: Optional[float] = None, *, device: Any = None) -> Any:
+        """The block under ``key`` as ``get`` returns it, once it is committed
+        (by this or another process): at once if it is there. The daemon parks
+        the request until a commit of ``key`` (no polling); ``timeout`` seconds
+        (``None``: forever) raise ``TimedOut`` (a ``KacheDBError`` and a
+        ``TimeoutError``). While it waits, this client's other operations (from
+        other threads) wait too; the wait is not interrupted by Ctrl-C before its
+        timeout."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+            if not timeout >= 0:
+                raise InvalidArgument(f"timeout must be >= 0 seconds or None, got {timeout}")
+        got = self._check().wait_for_dlpack(key, None if timeout is None else float(timeout))
+        return self._tensor_of(got, device)
 
     def lookup(self, keys: Sequence[KeyLike]) -> int:
         """How many leading keys of ``keys`` are present (a prefix hash chain)."""
-        return self._check().lookup([key_parts(k) for k in keys])
+        return self._check().lookup(keys)
 
     def contains(self, key: KeyLike) -> bool:
         return self.lookup([key]) == 1
@@ -433,6 +479,10 @@ class Client:
         """Unlinks ``key``; returns whether it was present. Live views of it stay
         valid; its memory is freed when the last goes."""
         return self._check().delete(*key_parts(key))
+
+    def delete_many(self, keys: Sequence[KeyLike]) -> int:
+        """``delete`` of many keys in one batch; returns how many were present."""
+        return self._check().delete_many(keys)
 
     def stats(self) -> dict:
         """The daemon's counters: blocks, bytes_used/free/total, pins, reserved,

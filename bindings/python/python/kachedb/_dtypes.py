@@ -1,5 +1,8 @@
-"""dtype and shape tables: torch / numpy dtypes <-> protocol dtype codes
-(docs/PROTOCOL.md, "DType codes"), and shape checks matching the descriptor.
+"""torch / numpy dtypes <-> KacheDB dtypes, and shape checks matching the descriptor.
+
+The dtype table (codes, names, item sizes: docs/PROTOCOL.md, "DType codes") and
+the block limits are the native module's (``kachedb-shm``'s ``DType``); this module
+only says which torch and numpy dtype each of its names is.
 
 Neither torch nor numpy is imported until a function needs it: ``import kachedb``
 works without torch.
@@ -11,6 +14,7 @@ import operator
 import sys
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Tuple, Union
 
+from . import _kachedb_rust as _native
 from ._errors import InvalidArgument, TooLarge
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,65 +40,59 @@ __all__ = [
     "block_nbytes",
 ]
 
-#: Protocol dtype code of each dtype, by its torch name.
-DTYPE_CODES: Dict[str, int] = {
-    "uint8": 1,
-    "int8": 2,
-    "int32": 3,
-    "int64": 4,
-    "float16": 5,
-    "bfloat16": 6,
-    "float32": 7,
-    "float64": 8,
-    "float8_e4m3fn": 9,
-    "float8_e5m2": 10,
-    "bool": 11,
-    "int16": 12,
+#: The torch (and numpy / ml_dtypes) name of each KacheDB dtype name.
+_TORCH_NAMES: Dict[str, str] = {
+    "u8": "uint8",
+    "i8": "int8",
+    "i16": "int16",
+    "i32": "int32",
+    "i64": "int64",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
+    "f8e4m3fn": "float8_e4m3fn",
+    "f8e5m2": "float8_e5m2",
+    "bool": "bool",
 }
+
+#: numpy (kind, itemsize) -> KacheDB dtype name, for the types numpy has natively.
+_NUMPY_KINDS: Dict[Tuple[str, int], str] = {
+    ("u", 1): "u8",
+    ("i", 1): "i8",
+    ("i", 2): "i16",
+    ("i", 4): "i32",
+    ("i", 8): "i64",
+    ("f", 2): "f16",
+    ("f", 4): "f32",
+    ("f", 8): "f64",
+    ("b", 1): "bool",
+}
+
+#: KacheDB dtypes numpy lacks; ``ml_dtypes`` (if installed) provides them.
+_NOT_IN_NUMPY = ("bf16", "f8e4m3fn", "f8e5m2")
+
+#: Code of each KacheDB dtype name (``"bf16"``, …).
+_CODES: Dict[str, int] = {name: code for code, name, _ in _native.DTYPES}
+
+#: Code of each dtype, by its torch name.
+DTYPE_CODES: Dict[str, int] = {_TORCH_NAMES[name]: code for name, code in _CODES.items()}
 
 #: The torch name of each code.
 CODE_NAMES: Dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
 
 #: Bytes per element, by code.
-ITEMSIZES: Dict[int, int] = {1: 1, 2: 1, 3: 4, 4: 8, 5: 2, 6: 2, 7: 4, 8: 8, 9: 1, 10: 1, 11: 1, 12: 2}
+ITEMSIZES: Dict[int, int] = {code: size for code, _, size in _native.DTYPES}
 
-#: The protocol's short names (PROTOCOL.md's table), accepted as strings too.
-_SHORT_NAMES: Dict[str, int] = {
-    "u8": 1,
-    "i8": 2,
-    "i32": 3,
-    "i64": 4,
-    "f16": 5,
-    "bf16": 6,
-    "f32": 7,
-    "f64": 8,
-    "f8e4m3fn": 9,
-    "f8e5m2": 10,
-    "i16": 12,
-}
-
-#: numpy (kind, itemsize) -> code, for the types numpy has natively.
-_NUMPY_KIND_CODES: Dict[Tuple[str, int], int] = {
-    ("u", 1): 1,
-    ("i", 1): 2,
-    ("i", 2): 12,
-    ("i", 4): 3,
-    ("i", 8): 4,
-    ("f", 2): 5,
-    ("f", 4): 7,
-    ("f", 8): 8,
-    ("b", 1): 11,
-}
-
-#: Codes numpy lacks; ``ml_dtypes`` (if installed) provides them under these names.
-_NOT_IN_NUMPY = {6: "bfloat16", 9: "float8_e4m3fn", 10: "float8_e5m2"}
+_NUMPY_KIND_CODES: Dict[Tuple[str, int], int] = {kind: _CODES[name] for kind, name in _NUMPY_KINDS.items()}
+_NOT_IN_NUMPY_CODES = frozenset(_CODES[name] for name in _NOT_IN_NUMPY)
 
 #: Most dimensions a descriptor holds.
-MAX_NDIM = 6
+MAX_NDIM: int = _native.MAX_NDIM
 #: Largest dimension a descriptor holds (``u32``).
-MAX_DIM = 2**32 - 1
+MAX_DIM: int = _native.MAX_DIM
 #: Largest block, in bytes, that a DLPack tensor (``int64`` shape) can describe.
-MAX_NBYTES = 2**63 - 1
+MAX_NBYTES: int = _native.MAX_NBYTES
 
 _SUPPORTED = ", ".join(DTYPE_CODES)
 
@@ -103,7 +101,7 @@ def _check_code(code: int) -> int:
     if isinstance(code, bool) or not isinstance(code, int):
         raise TypeError(f"a dtype code is an int, not {type(code).__name__}")
     if code not in ITEMSIZES:
-        raise InvalidArgument(f"unknown dtype code {code}; known codes are 1..12 (docs/PROTOCOL.md)")
+        raise InvalidArgument(f"unknown dtype code {code}; known codes are {min(ITEMSIZES)}..{max(ITEMSIZES)} (docs/PROTOCOL.md)")
     return code
 
 
@@ -191,7 +189,7 @@ def numpy_dtype(code: int) -> "numpy.dtype":
     """
     np = _np()
     name = dtype_name(code)
-    if code in _NOT_IN_NUMPY:
+    if code in _NOT_IN_NUMPY_CODES:
         try:
             import ml_dtypes
         except ImportError:
@@ -213,8 +211,9 @@ def numpy_code(dtype: Any) -> int:
         dt = np.dtype(dtype)
     except (TypeError, ValueError) as e:
         raise TypeError(f"not a dtype: {dtype!r} ({e})") from None
-    if dt.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2") and dt.itemsize == ITEMSIZES[DTYPE_CODES[dt.name]]:
-        return DTYPE_CODES[dt.name]  # ml_dtypes' types
+    ml_code = DTYPE_CODES.get(dt.name)
+    if ml_code in _NOT_IN_NUMPY_CODES and dt.itemsize == ITEMSIZES[ml_code]:
+        return ml_code  # ml_dtypes' types
     if not dt.isnative:
         raise TypeError(
             f"numpy dtype {dt.str} is not in native byte order; KacheDB stores little-endian: "
@@ -231,11 +230,11 @@ def numpy_code(dtype: Any) -> int:
 
 def dtype_code(dtype: Any) -> int:
     """The protocol code of ``dtype``: a ``torch.dtype``, a numpy dtype-like, or a
-    name (``"bfloat16"``, ``"float32"``, the protocol's ``"bf16"``, ``"f32"``, …)."""
+    name (``"bfloat16"``, ``"float32"``, KacheDB's ``"bf16"``, ``"f32"``, …)."""
     if is_torch_dtype(dtype):
         return torch_code(dtype)
     if isinstance(dtype, str):
-        code = DTYPE_CODES.get(dtype, _SHORT_NAMES.get(dtype))
+        code = DTYPE_CODES.get(dtype, _CODES.get(dtype))
         if code is not None:
             return code
     return numpy_code(dtype)

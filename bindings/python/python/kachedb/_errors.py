@@ -1,5 +1,6 @@
-"""KacheDB's exceptions. The native module raises these classes by name
-(``bindings/python/src/errors.rs``); keep the names in sync with ``KINDS`` there.
+"""KacheDB's exceptions, defined here once. The native module imports each class
+by its name (``pyo3::import_exception!`` in ``bindings/python/src/errors.rs``):
+a class renamed here is renamed there.
 
 Each also derives from the builtin exception a caller would naturally catch
 (``KeyError`` for a missing key, ``MemoryError`` for a full store, …).
@@ -15,6 +16,7 @@ __all__ = [
     "InvalidArgument",
     "BadHandle",
     "TooLarge",
+    "TimedOut",
 ]
 
 
@@ -51,3 +53,7 @@ class BadHandle(KacheDBError):
 
 class TooLarge(KacheDBError, ValueError):
     """The block can never fit in the store, even empty."""
+
+
+class TimedOut(KacheDBError, TimeoutError):
+    """``wait_for``: no block was committed under the key before the timeout."""

@@ -1,14 +1,25 @@
 # Stubs for the native module kachedb._kachedb_rust (bindings/python/src/).
 # Private API: use the re-exports of `kachedb`.
 from os import PathLike
-from typing import Any, List, NoReturn, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple, Union
 
 __version__: str
+#: The dtype table (docs/PROTOCOL.md, "DType codes"): (code, name, itemsize) rows.
+DTYPES: List[Tuple[int, str, int]]
+#: The dtype codes exported to torch as unsigned ints of their width (float8).
+TORCH_AS_UINT: List[int]
+#: Most dimensions a block has.
+MAX_NDIM: int
+#: Largest dimension of a block (u32).
+MAX_DIM: int
+#: Largest block, in bytes, that a DLPack tensor (int64 shape) describes.
+MAX_NBYTES: int
 
 class DLPackBuffer:
-    """A byte range exportable as DLPack (1-D uint8, CPU): torch.from_dlpack(buf),
-    numpy.from_dlpack(buf). It stays valid while this object or any tensor made from
-    it is alive. Not constructible from Python."""
+    """A byte range exportable as DLPack (CPU; 1-D uint8, or a block's dtype and
+    shape once ``typed``): torch.from_dlpack(buf), numpy.from_dlpack(buf). It stays
+    valid while this object or any tensor made from it is alive. Not constructible
+    from Python."""
 
     @property
     def nbytes(self) -> int: ...
@@ -26,6 +37,11 @@ class DLPackBuffer:
         copy: Optional[bool] = None,
     ) -> Any: ...
     def __dlpack_device__(self) -> Tuple[int, int]: ...
+    def typed(self, code: int, shape: Sequence[int], *, numpy: bool = False) -> DLPackBuffer:
+        """The same range and owner, exported as a block of dtype ``code`` and
+        ``shape`` for numpy (``numpy=True``) or torch: dtypes the reader cannot import
+        (float8 for torch; bfloat16, float8 for numpy) as the unsigned int of the same
+        width. ``InvalidArgument`` if they do not take exactly its bytes."""
 
 class NativeClient:
     """A connection to the daemon: one channel (a pair of rings). Thread-safe
@@ -34,9 +50,13 @@ class NativeClient:
     Not constructible from Python: use ``NativeClient.connect``."""
 
     @staticmethod
-    def connect(socket: Union[str, "PathLike[str]", None] = None, instance: int = 0) -> NativeClient:
+    def connect(
+        socket: Union[str, "PathLike[str]", None] = None, instance: int = 0, trust_uid: Optional[int] = None
+    ) -> NativeClient:
         """Connects, maps the region and takes a channel; ``Disconnected`` if no
-        daemon answers at ``socket`` (default: the instance's socket)."""
+        daemon answers at ``socket`` (default: the instance's socket);
+        ``KacheDBError`` if the socket's directory or the daemon's uid is not
+        trusted (own uid, root, ``trust_uid`` or ``$KACHEDB_TRUST_UID``)."""
     @property
     def socket(self) -> str: ...
     @property
@@ -47,8 +67,8 @@ class NativeClient:
         """(address, bytes) of the whole mapped region in this process."""
     def ping(self) -> None: ...
     def put_raw(self, lo: int, hi: int, code: int, dims: Sequence[int], address: int, nbytes: int) -> None:
-        """Copies ``nbytes`` at ``address`` into a new block. The caller keeps the
-        source alive and unmodified during the call."""
+        """Copies ``nbytes`` at ``address`` into a new block (by several threads for
+        large blocks). The caller keeps the source alive and unmodified during the call."""
     def put_many_raw(self, items: Sequence[Tuple[int, int, int, Sequence[int], int, int]]) -> None:
         """Many ``put_raw`` ``(lo, hi, code, dims, address, nbytes)`` items: one
         RESERVE batch, one COMMIT batch; all or nothing."""
@@ -60,8 +80,23 @@ class NativeClient:
         shape (float8 as uint8 of the same shape) whose deleter releases the pin:
         ``(capsule, dtype_code)``, or ``None`` if absent. ``Client.get``'s fast path."""
     def get_many(self, keys: Sequence[Tuple[int, int]]) -> List[Optional[NativeBlock]]: ...
-    def get_many_dlpack(self, keys: Sequence[Tuple[int, int]]) -> List[Optional[Tuple[Any, int]]]: ...
-    def lookup(self, keys: Sequence[Tuple[int, int]]) -> int:
+    # The batch calls below take the keys themselves (bytes, str, int, or what
+    # ``kachedb.key_of`` accepts), mapped in Rust.
+    def get_many_dlpack(self, keys: Iterable[Any]) -> List[Optional[Tuple[Any, int]]]: ...
+    def get_prefix_dlpack(self, keys: Iterable[Any]) -> List[Tuple[Any, int]]:
+        """Pins the leading present keys in one round trip; exported as ``get_dlpack``."""
+    def wait_for_dlpack(self, key: Any, timeout: Optional[float] = None) -> Tuple[Any, int]:
+        """Waits (GIL released) until ``key`` is committed; ``TimedOut`` after
+        ``timeout`` seconds (``None``: never)."""
+    def put_many_values(self, keys: Iterable[Any], values: Iterable[Any], codes: Dict[Any, int], source: Any) -> None:
+        """``Client.put_many`` in one call: contiguous CPU torch tensors are read
+        natively (``codes``: torch dtype -> code), other values through
+        ``source(value) -> (code, shape, address, nbytes, keepalive)``."""
+    def reserve_many(self, keys: Iterable[Any], code: int, dims: Sequence[int]) -> NativeReservations:
+        """One reservation of ``dims`` of dtype ``code`` per key, in one batch; all or nothing."""
+    def delete_many(self, keys: Iterable[Any]) -> int:
+        """Unlinks the keys in one batch; how many were present."""
+    def lookup(self, keys: Iterable[Any]) -> int:
         """How many leading keys are present."""
     def delete(self, lo: int, hi: int) -> bool: ...
     def stats_json(self) -> str:
@@ -85,7 +120,8 @@ class NativeBlock:
     @property
     def address(self) -> int: ...
     def buffer(self) -> DLPackBuffer:
-        """A read-only DLPack exporter of the block's bytes that owns the pin."""
+        """A read-only DLPack exporter of the block's bytes that owns the pin
+        (``.typed(dtype_code, shape)`` exports it as the block)."""
 
 class NativeReservation:
     """An open reservation: write through ``buffer()``, then ``commit()`` or
@@ -94,9 +130,21 @@ class NativeReservation:
     @property
     def nbytes(self) -> int: ...
     def buffer(self) -> DLPackBuffer:
-        """A writable DLPack exporter of the reserved bytes (write before commit)."""
+        """A writable DLPack exporter of the reserved bytes (write before commit;
+        ``.typed(code, shape)`` exports them as the block)."""
     def commit(self) -> None: ...
     def abort(self) -> None: ...
+
+class NativeReservations:
+    """The reservations of one ``reserve_many`` batch."""
+
+    def __len__(self) -> int: ...
+    def capsules(self) -> List[Any]:
+        """One writable legacy DLPack capsule per reservation (dtype and shape of the batch)."""
+    def commit(self) -> None:
+        """Commits all of them in one batch (at most once)."""
+    def abort(self) -> None:
+        """Aborts all of them in one batch (at most once)."""
 
 def cli_main(argv: Sequence[str]) -> int:
     """Runs the ``kachedb`` command line in this process (program name first)."""
@@ -107,5 +155,7 @@ def default_socket_path(instance: int = 0) -> str:
 # Test hooks.
 def _test_buffer(n: int, fill: int = 0, *, py_owner: bool = False, readonly: bool = False) -> DLPackBuffer: ...
 def _live_test_buffers() -> int: ...
-def _raise_error(kind: str, msg: str) -> NoReturn: ...
-def _raise_status(status: int, msg: str) -> NoReturn: ...
+def _raise_error(kind: str, msg: str) -> NoReturn:
+    """Raises the kachedb exception class named ``kind`` (else KacheDBError)."""
+def _raise_status(status: int, msg: str) -> NoReturn:
+    """Raises what an operation answered with completion ``status`` raises."""

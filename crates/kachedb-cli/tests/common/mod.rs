@@ -212,6 +212,8 @@ impl Daemon {
             .arg(socket)
             .args(extra)
             .env("RUST_LOG", "info")
+            // Every stats answer runs the store's full invariant check (`invariants_ok`).
+            .env("KACHEDB_CHECK_INVARIANTS", "1")
             .env_remove("KACHEDB_SOCKET")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -490,7 +492,9 @@ pub fn env_u64(name: &str) -> u64 {
 /// The daemon's stats through the client library (the code path of `kachedb
 /// stats`, without spawning the CLI): for polls in tight loops.
 pub fn stats_fast(socket: &Path) -> Value {
-    kachedb_client::daemon_stats(&opts(socket)).unwrap_or_else(|e| panic!("stats of {}: {e}", socket.display()))
+    let s =
+        kachedb_client::daemon_stats(&opts(socket)).unwrap_or_else(|e| panic!("stats of {}: {e}", socket.display()));
+    serde_json::to_value(s).expect("stats as JSON")
 }
 
 /// Polls [`stats_fast`] until `pred` holds; returns the stats and how long it took.

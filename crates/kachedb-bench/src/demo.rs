@@ -1,9 +1,9 @@
 //! `kachedb demo`: a put in one process, a get in another, every byte checked.
 
-use crate::serve_cmd::human_bytes;
 use crate::spawn::DaemonProcess;
 use clap::Args;
 use kachedb_client::{Client, ConnectOptions, DType, Key, Shape};
+use kachedb_shm::units::{human_bytes, parse_size};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
@@ -15,7 +15,7 @@ pub struct DemoArgs {
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Bytes of the demo tensor (float16, shape [2, layers, heads, tokens, 128]).
-    #[arg(long, default_value = "256MiB", value_parser = crate::serve_cmd::parse_size)]
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub bytes: u64,
 }
 
@@ -73,9 +73,9 @@ pub fn run(a: &DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
     let stats = kachedb_client::daemon_stats(&ConnectOptions { socket: Some(socket), ..Default::default() })?;
     println!(
         "demo: done — daemon holds {} block(s), {} used, {} pin(s)",
-        stats["blocks"],
-        human_bytes(stats["bytes_used"].as_u64().unwrap_or(0)),
-        stats["pins"]
+        stats.store.blocks,
+        human_bytes(stats.store.bytes_used),
+        stats.store.pins
     );
     Ok(())
 }

@@ -1,9 +1,10 @@
 //! `kachedb bench ops`: operations against a real daemon process.
 
-use crate::serve_cmd::{human_bytes, parse_size};
 use crate::spawn::{cpu_seconds, DaemonProcess};
+use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
 use clap::Args;
 use kachedb_client::{Client, ConnectOptions, DType, Key, Shape};
+use kachedb_shm::units::{human_bytes, parse_size};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -23,6 +24,10 @@ pub struct OpsArgs {
     /// Bytes of the large PUT/GET block.
     #[arg(long, value_parser = parse_size)]
     pub big: Option<u64>,
+    /// Also time GET round trips against a daemon with `--metrics-addr`, with
+    /// and without a scraper reading /metrics this many times a second (0: skip).
+    #[arg(long, default_value_t = 50.0, value_name = "HZ")]
+    pub scrape_hz: f64,
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
@@ -104,6 +109,112 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
             percentile(&get, 0.99)
         ),
     );
+
+    // The GET round trip with and without a Prometheus scraper (fresh daemon).
+    if a.socket.is_none() && a.scrape_hz > 0.0 {
+        match crate::scrape::compare(a.scrape_hz, rtt_iters, 10) {
+            Ok(c) => {
+                let p = |v: &[u64]| (percentile(v, 0.5), percentile(v, 0.99));
+                let ((b50, b99), (w50, w99)) = (p(&c.without), p(&c.with));
+                out.emit(
+                    json!({"bench":"get_rtt_scraped","scrape_hz":c.hz,"achieved_hz":c.achieved_hz,"scrapes":c.scrapes,
+                           "scrape_bytes":c.scrape_bytes,"p50_ns_without":b50,"p99_ns_without":b99,
+                           "p50_ns_with":w50,"p99_ns_with":w99,"iters_each":c.without.len()}),
+                    format!(
+                        "GET round trip, metrics  p99 {b99:>7} ns without / {w99:>7} ns with {:.0} scrapes/s ({:+.1} %); p50 {b50} / {w50} ns",
+                        c.achieved_hz,
+                        (w99 as f64 / b99.max(1) as f64 - 1.0) * 100.0
+                    ),
+                );
+            }
+            Err(e) => eprintln!("GET round trip while scraping /metrics: skipped ({e})"),
+        }
+    }
+
+    // The same GET round trip with the client and a fresh daemon pinned to one
+    // core (the daemon sharing a busy node's core), then to two.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if a.socket.is_none() && cores >= 2 {
+        let iters = if a.quick { 5_000 } else { 50_000 };
+        for (name, daemon_cpu, client_cpu) in [("same core", 0, 0), ("separate cores", 1, 0)] {
+            match pinned_get_rtt(daemon_cpu, client_cpu, iters) {
+                Ok(v) => out.emit(
+                    json!({"bench":"get_rtt_pinned","placement":name,"daemon_cpu":daemon_cpu,"client_cpu":client_cpu,
+                           "p50_ns":percentile(&v,0.5),"p99_ns":percentile(&v,0.99),"iters":iters}),
+                    format!(
+                        "GET round trip, {name:<14} p50 {:>7} ns   p99 {:>7} ns (daemon on CPU {daemon_cpu}, client on CPU {client_cpu})",
+                        percentile(&v, 0.5),
+                        percentile(&v, 0.99)
+                    ),
+                ),
+                Err(e) => eprintln!("GET round trip, {name}: skipped ({e})"),
+            }
+        }
+    }
+
+    // Small blocks in batches: put_many of 1000 x 64 KiB against copying the
+    // same bytes into buffers of this process; get_prefix of 128 blocks.
+    {
+        let n = if a.quick { 200 } else { 1000 };
+        let len = 64 << 10;
+        let keys: Vec<Key> = (0..n).map(|i| Key::from_bytes(format!("bench/small-{i}").as_bytes())).collect();
+        let srcs: Vec<Vec<u8>> = (0..n).map(|i| vec![(i % 251) as u8; len]).collect();
+        let mut dsts: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; len]).collect();
+        let items: Vec<(Key, &[u8])> = keys.iter().zip(&srcs).map(|(k, s)| (*k, &s[..])).collect();
+        let (mut copy_s, mut put_s) = (Vec::new(), Vec::new());
+        kc.put_many(&items)?;
+        for _ in 0..reps {
+            let t = Instant::now();
+            for (d, s) in dsts.iter_mut().zip(&srcs) {
+                d.copy_from_slice(s);
+            }
+            copy_s.push(t.elapsed().as_secs_f64());
+            std::hint::black_box(&dsts);
+            let t = Instant::now();
+            kc.put_many(&items)?;
+            put_s.push(t.elapsed().as_secs_f64());
+        }
+        let (c, p) = (median(&mut copy_s), median(&mut put_s));
+        let over_us = (p - c) / n as f64 * 1e6;
+        out.emit(
+            json!({"bench":"put_many_small","blocks":n,"block_bytes":len,"put_many_s":p,"copy_s":c,
+                   "overhead_per_block_us":over_us}),
+            format!(
+                "put_many {n} x 64 KiB      {:>8.2} ms vs copying the same bytes {:>8.2} ms: {over_us:+.2} us per block",
+                p * 1e3,
+                c * 1e3
+            ),
+        );
+        let prefix = &keys[..128.min(n)];
+        let rounds = if a.quick { 200 } else { 2000 };
+        let (mut pre, mut many) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            let t = Instant::now();
+            for _ in 0..rounds {
+                let v = kc.get_prefix(prefix)?;
+                assert_eq!(v.len(), prefix.len());
+            }
+            pre.push(t.elapsed().as_secs_f64() / rounds as f64);
+            let t = Instant::now();
+            for _ in 0..rounds {
+                drop(kc.get_many(prefix)?);
+            }
+            many.push(t.elapsed().as_secs_f64() / rounds as f64);
+        }
+        let (pr, gm) = (median(&mut pre), median(&mut many));
+        out.emit(
+            json!({"bench":"get_prefix","blocks":prefix.len(),"us":pr*1e6,"get_many_us":gm*1e6}),
+            format!(
+                "get_prefix of {} blocks   {:>8.1} us ({:.2} us per block; get_many of the same {:.1} us)",
+                prefix.len(),
+                pr * 1e6,
+                pr * 1e6 / prefix.len() as f64,
+                gm * 1e6
+            ),
+        );
+        let gone = kc.delete_many(&keys)?;
+        debug_assert_eq!(gone, keys.len());
+    }
 
     // Batched ops.
     let keys: Vec<Key> = (0..64u32).map(|i| Key::from_bytes(format!("bench/batch-{i}").as_bytes())).collect();
@@ -204,4 +315,39 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
+}
+
+/// GET-hit round trips (ns, sorted) of a client on `client_cpu` against a fresh
+/// daemon whose every thread is on `daemon_cpu` (it inherits this thread's
+/// affinity when spawned). This thread's affinity is restored after.
+fn pinned_get_rtt(daemon_cpu: usize, client_cpu: usize, iters: usize) -> Result<Vec<u64>, Box<dyn std::error::Error>> {
+    let original = sched_getaffinity(None)?;
+    let only = |cpu: usize| {
+        let mut s = CpuSet::new();
+        s.set(cpu);
+        s
+    };
+    let run = || -> Result<Vec<u64>, Box<dyn std::error::Error>> {
+        sched_setaffinity(None, &only(daemon_cpu))?;
+        let daemon = DaemonProcess::spawn(64 << 20, &[])?;
+        sched_setaffinity(None, &only(client_cpu))?;
+        let kc = Client::connect(&ConnectOptions { socket: Some(daemon.socket().to_path_buf()), ..Default::default() })?;
+        let key = Key::from_bytes(b"bench/pinned");
+        kc.put(key, &[7u8; 4096])?;
+        for _ in 0..2000 {
+            drop(kc.get(key)?);
+        }
+        let mut v = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            let view = kc.get(key)?;
+            v.push(t.elapsed().as_nanos() as u64);
+            drop(view);
+        }
+        v.sort_unstable();
+        Ok(v)
+    };
+    let r = run();
+    sched_setaffinity(None, &original)?;
+    r
 }

@@ -1,5 +1,6 @@
-"""``python -m kachedb bench [py] [--json] [--quick] [--socket PATH]``: the
-Python-side figures.
+#!/usr/bin/env python3
+"""``python benchmarks/python_ops.py [--json] [--quick] [--socket PATH]``: the
+Python-side figures of the installed ``kachedb`` package.
 
 * ``py_get_rtt``: ``kc.get(key)`` of a small block (4 KiB), p50/p99, beside
   ``py_get_rtt_native`` (the bare ``NativeClient.get`` underneath) and
@@ -11,6 +12,13 @@ Python-side figures.
 * ``py_put``: ``kc.put`` of a 512 MiB CPU tensor against ``dst.copy_(src)`` into
   a preallocated, pre-faulted tensor, measured in the same run.
 * ``py_get_many``: batched ``get_many`` of 64 keys, ops/s.
+* ``py_get_rtt_pinned``: ``kc.get`` p50 against a fresh daemon with both on one
+  core (``taskset -c 0`` for both: a busy node) and on two cores.
+* ``py_put_many_small``: ``put_many`` of 1000 x 64 KiB CPU tensors against
+  torch ``copy_`` of the same 1000 tensors into preallocated ones (and against
+  one ``copy_`` of all the bytes at once): the overhead per block.
+* ``py_get_prefix``: ``get_prefix`` of 128 blocks against torch making 128
+  views (``base[i]``) of one tensor in this process.
 
 Each figure is the median of several repetitions after a warm-up. A private
 daemon is started for the run unless ``--socket`` names one.
@@ -34,8 +42,12 @@ __all__ = ["main"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-#: Targets from the issue, shown beside the figures.
+#: The README's bars, shown beside the figures.
 TARGET_RTT_NS = 5_000
+TARGET_SAME_CORE_NS = 8_000
+TARGET_SEPARATE_CORES_NS = 3_000
+TARGET_PUT_MANY_OVERHEAD_US = 3.0
+TARGET_PREFIX_RATIO = 2.0
 TARGET_VIEW_NS = 20_000
 TARGET_PUT_RATIO = 0.80
 
@@ -88,6 +100,29 @@ def mem_available() -> int:
     return max(0, avail)
 
 
+def _pinned_get_rtt(daemon_cpu: int, client_cpu: int, iters: int, reps: int) -> Tuple[float, float]:
+    """``kc.get`` p50/p99 against a fresh daemon whose threads all run on
+    ``daemon_cpu`` (it inherits this thread's affinity when spawned), this
+    thread on ``client_cpu``; this thread's affinity is restored after."""
+    import torch
+
+    import kachedb
+
+    original = os.sched_getaffinity(0)
+    daemon = None
+    try:
+        os.sched_setaffinity(0, {daemon_cpu})
+        daemon = _Daemon(64 * MiB)
+        os.sched_setaffinity(0, {client_cpu})
+        with kachedb.connect(daemon.socket) as kc:
+            kc.put(b"pinned", torch.zeros(2048, dtype=torch.float16))
+            return _latency(lambda: kc.get(b"pinned"), iters, reps, 2_000)
+    finally:
+        os.sched_setaffinity(0, original)
+        if daemon is not None:
+            daemon.stop()
+
+
 class _Daemon:
     """A private ``kachedb serve`` for the run, on a temporary socket."""
 
@@ -98,8 +133,8 @@ class _Daemon:
         argv = [sys.executable, "-m", "kachedb", "serve", "--socket", self.socket, "--size", str(size)]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        from . import _kachedb_rust as native
-        from ._errors import Disconnected
+        from kachedb import Disconnected
+        from kachedb import _kachedb_rust as native
 
         deadline = time.monotonic() + 60
         while True:
@@ -173,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import kachedb
-    from ._client import _tensor_from_capsule
-    from ._keys import key_parts
+    from kachedb._keys import key_parts
+    from kachedb._views import block_tensor
 
     out = _Out(args.json)
     quick = args.quick
@@ -216,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             put_ok = put_ok and put_bytes * 2 + 4 * MiB <= slab
         native = kc._native
         out.note(
-            f"kachedb bench (Python {sys.version.split()[0]}, torch {torch.__version__}, "
+            f"benchmarks/python_ops.py (Python {sys.version.split()[0]}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} torch threads) — medians of {reps} runs after warm-up; "
             f"daemon {'started for the run' if daemon else 'at ' + socket}, megaslab {_human_bytes(slab)}"
         )
@@ -237,13 +272,24 @@ def run(args: argparse.Namespace) -> int:
                  f"GET-hit round trip (kc.get -> tensor)    p50 {p50:9.0f} ns   p99 {p99:10.0f} ns   "
                  f"target p50 <= {TARGET_RTT_NS} ns: {_met(p50 <= TARGET_RTT_NS)}; Python adds {p50 - p50n:.0f} ns")
 
+        # The same round trip with client and daemon pinned to one core, then two.
+        if args.socket is None and len(os.sched_getaffinity(0)) >= 2:
+            cpus = sorted(os.sched_getaffinity(0))
+            for name, dcpu, ccpu, target in (("same core", cpus[0], cpus[0], TARGET_SAME_CORE_NS),
+                                             ("separate cores", cpus[1], cpus[0], TARGET_SEPARATE_CORES_NS)):
+                p50, p99 = _pinned_get_rtt(dcpu, ccpu, rtt_iters // 5 if quick else rtt_iters // 2, reps)
+                out.emit({"bench": "py_get_rtt_pinned", "placement": name, "daemon_cpu": dcpu, "client_cpu": ccpu,
+                          "p50_ns": p50, "p99_ns": p99, "target_p50_ns": target},
+                         f"GET-hit round trip, {name:<14}     p50 {p50:9.0f} ns   p99 {p99:10.0f} ns   "
+                         f"target p50 <= {target} ns: {_met(p50 <= target)} (daemon CPU {dcpu}, client CPU {ccpu})")
+
         # The Python cost alone: key hashing + capsule -> KVView, on blocks fetched beforehand.
         batch = 1_000
         samples: List[float] = []
         for _ in range(reps * 3):
             caps = [native.get_dlpack(lo, hi) for _ in range(batch)]
             t0 = time.perf_counter_ns()
-            views = [_tensor_from_capsule(*c) for c in caps]
+            views = [block_tensor(*c) for c in caps]
             for _ in range(batch):
                 key_parts(key)
             t2 = time.perf_counter_ns()
@@ -333,6 +379,73 @@ def run(args: argparse.Namespace) -> int:
         out.emit({"bench": "py_get_many", "batch": 64, "ops_per_s": rate, "ops_per_s_with_release": cycle},
                  f"get_many(64) -> tensors                {rate / 1e6:6.3f} M gets/s   "
                  f"({cycle / 1e6:.3f} M/s counting the views' releases)")
+        # --- small blocks in batches: put_many, get_prefix ---------------------------------
+        blk = 64 * KiB
+        n_small = 200 if quick else 1000
+        # Room for two generations of the blocks (a replaced block is freed at commit).
+        n_small = max(128, min(n_small, int(slab * 0.4) // (blk + 4 * KiB)))
+        if n_small * (blk + 4 * KiB) * 2 > slab:
+            out.emit({"bench": "py_put_many_small", "skipped": f"the {slab // MiB} MiB megaslab is too small"},
+                     f"put_many of 64 KiB blocks            skipped: the {slab // MiB} MiB megaslab is too small")
+        else:
+            skeys = [f"bench/py/small/{i}" for i in range(n_small)]
+            srcs = [torch.full((blk // 2,), i % 251, dtype=torch.float16) for i in range(n_small)]
+            dsts = [torch.zeros_like(t) for t in srcs]
+            whole_src = torch.cat(srcs)
+            whole_dst = torch.zeros_like(whole_src)
+            kc.put_many(skeys, srcs)
+            pm_s, loop_s, one_s = [], [], []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter_ns()
+                kc.put_many(skeys, srcs)
+                t1 = time.perf_counter_ns()
+                for d, sv in zip(dsts, srcs):
+                    d.copy_(sv)
+                t2 = time.perf_counter_ns()
+                whole_dst.copy_(whole_src)
+                t3 = time.perf_counter_ns()
+                pm_s.append((t1 - t0) / 1e9)
+                loop_s.append((t2 - t1) / 1e9)
+                one_s.append((t3 - t2) / 1e9)
+            pm, lp, one = _median(pm_s[1:]), _median(loop_s[1:]), _median(one_s[1:])
+            over_us = (pm - lp) / n_small * 1e6
+            over_one_us = (pm - one) / n_small * 1e6
+            out.emit({"bench": "py_put_many_small", "blocks": n_small, "block_bytes": blk, "put_many_s": pm,
+                      "torch_copy_loop_s": lp, "torch_copy_one_s": one, "overhead_per_block_us": over_us,
+                      "overhead_vs_one_copy_us": over_one_us, "target_overhead_us": TARGET_PUT_MANY_OVERHEAD_US},
+                     f"put_many {n_small} x 64 KiB               {pm * 1e3:7.2f} ms vs torch copy_ of the same tensors "
+                     f"{lp * 1e3:7.2f} ms: {over_us:+.2f} us per block   target <= {TARGET_PUT_MANY_OVERHEAD_US} us: "
+                     f"{_met(over_us <= TARGET_PUT_MANY_OVERHEAD_US)} (one copy_ of all the bytes {one * 1e3:.2f} ms: "
+                     f"{over_one_us:+.2f} us per block)")
+            del dsts, whole_src, whole_dst
+            # get_prefix of 128 blocks against torch making 128 views of one tensor.
+            prefix = skeys[:128]
+            base = torch.zeros(128, blk // 2, dtype=torch.float16)
+            rounds = 100 if quick else 500
+            pre_s, torch_s = [], []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter_ns()
+                for _ in range(rounds):
+                    views = kc.get_prefix(prefix)
+                    del views
+                t1 = time.perf_counter_ns()
+                for _ in range(rounds):
+                    views = [base[i] for i in range(128)]
+                    del views
+                t2 = time.perf_counter_ns()
+                pre_s.append((t1 - t0) / rounds / 1e3)
+                torch_s.append((t2 - t1) / rounds / 1e3)
+            pre, tv = _median(pre_s[1:]), _median(torch_s[1:])
+            got = kc.get_prefix(prefix)
+            if len(got) != 128 or not torch.equal(got[5], srcs[5]):
+                raise RuntimeError("get_prefix returned other blocks than were put")
+            del got, srcs
+            out.emit({"bench": "py_get_prefix", "blocks": 128, "us": pre, "torch_views_us": tv, "ratio": pre / tv,
+                      "target_ratio": TARGET_PREFIX_RATIO},
+                     f"get_prefix of 128 blocks (incl. release) {pre:7.1f} us vs torch making 128 views {tv:6.1f} us "
+                     f"= {pre / tv:.2f}x   target <= {TARGET_PREFIX_RATIO}x: {_met(pre / tv <= TARGET_PREFIX_RATIO)}")
+            kc.delete_many(skeys)
+
         kc.close()
         del kc
         gc.collect()
@@ -344,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="kachedb bench [py]",
+        prog="benchmarks/python_ops.py",
         description="Python-side figures: get round trip, get of big blocks as views, put against torch copy "
         "bandwidth, batched get_many. (`kachedb bench ring|ops` are the Rust benchmarks.)",
     )
@@ -355,12 +468,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return run(args)
     except ImportError as e:
-        print(f"kachedb bench: {e}", file=sys.stderr)
+        print(f"python_ops: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not trace back
-        from ._errors import KacheDBError
+        from kachedb import KacheDBError
 
         if isinstance(e, (KacheDBError, RuntimeError)):
-            print(f"kachedb bench: {e}", file=sys.stderr)
+            print(f"python_ops: {e}", file=sys.stderr)
             return 1
         raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

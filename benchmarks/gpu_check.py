@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""KacheDB on a CUDA GPU: the checks that need one (issue 10).
+
+1. ``register_cuda()`` on a multi-GB region (``--size``, default 4 GiB).
+2. H2D and D2H of 256 MiB between the registered region and the GPU, against a
+   ``pin_memory=True`` torch tensor in the same run (goal: >= 90 %).
+3. The vLLM worker's GPU store/load path (``kachedb.vllm.worker``) on synthetic
+   vLLM-shaped KV caches (per layer ``(num_blocks, page_bytes)`` views of one CUDA
+   buffer): blocks stored from the GPU, loaded back into other GPU blocks, bytes
+   compared.
+
+Where no CUDA GPU is at hand it says so and exits 0. Needs torch with CUDA, the
+kachedb package and the daemon binary (``--bin``); step 3 also needs vLLM (skipped,
+saying so, without it)::
+
+    python benchmarks/gpu_check.py [--json] [--size 4GiB] [--bin target/release/kachedb]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gbps(nbytes, seconds):
+    return nbytes / seconds / 1e9
+
+
+def _time_copy(dst, src, reps, torch):
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src, non_blocking=True)
+        e.record()
+        e.synchronize()
+        best.append(s.elapsed_time(e) / 1e3)
+    best.sort()
+    return best[len(best) // 2]
+
+
+def copy_bandwidth(kc, torch, nbytes, reps):
+    """H2D / D2H of ``nbytes`` between a registered-region block and the GPU vs a pinned tensor."""
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    with kc.reserve(b"gpu-check-256MiB", (nbytes,), torch.uint8) as shm:
+        shm.fill_(1)
+        res = {
+            "h2d_region_GBps": _gbps(nbytes, _time_copy(gpu, shm, reps, torch)),
+            "h2d_pinned_GBps": _gbps(nbytes, _time_copy(gpu, pinned, reps, torch)),
+            "d2h_region_GBps": _gbps(nbytes, _time_copy(shm, gpu, reps, torch)),
+            "d2h_pinned_GBps": _gbps(nbytes, _time_copy(pinned, gpu, reps, torch)),
+        }
+    kc.delete(b"gpu-check-256MiB")
+    res["h2d_ratio"] = res["h2d_region_GBps"] / res["h2d_pinned_GBps"]
+    res["d2h_ratio"] = res["d2h_region_GBps"] / res["d2h_pinned_GBps"]
+    res["goal_90pct"] = res["h2d_ratio"] >= 0.9 and res["d2h_ratio"] >= 0.9
+    return res
+
+
+def worker_path(sock, torch, num_layers=8, num_blocks=256, page=64 * 1024, n=64):
+    """kachedb.vllm's worker on synthetic vLLM-shaped CUDA KV caches: store n blocks,
+    load them into other blocks, compare bytes."""
+    try:
+        from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+    except ImportError as e:
+        return {"skipped": f"vLLM is not installed here ({e})"}
+    from types import SimpleNamespace
+
+    from kachedb.vllm import _state
+    from kachedb.vllm.manager import KacheDBLoadStoreSpec
+    from kachedb.vllm.worker import KacheDBOffloadingWorker
+
+    buf = torch.randint(-128, 127, (num_layers, num_blocks, page), dtype=torch.int8, device="cuda")
+    tensors = [CanonicalKVCacheTensor(buf[l], page) for l in range(num_layers)]
+    caches = CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(l, page) for l in range(num_layers)]])
+    ns = os.urandom(16)
+    spec = SimpleNamespace(socket=sock, rank=0, retry_s=5.0, store_mode="batched", stats_file=None,
+                           daemon_key=lambda k, rank=None: ns + bytes(k))
+    w = KacheDBOffloadingWorker(spec, caches)
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    keys = [i.to_bytes(32, "big") + b"\0\0\0\0" for i in range(n)]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    w.submit_store(1, GPULoadStoreSpec(src, [n], [0]), KacheDBLoadStoreSpec(keys))
+    w.wait({1})
+    store_s = time.perf_counter() - t
+    t = time.perf_counter()
+    w.submit_load(2, KacheDBLoadStoreSpec(keys), GPULoadStoreSpec(dst, [n], [0]))
+    w.wait({2})
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t
+    done = {r.job_id for r in w.get_finished()}
+    equal = bool(torch.equal(buf[:, src], buf[:, dst]))
+    invalid = w.take_invalid_block_ids()
+    nbytes = n * num_layers * page
+    w.shutdown()
+    return {"blocks": n, "block_bytes": num_layers * page, "jobs_finished": sorted(done), "bytes_equal": equal,
+            "failed_blocks": sorted(invalid), "store_GBps": _gbps(nbytes, store_s), "load_GBps": _gbps(nbytes, load_s),
+            "counters": {k: v for k, v in _state.snapshot().items() if k not in ("stored_keys", "loaded_keys", "namespaces")}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--size", default="4GiB", help="region size (multi-GB)")
+    ap.add_argument("--copy-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "kachedb"))
+    a = ap.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print("gpu_check: torch is not installed: nothing to check here")
+        return 0
+    if not torch.cuda.is_available():
+        msg = "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False): nothing to check; run it on a GPU machine"
+        print(json.dumps({"gpu": None, "skipped": msg}) if a.json else msg)
+        return 0
+    import kachedb
+
+    tmp = tempfile.mkdtemp(prefix="kachedb-gpu-")
+    sock = os.path.join(tmp, "k.sock")
+    log = open(os.path.join(tmp, "daemon.log"), "wb")
+    d = subprocess.Popen([a.bin, "serve", "--socket", sock, "--size", a.size], stdout=log, stderr=log,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    out = {"gpu": torch.cuda.get_device_name(0), "region": a.size}
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(sock):
+            if d.poll() is not None or time.monotonic() > deadline:
+                sys.exit("daemon did not start: " + open(os.path.join(tmp, "daemon.log")).read())
+            time.sleep(0.05)
+        with kachedb.connect(sock) as kc:
+            t = time.perf_counter()
+            kc.register_cuda()
+            out["register_cuda_s"] = time.perf_counter() - t
+            out["copies"] = copy_bandwidth(kc, torch, a.copy_mib << 20, a.reps)
+        out["worker"] = worker_path(sock, torch)
+        with kachedb.connect(sock) as kc:
+            st = kc.stats()
+        out["daemon_after"] = {k: st[k] for k in ("pins", "reserved", "blocks")}
+    finally:
+        d.terminate()
+        d.wait()
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        c = out["copies"]
+        print(f"GPU {out['gpu']}; register_cuda() of a {a.size} region: {out['register_cuda_s'] * 1e3:.0f} ms")
+        print(f"H2D {a.copy_mib} MiB: region {c['h2d_region_GBps']:.1f} GB/s vs pinned {c['h2d_pinned_GBps']:.1f} GB/s ({100 * c['h2d_ratio']:.0f} %)")
+        print(f"D2H {a.copy_mib} MiB: region {c['d2h_region_GBps']:.1f} GB/s vs pinned {c['d2h_pinned_GBps']:.1f} GB/s ({100 * c['d2h_ratio']:.0f} %)")
+        print(f"worker GPU path: {json.dumps(out['worker'])}")
+        print(f"daemon after: {out['daemon_after']}")
+    ok = out["worker"].get("skipped") or (out["worker"]["bytes_equal"] and not out["worker"]["failed_blocks"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

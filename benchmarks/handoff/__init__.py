@@ -1,0 +1,1 @@
+"""The pieces of the side-by-side handoff benchmark, ``benchmarks/compare.py``."""

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""TTFT of a fresh vLLM engine on a long prompt: cold, with a KacheDB hit, and with
+vLLM's own in-engine prefix-cache hit (the upper bound); plus the KacheDB store and
+load time per block and per scheduler step.
+
+Run with the vLLM environment (``make vllm-env``)::
+
+    .venv-vllm/bin/python benchmarks/vllm_prefix.py [--json] [--tokens 2048] [--reps 3]
+
+Four engine processes, each fresh, on one daemon (the real binary) and one model
+(a Llama of ~94 M parameters built from a config alone, ``load_format="dummy"``):
+
+1. ``baseline``: no KacheDB. Cold TTFT of each prompt.
+2. ``writer``: KacheDB on, empty daemon. Cold TTFT of each prompt (it also stores
+   the prompt's blocks), then the same prompt again: vLLM's in-engine prefix-cache hit.
+3. ``reader``: KacheDB on, a fresh process. Each prompt's first request: a KacheDB hit
+   (the prompt's blocks loaded from the daemon).
+
+TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` (in-process engine).
+Figures are medians over ``--reps`` prompts. Goals (issue 10): KacheDB hit within
+1.5x of the in-engine hit and at most 10 % of cold.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def engine_main(spec_path):
+    spec = json.load(open(spec_path))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if spec["socket"]:
+        import kachedb.vllm
+
+        kw["kv_transfer_config"] = KVTransferConfig(**kachedb.vllm.kv_transfer_config(spec["socket"], **spec.get("options", {})))
+    llm = LLM(model=spec["model"], load_format="dummy", seed=0, skip_tokenizer_init=True, dtype="float32",
+              max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_model_len"], enforce_eager=True,
+              distributed_executor_backend="uni", block_size=32, enable_prefix_caching=True, **kw)
+    startup = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
+
+    def ttft(prompt):
+        t = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        return time.perf_counter() - t, o.num_cached_tokens, list(o.outputs[0].token_ids)
+
+    # warm-up on an unrelated short prompt (first-call overheads)
+    ttft([7] * 64)
+    llm.reset_prefix_cache()
+    res = {"startup_s": startup, "runs": []}
+    for p in spec["prompts"]:
+        first = ttft(p)
+        second = ttft(p) if spec.get("repeat") else None
+        res["runs"].append({"first": first, "second": second})
+    if spec["socket"]:
+        import kachedb.vllm
+
+        st = kachedb.vllm.stats()
+        for k in ("stored_keys", "loaded_keys"):
+            st.pop(k, None)
+        res["stats"] = st
+    json.dump(res, open(spec["out"], "w"))
+
+
+def run_engine(tmp, name, spec):
+    spec = dict(spec, out=str(Path(tmp) / f"{name}.json"))
+    path = Path(tmp) / f"{name}.spec.json"
+    path.write_text(json.dumps(spec))
+    log = Path(tmp) / f"{name}.log"
+    with open(log, "wb") as f:
+        rc = subprocess.run([sys.executable, __file__, "--engine", str(path)], stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        sys.exit(f"engine {name} failed ({rc}):\n" + log.read_text(errors="replace")[-4000:])
+    return json.loads(Path(spec["out"]).read_text())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
+    ap.add_argument("--reps", type=int, default=3, help="prompts (default 3)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--store-mode", default="batched", choices=["batched", "reserve"])
+    ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "kachedb"), help="the daemon binary")
+    ap.add_argument("--engine", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.engine:
+        return engine_main(a.engine)
+
+    from transformers import LlamaConfig
+
+    tmp = tempfile.mkdtemp(prefix="kachedb-vllm-bench-")
+    model = os.path.join(tmp, "model")
+    heads = a.hidden // 64
+    LlamaConfig(vocab_size=8192, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.75), num_hidden_layers=a.layers,
+                num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=8192,
+                architectures=["LlamaForCausalLM"]).save_pretrained(model)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(8192) for _ in range(a.tokens)] for _ in range(a.reps)]
+    max_len = max(4096, a.tokens + 64)
+    sock = os.path.join(tmp, "kachedb.sock")
+    log = open(os.path.join(tmp, "daemon.log"), "wb")
+    daemon = subprocess.Popen([a.bin, "serve", "--socket", sock, "--size", "2GiB"], stdout=log, stderr=log,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                sys.exit("the daemon did not start: " + open(os.path.join(tmp, "daemon.log")).read())
+            time.sleep(0.05)
+        common = dict(model=model, max_model_len=max_len, prompts=prompts, options={"store_mode": a.store_mode})
+        base = run_engine(tmp, "baseline", dict(common, socket=None))
+        writer = run_engine(tmp, "writer", dict(common, socket=sock, repeat=True))
+        reader = run_engine(tmp, "reader", dict(common, socket=sock))
+    finally:
+        daemon.terminate()
+        daemon.wait()
+
+    med = lambda xs: statistics.median(xs)
+    cold_plain = med([r["first"][0] for r in base["runs"]])
+    cold = med([r["first"][0] for r in writer["runs"]])
+    prefix_hit = med([r["second"][0] for r in writer["runs"]])
+    kdb_hit = med([r["first"][0] for r in reader["runs"]])
+    same_tokens = all(r["first"][2] == w["first"][2] == b["first"][2]
+                      for r, w, b in zip(reader["runs"], writer["runs"], base["runs"]))
+    ws, rs = writer["stats"], reader["stats"]
+    blk_bytes = ws["namespaces"]["rank0"]["bytes_per_block"]
+    out = {
+        "prompt_tokens": a.tokens,
+        "reps": a.reps,
+        "model": {"layers": a.layers, "hidden": a.hidden, "kv_bytes_per_block": blk_bytes, "block_tokens": 32,
+                  "dtype": "float32"},
+        "store_mode": a.store_mode,
+        "ttft_cold_no_kachedb_s": cold_plain,
+        "ttft_cold_s": cold,
+        "ttft_prefix_cache_hit_s": prefix_hit,
+        "ttft_kachedb_hit_s": kdb_hit,
+        "kachedb_hit_vs_prefix_hit": kdb_hit / prefix_hit,
+        "kachedb_hit_vs_cold": kdb_hit / cold_plain,
+        "num_cached_tokens_kachedb_hit": [r["first"][1] for r in reader["runs"]],
+        "same_tokens_everywhere": same_tokens,
+        "store_ms_per_block": 1e3 * ws["store_seconds"] / max(1, ws["stored_blocks"]),
+        "store_ms_per_step": 1e3 * ws["store_seconds"] / max(1, ws["store_batches"]),
+        "store_blocks_per_step": ws["stored_blocks"] / max(1, ws["store_batches"]),
+        "store_GBps": ws["stored_blocks"] * blk_bytes / max(1e-9, ws["store_seconds"]) / 1e9,
+        "load_ms_per_block": 1e3 * rs["load_seconds"] / max(1, rs["loaded_blocks"]),
+        "load_ms_per_step": 1e3 * rs["load_seconds"] / max(1, rs["load_batches"]),
+        "load_blocks_per_step": rs["loaded_blocks"] / max(1, rs["load_batches"]),
+        "load_GBps": rs["loaded_blocks"] * blk_bytes / max(1e-9, rs["load_seconds"]) / 1e9,
+        "startup_s": {"baseline": base["startup_s"], "writer": writer["startup_s"], "reader": reader["startup_s"]},
+        "goals": {"kachedb_hit_within_1.5x_prefix_hit": kdb_hit <= 1.5 * prefix_hit,
+                  "kachedb_hit_at_most_10pct_cold": kdb_hit <= 0.10 * cold_plain},
+    }
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return
+    print(f"prompt {a.tokens} tokens, {a.layers} layers x hidden {a.hidden} (float32), {a.reps} prompts, medians")
+    print(f"  TTFT cold, no KacheDB        {cold_plain * 1e3:9.1f} ms")
+    print(f"  TTFT cold, KacheDB storing   {cold * 1e3:9.1f} ms")
+    print(f"  TTFT vLLM prefix-cache hit   {prefix_hit * 1e3:9.1f} ms")
+    print(f"  TTFT KacheDB hit (fresh eng) {kdb_hit * 1e3:9.1f} ms  = {kdb_hit / prefix_hit:.2f}x prefix hit, "
+          f"{100 * kdb_hit / cold_plain:.1f} % of cold")
+    print(f"  store {out['store_ms_per_block']:.3f} ms/block, {out['store_ms_per_step']:.2f} ms/step "
+          f"({out['store_blocks_per_step']:.0f} blocks of {blk_bytes / 2**20:.2f} MiB, {out['store_GBps']:.2f} GB/s)")
+    print(f"  load  {out['load_ms_per_block']:.3f} ms/block, {out['load_ms_per_step']:.2f} ms/step "
+          f"({out['load_blocks_per_step']:.0f} blocks, {out['load_GBps']:.2f} GB/s)")
+    print(f"  same greedy tokens in all engines: {same_tokens}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""``kachedb.vllm.kv_transfer_config()`` and ``python -m kachedb vllm-config``.
+Imports neither vLLM nor torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+#: ``kv_connector_extra_config`` options this integration reads (others pass through to vLLM).
+KNOWN_OPTIONS = ("namespace", "store_mode", "retry_seconds", "stats_file")
+
+
+def resolve_socket(socket: Optional[str] = None) -> str:
+    """``socket``, else ``$KACHEDB_SOCKET``, else the default path (as ``kachedb.connect``)."""
+    if socket:
+        return os.fspath(socket)
+    env = os.environ.get("KACHEDB_SOCKET")
+    if env:
+        return env
+    import kachedb
+
+    return kachedb.default_socket_path()
+
+
+def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str, Any]:
+    """The keyword arguments of ``vllm.config.KVTransferConfig`` that make a vLLM
+    engine share its prefix KV blocks through the KacheDB daemon at ``socket``::
+
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+        import kachedb.vllm
+        llm = LLM(model=..., enable_prefix_caching=True,
+                  kv_transfer_config=KVTransferConfig(**kachedb.vllm.kv_transfer_config()))
+
+    ``options`` go to ``kv_connector_extra_config``: ``namespace`` (a salt: engines
+    share blocks only with the same one), ``store_mode`` (``"batched"`` or
+    ``"reserve"``), ``retry_seconds`` (how often a missing daemon is retried),
+    ``stats_file`` (JSON counters written at engine shutdown).
+    """
+    extra: Dict[str, Any] = {
+        "spec_name": "KacheDBOffloadingSpec",
+        "spec_module_path": "kachedb.vllm.spec",
+        "socket": resolve_socket(socket),
+    }
+    for k, v in options.items():
+        if v is not None:
+            extra[k] = v
+    return {
+        "kv_connector": "KacheDBConnector",
+        "kv_connector_module_path": "kachedb.vllm.connector",
+        "kv_role": "kv_both",
+        # A block that vanished between lookup and load is recomputed, never fails the request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb vllm-config") -> int:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Print the vLLM --kv-transfer-config JSON that makes an engine use the KacheDB daemon.",
+        epilog="Example: vllm serve MODEL --enable-prefix-caching --kv-transfer-config \"$(python -m kachedb vllm-config)\"",
+    )
+    p.add_argument("--socket", help="the daemon's control socket (default: $KACHEDB_SOCKET, else the default path)")
+    p.add_argument("--namespace", help="a salt mixed into every key: engines share blocks only with the same one")
+    p.add_argument("--store-mode", choices=["batched", "reserve"], help="how blocks are written (default: batched)")
+    p.add_argument("--retry-seconds", type=float, help="how often a missing daemon is retried (default: 5)")
+    p.add_argument("--stats-file", help="a JSON file the engine's worker writes its KacheDB counters to at shutdown")
+    p.add_argument("--indent", type=int, default=None, help="pretty-print with this indent")
+    a = p.parse_args(list(argv) if argv is not None else None)
+    cfg = kv_transfer_config(
+        a.socket, namespace=a.namespace, store_mode=a.store_mode, retry_seconds=a.retry_seconds, stats_file=a.stats_file
+    )
+    print(json.dumps(cfg, indent=a.indent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Keys of vLLM KV blocks in KacheDB.
+
+vLLM's block hashes identify a run of tokens (chained from the previous
+block), not the model that computed its KV. A KacheDB key is therefore
+``namespace || vLLM offload key``, where the namespace is a digest of
+everything that makes the bytes of a block differ: model identity and its
+config, dtype and KV-cache dtype, tokens per block and bytes per block, the
+tensor-parallel rank and world size, the KV layout and this module's layout
+version. Two engines share blocks exactly when their namespaces are equal.
+
+Nothing here imports vLLM: the namespace is computed from plain values, which
+the spec gathers from the engine's config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+#: Version of the byte layout of a stored block (``(num_layers, page_bytes)``
+#: raw bytes of the worker's KV pages, layers in vLLM's order). Bump when it
+#: changes: old blocks then simply stop matching.
+LAYOUT_VERSION = 1
+
+#: Prefix mixed into every namespace, so that a KacheDB key of a vLLM block can
+#: never equal a key some other user of the daemon chose.
+_DOMAIN = b"kachedb.vllm.block/"
+
+
+def _canonical(obj: Any) -> Any:
+    """``obj`` with mappings sorted and unknown objects turned into strings, so
+    its JSON is stable across processes."""
+    if isinstance(obj, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def weights_fingerprint(model: str) -> List[Any]:
+    """Names and sizes of the weight files of a local model directory (cheap:
+    no file is read). Empty for a hub id or a directory without weights."""
+    if not os.path.isdir(model):
+        return []
+    out = []
+    for name in sorted(os.listdir(model)):
+        if name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")):
+            try:
+                out.append([name, os.path.getsize(os.path.join(model, name))])
+            except OSError:
+                pass
+    return out
+
+
+def config_file_digest(model: str) -> Optional[str]:
+    """sha256 of a local model directory's config.json, else ``None``."""
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def model_identity(model: str, revision: Optional[str] = None) -> str:
+    """A local directory's real path, else the hub id with its revision."""
+    if os.path.isdir(model):
+        return "dir:" + os.path.realpath(model)
+    return f"hub:{model}@{revision or 'main'}"
+
+
+def namespace_fields(
+    *,
+    model: str,
+    revision: Optional[str] = None,
+    hf_config: Optional[Mapping[str, Any]] = None,
+    config_file_sha256: Optional[str] = None,
+    load_format: Optional[str] = None,
+    seed: Optional[int] = None,
+    quantization: Optional[str] = None,
+    dtype: str,
+    kv_cache_dtype: str,
+    tokens_per_block: Iterable[int],
+    bytes_per_block: int,
+    page_bytes: Optional[Iterable[int]] = None,
+    num_layers: Optional[int] = None,
+    tp_rank: int,
+    tp_size: int,
+    pp_size: int = 1,
+    world_size: int = 1,
+    kv_layout: Optional[str] = None,
+    hash_algo: Optional[str] = None,
+    salt: Optional[str] = None,
+) -> Dict[str, Any]:
+    """The fields a namespace digests, as a plain dict (also what
+    ``kachedb.vllm.stats()`` reports, for debugging a miss)."""
+    config_digest = None
+    if hf_config is not None:
+        config_digest = hashlib.sha256(json.dumps(_canonical(hf_config), sort_keys=True).encode()).hexdigest()
+    fields: Dict[str, Any] = {
+        "layout_version": LAYOUT_VERSION,
+        "model": model_identity(model, revision),
+        "model_config_sha256": config_digest,
+        # the file itself too: any rewrite of config.json is another model
+        "config_file_sha256": config_file_sha256,
+        "weights": weights_fingerprint(model),
+        "load_format": load_format,
+        # dummy weights depend on the seed; real weights do not
+        "seed": seed if load_format == "dummy" else None,
+        "quantization": quantization,
+        "dtype": str(dtype).replace("torch.", ""),
+        "kv_cache_dtype": str(kv_cache_dtype).replace("torch.", ""),
+        "tokens_per_block": list(tokens_per_block),
+        "bytes_per_block": int(bytes_per_block),
+        "page_bytes": None if page_bytes is None else [int(p) for p in page_bytes],
+        "num_layers": num_layers,
+        "tp_rank": int(tp_rank),
+        "tp_size": int(tp_size),
+        "pp_size": int(pp_size),
+        "world_size": int(world_size),
+        "kv_layout": kv_layout,
+        "hash_algo": hash_algo,
+        "salt": salt,
+    }
+    return fields
+
+
+def namespace_digest(fields: Mapping[str, Any]) -> bytes:
+    """16 bytes identifying ``fields`` (blake2b of their canonical JSON)."""
+    blob = json.dumps(_canonical(fields), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(_DOMAIN + blob, digest_size=16).digest()
+
+
+def block_key(namespace: bytes, offload_key: bytes) -> bytes:
+    """The KacheDB key (``bytes``; the client hashes it to 128 bits) of the
+    vLLM offload key (block hash + group index) in ``namespace``."""
+    return namespace + bytes(offload_key)

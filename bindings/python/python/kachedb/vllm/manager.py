@@ -1,0 +1,118 @@
+"""Scheduler side: ``KacheDBOffloadingManager``.
+
+The daemon is the source of truth (other engines store into it and it evicts
+on its own), so the manager keeps no index: ``lookup`` asks the daemon,
+``prepare_store`` skips the leading blocks the daemon already has and those
+whose store is in flight, ``prepare_load`` just names the keys for the worker.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Collection, List, Set
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from ._link import DaemonLink
+from ._state import COUNTERS
+
+if TYPE_CHECKING:
+    from .spec import KacheDBOffloadingSpec
+
+
+class KacheDBLoadStoreSpec(LoadStoreSpec):
+    """The vLLM offload keys (block hash + group index) of a load or store, in the
+    order of the GPU blocks of the matching ``GPULoadStoreSpec``. Picklable."""
+
+    def __init__(self, keys: List[bytes]) -> None:
+        self.keys = [bytes(k) for k in keys]
+
+    def __repr__(self) -> str:
+        return f"KacheDBLoadStoreSpec({len(self.keys)} keys)"
+
+
+class KacheDBOffloadingManager(OffloadingManager):
+    def __init__(self, spec: "KacheDBOffloadingSpec") -> None:
+        self.spec = spec
+        self.link = DaemonLink(spec.socket, "scheduler", spec.retry_s)
+        self._storing: Set[bytes] = set()
+        self.link.client()  # connect (or warn once) at engine start
+
+    def _ranks_keys(self, key: bytes) -> List[bytes]:
+        return [self.spec.daemon_key(key, r) for r in range(self.spec.world_size)]
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        COUNTERS["lookups"] += 1
+        kc = self.link.client()
+        if kc is None:
+            return LookupResult.MISS
+        keys = self._ranks_keys(key)
+        try:
+            n = kc.lookup(keys)
+        except Exception as e:
+            if _is_disconnected(e):
+                self.link.failed(e)
+                return LookupResult.MISS
+            if _is_kachedb_error(e):
+                COUNTERS["lookup_errors"] += 1
+                return LookupResult.MISS
+            raise
+        if n == len(keys):
+            COUNTERS["lookup_hits"] += 1
+            return LookupResult.HIT
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        return KacheDBLoadStoreSpec(list(keys))
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
+        keys = [bytes(k) for k in keys if bytes(k) not in self._storing]
+        kc = self.link.client()
+        if kc is None or not keys:
+            if kc is None and keys:
+                COUNTERS["store_skipped_off_blocks"] += len(keys)
+            return PrepareStoreOutput(keys_to_store=[], store_spec=KacheDBLoadStoreSpec([]), evicted_keys=[])
+        try:
+            # Keys come in prefix order: the daemon's leading run needs no store.
+            present = kc.lookup([self.spec.daemon_key(k, 0) for k in keys])
+        except Exception as e:
+            if _is_disconnected(e):
+                self.link.failed(e)
+            elif not _is_kachedb_error(e):
+                raise
+            return PrepareStoreOutput(keys_to_store=[], store_spec=KacheDBLoadStoreSpec([]), evicted_keys=[])
+        todo = keys[present:]
+        COUNTERS["store_already_present_blocks"] += present
+        self._storing.update(todo)
+        return PrepareStoreOutput(keys_to_store=todo, store_spec=KacheDBLoadStoreSpec(todo), evicted_keys=[])
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        self._storing.difference_update(bytes(k) for k in keys)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def reset_cache(self) -> None:
+        self._storing.clear()
+
+    def shutdown(self) -> None:
+        self.link.close()
+
+
+def _is_kachedb_error(e: BaseException) -> bool:
+    import kachedb
+
+    return isinstance(e, kachedb.KacheDBError)
+
+
+def _is_disconnected(e: BaseException) -> bool:
+    import kachedb
+
+    return isinstance(e, kachedb.Disconnected)

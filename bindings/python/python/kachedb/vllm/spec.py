@@ -1,0 +1,144 @@
+"""``KacheDBOffloadingSpec``: the out-of-tree ``OffloadingSpec`` that vLLM's
+``OffloadingConnector`` loads (``spec_name`` / ``spec_module_path`` in
+``kv_connector_extra_config``). It builds the scheduler-side manager and the
+worker-side transfer worker, and the namespace of the keys (``keys.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Dict, Optional
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from . import keys as _keys
+from ._state import NAMESPACES
+
+#: The engine config being built, set by ``KacheDBConnector`` around vLLM's
+#: connector constructor (the spec only receives vLLM's normalised config).
+_building = threading.local()
+
+
+def _current_vllm_config() -> Any:
+    cfg = getattr(_building, "vllm_config", None)
+    if cfg is not None:
+        return cfg
+    try:
+        from vllm.config.vllm import get_current_vllm_config_or_none  # type: ignore
+
+        return get_current_vllm_config_or_none()
+    except Exception:
+        return None
+
+
+def _hf_config_dict(vllm_config: Any, model: str) -> Optional[Dict[str, Any]]:
+    if vllm_config is not None:
+        try:
+            return vllm_config.model_config.hf_config.to_dict()
+        except Exception:
+            pass
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return None
+
+
+class KacheDBOffloadingSpec(OffloadingSpec):
+    """Offloads vLLM's KV blocks to a KacheDB daemon shared by every engine on the node.
+
+    ``kv_connector_extra_config`` options (all optional; ``kachedb.vllm.kv_transfer_config``
+    writes them): ``socket`` (the daemon's control socket; default as ``kachedb.connect``),
+    ``namespace`` (a salt mixed into every key: engines share blocks only with the same salt),
+    ``store_mode`` (``"batched"``: one RESERVE and one COMMIT batch per step, the default;
+    ``"reserve"``: one reservation per block, written in place), ``retry_seconds`` (how often a
+    missing daemon is retried, default 5), ``stats_file`` (a JSON file the worker writes its
+    counters to at shutdown).
+    """
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        if self.blocks_per_chunk != 1:
+            raise ValueError(
+                "KacheDB stores one key per vLLM block: leave 'block_size' / 'blocks_per_chunk' out of "
+                f"kv_connector_extra_config (got blocks_per_chunk={self.blocks_per_chunk})"
+            )
+        extra = self.extra_config
+        self.socket: Optional[str] = extra.get("socket") or None
+        self.store_mode: str = str(extra.get("store_mode", "batched"))
+        if self.store_mode not in ("batched", "reserve"):
+            raise ValueError(f"store_mode must be 'batched' or 'reserve', not {self.store_mode!r}")
+        self.retry_s: float = float(extra.get("retry_seconds", 5.0))
+        self.stats_file: Optional[str] = extra.get("stats_file") or None
+        self.rank: int = config.parallel.rank
+        self.world_size: int = max(1, config.parallel.world_size)
+
+        vc = _current_vllm_config()
+        model = config.model.name
+        revision = quantization = load_format = seed = hash_algo = None
+        model_dtype = config.model.dtype
+        if vc is not None:
+            mc = vc.model_config
+            revision = getattr(mc, "revision", None)
+            quantization = getattr(mc, "quantization", None)
+            model_dtype = str(getattr(mc, "dtype", model_dtype))
+            seed = getattr(mc, "seed", None)
+            load_format = str(getattr(vc.load_config, "load_format", None))
+            hash_algo = str(getattr(vc.cache_config, "prefix_caching_hash_algo", None))
+        num_layers = sum(len(g.layer_names) for g in config.groups)
+        self._fields = {
+            rank: _keys.namespace_fields(
+                model=model,
+                revision=revision,
+                hf_config=_hf_config_dict(vc, model),
+                config_file_sha256=_keys.config_file_digest(model),
+                load_format=load_format,
+                seed=seed,
+                quantization=quantization,
+                dtype=model_dtype,
+                kv_cache_dtype=config.model.dtype,
+                tokens_per_block=self.tokens_per_block,
+                bytes_per_block=config.worker_kv_bytes_per_block,
+                num_layers=num_layers,
+                tp_rank=rank,
+                tp_size=config.parallel.tp_size,
+                pp_size=config.parallel.pp_size,
+                world_size=self.world_size,
+                kv_layout=f"{config.kv_cache_layout or 'default'}/groups={len(config.groups)}",
+                hash_algo=hash_algo,
+                salt=extra.get("namespace"),
+            )
+            for rank in range(self.world_size)
+        }
+        self.namespaces = {rank: _keys.namespace_digest(f) for rank, f in self._fields.items()}
+        if hash_algo and hash_algo.startswith("xxhash") and os.environ.get("PYTHONHASHSEED") is None:
+            import logging
+
+            logging.getLogger("kachedb.vllm").warning(
+                "prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block hashes at random in "
+                "each process, so this engine shares no KacheDB blocks with any other; set the same "
+                "PYTHONHASHSEED in every engine, or use sha256 / sha256_cbor",
+                hash_algo,
+            )
+        NAMESPACES[f"rank{self.rank}"] = dict(self._fields[self.rank], digest=self.namespaces[self.rank].hex())
+        self._manager: Optional[OffloadingManager] = None
+        self._worker: Optional[OffloadingWorker] = None
+
+    def daemon_key(self, offload_key: bytes, rank: Optional[int] = None) -> bytes:
+        return _keys.block_key(self.namespaces[self.rank if rank is None else rank], offload_key)
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            from .manager import KacheDBOffloadingManager
+
+            self._manager = KacheDBOffloadingManager(self)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            from .worker import KacheDBOffloadingWorker
+
+            self._worker = KacheDBOffloadingWorker(self, kv_caches)
+        return self._worker

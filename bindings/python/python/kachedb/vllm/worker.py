@@ -1,0 +1,376 @@
+"""Worker side: ``KacheDBOffloadingWorker`` moves KV blocks between vLLM's KV
+cache and the daemon's shared memory.
+
+A stored KacheDB block holds one vLLM block of one KV-cache group, all layers:
+a ``(num_layers, page_bytes)`` uint8 tensor of the raw bytes of the worker's
+pages, layers in vLLM's order (``keys.LAYOUT_VERSION``). It becomes visible
+only when committed, after every layer is written.
+
+Per scheduler step and direction there is one batch: a store is one RESERVE
+batch and one COMMIT batch (``put_many``), a load one GET batch (``get_many``)
+whose views are copied straight into the KV cache and then dropped (their pins
+go with them). On vLLM's CPU engine the copies are plain tensor copies, done
+before ``submit_*`` returns, so a block is in the daemon by the time the step
+that stored it returns. On CUDA the copies run on a side stream from the
+registered region (``register_cuda``); reservations and pins are held until the
+copy's event has completed.
+
+Failures never give wrong KV to the engine: a block missing (evicted or deleted
+since the lookup) or of the wrong shape is reported to vLLM as a failed load
+(``get_block_ids_with_load_errors``), which recomputes it; a full store skips
+the store; a daemon that is gone turns the tier off (``_link``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
+
+from ._link import DaemonLink
+from ._state import COUNTERS, LOADED_KEYS, STORED_KEYS, dump
+
+if TYPE_CHECKING:
+    from .spec import KacheDBOffloadingSpec
+
+
+class _Group:
+    """The layers of one KV-cache group: per-layer ``(num_blocks, page)`` uint8
+    views, and when every layer lives in one buffer at a constant stride, a
+    single ``(num_blocks, num_layers, page)`` view of it (one copy per block)."""
+
+    def __init__(self, layers: List[torch.Tensor]) -> None:
+        self.layers = layers
+        self.num_layers = len(layers)
+        self.page = int(layers[0].shape[1])
+        if any(int(t.shape[1]) != self.page for t in layers):
+            # Pages of different sizes: pad to the largest (the bytes stay exact).
+            self.page = max(int(t.shape[1]) for t in layers)
+        self.shape = (self.num_layers, self.page)
+        self.blocks: Optional[torch.Tensor] = self._uniform_view(layers)
+        self.device = layers[0].device
+
+    def _uniform_view(self, layers: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        first = layers[0]
+        if any(int(t.shape[1]) != self.page or t.stride() != first.stride() for t in layers):
+            return None
+        if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in layers):
+            return None
+        if len(layers) == 1:
+            return first.unsqueeze(1)
+        step = layers[1].data_ptr() - first.data_ptr()
+        if step <= 0 or any(layers[i].data_ptr() - first.data_ptr() != i * step for i in range(len(layers))):
+            return None
+        return first.as_strided(
+            (int(first.shape[0]), len(layers), self.page),
+            (first.stride(0), step, 1),
+            first.storage_offset(),
+        )
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The blocks ``ids`` as one contiguous ``(n, num_layers, page)`` tensor."""
+        if self.blocks is not None:
+            return self.blocks.index_select(0, ids)
+        out = torch.zeros((len(ids), self.num_layers, self.page), dtype=torch.uint8, device=self.device)
+        for l, t in enumerate(self.layers):
+            out[:, l, : t.shape[1]] = t.index_select(0, ids)
+        return out
+
+    def copy_block_out(self, dst: torch.Tensor, block_id: int, non_blocking: bool = False) -> None:
+        if self.blocks is not None:
+            dst.copy_(self.blocks[block_id], non_blocking=non_blocking)
+            return
+        for l, t in enumerate(self.layers):
+            dst[l, : t.shape[1]].copy_(t[block_id], non_blocking=non_blocking)
+
+    def copy_block_in(self, block_id: int, src: torch.Tensor, non_blocking: bool = False) -> None:
+        if self.blocks is not None:
+            self.blocks[block_id].copy_(src, non_blocking=non_blocking)
+            return
+        for l, t in enumerate(self.layers):
+            t[block_id].copy_(src[l, : t.shape[1]], non_blocking=non_blocking)
+
+
+@dataclass
+class _Pending:
+    """A CUDA transfer in flight: what to commit or release once ``event`` completes."""
+
+    job_id: int
+    event: Any
+    nbytes: int
+    started: float
+    hold: List[Any] = field(default_factory=list)  # reservations to commit / views to keep pinned
+    commit: bool = False
+
+
+class KacheDBOffloadingWorker(OffloadingWorker):
+    def __init__(self, spec: "KacheDBOffloadingSpec", kv_caches: CanonicalKVCaches) -> None:
+        self.spec = spec
+        self.link = DaemonLink(spec.socket, f"worker rank {spec.rank}", spec.retry_s)
+        self.groups: List[_Group] = []
+        for refs in kv_caches.group_data_refs:
+            layers = []
+            for ref in refs:
+                t = kv_caches.tensors[ref.tensor_idx].tensor
+                t = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+                layers.append(t[:, : ref.page_size_bytes])
+            self.groups.append(_Group(layers))
+        self.cuda = self.groups[0].device.type == "cuda"
+        self._stream: Any = torch.cuda.Stream(device=self.groups[0].device) if self.cuda else None
+        self._registered = False
+        self._finished: List[TransferResult] = []
+        self._pending: List[_Pending] = []
+        self._invalid: Set[int] = set()
+        self._failed_jobs: Set[int] = set()
+        self.link.client()
+
+    # -- helpers ---------------------------------------------------------
+    def _client(self) -> Any:
+        kc = self.link.client()
+        if kc is not None and self.cuda and not self._registered:
+            try:
+                kc.register_cuda()
+                self._registered = True
+            except Exception as e:  # copies still work, as pageable ones
+                COUNTERS["register_cuda_failed"] += 1
+                self._registered = True
+                import logging
+
+                logging.getLogger("kachedb.vllm").warning("register_cuda() failed (%s); copies are pageable", e)
+        return kc
+
+    def _split(self, spec: GPULoadStoreSpec, keys: Sequence[bytes]) -> List[Tuple[_Group, List[int], List[bytes]]]:
+        """Per group: (group, GPU block ids, offload keys)."""
+        ids = [int(b) for b in spec.block_ids]
+        sizes = list(spec.group_sizes) if spec.group_sizes is not None else [len(ids)]
+        if len(keys) != len(ids):
+            raise ValueError(f"KacheDB: {len(keys)} keys for {len(ids)} blocks")
+        out, start = [], 0
+        for g, n in zip(self.groups, sizes):
+            out.append((g, ids[start : start + n], list(keys[start : start + n])))
+            start += n
+        return out
+
+    def _done(self, job_id: int, nbytes: int, started: float) -> None:
+        self._finished.append(
+            TransferResult(job_id=job_id, success=True, transfer_size=nbytes, transfer_time=time.perf_counter() - started)
+        )
+
+    # -- stores ----------------------------------------------------------
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        import kachedb
+
+        started = time.perf_counter()
+        keys = getattr(dst_spec, "keys", [])
+        nbytes = 0
+        cuda_hold: List[Any] = []
+        kc = self._client()
+        if kc is None:
+            COUNTERS["store_skipped_off_blocks"] += len(keys)
+            self._done(job_id, 0, started)
+            return True
+        try:
+            for group, ids, okeys in self._split(src_spec, keys):
+                if not ids:
+                    continue
+                dkeys = [self.spec.daemon_key(k) for k in okeys]
+                if self.cuda:
+                    cuda_hold.extend(self._store_cuda(kc, group, ids, dkeys))
+                    nbytes += len(ids) * group.num_layers * group.page
+                    STORED_KEYS.extend(k.hex() for k in dkeys)
+                    continue
+                elif self.spec.store_mode == "reserve":
+                    for b, k in zip(ids, dkeys):
+                        with kc.reserve(k, group.shape, torch.uint8) as out:
+                            group.copy_block_out(out, b)
+                    nbytes += len(ids) * group.num_layers * group.page
+                else:
+                    staged = group.gather(torch.tensor(ids, dtype=torch.long))
+                    kc.put_many(dkeys, list(staged.unbind(0)))
+                    nbytes += staged.numel()
+                COUNTERS["store_batches"] += 1
+                COUNTERS["stored_blocks"] += len(ids)
+                STORED_KEYS.extend(k.hex() for k in dkeys)
+        except (kachedb.OutOfMemory, kachedb.TooLarge) as e:
+            COUNTERS["store_skipped_full"] += 1
+            _log_once("store_full", "KacheDB store full (%s): skipping stores until there is room", e)
+        except kachedb.Disconnected as e:
+            self.link.failed(e)
+        except kachedb.KacheDBError as e:  # anything else the daemon refused: skip, never stop the engine
+            COUNTERS["store_errors"] += 1
+            _log_once("store_error", "KacheDB store failed (%s): skipped", e)
+        COUNTERS["store_seconds"] += time.perf_counter() - started
+        if cuda_hold:
+            # Committed (made visible) once the device->shm copies have completed.
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            self._pending.append(_Pending(job_id, ev, nbytes, started, cuda_hold, commit=True))
+        else:
+            self._done(job_id, nbytes, started)
+        return True
+
+    def _store_cuda(self, kc: Any, group: _Group, ids: List[int], dkeys: List[bytes]) -> List[Any]:
+        # Reserve in the daemon, copy device->shm on the side stream (after the forward
+        # pass that wrote the blocks); the caller commits when the copies' event completes.
+        self._stream.wait_stream(torch.cuda.current_stream(group.device))
+        hold = []
+        try:
+            with torch.cuda.stream(self._stream):
+                for b, k in zip(ids, dkeys):
+                    r = kc.reserve(k, group.shape, torch.uint8)
+                    hold.append(r)
+                    group.copy_block_out(r.out, b, non_blocking=True)
+        except BaseException:
+            self._stream.synchronize()
+            for r in hold:
+                try:
+                    r.abort()
+                except Exception:
+                    pass
+            raise
+        return hold
+
+    # -- loads -----------------------------------------------------------
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        import kachedb
+
+        started = time.perf_counter()
+        keys = getattr(src_spec, "keys", [])
+        nbytes = 0
+        kc = self._client()
+        parts = self._split(dst_spec, keys)
+        hold: List[Any] = []
+        for group, ids, okeys in parts:
+            if not ids:
+                continue
+            views: List[Any] = []
+            if kc is not None:
+                try:
+                    dkeys = [self.spec.daemon_key(k) for k in okeys]
+                    views = kc.get_many(dkeys)
+                except kachedb.Disconnected as e:
+                    self.link.failed(e)
+                    kc, views = None, []
+                except kachedb.KacheDBError as e:  # reported as failed loads: recomputed
+                    COUNTERS["load_errors"] += 1
+                    _log_once("load_error", "KacheDB load failed (%s): the blocks are recomputed", e)
+                    views = []
+            COUNTERS["load_batches"] += 1
+            n_ok = 0
+            for v in views:
+                if v is None or tuple(v.shape) != group.shape or v.dtype != torch.uint8:
+                    break
+                n_ok += 1
+            stream_ctx = torch.cuda.stream(self._stream) if self.cuda else _nullctx()
+            if self.cuda:
+                self._stream.wait_stream(torch.cuda.current_stream(group.device))
+            with stream_ctx:
+                for b, v in zip(ids[:n_ok], views[:n_ok]):
+                    group.copy_block_in(b, v, non_blocking=self.cuda)
+            nbytes += n_ok * group.num_layers * group.page
+            COUNTERS["loaded_blocks"] += n_ok
+            if n_ok:
+                LOADED_KEYS.extend(k.hex() for k in dkeys[:n_ok])
+            if n_ok < len(ids):
+                # Missing (evicted or deleted since the lookup), foreign or daemon gone:
+                # vLLM recomputes these blocks (kv_load_failure_policy="recompute").
+                failed = ids[n_ok:]
+                COUNTERS["load_failed_blocks"] += len(failed)
+                COUNTERS["load_failures"] += 1
+                self._invalid.update(failed)
+                self._failed_jobs.add(job_id)
+            if self.cuda:
+                hold.extend(views[:n_ok])
+            del views
+        COUNTERS["load_seconds"] += time.perf_counter() - started
+        if self.cuda and hold:
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            # The loaded blocks must be in place before the forward pass reads them.
+            torch.cuda.current_stream(self.groups[0].device).wait_event(ev)
+            self._pending.append(_Pending(job_id, ev, nbytes, started, hold))
+        else:
+            self._done(job_id, nbytes, started)
+        return True
+
+    # -- completion ------------------------------------------------------
+    def _reap(self, block: bool) -> None:
+        import kachedb
+
+        still = []
+        for p in self._pending:
+            if block:
+                p.event.synchronize()
+            elif not p.event.query():
+                still.append(p)
+                continue
+            if p.commit:
+                try:
+                    for r in p.hold:
+                        r.commit()
+                    COUNTERS["store_batches"] += 1
+                    COUNTERS["stored_blocks"] += len(p.hold)
+                except kachedb.Disconnected as e:
+                    self.link.failed(e)
+                except kachedb.KacheDBError:
+                    for r in p.hold:
+                        try:
+                            r.abort()
+                        except Exception:
+                            pass
+            p.hold.clear()  # releases pins (views) / reservations
+            self._done(p.job_id, p.nbytes, p.started)
+        self._pending = still
+
+    def get_finished(self) -> List[TransferResult]:
+        if self._pending:
+            self._reap(block=False)
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: Set[int]) -> None:
+        if self._pending:
+            self._reap(block=True)
+
+    def take_invalid_block_ids(self) -> Set[int]:
+        """GPU block ids whose load failed since the last call (vLLM recomputes them)."""
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_failed_load_jobs(self) -> Set[int]:
+        """Load jobs with a failed block since the last call."""
+        out, self._failed_jobs = self._failed_jobs, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._pending:
+            self._reap(block=True)
+        if self.spec.stats_file:
+            try:
+                dump(self.spec.stats_file)
+            except OSError:
+                pass
+        self.link.close()
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+_logged: Set[str] = set()
+
+
+def _log_once(tag: str, msg: str, *args: Any) -> None:
+    if tag not in _logged:
+        _logged.add(tag)
+        import logging
+
+        logging.getLogger("kachedb.vllm").warning(msg, *args)

@@ -1,0 +1,312 @@
+"""The batch calls and ``wait_for``: ``get_prefix``, ``reserve_many``,
+``delete_many``, ``put_many`` (native), ``wait_for`` across real processes
+(committed before, during, never). No assertion on timings: the timeouts below
+are upper bounds that only a broken wait would reach."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kachedb
+from conftest import assert_no_pins
+
+torch = pytest.importorskip("torch")
+
+DAEMON_SIZE = "64MiB"
+
+# A waiter process: waits for KEY (timeout argv[2], "none" for none) and prints
+# what it got, or TIMEDOUT; "WAITING" first.
+WAITER = textwrap.dedent(
+    """
+    import sys, kachedb
+    kc = kachedb.connect(sys.argv[1])
+    timeout = None if sys.argv[2] == "none" else float(sys.argv[2])
+    print("WAITING", flush=True)
+    try:
+        t = kc.wait_for("wait-key", timeout=timeout)
+        print("GOT", float(t.float().sum()), tuple(t.shape), flush=True)
+    except kachedb.TimedOut as e:
+        assert isinstance(e, TimeoutError) and isinstance(e, kachedb.KacheDBError)
+        print("TIMEDOUT", flush=True)
+    """
+)
+
+
+def start_waiter(socket, timeout):
+    p = subprocess.Popen([sys.executable, "-c", WAITER, socket, timeout], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "WAITING"
+    return p
+
+
+# --- get_prefix ---------------------------------------------------------------------
+
+
+def test_get_prefix_returns_the_leading_present_views(kc, daemon):
+    keys = [f"gp-{i}" for i in range(8)]
+    kc.put_many(keys[:5], [torch.full((4, 16), i, dtype=torch.bfloat16) for i in range(5)])
+    kc.put(keys[6], torch.ones(3))  # present, but past the gap at 5
+    views = kc.get_prefix(keys)
+    assert len(views) == 5
+    for i, v in enumerate(views):
+        assert v.dtype == torch.bfloat16 and tuple(v.shape) == (4, 16)
+        assert torch.equal(v, torch.full((4, 16), i, dtype=torch.bfloat16))
+    # Exactly the prefix is pinned: the pin taken on key 6 went at once.
+    assert daemon.stats()["pins"] == 5
+    assert kc.get_prefix([]) == []
+    assert kc.get_prefix(["absent", keys[0]]) == []
+    del views
+    gc.collect()
+    kc.delete_many(keys)
+
+
+def test_get_prefix_views_keep_their_pins(kc, daemon):
+    keys = [f"pin-{i}" for i in range(3)]
+    kc.put_many(keys, [torch.full((1024,), i + 1.0) for i in range(3)])
+    views = kc.get_prefix(keys)
+    part = views[1][10:20] * 1  # a copy: holds nothing
+    sl = views[2][100:200]  # a view of a view: holds the pin
+    assert kc.delete_many(keys) == 3
+    assert kc.get_prefix(keys) == []
+    del views
+    gc.collect()
+    # The slice still pins its block; its bytes are intact after the delete.
+    assert daemon.stats()["pins"] == 1
+    assert torch.equal(sl, torch.full((100,), 3.0)) and torch.equal(part, torch.full((10,), 2.0))
+    del sl
+    gc.collect()
+    assert_no_pins(daemon)
+
+
+def test_get_prefix_device_copy_and_bad_keys(kc):
+    kc.put("dev-0", torch.arange(6.0))
+    (t,) = kc.get_prefix(["dev-0", "dev-1"], device="cpu")
+    assert torch.equal(t, torch.arange(6.0))
+    del t
+    with pytest.raises(TypeError):
+        kc.get_prefix([1.5])
+    with pytest.raises(TypeError):
+        kc.get_prefix(None)
+    kc.delete("dev-0")
+
+
+def test_keys_mapped_natively_match_key_of(kc):
+    """The batch calls map keys in Rust; every key kind lands where ``put`` puts it."""
+    keys = [b"bytes", "str", "ünïcode", 7, -1, 2**127 + 5, 2**200, bytearray(b"ba"), memoryview(b"mv")]
+    for i, k in enumerate(keys):
+        kc.put(k, torch.tensor([float(i)]))
+    views = kc.get_prefix(keys)
+    assert [float(v[0]) for v in views] == [float(i) for i in range(len(keys))]
+    del views
+    assert kc.lookup(keys) == len(keys)
+    with pytest.raises(ValueError):
+        kc.get_prefix(["\ud800"])  # a lone surrogate is not UTF-8
+    assert kc.delete_many(keys) == len(keys)
+
+
+# --- reserve_many -------------------------------------------------------------------
+
+
+def test_reserve_many_commits_all_at_exit(kc):
+    keys = [f"rm-{i}" for i in range(4)]
+    with kc.reserve_many(keys, (2, 8), torch.float16) as outs:
+        assert len(outs) == 4
+        for i, o in enumerate(outs):
+            assert o.dtype == torch.float16 and tuple(o.shape) == (2, 8)
+            o.copy_(torch.full((2, 8), i))
+        assert kc.lookup(keys) == 0, "invisible before the commit"
+    assert kc.lookup(keys) == 4
+    for i, v in enumerate(kc.get_prefix(keys)):
+        assert torch.equal(v, torch.full((2, 8), i, dtype=torch.float16))
+    assert kc.delete_many(keys) == 4
+
+
+def test_reserve_many_dtype_names_and_float8(kc):
+    with kc.reserve_many(["n-0", "n-1"], 16, "bfloat16") as outs:
+        for o in outs:
+            o.fill_(2)
+    assert kc.get("n-1").dtype == torch.bfloat16
+    if hasattr(torch, "float8_e4m3fn"):
+        with kc.reserve_many(["f8-0"], (4,), torch.float8_e4m3fn) as (o,):
+            assert o.dtype == torch.float8_e4m3fn
+            o.copy_(torch.ones(4).to(torch.float8_e4m3fn))
+        assert kc.get("f8-0").float().sum() == 4
+        kc.delete("f8-0")
+    kc.delete_many(["n-0", "n-1"])
+
+
+def test_reserve_many_aborts_all_on_error(kc, daemon):
+    keys = [f"ab-{i}" for i in range(3)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with kc.reserve_many(keys, (8,), torch.float32) as outs:
+            outs[0].fill_(1)
+            raise RuntimeError("boom")
+    assert kc.lookup(keys[:1]) == 0 and kc.lookup(keys[2:]) == 0
+    assert daemon.stats()["reserved"] == 0
+    # Explicit abort, and a second finish refused.
+    r = kc.reserve_many(keys, (8,), torch.float32)
+    assert len(r) == 3
+    r.abort()
+    with pytest.raises(kachedb.InvalidArgument):
+        r.commit()
+    # Garbage-collected without exit: aborted.
+    r = kc.reserve_many(keys, (8,), torch.float32)
+    del r
+    gc.collect()
+    assert daemon.stats()["reserved"] == 0 and kc.lookup(keys) == 0
+
+
+def test_reserve_many_is_all_or_nothing_when_one_does_not_fit(make_daemon):
+    d = make_daemon("16MiB")
+    kc = d.connect()
+    # Three 6 MiB blocks cannot all be reserved in 16 MiB: none stays reserved.
+    with pytest.raises(kachedb.OutOfMemory):
+        kc.reserve_many(["big-0", "big-1", "big-2"], (6 << 20,), torch.uint8)
+    st = d.stats()
+    assert st["reserved"] == 0 and st["blocks"] == 0
+    # put_many too: nothing committed.
+    with pytest.raises(kachedb.OutOfMemory):
+        kc.put_many(["p-0", "p-1", "p-2"], [torch.zeros(6 << 20, dtype=torch.uint8)] * 3)
+    assert kc.lookup(["p-0"]) == 0 and d.stats()["reserved"] == 0
+    kc.close()
+
+
+def test_reserve_many_bad_arguments(kc):
+    with pytest.raises(TypeError):
+        kc.reserve_many(["x"], (4,), np.float32)  # a numpy dtype: torch tensors only
+    with pytest.raises(kachedb.InvalidArgument):
+        kc.reserve_many(["x"], (1,) * 7, torch.float32)
+    with pytest.raises(TypeError):
+        kc.reserve_many(["x"], (4,), "no-such-dtype")
+    with pytest.raises(TypeError):
+        kc.reserve_many([3.5], (4,), torch.float32)
+    with kc.reserve_many([], (4,), torch.float32) as outs:
+        assert outs == []
+
+
+# --- delete_many, put_many -------------------------------------------------------------
+
+
+def test_delete_many_counts_present_keys(kc):
+    kc.put_many(["d-0", "d-2"], [b"a", b"b"])
+    assert kc.delete_many(["d-0", "d-1", "d-2"]) == 2
+    assert kc.delete_many(["d-0"]) == 0
+    assert kc.delete_many([]) == 0
+    with pytest.raises(TypeError):
+        kc.delete_many([object()])
+
+
+def test_put_many_mixed_values_and_errors(kc):
+    t = torch.arange(12.0).reshape(3, 4)
+    vals = [t, t.t(), np.arange(5, dtype=np.int16), b"raw", torch.zeros(0), t.to(torch.bfloat16)]
+    keys = [f"pm-{i}" for i in range(len(vals))]
+    kc.put_many(keys, vals)
+    got = kc.get_prefix(keys)
+    assert torch.equal(got[0], t) and torch.equal(got[1], t.t())
+    assert got[2].dtype == torch.int16 and got[2].tolist() == list(range(5))
+    assert bytes(got[3].numpy()) == b"raw" and got[4].numel() == 0
+    assert got[5].dtype == torch.bfloat16
+    del got
+    with pytest.raises(kachedb.InvalidArgument):
+        kc.put_many(["a", "b"], [t])
+    with pytest.raises(TypeError):
+        kc.put_many(["a"], [object()])
+    assert kc.lookup(["a"]) == 0
+    kc.delete_many(keys)
+
+
+# --- wait_for -------------------------------------------------------------------------
+
+
+def test_wait_for_committed_before(kc, daemon):
+    kc.put("wait-key", torch.full((5,), 2.0))
+    p = start_waiter(daemon.socket, "none")
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and out.split() == ["GOT", "10.0", "(5,)"]
+    t = kc.wait_for("wait-key", timeout=0)
+    assert torch.equal(t, torch.full((5,), 2.0))
+    del t
+    kc.delete("wait-key")
+
+
+def test_wait_for_committed_during_the_wait_by_another_process(kc, daemon):
+    p = start_waiter(daemon.socket, "none")
+    time.sleep(0.3)  # let the WAIT park (if not yet, this is "committed before")
+    # The daemon serves other clients meanwhile.
+    kc.put_many([f"busy-{i}" for i in range(50)], [b"x"] * 50)
+    assert kc.lookup([f"busy-{i}" for i in range(50)]) == 50
+    with kc.reserve("wait-key", (3,), torch.float32) as out:
+        out.fill_(4.0)
+    out_text, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and out_text.split() == ["GOT", "12.0", "(3,)"]
+    kc.delete_many(["wait-key"] + [f"busy-{i}" for i in range(50)])
+
+
+def test_wait_for_never_committed_times_out(kc, daemon):
+    p = start_waiter(daemon.socket, "0.2")
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and out.split() == ["TIMEDOUT"]
+    with pytest.raises(kachedb.TimedOut) as info:
+        kc.wait_for("absent-key", timeout=0)
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, kachedb.KacheDBError)
+    with pytest.raises(TimeoutError):
+        kc.wait_for("absent-key", timeout=0.05)
+
+
+def test_wait_for_from_another_thread_of_this_process(daemon):
+    waiter, writer = daemon.connect(), daemon.connect()
+    got = {}
+
+    def wait():
+        got["t"] = waiter.wait_for("threaded", timeout=30)
+
+    th = threading.Thread(target=wait)
+    th.start()
+    time.sleep(0.1)
+    writer.put("threaded", torch.tensor([1.0, 2.0]))
+    th.join(60)
+    assert not th.is_alive() and torch.equal(got.pop("t"), torch.tensor([1.0, 2.0]))
+    writer.delete("threaded")
+    waiter.close()
+    writer.close()
+
+
+def test_wait_for_bad_arguments(kc):
+    for bad in (-1, float("nan"), "1"):
+        with pytest.raises((kachedb.InvalidArgument, TypeError)):
+            kc.wait_for("k", timeout=bad)
+    with pytest.raises(TypeError):
+        kc.wait_for("k", timeout=True)
+    with pytest.raises(TypeError):
+        kc.wait_for(object(), timeout=0)
+
+
+def test_killed_waiter_is_forgotten(daemon):
+    p = start_waiter(daemon.socket, "none")
+    time.sleep(0.2)
+    p.kill()
+    p.wait()
+    kc = daemon.connect()
+    kc.put("wait-key", torch.ones(2))
+    assert torch.equal(kc.wait_for("wait-key", timeout=5), torch.ones(2))
+    kc.delete("wait-key")
+    kc.close()
+    gc.collect()
+    assert_no_pins(daemon)
+    assert daemon.stats()["invariants_ok"]
+
+
+def test_batch_calls_on_a_closed_client_raise(daemon):
+    c = daemon.connect()
+    c.close()
+    for call in (lambda: c.get_prefix(["a"]), lambda: c.delete_many(["a"]),
+                 lambda: c.reserve_many(["a"], (1,), torch.float32), lambda: c.wait_for("a", timeout=0),
+                 lambda: c.put_many(["a"], [b"x"])):
+        with pytest.raises(kachedb.Disconnected):
+            call()
+

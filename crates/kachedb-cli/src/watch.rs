@@ -1,0 +1,273 @@
+//! `kachedb stats --watch [SECS]`: a live view of a daemon's stats — rates per
+//! second, hit ratios, a memory bar — redrawn in place, at most
+//! [`WIDTH`] columns wide. Ctrl-C (or SIGTERM) ends it and gives the cursor
+//! back. With `--json`, one stats object per line per interval instead.
+//!
+//! It asks the control socket (`{"op":"stats"}`), so it needs no
+//! `--metrics-addr`; when the daemon goes away the view says so and keeps
+//! trying.
+
+use kachedb_shm::units::human_bytes;
+use kachedb_shm::Stats;
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Columns the view fits in.
+pub const WIDTH: usize = 80;
+
+/// Watches until SIGINT/SIGTERM; `every` between samples.
+pub fn run(
+    opts: &kachedb_client::ConnectOptions,
+    every: Duration,
+    json: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    let mut out = std::io::stdout().lock();
+    let tty = out.is_terminal() && !json;
+    if tty {
+        // Hide the cursor and clear the screen once; each frame then redraws in place.
+        write!(out, "\x1b[?25l\x1b[H\x1b[2J")?;
+    }
+    let mut prev: Option<(Instant, Stats)> = None;
+    let result = loop {
+        let sample = kachedb_client::daemon_stats(opts);
+        let now = Instant::now();
+        let written = match (&sample, json) {
+            (Ok(s), true) => writeln!(out, "{}", s.to_json()),
+            (Err(e), true) => {
+                eprintln!("kachedb: stats: {e}");
+                Ok(())
+            }
+            (_, false) => {
+                let lines = match &sample {
+                    Ok(s) => render(s, prev.as_ref().map(|(t, p)| (now.duration_since(*t).as_secs_f64(), p)), every),
+                    Err(e) => unreachable_lines(&opts.socket_path().display().to_string(), &e.to_string()),
+                };
+                draw(&mut out, &lines, tty)
+            }
+        };
+        if let Err(e) = written.and_then(|()| out.flush()) {
+            // stdout closed (a pipe whose reader left): nothing more to show.
+            break if e.kind() == std::io::ErrorKind::BrokenPipe { Ok(()) } else { Err(e.into()) };
+        }
+        if let Ok(s) = sample {
+            prev = Some((now, s));
+        }
+        let until = now + every;
+        while !stop.load(Ordering::Relaxed) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50).min(until.saturating_duration_since(Instant::now())));
+        }
+        if stop.load(Ordering::Relaxed) {
+            break Ok(());
+        }
+    };
+    if tty {
+        let _ = write!(out, "\x1b[?25h");
+        let _ = out.flush();
+    }
+    result
+}
+
+/// Redraws in place on a terminal (each line cleared to its end, then
+/// everything below); elsewhere appends the frame and a blank line.
+fn draw(out: &mut impl Write, lines: &[String], tty: bool) -> std::io::Result<()> {
+    if tty {
+        write!(out, "\x1b[H")?;
+        for l in lines {
+            write!(out, "{l}\x1b[K\r\n")?;
+        }
+        write!(out, "\x1b[J")
+    } else {
+        for l in lines {
+            writeln!(out, "{l}")?;
+        }
+        writeln!(out)
+    }
+}
+
+fn unreachable_lines(socket: &str, why: &str) -> Vec<String> {
+    fit(vec![
+        format!("kachedb  {}  UTC {}", socket, clock()),
+        String::new(),
+        "daemon not reachable (retrying; Ctrl-C to quit):".into(),
+        why.to_string(),
+    ])
+}
+
+/// Cuts every line to [`WIDTH`] characters.
+fn fit(lines: Vec<String>) -> Vec<String> {
+    lines
+        .into_iter()
+        .map(|l| if l.chars().count() > WIDTH { l.chars().take(WIDTH - 1).chain(['…']).collect() } else { l })
+        .collect()
+}
+
+/// `HH:MM:SS` of now, UTC.
+fn clock() -> String {
+    let s = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) % 86_400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}
+
+fn duration(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..=86_399 => format!("{}h{:02}m", s / 3600, s / 60 % 60),
+        _ => format!("{}d{:02}h", s / 86_400, s / 3600 % 24),
+    }
+}
+
+/// `1234567` -> `1,234,567`.
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+fn percent(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}%", part as f64 * 100.0 / whole as f64)
+    }
+}
+
+/// A bar of `width` cells, `frac` of them filled.
+fn bar(frac: f64, width: usize) -> String {
+    let filled = ((frac.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
+    format!("[{}{}]", "#".repeat(filled), "-".repeat(width - filled))
+}
+
+/// The view of `s`; `prev` is the sample before and the seconds between them
+/// (rates need two samples: the first frame shows `-`).
+pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<String> {
+    let (st, sv) = (&s.store, &s.serve);
+    let rate = |f: fn(&Stats) -> u64| match prev {
+        Some((dt, p)) if dt > 0.0 => grouped((f(s).saturating_sub(f(p)) as f64 / dt).round() as u64),
+        _ => "-".into(),
+    };
+    let delta = |f: fn(&Stats) -> u64| prev.map(|(_, p)| f(s).saturating_sub(f(p)));
+    let ratio = |hits: fn(&Stats) -> u64, all: fn(&Stats) -> u64| {
+        let now = match (delta(hits), delta(all)) {
+            (Some(h), Some(a)) => percent(h, a),
+            _ => "-".into(),
+        };
+        format!("hit {now:>6}  (all {:>6})", percent(hits(s), all(s)))
+    };
+    let used = st.bytes_used as f64 / st.bytes_total.max(1) as f64;
+    let row = |name: &str, f: fn(&Stats) -> u64, extra: String| {
+        format!("{name:<16}{:>12}{:>16}  {extra}", rate(f), grouped(f(s)))
+    };
+    fit(vec![
+        format!(
+            "kachedb  pid {}  up {}  {} client(s)  every {}s  UTC {}",
+            s.daemon_pid,
+            duration(s.uptime_s),
+            sv.clients_connected,
+            every.as_secs_f64(),
+            clock()
+        ),
+        format!("socket  {}", if s.socket.is_empty() { "-" } else { &s.socket }),
+        String::new(),
+        format!(
+            "memory  {} {:>5.1}%  {} / {}",
+            bar(used, 36),
+            used * 100.0,
+            human_bytes(st.bytes_used),
+            human_bytes(st.bytes_total)
+        ),
+        format!(
+            "        free {} (largest extent {}), evictable {}",
+            human_bytes(st.bytes_free),
+            human_bytes(st.largest_free_bytes),
+            human_bytes(st.evictable_bytes)
+        ),
+        format!(
+            "blocks  {}   pins {}   reservations {}   channels {} / {}",
+            grouped(st.blocks),
+            grouped(st.pins),
+            grouped(st.reserved),
+            sv.clients_connected,
+            s.channels
+        ),
+        String::new(),
+        format!("{:<16}{:>12}{:>16}", "", "per second", "total"),
+        row("ops", |s| s.serve.ops, String::new()),
+        row("GET", |s| s.store.gets, ratio(|s| s.store.get_hits, |s| s.store.gets)),
+        row("LOOKUP", |s| s.store.lookups, ratio(|s| s.store.lookup_hits, |s| s.store.lookups)),
+        row("PUT (commit)", |s| s.store.commits, String::new()),
+        row("DELETE", |s| s.store.deletes, String::new()),
+        row("evictions", |s| s.store.evictions, format!("{} evicted", human_bytes(st.evicted_bytes))),
+        row("rejected frames", |s| s.serve.rejected_frames, String::new()),
+        row("clients kicked", |s| s.serve.clients_kicked, String::new()),
+        String::new(),
+        "Ctrl-C to quit".into(),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(gets: u64, hits: u64, ops: u64) -> Stats {
+        let mut s = Stats {
+            daemon_pid: 4242,
+            uptime_s: 3725.0,
+            channels: 64,
+            socket: "/run/user/1000/kachedb/kachedb_0.sock".into(),
+            ..Stats::default()
+        };
+        s.store.gets = gets;
+        s.store.get_hits = hits;
+        s.store.bytes_total = 4 << 30;
+        s.store.bytes_used = 3 << 30;
+        s.store.blocks = 123_456;
+        s.serve.ops = ops;
+        s.serve.clients_connected = 3;
+        s
+    }
+
+    #[test]
+    fn fits_eighty_columns_with_rates_and_ratios() {
+        let (a, b) = (sample(1000, 900, 5000), sample(3000, 2800, 9000));
+        let first = render(&a, None, Duration::from_secs(1));
+        let next = render(&b, Some((2.0, &a)), Duration::from_secs(1));
+        for l in first.iter().chain(&next) {
+            assert!(l.chars().count() <= WIDTH, "{} columns: {l}", l.chars().count());
+        }
+        let get = next.iter().find(|l| l.starts_with("GET")).unwrap();
+        // 2000 GETs in 2 s; 1900 of them hits (95%); all-time 2800/3000.
+        assert!(get.contains(" 1,000 ") && get.contains("3,000"), "{get}");
+        assert!(get.contains("95.0%") && get.contains("93.3%"), "{get}");
+        assert!(first.iter().any(|l| l.starts_with("GET") && l.contains(" - ")), "{first:?}");
+        let mem = next.iter().find(|l| l.starts_with("memory")).unwrap();
+        assert!(mem.contains("75.0%") && mem.contains("[###"), "{mem}");
+        // A very long socket path is cut, not wrapped.
+        let mut long = b.clone();
+        long.socket = "/x".repeat(100);
+        assert!(render(&long, None, Duration::from_secs(1)).iter().all(|l| l.chars().count() <= WIDTH));
+    }
+
+    #[test]
+    fn formats() {
+        assert_eq!(grouped(0), "0");
+        assert_eq!(grouped(999), "999");
+        assert_eq!(grouped(1000), "1,000");
+        assert_eq!(grouped(1_234_567), "1,234,567");
+        assert_eq!(duration(3725.0), "1h02m");
+        assert_eq!(bar(0.5, 4), "[##--]");
+        assert_eq!(percent(1, 0), "-");
+    }
+}

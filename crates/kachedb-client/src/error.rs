@@ -1,0 +1,80 @@
+//! Why an operation failed: [`ClientError`], and how a completion's status
+//! maps to it.
+
+use kachedb_shm::{Completion, Status};
+
+/// Why an operation failed. Messages say what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No committed block has that key.
+    #[error("key not found")]
+    NotFound,
+    /// The store is full of pinned blocks and reservations.
+    #[error("out of memory: the store cannot make room (everything left is pinned or reserved); release views or start the daemon with a larger --size")]
+    OutOfMemory,
+    /// This client holds as many bytes (reserved and pinned) as the daemon's
+    /// per-client limit allows; other clients are not affected.
+    #[error("out of memory: this client already holds up to the daemon's per-client limit of {0} bytes reserved and pinned (kachedb serve --max-client-bytes); release views and commit or abort reservations, or ask for a larger limit")]
+    ClientLimit(u64),
+    /// The block is larger than the whole megaslab.
+    #[error("the block ({0} bytes) is larger than the daemon's megaslab: start the daemon with a larger --size")]
+    TooLarge(u64),
+    /// The request is malformed (checked here, or rejected by the daemon).
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// The handle is not one of this client's.
+    #[error("bad handle: the reservation or pin is not this client's, or is already gone")]
+    BadHandle,
+    /// The daemon is gone or the client is closed.
+    #[error("disconnected: {0}")]
+    Disconnected(String),
+    /// `wait_for`: the key was not committed before the timeout.
+    #[error("timed out: no block was committed under the key within {0:?}")]
+    TimedOut(std::time::Duration),
+    /// The daemon broke an invariant (a bug in the daemon).
+    #[error("the daemon reported an internal error; please report it with the daemon's log")]
+    Internal,
+    /// The daemon spoke nonsense.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The socket (its directory or the process serving it) is not one this
+    /// client trusts with its data; or it never answered.
+    #[error("refusing the daemon: {0}")]
+    Untrusted(String),
+    /// The region could not be mapped.
+    #[error(transparent)]
+    Region(#[from] kachedb_shm::RegionError),
+}
+
+/// Result alias.
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+/// The error for a completion `status` other than OK; `len` is the block's
+/// bytes (for `TooLarge`).
+pub(crate) fn status_error(status: Status, len: u64) -> ClientError {
+    match status {
+        Status::Ok => ClientError::Protocol("OK is not an error".into()),
+        Status::NotFound => ClientError::NotFound,
+        Status::OutOfMemory => ClientError::OutOfMemory,
+        Status::TooLarge => ClientError::TooLarge(len),
+        Status::Invalid => ClientError::Invalid("the daemon rejected the frame (bad dtype, shape or offset)".into()),
+        Status::BadHandle => ClientError::BadHandle,
+        Status::Internal => ClientError::Internal,
+        Status::TimedOut => ClientError::TimedOut(std::time::Duration::ZERO),
+    }
+}
+
+/// `c` if its status is OK, else its error.
+pub(crate) fn ok_or(c: Completion, len: u64) -> Result<Completion> {
+    match c.status {
+        Status::Ok => Ok(c),
+        // The daemon names the per-client limit in `offset` when that is why.
+        Status::OutOfMemory if c.offset != 0 => Err(ClientError::ClientLimit(c.offset)),
+        s => Err(status_error(s, len)),
+    }
+}
+
+/// A request refused before it was sent.
+pub(crate) fn invalid(e: impl std::fmt::Display) -> ClientError {
+    ClientError::Invalid(e.to_string())
+}

@@ -1,0 +1,221 @@
+//! What the client hands out over shared memory: [`BlockView`], a pinned
+//! read-only view of a committed block, and [`Reservation`], a block being
+//! written. Both keep the region mapped and the connection open while they live.
+
+use crate::channel::Channel;
+use crate::error::{ok_or, ClientError, Result};
+use kachedb_shm::{Completion, DType, Request, Shape, Status};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// A pinned, immutable view of a committed block. Dropping it releases the pin.
+pub struct BlockView {
+    channel: Arc<Channel>,
+    handle: u64,
+    ptr: NonNull<u8>,
+    len: u64,
+    dtype: DType,
+    shape: Shape,
+}
+
+// SAFETY: the view points into a mapping kept alive by `channel.region`; the
+// block is committed (immutable) and pinned, so no one writes it while it lives.
+unsafe impl Send for BlockView {}
+// SAFETY: as above; shared access is read-only.
+unsafe impl Sync for BlockView {}
+
+impl std::fmt::Debug for BlockView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockView")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape.dims())
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl BlockView {
+    /// The view a GET completion gives: `None` for NOT_FOUND.
+    pub(crate) fn from_get(channel: &Arc<Channel>, c: Completion) -> Result<Option<BlockView>> {
+        if c.status == Status::NotFound {
+            return Ok(None);
+        }
+        let c = ok_or(c, 0)?;
+        let Some((dtype, shape, len)) = c.tensor else {
+            return Err(ClientError::Protocol("GET completion without dtype and shape".into()));
+        };
+        let Some(ptr) = channel.region.slab_ptr(c.offset, len) else {
+            // Give the pin back before failing.
+            channel.release(c.handle);
+            return Err(ClientError::Protocol(format!("daemon returned offset {} outside the megaslab", c.offset)));
+        };
+        Ok(Some(BlockView { channel: channel.clone(), handle: c.handle, ptr, len, dtype, shape }))
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Shape.
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+    /// Whether the block has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Address of the first byte in this process.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+    /// The pin handle.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+    /// Bytes from the region base.
+    pub fn offset(&self) -> u64 {
+        self.ptr.as_ptr() as u64 - self.channel.region.base() as u64
+    }
+}
+
+impl std::ops::Deref for BlockView {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: [ptr, ptr+len) is inside the mapping (checked by slab_ptr when
+        // the view was made), kept mapped by `channel`, and immutable while pinned.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len as usize) }
+    }
+}
+
+impl Drop for BlockView {
+    fn drop(&mut self) {
+        self.channel.release(self.handle);
+    }
+}
+
+/// A reserved, not yet visible block. Write it, then [`commit`](Self::commit);
+/// dropped without commit, it is aborted.
+pub struct Reservation {
+    channel: Arc<Channel>,
+    handle: u64,
+    ptr: NonNull<u8>,
+    len: u64,
+    dtype: DType,
+    shape: Shape,
+    done: bool,
+}
+
+// SAFETY: the reserved extent belongs to this reservation alone until commit or
+// abort, inside a mapping kept alive by `channel`.
+unsafe impl Send for Reservation {}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation").field("dtype", &self.dtype).field("shape", &self.shape.dims()).finish()
+    }
+}
+
+impl Reservation {
+    /// The reservation a RESERVE completion `c` of `len` bytes gives.
+    pub(crate) fn from_reserve(
+        channel: &Arc<Channel>,
+        c: Completion,
+        dtype: DType,
+        shape: Shape,
+        len: u64,
+    ) -> Result<Reservation> {
+        let c = ok_or(c, len)?;
+        let ptr = channel.region.slab_ptr(c.offset, len).ok_or_else(|| {
+            ClientError::Protocol(format!("daemon returned offset {} outside the megaslab", c.offset))
+        })?;
+        Ok(Reservation { channel: channel.clone(), handle: c.handle, ptr, len, dtype, shape, done: false })
+    }
+
+    /// The writable bytes.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the extent is reserved for this client alone (no reader can see
+        // it before commit) and mapped while `channel` lives; `&mut self` makes the
+        // slice unique in this process.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len as usize) }
+    }
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Shape.
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    /// Address of the first byte.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+    /// Whether the block has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The reservation handle.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+    /// Makes the block visible under its key.
+    pub fn commit(mut self) -> Result<()> {
+        self.done = true;
+        self.finish(Request::Commit { handle: self.handle })
+    }
+    /// Drops the block.
+    pub fn abort(mut self) -> Result<()> {
+        self.done = true;
+        self.finish(Request::Abort { handle: self.handle })
+    }
+    /// Commits many reservations of one client with one batch of COMMITs (a
+    /// closed client still finishes them). Every COMMIT is sent; the first
+    /// error is returned. Reservations of different clients are refused
+    /// (`Invalid`, and dropped: aborted one by one).
+    pub fn commit_all(reservations: Vec<Reservation>) -> Result<()> {
+        finish_all(reservations, |handle| Request::Commit { handle })
+    }
+
+    /// Aborts many reservations of one client with one batch of ABORTs.
+    pub fn abort_all(reservations: Vec<Reservation>) -> Result<()> {
+        finish_all(reservations, |handle| Request::Abort { handle })
+    }
+
+    /// Marks the reservation finished by the caller (a batch COMMIT or ABORT of
+    /// several reservations) and returns its handle; dropping it then sends nothing.
+    pub(crate) fn take_handle(&mut self) -> u64 {
+        self.done = true;
+        self.handle
+    }
+    fn finish(&self, req: Request) -> Result<()> {
+        ok_or(self.channel.finish(req)?, self.len).map(|_| ())
+    }
+}
+
+fn finish_all(mut reservations: Vec<Reservation>, req: impl Fn(u64) -> Request) -> Result<()> {
+    let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(()) };
+    if reservations.iter().any(|r| !Arc::ptr_eq(&r.channel, &channel)) {
+        return Err(ClientError::Invalid("a batch of reservations must all come from one client".into()));
+    }
+    let reqs: Vec<Request> = reservations.iter_mut().map(|r| req(r.take_handle())).collect();
+    for c in channel.finish_many(&reqs)? {
+        ok_or(c, 0)?;
+    }
+    Ok(())
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.finish(Request::Abort { handle: self.handle });
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! The daemon's life: [`Daemon::start`] takes the instance lock, creates the
+//! region, binds the control socket and starts the control thread;
+//! [`Daemon::run`] runs the serve loop until shutdown, then closes the
+//! channels and removes the socket.
+
+use crate::channels::Channels;
+use crate::control::{self, Access};
+use crate::events::{self, Event};
+use crate::metrics::Metrics;
+use crate::serve::Serve;
+use crate::store::Store;
+use kachedb_shm::region::{CreateOptions, Layout};
+use kachedb_shm::{Region, RegionError, SpinThenPark};
+use std::net::SocketAddr;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// How the daemon is set up.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Instance number (names the region `kachedb_<instance>`).
+    pub instance: u32,
+    /// Control socket path.
+    pub socket_path: PathBuf,
+    /// Megaslab bytes.
+    pub slab_bytes: u64,
+    /// Channels (clients connected at once).
+    pub channels: u32,
+    /// Slots per ring.
+    pub ring_capacity: u32,
+    /// Groups allowed besides the daemon's uid.
+    pub allow_gids: Vec<u32>,
+    /// Memory to leave free beside the region (bytes).
+    pub headroom_bytes: u64,
+    /// Idle policy of the serve loop.
+    pub wait: SpinThenPark,
+    /// Where to serve `GET /metrics` and `GET /healthz` over HTTP, if anywhere.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Most bytes one client may hold reserved and pinned (`None`: no limit).
+    pub max_client_bytes: Option<u64>,
+    /// Most control connections open at once.
+    pub max_connections: u32,
+    /// How long a new connection may take to send its first request.
+    pub hello_timeout: std::time::Duration,
+    /// Run the full invariant check for every stats answer.
+    pub check_invariants: bool,
+}
+
+/// Why the daemon could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Another daemon holds the lock.
+    #[error("another kachedb daemon already serves {socket} (lock {lock} is held{pid}): stop it, or use another --instance or --socket")]
+    AlreadyRunning {
+        /// Socket path.
+        socket: String,
+        /// Lock path.
+        lock: String,
+        /// Holder pid text.
+        pid: String,
+    },
+    /// The socket's directory could let another user replace the socket.
+    #[error("refusing to serve in {dir}: {why}, so another user could replace the socket; give a private directory (yours, mode 0700) with --socket")]
+    UnsafeSocketDir {
+        /// The directory.
+        dir: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// The region could not be made.
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    /// The metrics address could not be bound.
+    #[error("cannot serve metrics on {addr}: {source}; pick a free address with --metrics-addr (or stop the process listening there)")]
+    Metrics {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A filesystem or socket operation failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What.
+        what: &'static str,
+        /// Path.
+        path: String,
+        /// Error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A started daemon: region made, socket bound, control thread running.
+pub struct Daemon {
+    cfg: ServeConfig,
+    region: Arc<Region>,
+    store: Store,
+    events: Receiver<Event>,
+    channels: Arc<Channels>,
+    shutdown: Arc<AtomicBool>,
+    control: Option<std::thread::JoinHandle<()>>,
+    metrics: Arc<Metrics>,
+    /// The metrics endpoint's thread and bound address.
+    http: Option<(std::thread::JoinHandle<()>, SocketAddr)>,
+    _lock: crate::lock::InstanceLock,
+    started: Instant,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon").field("cfg", &self.cfg).finish()
+    }
+}
+
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ServeError + 'a {
+    move |source| ServeError::Io { what, path: path.display().to_string(), source }
+}
+
+/// Refuses a socket directory that someone else could swap the socket (or
+/// the lock file) in: one owned by another user (root excepted), or writable
+/// by group or others without the sticky bit (a sticky one such as /tmp lets
+/// nobody remove or rename another user's file).
+fn check_socket_dir(dir: &Path) -> Result<(), ServeError> {
+    // The same rule clients apply before they trust a daemon's socket.
+    kachedb_shm::trust::check_socket_dir(dir, &[])
+        .map_err(|why| ServeError::UnsafeSocketDir { dir: dir.display().to_string(), why })
+}
+
+impl Daemon {
+    /// Takes the instance lock, creates the region (calling `progress` while
+    /// memory is reserved), binds the control socket and starts its thread.
+    pub fn start(
+        cfg: ServeConfig,
+        shutdown: Arc<AtomicBool>,
+        progress: impl FnMut(u64, u64),
+    ) -> Result<Daemon, ServeError> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        let sock = cfg.socket_path.clone();
+        if let Some(dir) = sock.parent() {
+            if !dir.as_os_str().is_empty() && !dir.exists() {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(dir)
+                    .map_err(io_err("creating the socket directory", dir))?;
+            }
+            check_socket_dir(if dir.as_os_str().is_empty() { Path::new(".") } else { dir })?;
+        }
+        let lock_path = PathBuf::from(format!("{}.lock", sock.display()));
+        let lock = match crate::lock::InstanceLock::acquire(&lock_path) {
+            Ok(l) => l,
+            Err(crate::lock::LockError::Held(pid)) => {
+                return Err(ServeError::AlreadyRunning {
+                    socket: sock.display().to_string(),
+                    lock: lock_path.display().to_string(),
+                    pid: pid.map(|p| format!(" by pid {p}")).unwrap_or_default(),
+                })
+            }
+            Err(crate::lock::LockError::Io(e)) => return Err(io_err("opening the lock file", &lock_path)(e)),
+        };
+        // Before the (slow) memory reservation, so that a busy port fails at once.
+        let metrics_listener = match cfg.metrics_addr {
+            Some(addr) => Some(crate::http::bind(addr).map_err(|source| ServeError::Metrics { addr, source })?),
+            None => None,
+        };
+        let layout = Layout::new(cfg.channels, cfg.ring_capacity, cfg.slab_bytes)?;
+        let region = Region::create(
+            &CreateOptions {
+                name: kachedb_shm::naming::region_name(cfg.instance),
+                layout,
+                headroom_bytes: cfg.headroom_bytes,
+            },
+            progress,
+        )?;
+        // We hold the lock, so a socket file here is a crashed daemon's leftover.
+        if sock.exists() {
+            std::fs::remove_file(&sock).map_err(io_err("removing the stale socket", &sock))?;
+        }
+        let listener = UnixListener::bind(&sock).map_err(io_err("binding the control socket", &sock))?;
+        std::fs::set_permissions(
+            &sock,
+            std::fs::Permissions::from_mode(if cfg.allow_gids.is_empty() { 0o600 } else { 0o660 }),
+        )
+        .map_err(io_err("setting permissions of", &sock))?;
+        let (tx, rx) = events::queue(region.clone());
+        let channels = Arc::new(Channels::new(cfg.channels));
+        let access = Access {
+            uid: rustix::process::geteuid().as_raw(),
+            allow_gids: cfg.allow_gids.clone(),
+            max_connections: cfg.max_connections.max(1) as usize,
+            hello_timeout: cfg.hello_timeout,
+        };
+        let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
+        let control = {
+            let (region, channels, shutdown, metrics) =
+                (region.clone(), channels.clone(), shutdown.clone(), metrics.clone());
+            std::thread::Builder::new()
+                .name("kachedb-control".into())
+                .spawn(move || control::run(listener, region, access, channels, tx, shutdown, metrics))
+                .map_err(io_err("spawning the control thread for", &sock))?
+        };
+        let http = match (metrics_listener, cfg.metrics_addr) {
+            (Some(l), Some(asked)) => {
+                let addr = l.local_addr().unwrap_or(asked);
+                let t = crate::http::spawn(l, metrics.clone(), shutdown.clone())
+                    .map_err(|source| ServeError::Metrics { addr, source })?;
+                Some((t, addr))
+            }
+            _ => None,
+        };
+        let mut store = Store::new(layout.slab_offset, layout.slab_len);
+        store.set_max_session_bytes(cfg.max_client_bytes);
+        Ok(Daemon {
+            cfg,
+            region,
+            store,
+            events: rx,
+            channels,
+            shutdown,
+            control: Some(control),
+            metrics,
+            http,
+            _lock: lock,
+            started: Instant::now(),
+        })
+    }
+
+    /// The control socket path.
+    pub fn socket_path(&self) -> &Path {
+        &self.cfg.socket_path
+    }
+
+    /// The region.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// Where the metrics endpoint listens (the bound address: a port 0 asked
+    /// for is resolved), if it runs.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().map(|(_, a)| *a)
+    }
+
+    /// Serves until the shutdown flag is set; then closes every channel,
+    /// removes the socket and returns.
+    pub fn run(self) {
+        let Daemon { cfg, region, store, events, channels, shutdown, control, metrics, http, _lock: lock, started } =
+            self;
+        Serve::new(region, store, events, channels, shutdown, cfg.wait, cfg.socket_path.clone(), started, metrics)
+            .with_full_checks(cfg.check_invariants)
+            .run();
+        if let Some(c) = control {
+            let _ = c.join();
+        }
+        if let Some((h, _)) = http {
+            let _ = h.join();
+        }
+        let _ = std::fs::remove_file(&cfg.socket_path);
+        // Unlinks the lock file before letting go of the flock (see `lock`).
+        lock.release();
+    }
+}

@@ -1,0 +1,59 @@
+//! The queue from the control thread to the serve loop: [`Event`]s, sent by
+//! an [`EventSender`] that rings the region doorbell after each one so a
+//! parked serve loop wakes and sees it.
+
+use kachedb_shm::{Region, Stats};
+use std::os::unix::net::UnixStream;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+
+/// What the control thread tells the serve loop.
+#[derive(Debug)]
+pub enum Event {
+    /// A client said hello and got `channel`.
+    Attach {
+        /// Channel.
+        channel: u32,
+        /// Its socket (to shut down a corrupt client).
+        stream: Arc<UnixStream>,
+        /// Peer pid.
+        pid: i32,
+        /// Peer uid.
+        uid: u32,
+    },
+    /// A client's socket closed.
+    Detach {
+        /// Channel.
+        channel: u32,
+        /// The daemon closed it (a control protocol error), not the client.
+        closed_by_daemon: bool,
+    },
+    /// Someone asked for stats; the answer goes back on this sender once
+    /// every frame published before the question has been served.
+    Stats(Sender<Stats>),
+}
+
+/// The control thread's end of the queue.
+#[derive(Debug, Clone)]
+pub struct EventSender {
+    tx: Sender<Event>,
+    region: Arc<Region>,
+}
+
+impl EventSender {
+    /// Queues `ev` and rings the doorbell of `region`'s serve loop.
+    pub fn send(&self, ev: Event) {
+        let _ = self.tx.send(ev);
+        // SYNC POINT: `notify`'s SeqCst fence orders the queue's publish
+        // before its load of the doorbell state; it pairs with the fence in the
+        // serve loop's park, whose ready check looks at the queue: either the
+        // loop sees the event there, or this sees PARKED and wakes it.
+        self.region.doorbell().notify();
+    }
+}
+
+/// A new queue for the serve loop of `region`: the sender and the receiver.
+pub fn queue(region: Arc<Region>) -> (EventSender, Receiver<Event>) {
+    let (tx, rx) = mpsc::channel();
+    (EventSender { tx, region }, rx)
+}

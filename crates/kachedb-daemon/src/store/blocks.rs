@@ -1,0 +1,235 @@
+//! The operations on reservations and blocks: RESERVE, COMMIT, ABORT, GET,
+//! RELEASE, LOOKUP, DELETE, and the unlinking and freeing they lead to.
+
+use super::handles::{decode_handle, encode_handle, HandleKind};
+use super::slots::{Pin, SlotState, MAX_SLOTS};
+use super::{Reply, SessionId, Store, Tensor};
+use crate::alloc::round_up_to_pages;
+use kachedb_shm::{page_offset_is_valid, DType, Op, Shape, Status};
+
+impl Store {
+    pub(super) fn reserve(
+        &mut self,
+        s: SessionId,
+        key: u128,
+        dtype: DType,
+        shape: Shape,
+        len: u64,
+        page_offset: u64,
+    ) -> Result<Reply, Status> {
+        // `Request::decode` guarantees these; a hand-built request may not.
+        if !page_offset_is_valid(page_offset) || shape.check_len(dtype, len).is_err() {
+            return Err(Status::Invalid);
+        }
+        let need = len.checked_add(page_offset).ok_or(Status::TooLarge)?;
+        if need > self.slab_len {
+            return Err(Status::TooLarge);
+        }
+        let need_len = round_up_to_pages(need).ok_or(Status::TooLarge)?;
+        if need_len > self.alloc.total_bytes() {
+            return Err(Status::TooLarge);
+        }
+        if self.free_slots.is_empty() && self.slots.len() >= MAX_SLOTS {
+            return Err(Status::OutOfMemory);
+        }
+        self.within_limit(s, need_len)?;
+        let extent = self.alloc_evicting(need_len)?;
+        let tensor = Tensor { key, dtype, shape, len, data_offset: extent.offset + page_offset, extent };
+        let Some(index) = self.take_slot(SlotState::Reserved { owner: s, tensor }) else {
+            // Unreachable after the check above; give the extent back.
+            let _ = self.alloc.try_free(extent);
+            return Err(Status::Internal);
+        };
+        self.counters.reservation_opened();
+        let generation = self.slots.get(index as usize).map(|slot| slot.generation).ok_or(Status::Internal)?;
+        self.sessions.get_mut(&s).ok_or(Status::Internal)?.reservations.insert(index);
+        self.hold(s, extent.len, true);
+        Ok(Reply {
+            handle: encode_handle(HandleKind::Reservation, index, generation),
+            offset: tensor.data_offset,
+            tensor: None,
+        })
+    }
+
+    pub(super) fn commit(&mut self, s: SessionId, handle: u64) -> Result<Reply, Status> {
+        let index = self.own_reservation(s, handle)?;
+        let slot = self.slots.get_mut(index as usize).ok_or(Status::Internal)?;
+        let SlotState::Reserved { tensor, .. } = slot.state else {
+            return Err(Status::Internal);
+        };
+        slot.state = SlotState::Block { tensor, linked: true, pins: 0, lru_tick: None };
+        self.counters.reservation_closed();
+        self.counters.stored(tensor.len);
+        if let Some(session) = self.sessions.get_mut(&s) {
+            session.reservations.remove(&index);
+        }
+        self.hold(s, tensor.extent.len, false);
+        if let Some(old) = self.keys.insert(tensor.key, index) {
+            self.counters.block_replaced();
+            self.unlink(old)?;
+        }
+        self.lru_touch(index)?;
+        Ok(Reply::default())
+    }
+
+    pub(super) fn abort(&mut self, s: SessionId, handle: u64) -> Result<Reply, Status> {
+        let index = self.own_reservation(s, handle)?;
+        if let Some(session) = self.sessions.get_mut(&s) {
+            session.reservations.remove(&index);
+        }
+        if let Some(SlotState::Reserved { tensor, .. }) = self.slots.get(index as usize).map(|slot| &slot.state) {
+            let len = tensor.extent.len;
+            self.hold(s, len, false);
+        }
+        self.free_reservation(index)?;
+        Ok(Reply::default())
+    }
+
+    pub(super) fn get(&mut self, s: SessionId, key: u128) -> Result<Reply, Status> {
+        let &index = self.keys.get(&key).ok_or(Status::NotFound)?;
+        let tensor = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { tensor, linked: true, .. }) => *tensor,
+            _ => return Err(Status::Internal),
+        };
+        let existing = self.sessions.get(&s).ok_or(Status::Internal)?.pins.get(&index).copied();
+        let pin_index = match existing {
+            Some(p) => {
+                let pin = self.pin_slots.get_mut(p as usize).and_then(|ps| ps.pin.as_mut()).ok_or(Status::Internal)?;
+                pin.count += 1;
+                p
+            }
+            None => {
+                self.within_limit(s, tensor.extent.len)?;
+                let p = self
+                    .take_pin_slot_for(Pin { session: s, block_index: index, count: 1 })
+                    .ok_or(Status::OutOfMemory)?;
+                self.sessions.get_mut(&s).ok_or(Status::Internal)?.pins.insert(index, p);
+                self.hold(s, tensor.extent.len, true);
+                p
+            }
+        };
+        let generation = self.pin_slots.get(pin_index as usize).ok_or(Status::Internal)?.generation;
+        let first_pin = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { pins, .. }) => {
+                *pins += 1;
+                self.counters.pinned();
+                *pins == 1
+            }
+            _ => return Err(Status::Internal),
+        };
+        if first_pin {
+            self.lru_remove(index)?;
+        }
+        self.counters.hit(Op::Get, tensor.len);
+        Ok(Reply {
+            handle: encode_handle(HandleKind::Pin, pin_index, generation),
+            offset: tensor.data_offset,
+            tensor: Some((tensor.dtype, tensor.shape, tensor.len)),
+        })
+    }
+
+    pub(super) fn release(&mut self, s: SessionId, handle: u64) -> Result<Reply, Status> {
+        let (kind, pin_index, generation) = decode_handle(handle).ok_or(Status::BadHandle)?;
+        if kind != HandleKind::Pin {
+            return Err(Status::BadHandle);
+        }
+        let ps = self.pin_slots.get_mut(pin_index as usize).ok_or(Status::BadHandle)?;
+        let pin = match ps.pin.as_mut() {
+            Some(pin) if pin.session == s && ps.generation == generation => pin,
+            _ => return Err(Status::BadHandle),
+        };
+        let block_index = pin.block_index;
+        pin.count = pin.count.saturating_sub(1);
+        self.counters.unpinned(1);
+        if pin.count == 0 {
+            self.take_pin_slot(pin_index)?;
+            if let Some(session) = self.sessions.get_mut(&s) {
+                session.pins.remove(&block_index);
+            }
+            if let Some(SlotState::Block { tensor, .. }) = self.slots.get(block_index as usize).map(|slot| &slot.state) {
+                let len = tensor.extent.len;
+                self.hold(s, len, false);
+            }
+        }
+        self.drop_block_pins(block_index, 1)?;
+        Ok(Reply::default())
+    }
+
+    pub(super) fn lookup(&mut self, key: u128) -> Result<Reply, Status> {
+        let &index = self.keys.get(&key).ok_or(Status::NotFound)?;
+        self.lru_touch(index)?;
+        if let Some(SlotState::Block { tensor, .. }) = self.slots.get(index as usize).map(|slot| &slot.state) {
+            self.counters.hit(Op::Lookup, tensor.len);
+        }
+        Ok(Reply::default())
+    }
+
+    pub(super) fn delete(&mut self, key: u128) -> Result<Reply, Status> {
+        let &index = self.keys.get(&key).ok_or(Status::NotFound)?;
+        self.unlink(index)?;
+        Ok(Reply::default())
+    }
+
+    /// Drops `count` pins of block `index`; at zero the block becomes
+    /// evictable (linked) or is freed (unlinked).
+    pub(super) fn drop_block_pins(&mut self, index: u32, count: u64) -> Result<(), Status> {
+        let (now_unpinned, linked) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { pins, linked, .. }) => {
+                *pins = pins.checked_sub(count).ok_or(Status::Internal)?;
+                (*pins == 0, *linked)
+            }
+            _ => return Err(Status::Internal),
+        };
+        if now_unpinned {
+            if linked {
+                self.lru_touch(index)?;
+            } else {
+                self.free_block(index)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Unlinks block `index` from its key (if it is still the key's block) and
+    /// the LRU list; frees it now if unpinned, else its last RELEASE will.
+    pub(super) fn unlink(&mut self, index: u32) -> Result<(), Status> {
+        let (key, pins) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { tensor, linked, pins, .. }) if *linked => {
+                *linked = false;
+                (tensor.key, *pins)
+            }
+            _ => return Err(Status::Internal),
+        };
+        if self.keys.get(&key) == Some(&index) {
+            self.keys.remove(&key);
+        }
+        self.lru_remove(index)?;
+        if pins == 0 {
+            self.free_block(index)?;
+        }
+        Ok(())
+    }
+
+    /// Frees the extent and slot of unlinked, unpinned block `index`.
+    pub(super) fn free_block(&mut self, index: u32) -> Result<(), Status> {
+        let extent = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { tensor, linked: false, pins: 0, lru_tick: None }) => tensor.extent,
+            _ => return Err(Status::Internal),
+        };
+        self.alloc.try_free(extent).map_err(|_| Status::Internal)?;
+        self.release_slot(index)
+    }
+
+    /// Frees the extent and slot of reservation `index` (the caller updates
+    /// the owning session's set).
+    pub(super) fn free_reservation(&mut self, index: u32) -> Result<(), Status> {
+        let extent = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Reserved { tensor, .. }) => tensor.extent,
+            _ => return Err(Status::Internal),
+        };
+        self.alloc.try_free(extent).map_err(|_| Status::Internal)?;
+        self.release_slot(index)?;
+        self.counters.reservation_closed();
+        Ok(())
+    }
+}

@@ -1,0 +1,225 @@
+//! The store's structural invariants, checked in full ([`Store::check_invariants`]):
+//! by the tests after every step, and by the daemon for each stats answer when
+//! started with `--check-invariants` ([`Store::check_counters`] otherwise).
+
+use super::slots::SlotState;
+use super::Store;
+use crate::alloc::{round_up_to_pages, Extent, PAGE_LEN};
+use std::collections::{BTreeMap, BTreeSet};
+
+impl Store {
+    /// Checks every structural invariant; `Err` names the first one broken.
+    ///
+    /// The allocator's own invariants; every allocated extent belongs to
+    /// exactly one live reservation or block and vice versa; each tensor lies
+    /// in its extent; `keys` and linked blocks agree; the LRU list holds
+    /// exactly the linked unpinned blocks and `evictable_bytes` their bytes;
+    /// unlinked blocks are pinned; pin counts agree between blocks, pin
+    /// records and sessions; reservations agree with their sessions; free-slot
+    /// lists hold exactly the free slots; the `O(1)` [`gauges`](Store::gauges)
+    /// count the pins and reservations the tables hold. `O(n log n)`.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.alloc.check_invariants()?;
+
+        let free_slots: BTreeSet<u32> = self.free_slots.iter().copied().collect();
+        if free_slots.len() != self.free_slots.len() {
+            return Err("a slot is twice on the free list".into());
+        }
+        let mut extents: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut linked_count = 0usize;
+        let mut lru_count = 0usize;
+        let mut evictable = 0u64;
+        let mut block_pins: BTreeMap<u32, u64> = BTreeMap::new();
+        for (i, slot) in self.slots.iter().enumerate() {
+            let index = u32::try_from(i).map_err(|_| "slot index past u32".to_string())?;
+            let on_free_list = free_slots.contains(&index);
+            let tensor = match &slot.state {
+                SlotState::Free => {
+                    if !on_free_list {
+                        return Err(format!("free slot {index} is not on the free list"));
+                    }
+                    continue;
+                }
+                SlotState::Reserved { owner, tensor } => {
+                    let listed = self.sessions.get(owner).is_some_and(|s| s.reservations.contains(&index));
+                    if !listed {
+                        return Err(format!("reservation {index} is not listed by its session {owner:?}"));
+                    }
+                    tensor
+                }
+                SlotState::Block { tensor, linked, pins, lru_tick } => {
+                    if *linked {
+                        linked_count += 1;
+                        if self.keys.get(&tensor.key) != Some(&index) {
+                            return Err(format!("linked block {index} is not the block of its key"));
+                        }
+                    } else if *pins == 0 {
+                        return Err(format!("unlinked block {index} is unpinned but not freed"));
+                    }
+                    match (*linked && *pins == 0, lru_tick) {
+                        (true, Some(tick)) => {
+                            if self.lru.get(tick) != Some(&index) {
+                                return Err(format!("block {index} has LRU tick {tick} but is not there"));
+                            }
+                            lru_count += 1;
+                            evictable += tensor.extent.len;
+                        }
+                        (false, None) => {}
+                        (should, _) => {
+                            return Err(format!(
+                                "block {index}: on LRU list {}, should be {should}",
+                                lru_tick.is_some()
+                            ));
+                        }
+                    }
+                    block_pins.insert(index, *pins);
+                    tensor
+                }
+            };
+            if on_free_list {
+                return Err(format!("live slot {index} is on the free list"));
+            }
+            let t = tensor;
+            let in_page = t.data_offset.checked_sub(t.extent.offset).filter(|&d| d < PAGE_LEN);
+            let Some(page_offset) = in_page else {
+                return Err(format!(
+                    "slot {index}: data offset {} outside the first page of its extent",
+                    t.data_offset
+                ));
+            };
+            if t.shape.check_len(t.dtype, t.len).is_err() {
+                return Err(format!("slot {index}: len {} does not match its shape", t.len));
+            }
+            let need = t.len.checked_add(page_offset).and_then(round_up_to_pages);
+            if need != Some(t.extent.len) {
+                return Err(format!(
+                    "slot {index}: extent len {} for {} bytes at page offset {page_offset}",
+                    t.extent.len, t.len
+                ));
+            }
+            if extents.insert(t.extent.offset, t.extent.len).is_some() {
+                return Err(format!("extent at {} is held by two slots", t.extent.offset));
+            }
+        }
+        if free_slots.iter().any(|&i| i as usize >= self.slots.len()) {
+            return Err("free list names a slot that does not exist".into());
+        }
+        if !extents.iter().map(|(&o, &l)| Extent { offset: o, len: l }).eq(self.alloc.allocated_extents()) {
+            return Err("allocated extents differ from the extents of live slots".into());
+        }
+        if linked_count != self.keys.len() {
+            return Err(format!("{} keys but {linked_count} linked blocks", self.keys.len()));
+        }
+        if lru_count != self.lru.len() {
+            return Err(format!("LRU list has {} entries, {lru_count} blocks are on it", self.lru.len()));
+        }
+        if evictable != self.evictable_bytes {
+            return Err(format!("evictable_bytes {} but LRU blocks hold {evictable}", self.evictable_bytes));
+        }
+
+        // Pins: records agree with sessions and with block counts.
+        let free_pins: BTreeSet<u32> = self.free_pin_slots.iter().copied().collect();
+        if free_pins.len() != self.free_pin_slots.len() {
+            return Err("a pin slot is twice on the free list".into());
+        }
+        let mut pin_sums: BTreeMap<u32, u64> = BTreeMap::new();
+        for (i, ps) in self.pin_slots.iter().enumerate() {
+            let index = u32::try_from(i).map_err(|_| "pin index past u32".to_string())?;
+            match ps.pin {
+                None if free_pins.contains(&index) => {}
+                None => return Err(format!("empty pin slot {index} is not on the free list")),
+                Some(pin) => {
+                    if free_pins.contains(&index) {
+                        return Err(format!("live pin slot {index} is on the free list"));
+                    }
+                    if pin.count == 0 {
+                        return Err(format!("pin slot {index} has count 0"));
+                    }
+                    let listed = self.sessions.get(&pin.session).and_then(|s| s.pins.get(&pin.block_index));
+                    if listed != Some(&index) {
+                        return Err(format!("pin slot {index} is not listed by its session"));
+                    }
+                    *pin_sums.entry(pin.block_index).or_default() += pin.count;
+                }
+            }
+        }
+        if free_pins.iter().any(|&i| i as usize >= self.pin_slots.len()) {
+            return Err("pin free list names a slot that does not exist".into());
+        }
+        for (&block, &sum) in &pin_sums {
+            if block_pins.get(&block) != Some(&sum) {
+                return Err(format!(
+                    "block {block}: pin records sum to {sum}, block says {:?}",
+                    block_pins.get(&block)
+                ));
+            }
+        }
+        for (&block, &pins) in &block_pins {
+            if pins != pin_sums.get(&block).copied().unwrap_or(0) {
+                return Err(format!("block {block} counts {pins} pins that no record holds"));
+            }
+        }
+        for (&id, session) in &self.sessions {
+            for (&block, &pin_index) in &session.pins {
+                let ok = self
+                    .pin_slots
+                    .get(pin_index as usize)
+                    .and_then(|ps| ps.pin)
+                    .is_some_and(|p| p.session == id && p.block_index == block);
+                if !ok {
+                    return Err(format!("session {id:?} lists pin {pin_index} of block {block} it does not hold"));
+                }
+            }
+            for &index in &session.reservations {
+                let ok = matches!(
+                    self.slots.get(index as usize).map(|slot| &slot.state),
+                    Some(SlotState::Reserved { owner, .. }) if *owner == id
+                );
+                if !ok {
+                    return Err(format!("session {id:?} lists reservation {index} it does not own"));
+                }
+            }
+            // What the per-client limit counts: reserved and pinned extents, each block once.
+            let extent_len = |index: u32| match self.slots.get(index as usize).map(|slot| &slot.state) {
+                Some(SlotState::Reserved { tensor, .. }) | Some(SlotState::Block { tensor, .. }) => tensor.extent.len,
+                _ => 0,
+            };
+            let held: u64 = session.pins.keys().chain(&session.reservations).map(|&i| extent_len(i)).sum();
+            if held != session.held_bytes {
+                return Err(format!("session {id:?} holds {held} bytes but counts {}", session.held_bytes));
+            }
+        }
+
+        // The O(1) gauges agree with what the tables hold.
+        let g = self.gauges();
+        let pins: u64 = pin_sums.values().sum();
+        let reserved = self.slots.iter().filter(|slot| matches!(slot.state, SlotState::Reserved { .. })).count() as u64;
+        if (g.pins, g.reservations) != (pins, reserved) {
+            return Err(format!(
+                "gauges count {} pins and {} reservations, the tables hold {pins} and {reserved}",
+                g.pins, g.reservations
+            ));
+        }
+        Ok(())
+    }
+
+    /// The `O(1)` cross-checks a stats answer makes when the full check is
+    /// off: `st` (from [`Store::stats`], which counts pins and reservations by
+    /// walking the tables) against the counters kept as the store changes.
+    pub fn check_counters(&self, st: &super::StoreStats) -> Result<(), String> {
+        let g = self.gauges();
+        if st.bytes_used + st.bytes_free != st.bytes_total {
+            return Err(format!("bytes used {} + free {} != total {}", st.bytes_used, st.bytes_free, st.bytes_total));
+        }
+        if st.pins != g.pins {
+            return Err(format!("{} pins in the tables, {} counted", st.pins, g.pins));
+        }
+        if st.reserved != g.reservations {
+            return Err(format!("{} reservations in the tables, {} counted", st.reserved, g.reservations));
+        }
+        if st.evictable_bytes > st.bytes_used {
+            return Err(format!("evictable {} > used {}", st.evictable_bytes, st.bytes_used));
+        }
+        Ok(())
+    }
+}

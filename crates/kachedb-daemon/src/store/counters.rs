@@ -1,0 +1,162 @@
+//! What the store counts: requests by op, answers by status, hits, evictions.
+//! The gauges (blocks, bytes, pins…) are computed when asked; the live pins and
+//! reservations are also counted here, so that [`Store::gauges`](super::Store::gauges) is `O(1)`.
+
+use kachedb_shm::control::StoreStats;
+use kachedb_shm::{Op, Status};
+
+/// Table index of an op or status code (codes are below 16).
+const CODES: usize = 16;
+const _: () = assert!((Op::Stats as usize) < CODES && (Status::Internal as usize) < CODES);
+
+/// Counters of a [`Store`](super::Store), indexed by wire code.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Counters {
+    /// Requests by op code, any outcome.
+    requests: [u64; CODES],
+    /// OK answers by op code (for GET, LOOKUP and DELETE: hits).
+    ok: [u64; CODES],
+    /// Error answers by status code, plus internal errors met outside requests.
+    errors: [u64; CODES],
+    /// Blocks evicted.
+    evictions: u64,
+    /// Extent bytes freed by eviction.
+    evicted_bytes: u64,
+    /// Committed blocks that replaced an older block of the same key.
+    replaced: u64,
+    /// Pins held now (counted where pin records change).
+    pins_held: u64,
+    /// Reservations live now (counted where reservation slots are taken and freed).
+    reservations_live: u64,
+    /// Tensor bytes of committed blocks.
+    stored_bytes: u64,
+    /// Tensor bytes of the blocks found, by op code (GET, LOOKUP).
+    hit_bytes: [u64; CODES],
+    /// OUT_OF_MEMORY answers because of the per-client limit.
+    client_limit_hits: u64,
+}
+
+impl Counters {
+    /// A request of `op` arrived.
+    #[inline]
+    pub(super) fn request(&mut self, op: Op) {
+        self.requests[op as usize] += 1;
+    }
+
+    /// A request of `op` was answered `status`.
+    #[inline]
+    pub(super) fn answer(&mut self, op: Op, status: Status) {
+        match status {
+            Status::Ok => self.ok[op as usize] += 1,
+            s => self.errors[s as usize] += 1,
+        }
+    }
+
+    /// A reservation was made.
+    pub(super) fn reservation_opened(&mut self) {
+        self.reservations_live += 1;
+    }
+
+    /// A reservation was committed or freed.
+    pub(super) fn reservation_closed(&mut self) {
+        self.reservations_live = self.reservations_live.saturating_sub(1);
+    }
+
+    /// A block got one more pin.
+    pub(super) fn pinned(&mut self) {
+        self.pins_held += 1;
+    }
+
+    /// `n` pins went.
+    pub(super) fn unpinned(&mut self, n: u64) {
+        self.pins_held = self.pins_held.saturating_sub(n);
+    }
+
+    /// A block of `len` tensor bytes was committed.
+    pub(super) fn stored(&mut self, len: u64) {
+        self.stored_bytes += len;
+    }
+
+    /// `op` (GET or LOOKUP) found a block of `len` tensor bytes.
+    pub(super) fn hit(&mut self, op: Op, len: u64) {
+        self.hit_bytes[op as usize] += len;
+    }
+
+    pub(super) fn pins_held(&self) -> u64 {
+        self.pins_held
+    }
+
+    pub(super) fn reservations_live(&self) -> u64 {
+        self.reservations_live
+    }
+
+    pub(super) fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    pub(super) fn evicted_bytes(&self) -> u64 {
+        self.evicted_bytes
+    }
+
+    pub(super) fn replaced(&self) -> u64 {
+        self.replaced
+    }
+
+    pub(super) fn stored_bytes(&self) -> u64 {
+        self.stored_bytes
+    }
+
+    pub(super) fn hit_bytes(&self, op: Op) -> u64 {
+        self.hit_bytes[op as usize]
+    }
+
+    /// An internal error outside a request (while closing a session): a bug.
+    pub(super) fn internal_error(&mut self) {
+        self.errors[Status::Internal as usize] += 1;
+    }
+
+    /// A request was refused by the per-client byte limit.
+    pub(super) fn client_limit_hit(&mut self) {
+        self.client_limit_hits += 1;
+    }
+
+    /// A committed block replaced an older block of its key.
+    pub(super) fn block_replaced(&mut self) {
+        self.replaced += 1;
+    }
+
+    /// A block of `extent_len` bytes was evicted.
+    pub(super) fn evicted(&mut self, extent_len: u64) {
+        self.evictions += 1;
+        self.evicted_bytes += extent_len;
+    }
+
+    /// Writes the counter fields of `st` (the gauges are the caller's).
+    pub(super) fn fill(&self, st: &mut StoreStats) {
+        let req = |op: Op| self.requests[op as usize];
+        let hits = |op: Op| self.ok[op as usize];
+        let err = |s: Status| self.errors[s as usize];
+        st.evictions = self.evictions;
+        st.evicted_bytes = self.evicted_bytes;
+        st.replaced = self.replaced;
+        st.pings = req(Op::Ping);
+        st.reserves = req(Op::Reserve);
+        st.commits = req(Op::Commit);
+        st.aborts = req(Op::Abort);
+        st.gets = req(Op::Get);
+        st.get_hits = hits(Op::Get);
+        st.releases = req(Op::Release);
+        st.lookups = req(Op::Lookup);
+        st.lookup_hits = hits(Op::Lookup);
+        st.deletes = req(Op::Delete);
+        st.delete_hits = hits(Op::Delete);
+        st.stats_requests = req(Op::Stats);
+        st.not_found = err(Status::NotFound);
+        st.out_of_memory = err(Status::OutOfMemory);
+        st.client_limit_hits = self.client_limit_hits;
+        st.invalid = err(Status::Invalid);
+        st.bad_handle = err(Status::BadHandle);
+        st.too_large = err(Status::TooLarge);
+        st.internal = err(Status::Internal);
+    }
+}

@@ -1,0 +1,297 @@
+//! `Store`: the block index of the daemon — 128-bit keys to committed blocks
+//! in the megaslab, two-phase writes, per-session pins, LRU eviction.
+//!
+//! Pure logic: no shared memory, sockets or threads. The serve loop decodes a
+//! frame into a [`Request`], calls [`Store::handle`] with the session of the
+//! channel it came from, and encodes the [`Completion`]. [`Store::handle`]
+//! never panics: a request it cannot honour gets an error status.
+//!
+//! # Objects
+//!
+//! * A **reservation** (RESERVE) owns an extent and belongs to one session. It is
+//!   invisible to GET/LOOKUP/DELETE until that session COMMITs it; ABORT or the
+//!   session closing frees it. Reservations are never evicted.
+//! * A **block** is a committed reservation. It is *linked* while it is the
+//!   block of its key. DELETE, or a COMMIT of a newer block of the same key,
+//!   unlinks it: it is freed at once when unpinned, else when its last pin goes.
+//! * A **pin** (GET) keeps a block's extent from being evicted, moved or reused.
+//!   A session holds one pin record per block it pinned, with a count: every
+//!   GET of that block by that session returns the *same* handle and adds one,
+//!   every RELEASE of it drops one. Different sessions pinning the same block
+//!   get different handles.
+//!
+//! # Handles
+//!
+//! A handle is `kind << 62 | generation << 32 | index` (2-bit kind, 30-bit
+//! generation, 32-bit slot index). Kind 1 is a reservation (index into the
+//! block slots), kind 2 a pin (index into the pin slots); 0 and 3 are never
+//! issued, so the zero handle is always bad. A slot's generation is bumped every
+//! time it is freed, so a stale handle (its object gone, the slot reused) no
+//! longer matches; the slot also records the owning session, so a handle that
+//! another session learnt is refused. Either way the answer is `BAD_HANDLE`. The
+//! generation wraps after 2^30 reuses of one slot; a handle kept that long
+//! could then alias a new object of the same session.
+//!
+//! # Eviction
+//!
+//! When a RESERVE does not fit in any free extent, linked unpinned blocks are
+//! evicted in least-recently-used order, one at a time (each freed extent
+//! coalesces with its neighbours), until the reservation fits. "Used" means
+//! committed, found by GET or LOOKUP, or released by its last pin. Pinned
+//! blocks, unlinked-but-pinned blocks and reservations are not in the LRU
+//! list, so they are never evicted. If even freeing every evictable block could
+//! not give enough bytes (`free + evictable < needed`) the answer is
+//! `OUT_OF_MEMORY` and **nothing is evicted**. Otherwise eviction proceeds; if
+//! fragmentation by pinned blocks or reservations still leaves no large enough
+//! extent once the LRU list is empty, the answer is `OUT_OF_MEMORY` and the
+//! blocks evicted on the way stay evicted (they were the least recently used).
+//!
+//! # Cost
+//!
+//! Every request is `O(log n)` (B-tree indexes for free extents, the LRU list
+//! and per-session records; a hash map for keys), except a RESERVE that evicts,
+//! which is `O(log n)` per block evicted. `close_session` is `O(p log n)` in the
+//! session's pins and reservations.
+//!
+//! # Files
+//!
+//! `mod.rs` the [`Store`] and its request dispatch; `session` client sessions
+//! (their pins and reservations, closing); `blocks` the operations on
+//! reservations and blocks; `evict` the LRU list and eviction; `slots` the
+//! slot tables behind handles, `handles` the handle encoding; `counters` what
+//! is counted; `check` the invariant check.
+
+use std::collections::{BTreeMap, HashMap};
+
+use kachedb_shm::{Completion, DType, Request, Shape, Status};
+
+use crate::alloc::{Extent, ExtentAllocator};
+
+mod blocks;
+mod check;
+mod counters;
+mod evict;
+mod gauges;
+mod handles;
+#[cfg(test)]
+mod model_tests;
+mod session;
+mod slots;
+#[cfg(test)]
+mod tests;
+
+pub use kachedb_shm::control::StoreStats;
+pub use gauges::Gauges;
+
+use counters::Counters;
+use session::Session;
+use slots::{PinSlot, Slot, SlotState};
+
+/// Identifies a client session (one per control-socket connection). Ids are
+/// never reused within one [`Store`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(u64);
+
+impl SessionId {
+    /// The id as a number (for logs and stats).
+    pub fn as_u64(self) -> u64 {
+        self.0
+    }
+}
+
+/// A committed block as [`Store::peek`] reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// Key.
+    pub key: u128,
+    /// Element type.
+    pub dtype: DType,
+    /// Dims.
+    pub shape: Shape,
+    /// Tensor bytes.
+    pub len: u64,
+    /// Start of the tensor bytes, bytes from the region base.
+    pub data_offset: u64,
+    /// The page extent holding it.
+    pub extent: Extent,
+    /// Pins held on it, all sessions together.
+    pub pins: u64,
+}
+
+/// What a reservation or block holds.
+#[derive(Clone, Copy, Debug)]
+struct Tensor {
+    key: u128,
+    dtype: DType,
+    shape: Shape,
+    /// Tensor bytes.
+    len: u64,
+    /// Start of the tensor bytes, bytes from the region base; inside `extent`,
+    /// less than one page past its start.
+    data_offset: u64,
+    extent: Extent,
+}
+
+/// What a successful request answers besides `OK`.
+#[derive(Clone, Copy, Debug, Default)]
+struct Reply {
+    handle: u64,
+    offset: u64,
+    tensor: Option<(DType, Shape, u64)>,
+}
+
+/// The block store. See the [module docs](self) for the semantics.
+#[derive(Clone, Debug)]
+pub struct Store {
+    alloc: ExtentAllocator,
+    /// Megaslab bytes as given to `new` (before rounding to pages).
+    slab_len: u64,
+    /// Reservations and blocks; freed slots are reused.
+    slots: Vec<Slot>,
+    /// Indexes of `Free` slots.
+    free_slots: Vec<u32>,
+    pin_slots: Vec<PinSlot>,
+    /// Indexes of empty pin slots.
+    free_pin_slots: Vec<u32>,
+    /// Linked blocks: key -> slot index.
+    keys: HashMap<u128, u32>,
+    /// Linked unpinned blocks: last-use tick -> slot index; first = least recent.
+    lru: BTreeMap<u64, u32>,
+    /// Last tick handed out; each use takes a fresh one.
+    tick: u64,
+    /// Sum of the extent lengths of the blocks in `lru`, bytes.
+    evictable_bytes: u64,
+    sessions: BTreeMap<SessionId, Session>,
+    next_session: u64,
+    /// What has happened; gauges are computed by `stats`.
+    counters: Counters,
+    /// Most extent bytes one session may hold (`None`: no limit).
+    max_session_bytes: Option<u64>,
+    /// Set when the request being handled was refused by that limit: its
+    /// OUT_OF_MEMORY answer then carries the limit in `offset`.
+    limit_hit: Option<u64>,
+}
+
+impl Store {
+    /// A store for the megaslab `[slab_offset, slab_offset + slab_len)`
+    /// (bytes from the region base; `slab_offset` page aligned, `slab_len`
+    /// used in whole pages).
+    pub fn new(slab_offset: u64, slab_len: u64) -> Store {
+        Store {
+            alloc: ExtentAllocator::new(slab_offset, slab_len),
+            slab_len,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            pin_slots: Vec::new(),
+            free_pin_slots: Vec::new(),
+            keys: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            evictable_bytes: 0,
+            sessions: BTreeMap::new(),
+            next_session: 1,
+            counters: Counters::default(),
+            max_session_bytes: None,
+            limit_hit: None,
+        }
+    }
+
+    /// Answers one request of session `s`. Never panics. A request of a session
+    /// that is not open gets `INTERNAL` (the serve loop must not do that).
+    pub fn handle(&mut self, s: SessionId, request_id: u32, req: &Request) -> Completion {
+        let op = req.op();
+        self.counters.request(op);
+        self.limit_hit = None;
+        let result = if self.sessions.contains_key(&s) {
+            match *req {
+                Request::Ping => Ok(Reply::default()),
+                Request::Reserve { key, dtype, shape, len, page_offset } => {
+                    self.reserve(s, key, dtype, shape, len, page_offset)
+                }
+                Request::Commit { handle } => self.commit(s, handle),
+                Request::Abort { handle } => self.abort(s, handle),
+                // A WAIT is a GET here; the serve loop parks it while NOT_FOUND.
+                Request::Get { key } | Request::Wait { key, .. } => self.get(s, key),
+                Request::Release { handle } => self.release(s, handle),
+                Request::Lookup { key } => self.lookup(key),
+                Request::Delete { key } => self.delete(key),
+                Request::Stats => {
+                    Ok(Reply { handle: self.keys.len() as u64, offset: self.alloc.used_bytes(), tensor: None })
+                }
+            }
+        } else {
+            Err(Status::Internal)
+        };
+        match result {
+            Ok(reply) => {
+                self.counters.answer(op, Status::Ok);
+                Completion {
+                    request_id,
+                    op,
+                    status: Status::Ok,
+                    handle: reply.handle,
+                    offset: reply.offset,
+                    tensor: reply.tensor,
+                }
+            }
+            Err(status) => {
+                self.counters.answer(op, status);
+                // OUT_OF_MEMORY because of this client's limit: `offset` names it.
+                let offset = if status == Status::OutOfMemory { self.limit_hit.unwrap_or(0) } else { 0 };
+                Completion { request_id, op, status, handle: 0, offset, tensor: None }
+            }
+        }
+    }
+
+    /// The committed block of `key`, without marking it used.
+    pub fn peek(&self, key: u128) -> Option<BlockInfo> {
+        let &index = self.keys.get(&key)?;
+        match &self.slots.get(index as usize)?.state {
+            SlotState::Block { tensor: t, pins, .. } => Some(BlockInfo {
+                key: t.key,
+                dtype: t.dtype,
+                shape: t.shape,
+                len: t.len,
+                data_offset: t.data_offset,
+                extent: t.extent,
+                pins: *pins,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The key of session `s`'s reservation `handle`, if it is one (the serve
+    /// loop asks before a COMMIT, to wake the WAITs of that key).
+    pub fn reservation_key(&self, s: SessionId, handle: u64) -> Option<u128> {
+        let index = self.own_reservation(s, handle).ok()?;
+        match &self.slots.get(index as usize)?.state {
+            SlotState::Reserved { tensor, .. } => Some(tensor.key),
+            _ => None,
+        }
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> StoreStats {
+        let mut st = StoreStats::default();
+        self.counters.fill(&mut st);
+        st.sessions = self.sessions.len() as u64;
+        st.blocks = self.keys.len() as u64;
+        st.unlinked_blocks = 0;
+        st.reserved = 0;
+        for slot in &self.slots {
+            match slot.state {
+                SlotState::Reserved { .. } => st.reserved += 1,
+                SlotState::Block { linked: false, .. } => st.unlinked_blocks += 1,
+                _ => {}
+            }
+        }
+        st.pins = self.pin_slots.iter().filter_map(|p| p.pin).map(|p| p.count).sum();
+        st.bytes_used = self.alloc.used_bytes();
+        st.bytes_free = self.alloc.free_bytes();
+        st.bytes_total = self.alloc.total_bytes();
+        st.largest_free_bytes = self.alloc.largest_free();
+        st.evictable_bytes = self.evictable_bytes;
+        st.free_extents = self.alloc.free_extent_count() as u64;
+        st
+    }
+}

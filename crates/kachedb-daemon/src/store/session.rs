@@ -1,0 +1,102 @@
+//! Client sessions: one per control connection. A session lists the pins and
+//! reservations it holds, so that closing it (the client is gone) drops them
+//! all at once, and so that a handle only works for the session it was given to.
+
+use super::handles::{decode_handle, HandleKind};
+use super::slots::SlotState;
+use super::{SessionId, Store};
+use kachedb_shm::Status;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// What one session holds.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Session {
+    /// block slot index -> pin slot index.
+    pub(super) pins: BTreeMap<u32, u32>,
+    /// Block slot indexes of this session's reservations.
+    pub(super) reservations: BTreeSet<u32>,
+    /// Extent bytes this session holds: its reservations' extents and the
+    /// extents of the blocks it pins (each block once, however many pins),
+    /// what `--max-client-bytes` limits.
+    pub(super) held_bytes: u64,
+}
+
+impl Store {
+    /// Opens a session; requests are made on behalf of one.
+    pub fn open_session(&mut self) -> SessionId {
+        let id = SessionId(self.next_session);
+        self.next_session = self.next_session.wrapping_add(1);
+        self.sessions.insert(id, Session::default());
+        id
+    }
+
+    /// Whether `s` is open.
+    pub fn is_open(&self, s: SessionId) -> bool {
+        self.sessions.contains_key(&s)
+    }
+
+    /// Closes `s`: drops all its pins and aborts all its reservations at once
+    /// (the client is gone). Blocks left unpinned become evictable again, or are
+    /// freed if they were deleted or replaced meanwhile. Closing an unknown or
+    /// closed session does nothing.
+    pub fn close_session(&mut self, s: SessionId) {
+        let Some(session) = self.sessions.remove(&s) else {
+            return;
+        };
+        let mut pins = 0;
+        for (&block_index, &pin_index) in &session.pins {
+            let r = self.take_pin_slot(pin_index).and_then(|count| {
+                pins += count;
+                self.drop_block_pins(block_index, count)
+            });
+            if r.is_err() {
+                self.counters.internal_error();
+            }
+        }
+        self.counters.unpinned(pins);
+        for &index in &session.reservations {
+            if self.free_reservation(index).is_err() {
+                self.counters.internal_error();
+            }
+        }
+    }
+
+    /// The slot index of `s`'s live reservation named by `handle`.
+    pub(super) fn own_reservation(&self, s: SessionId, handle: u64) -> Result<u32, Status> {
+        let (kind, index, generation) = decode_handle(handle).ok_or(Status::BadHandle)?;
+        if kind != HandleKind::Reservation {
+            return Err(Status::BadHandle);
+        }
+        let slot = self.slots.get(index as usize).ok_or(Status::BadHandle)?;
+        match slot.state {
+            SlotState::Reserved { owner, .. } if owner == s && slot.generation == generation => Ok(index),
+            _ => Err(Status::BadHandle),
+        }
+    }
+
+    /// Whether session `s` may take `more` extent bytes under the per-client
+    /// limit; if not, remembers the limit for the OUT_OF_MEMORY answer.
+    pub(super) fn within_limit(&mut self, s: SessionId, more: u64) -> Result<(), Status> {
+        let Some(max) = self.max_session_bytes else { return Ok(()) };
+        let held = self.sessions.get(&s).map_or(0, |x| x.held_bytes);
+        if held.saturating_add(more) > max {
+            self.limit_hit = Some(max);
+            self.counters.client_limit_hit();
+            return Err(Status::OutOfMemory);
+        }
+        Ok(())
+    }
+
+    /// Adds `delta` (or takes `-delta`) to session `s`'s held bytes.
+    pub(super) fn hold(&mut self, s: SessionId, bytes: u64, taken: bool) {
+        if let Some(x) = self.sessions.get_mut(&s) {
+            x.held_bytes = if taken { x.held_bytes.saturating_add(bytes) } else { x.held_bytes.saturating_sub(bytes) };
+        }
+    }
+
+    /// Sets the most extent bytes one session may hold reserved and pinned
+    /// (`kachedb serve --max-client-bytes`); `None`: no limit.
+    pub fn set_max_session_bytes(&mut self, max: Option<u64>) {
+        self.max_session_bytes = max;
+    }
+}

@@ -1,0 +1,104 @@
+//! The slot tables behind handles: block slots (a reservation or a block
+//! each) and pin slots (one session's pins of one block each). Freed slots
+//! are reused; each one's generation is bumped when it is freed, so a stale
+//! handle no longer matches.
+
+use super::handles::next_generation;
+use super::{SessionId, Store, Tensor};
+use kachedb_shm::Status;
+
+/// Slot indexes are `u32`; at most this many slots of each table.
+pub(super) const MAX_SLOTS: usize = u32::MAX as usize;
+
+#[derive(Clone, Debug)]
+pub(super) enum SlotState {
+    Free,
+    Reserved {
+        owner: SessionId,
+        tensor: Tensor,
+    },
+    Block {
+        tensor: Tensor,
+        /// The block of its key in `keys`.
+        linked: bool,
+        /// Pins, all sessions together.
+        pins: u64,
+        /// Its key in `lru`; `Some` exactly when linked and unpinned.
+        lru_tick: Option<u64>,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Slot {
+    /// Bumped each time the slot is freed.
+    pub(super) generation: u32,
+    pub(super) state: SlotState,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pin {
+    pub(super) session: SessionId,
+    pub(super) block_index: u32,
+    /// GETs not yet released; > 0.
+    pub(super) count: u64,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct PinSlot {
+    /// Bumped each time the slot is freed.
+    pub(super) generation: u32,
+    pub(super) pin: Option<Pin>,
+}
+
+impl Store {
+    /// Puts `state` in a free slot (reusing one if any); `None` when the table is full.
+    pub(super) fn take_slot(&mut self, state: SlotState) -> Option<u32> {
+        if let Some(index) = self.free_slots.pop() {
+            match self.slots.get_mut(index as usize) {
+                Some(slot) => {
+                    slot.state = state;
+                    return Some(index);
+                }
+                None => return None,
+            }
+        }
+        if self.slots.len() >= MAX_SLOTS {
+            return None;
+        }
+        let index = u32::try_from(self.slots.len()).ok()?;
+        self.slots.push(Slot { generation: 0, state });
+        Some(index)
+    }
+
+    /// Marks slot `index` free and bumps its generation.
+    pub(super) fn release_slot(&mut self, index: u32) -> Result<(), Status> {
+        let slot = self.slots.get_mut(index as usize).ok_or(Status::Internal)?;
+        slot.state = SlotState::Free;
+        slot.generation = next_generation(slot.generation);
+        self.free_slots.push(index);
+        Ok(())
+    }
+
+    pub(super) fn take_pin_slot_for(&mut self, pin: Pin) -> Option<u32> {
+        if let Some(index) = self.free_pin_slots.pop() {
+            let ps = self.pin_slots.get_mut(index as usize)?;
+            ps.pin = Some(pin);
+            return Some(index);
+        }
+        if self.pin_slots.len() >= MAX_SLOTS {
+            return None;
+        }
+        let index = u32::try_from(self.pin_slots.len()).ok()?;
+        self.pin_slots.push(PinSlot { generation: 0, pin: Some(pin) });
+        Some(index)
+    }
+
+    /// Empties pin slot `index` (bumping its generation); returns the count it held.
+    pub(super) fn take_pin_slot(&mut self, index: u32) -> Result<u64, Status> {
+        let ps = self.pin_slots.get_mut(index as usize).ok_or(Status::Internal)?;
+        let pin = ps.pin.take().ok_or(Status::Internal)?;
+        ps.generation = next_generation(ps.generation);
+        self.free_pin_slots.push(index);
+        Ok(pin.count)
+    }
+}

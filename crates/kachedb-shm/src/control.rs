@@ -1,0 +1,489 @@
+//! The control socket's messages, as types: what a client asks
+//! ([`ControlRequest`]), what the daemon answers ([`Reply`] of a [`HelloReply`]
+//! or a [`StatsReply`], or a [`Refusal`]), the daemon's [`Stats`], the protocol
+//! version, and the framing (one JSON object per `\n`-terminated line, at most
+//! [`MAX_LINE_LEN`] bytes: [`to_line`], [`from_line`], [`read_line`],
+//! [`LineBuffer`]).
+//!
+//! Both ends and the CLI use these types, so the JSON on the wire
+//! (`docs/PROTOCOL.md`, "Control socket") is written down here once. Unknown
+//! fields are ignored and missing ones take their default, so a client and a
+//! daemon one field apart still understand each other; the version in
+//! [`ControlRequest::Hello`] is what must match.
+
+use serde::de::{DeserializeOwned, Error as _};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::io::{BufRead, Read};
+
+/// Version of the control protocol; the daemon refuses a hello with another.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Longest control message, bytes (its newline excluded).
+pub const MAX_LINE_LEN: usize = 64 * 1024;
+
+/// What a client sends on the control socket.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ControlRequest {
+    /// `{"op":"hello","version":1,"pid":N}`: asks for a channel and the
+    /// region fd. The connection then stays open for the client's life.
+    Hello {
+        /// [`PROTOCOL_VERSION`] of the client (0 when absent: refused).
+        #[serde(default)]
+        version: u32,
+        /// The client's pid, for logs (the daemon trusts `SO_PEERCRED`).
+        #[serde(default)]
+        pid: u32,
+    },
+    /// `{"op":"stats"}`: asks for [`Stats`]; answered after every frame
+    /// already published on the rings has been served.
+    Stats,
+}
+
+impl ControlRequest {
+    /// The hello of this process at this protocol version.
+    pub fn hello() -> Self {
+        ControlRequest::Hello { version: PROTOCOL_VERSION, pid: std::process::id() }
+    }
+}
+
+/// The daemon's answer: `{"ok":true, …the fields of T}` or, refused,
+/// `{"ok":false,"error":"…what to do…"}` (after which the daemon closes the
+/// connection).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reply<T> {
+    /// `ok: true` and the answer.
+    Accepted(T),
+    /// `ok: false` and why.
+    Refused(Refusal),
+}
+
+/// Why the daemon refused a request; the message says what to do.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    /// The reason (empty when the daemon gave none).
+    #[serde(default)]
+    pub error: String,
+}
+
+impl Refusal {
+    /// A refusal for `why`.
+    pub fn new(why: impl Into<String>) -> Self {
+        Self { error: why.into() }
+    }
+
+    /// The reason, or "no reason given".
+    pub fn reason(&self) -> &str {
+        if self.error.is_empty() {
+            "no reason given"
+        } else {
+            &self.error
+        }
+    }
+}
+
+/// The refusal in a reply line, if the line is one (whatever an accepted
+/// reply would have carried).
+pub fn refusal_in(line: &[u8]) -> Option<Refusal> {
+    match from_line::<Reply<serde::de::IgnoredAny>>(line).ok()? {
+        Reply::Refused(r) => Some(r),
+        Reply::Accepted(_) => None,
+    }
+}
+
+impl<T: Serialize> Serialize for Reply<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Accepted<'a, T> {
+            ok: bool,
+            #[serde(flatten)]
+            body: &'a T,
+        }
+        #[derive(Serialize)]
+        struct Refused<'a> {
+            ok: bool,
+            error: &'a str,
+        }
+        match self {
+            Reply::Accepted(body) => Accepted { ok: true, body }.serialize(s),
+            Reply::Refused(r) => Refused { ok: false, error: &r.error }.serialize(s),
+        }
+    }
+}
+
+impl<'de, T: DeserializeOwned> Deserialize<'de> for Reply<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // `ok` decides how to read the rest; JSON objects are small here.
+        let v = serde_json::Value::deserialize(d)?;
+        match v.get("ok") {
+            Some(serde_json::Value::Bool(true)) => T::deserialize(v).map(Reply::Accepted).map_err(D::Error::custom),
+            Some(serde_json::Value::Bool(false)) => {
+                Refusal::deserialize(v).map(Reply::Refused).map_err(D::Error::custom)
+            }
+            _ => Err(D::Error::custom("a control reply needs a boolean \"ok\"")),
+        }
+    }
+}
+
+/// The answer to a hello; the region fd travels with this line (`SCM_RIGHTS`).
+/// Every field is required.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloReply {
+    /// The channel (pair of rings) given to this client.
+    pub channel: u32,
+    /// The region's random generation (must match the attached region's header).
+    pub generation: u64,
+    /// Region bytes.
+    pub region_len: u64,
+    /// `LAYOUT_VERSION` of the daemon's region.
+    pub layout_version: u32,
+    /// The daemon's pid.
+    pub daemon_pid: u32,
+}
+
+/// The answer to a stats request.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StatsReply {
+    /// The daemon's stats.
+    pub stats: Stats,
+}
+
+/// What `kachedb stats --json` prints and Python's `stats()` returns: one flat
+/// JSON object (the sections below are flattened into it).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Stats {
+    /// The block store's counters and gauges.
+    #[serde(flatten)]
+    pub store: StoreStats,
+    /// The serve loop's counters.
+    #[serde(flatten)]
+    pub serve: ServeStats,
+    /// Frames served per second over the last whole second (0 when idle for 3 s).
+    pub ops_per_s: f64,
+    /// Region bytes.
+    pub region_bytes: u64,
+    /// Megaslab bytes.
+    pub slab_bytes: u64,
+    /// Channels (clients connected at once).
+    pub channels: u32,
+    /// Slots per ring.
+    pub ring_capacity: u32,
+    /// Seconds since the daemon started.
+    pub uptime_s: f64,
+    /// The daemon's pid.
+    pub daemon_pid: u32,
+    /// The control socket's path.
+    pub socket: String,
+    /// Whether the store's invariants hold, checked for this answer: in full
+    /// when `invariants_full` (a daemon started with `--check-invariants`;
+    /// `O(n log n)`, for tests and debugging), else the `O(1)` cross-checks of
+    /// its counters (bytes used + free = total, pins and reservations counted
+    /// two ways agree, evictable ≤ used).
+    pub invariants_ok: bool,
+    /// Whether `invariants_ok` comes from the full check.
+    pub invariants_full: bool,
+    /// Channels held back until the process of a client disconnected as corrupt exits.
+    pub channels_quarantined: u64,
+}
+
+impl Stats {
+    /// The JSON object, on one line without its newline.
+    pub fn to_json(&self) -> String {
+        // Serialising this struct cannot fail: string keys, no custom
+        // serialisers that fail (non-finite floats become `null`).
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// Counters and gauges of the daemon's block store.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StoreStats {
+    /// Open sessions.
+    pub sessions: u64,
+    /// Committed blocks linked under their key (what GET can find).
+    pub blocks: u64,
+    /// Deleted or replaced blocks still held by pins.
+    pub unlinked_blocks: u64,
+    /// Live reservations (not yet committed or aborted).
+    pub reserved: u64,
+    /// Pins held, all sessions and blocks together.
+    pub pins: u64,
+    /// Bytes in allocated extents (blocks, unlinked blocks, reservations).
+    pub bytes_used: u64,
+    /// Bytes in free extents.
+    pub bytes_free: u64,
+    /// Bytes of the megaslab under management.
+    pub bytes_total: u64,
+    /// Largest free extent, bytes.
+    pub largest_free_bytes: u64,
+    /// Bytes held by linked unpinned blocks (what eviction could free).
+    pub evictable_bytes: u64,
+    /// Free extents (a fragmentation measure).
+    pub free_extents: u64,
+    /// Blocks evicted since start.
+    pub evictions: u64,
+    /// Extent bytes freed by eviction since start.
+    pub evicted_bytes: u64,
+    /// Committed blocks that replaced an older block of the same key.
+    pub replaced: u64,
+    /// PING requests.
+    pub pings: u64,
+    /// RESERVE requests (any outcome).
+    pub reserves: u64,
+    /// COMMIT requests (any outcome).
+    pub commits: u64,
+    /// ABORT requests (any outcome).
+    pub aborts: u64,
+    /// GET requests (any outcome).
+    pub gets: u64,
+    /// GET requests that found their key.
+    pub get_hits: u64,
+    /// RELEASE requests (any outcome).
+    pub releases: u64,
+    /// LOOKUP requests (any outcome).
+    pub lookups: u64,
+    /// LOOKUP requests that found their key.
+    pub lookup_hits: u64,
+    /// DELETE requests (any outcome).
+    pub deletes: u64,
+    /// DELETE requests that found their key.
+    pub delete_hits: u64,
+    /// STATS requests.
+    pub stats_requests: u64,
+    /// Completions with status `NOT_FOUND`.
+    pub not_found: u64,
+    /// Completions with status `OUT_OF_MEMORY`.
+    pub out_of_memory: u64,
+    /// Of those, the ones refused by the per-client limit (`--max-client-bytes`).
+    pub client_limit_hits: u64,
+    /// Completions with status `INVALID`.
+    pub invalid: u64,
+    /// Completions with status `BAD_HANDLE`.
+    pub bad_handle: u64,
+    /// Completions with status `TOO_LARGE`.
+    pub too_large: u64,
+    /// Completions with status `INTERNAL`, plus internal errors met while
+    /// closing sessions (each one is a bug).
+    pub internal: u64,
+}
+
+/// Counters of the daemon's serve loop.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServeStats {
+    /// Frames served (decoded or rejected).
+    pub ops: u64,
+    /// Frames that failed decoding (answered `INVALID`).
+    pub rejected_frames: u64,
+    /// Clients connected now.
+    pub clients_connected: u64,
+    /// Clients connected since start.
+    pub clients_total: u64,
+    /// Clients disconnected because their rings were corrupt.
+    pub clients_kicked: u64,
+    /// Wake syscalls made for parked clients.
+    pub wakeups_sent: u64,
+    /// Times the serve loop parked on the doorbell.
+    pub parks: u64,
+}
+
+/// Why a control line could not be read, written or understood.
+#[derive(Debug, thiserror::Error)]
+pub enum LineError {
+    /// More than [`MAX_LINE_LEN`] bytes without a newline.
+    #[error("control message longer than {} KiB", MAX_LINE_LEN / 1024)]
+    TooLong,
+    /// The peer closed the connection before sending a line.
+    #[error("the connection closed before a full control message")]
+    Closed,
+    /// Reading or writing the socket failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The line is not the JSON of the expected message.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// One message as a line: its JSON and a `\n`.
+pub fn to_line<T: Serialize>(msg: &T) -> Result<Vec<u8>, LineError> {
+    let mut line = serde_json::to_vec(msg)?;
+    line.push(b'\n');
+    Ok(line)
+}
+
+/// One message from a line (its `\n`, if still there, is ignored).
+pub fn from_line<T: DeserializeOwned>(line: &[u8]) -> Result<T, LineError> {
+    let line = line.strip_suffix(b"\n").unwrap_or(line);
+    if line.len() > MAX_LINE_LEN {
+        return Err(LineError::TooLong);
+    }
+    Ok(serde_json::from_slice(line)?)
+}
+
+/// Reads one line from a blocking reader: up to its `\n`, or up to the end of
+/// the stream if the peer closed after a last line without one. Bytes the
+/// reader buffered past the line stay in it.
+pub fn read_line(r: &mut impl BufRead) -> Result<Vec<u8>, LineError> {
+    let mut line = Vec::new();
+    r.by_ref().take(MAX_LINE_LEN as u64 + 1).read_until(b'\n', &mut line)?;
+    match line.last() {
+        Some(b'\n') => {
+            line.pop();
+            Ok(line)
+        }
+        None => Err(LineError::Closed),
+        Some(_) if line.len() > MAX_LINE_LEN => Err(LineError::TooLong),
+        Some(_) => Ok(line),
+    }
+}
+
+/// Bytes of a stream read piecemeal (a non-blocking socket, `recvmsg`), cut
+/// into lines.
+#[derive(Debug, Default)]
+pub struct LineBuffer {
+    buf: Vec<u8>,
+}
+
+impl LineBuffer {
+    /// An empty buffer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends bytes read. Fails once more than [`MAX_LINE_LEN`] bytes wait
+    /// to be taken: a peer that sends that much at once is not speaking this
+    /// protocol.
+    pub fn extend(&mut self, bytes: &[u8]) -> Result<(), LineError> {
+        self.buf.extend_from_slice(bytes);
+        if self.buf.len() > MAX_LINE_LEN {
+            return Err(LineError::TooLong);
+        }
+        Ok(())
+    }
+
+    /// Takes the first complete line, without its `\n`.
+    pub fn next_line(&mut self) -> Option<Vec<u8>> {
+        let end = self.buf.iter().position(|&b| b == b'\n')?;
+        let mut line: Vec<u8> = self.buf.drain(..=end).collect();
+        line.pop();
+        Some(line)
+    }
+
+    /// Whether a complete line is waiting.
+    pub fn has_line(&self) -> bool {
+        self.buf.contains(&b'\n')
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json(line: &[u8]) -> serde_json::Value {
+        serde_json::from_slice(line).unwrap()
+    }
+
+    #[test]
+    fn requests_on_the_wire() {
+        let hello = ControlRequest::Hello { version: 1, pid: 42 };
+        let line = to_line(&hello).unwrap();
+        assert_eq!(line.last(), Some(&b'\n'));
+        assert_eq!(json(&line), serde_json::json!({"op": "hello", "version": 1, "pid": 42}));
+        assert_eq!(from_line::<ControlRequest>(&line).unwrap(), hello);
+        assert_eq!(json(&to_line(&ControlRequest::Stats).unwrap()), serde_json::json!({"op": "stats"}));
+        assert_eq!(from_line::<ControlRequest>(br#"{"op":"stats"}"#).unwrap(), ControlRequest::Stats);
+        // A hello without a version reads as version 0 (which the daemon refuses with a reason).
+        assert_eq!(
+            from_line::<ControlRequest>(br#"{"op":"hello"}"#).unwrap(),
+            ControlRequest::Hello { version: 0, pid: 0 }
+        );
+        for bad in [&b"not json"[..], br#"{"op":"launch"}"#, br#"{"version":1}"#, b"[]"] {
+            assert!(from_line::<ControlRequest>(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn replies_on_the_wire() {
+        let hello = HelloReply { channel: 3, generation: 77, region_len: 1 << 30, layout_version: 1, daemon_pid: 9 };
+        let line = to_line(&Reply::Accepted(hello.clone())).unwrap();
+        assert_eq!(
+            json(&line),
+            serde_json::json!({"ok": true, "channel": 3, "generation": 77, "region_len": 1u64 << 30,
+                               "layout_version": 1, "daemon_pid": 9})
+        );
+        assert_eq!(from_line::<Reply<HelloReply>>(&line).unwrap(), Reply::Accepted(hello));
+        let refused = Reply::<HelloReply>::Refused(Refusal::new("all 4 channels are in use"));
+        let line = to_line(&refused).unwrap();
+        assert_eq!(json(&line), serde_json::json!({"ok": false, "error": "all 4 channels are in use"}));
+        assert_eq!(from_line::<Reply<HelloReply>>(&line).unwrap(), refused);
+        // Any reply can be read as a refusal or not, whatever it carries.
+        assert_eq!(refusal_in(&line), Some(Refusal::new("all 4 channels are in use")));
+        assert_eq!(refusal_in(&to_line(&Reply::Accepted(StatsReply::default())).unwrap()), None);
+        match from_line::<Reply<StatsReply>>(br#"{"ok":false}"#).unwrap() {
+            Reply::Refused(r) => assert_eq!(r.reason(), "no reason given"),
+            other => panic!("{other:?}"),
+        }
+        assert!(from_line::<Reply<HelloReply>>(br#"{"channel":1}"#).is_err());
+    }
+
+    #[test]
+    fn stats_are_one_flat_object() {
+        let mut st = Stats { ops_per_s: 1.5, socket: "/tmp/k.sock".into(), invariants_ok: true, ..Stats::default() };
+        st.store.blocks = 2;
+        st.serve.clients_connected = 1;
+        let v: serde_json::Value = serde_json::from_str(&st.to_json()).unwrap();
+        let m = v.as_object().unwrap();
+        for key in [
+            "blocks",
+            "bytes_used",
+            "bytes_free",
+            "bytes_total",
+            "pins",
+            "reserved",
+            "evictions",
+            "internal",
+            "clients_connected",
+            "clients_kicked",
+            "rejected_frames",
+            "ops",
+            "ops_per_s",
+            "region_bytes",
+            "uptime_s",
+            "daemon_pid",
+            "socket",
+            "invariants_ok",
+            "channels_quarantined",
+        ] {
+            assert!(m.contains_key(key), "{key} missing from {v}");
+        }
+        assert!(m.values().all(|x| !x.is_object()), "nested: {v}");
+        assert_eq!((v["blocks"].as_u64(), v["clients_connected"].as_u64()), (Some(2), Some(1)));
+        let reply = to_line(&Reply::Accepted(StatsReply { stats: st.clone() })).unwrap();
+        match from_line::<Reply<StatsReply>>(&reply).unwrap() {
+            Reply::Accepted(r) => assert_eq!(r.stats, st),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn line_framing() {
+        let mut r = std::io::Cursor::new(b"{\"a\":1}\n{\"b\":2}".to_vec());
+        assert_eq!(read_line(&mut r).unwrap(), b"{\"a\":1}");
+        assert_eq!(read_line(&mut r).unwrap(), b"{\"b\":2}");
+        assert!(matches!(read_line(&mut r), Err(LineError::Closed)));
+        let long = vec![b' '; MAX_LINE_LEN + 1];
+        assert!(matches!(read_line(&mut std::io::Cursor::new(long.clone())), Err(LineError::TooLong)));
+        assert!(matches!(from_line::<ControlRequest>(&long), Err(LineError::TooLong)));
+
+        let mut b = LineBuffer::new();
+        b.extend(b"{\"op\":").unwrap();
+        assert!(!b.has_line() && b.next_line().is_none());
+        b.extend(b"\"stats\"}\n{\"op\"").unwrap();
+        assert_eq!(from_line::<ControlRequest>(&b.next_line().unwrap()).unwrap(), ControlRequest::Stats);
+        assert!(b.next_line().is_none());
+        assert!(matches!(b.extend(&long), Err(LineError::TooLong)));
+    }
+}

@@ -1,0 +1,100 @@
+"""benchmarks/python_ops.py (the Python-side figures) in its quick size, against
+a daemon it starts and against a given one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+import kachedb
+
+pytest.importorskip("torch")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "python_ops.py")
+
+
+def run_bench(*args, timeout=280):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def daemon():
+    """A 16 MiB daemon on a private socket, stopped afterwards."""
+    d = tempfile.mkdtemp(prefix="kdbops-", dir="/tmp")
+    sock = os.path.join(d, "d.sock")
+    with open(os.path.join(d, "daemon.log"), "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kachedb", "serve", "--socket", sock, "--size", "16MiB"],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"the test daemon exited with {proc.returncode}"
+            try:
+                kachedb.connect(sock).close()
+                break
+            except kachedb.Disconnected:
+                assert time.monotonic() < deadline, "the test daemon did not come up within 30 s"
+                time.sleep(0.01)
+        yield sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_bench_quick_json_smoke():
+    out = run_bench("--quick", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    by = {}
+    for rec in lines:
+        by.setdefault(rec["bench"], []).append(rec)
+    for name in ("py_ping_rtt", "py_get_rtt_native", "py_get_rtt"):
+        (rec,) = by[name]
+        assert rec["p50_ns"] > 0 and rec["p99_ns"] >= rec["p50_ns"]
+    assert by["py_get_rtt_native"][0]["call"] == "NativeClient.get"
+    assert by["py_get_overhead"][0]["mean_ns"] > 0
+    views = by["py_get_view"]
+    assert [v["bytes"] for v in views] == [1 << 20, 64 << 20]
+    for v in views:
+        assert "skipped" in v or v["p50_ns"] > 0
+    (put,) = by["py_put"]
+    assert put["bytes"] == 64 << 20
+    if "skipped" not in put:
+        assert put["gbps"] > 0 and put["torch_copy_gbps"] > 0
+        assert put["ratio"] == pytest.approx(put["gbps"] / put["torch_copy_gbps"])
+    (many,) = by["py_get_many"]
+    assert many["batch"] == 64 and many["ops_per_s"] > 0 and many["ops_per_s_with_release"] > 0
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_bench_against_a_given_socket_and_table_output(daemon):
+    out = run_bench("--quick", "--socket", daemon)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "GET-hit round trip" in out.stdout and "target" in out.stdout
+    # the 16 MiB daemon cannot hold the 64 MiB block nor the 64 MiB put: said, not crashed
+    assert "64 MiB as a torch view      skipped: larger than the daemon's 16 MiB megaslab" in out.stdout
+    assert "1 MiB as a torch view      p50" in out.stdout  # but the 1 MiB one fits
+    assert "PUT 64 MiB  skipped" in out.stdout
+    with kachedb.connect(daemon) as kc:
+        assert kc.stats()["pins"] == 0
+
+
+def test_help():
+    out = run_bench("--help", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--quick" in out.stdout and "--json" in out.stdout

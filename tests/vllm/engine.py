@@ -1,0 +1,185 @@
+"""One vLLM engine process for the KacheDB integration tests and benchmark.
+
+Run with the vLLM virtual environment's python: ``python engine.py SPEC.json``.
+SPEC is a JSON object::
+
+    {"model": dir, "socket": path or null (null: no KacheDB), "mode": "inproc" | "mp",
+     "max_model_len": 2048, "block_size": 32, "load_format": "auto" | "dummy",
+     "prefix_caching": true, "options": {...kv_transfer_config options},
+     "phases": [ {"prompts": [[ids...], ...], "max_tokens": 8,
+                  "before": [actions], "after": [actions]}, ... ],
+     "out": path}
+
+Actions (run in this process, between generate calls): ``{"reset_prefix_cache": true}``,
+``{"corrupt_loaded": true}`` (give every block this process loaded the bytes of
+another, through the KacheDB API), ``{"delete_on_load": k}`` (from now on, the k-th key of each
+load is deleted from the daemon between vLLM's lookup and the load),
+``{"start_daemon": {"bin": path, "size": "256MiB"}}``, ``{"kill_daemon": true}``,
+``{"wait_file": path, "timeout": s}``, ``{"touch_file": path}``, ``{"sleep": s}``.
+
+Writes to ``out`` a JSON object: per phase, per prompt ``tokens`` and
+``num_cached_tokens``, ``ttft_s`` / ``wall_s``; ``stats`` = ``kachedb.vllm.stats()``
+(in-process engines only) and ``startup_s``.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _start_daemon(bin_path, socket, size):
+    if os.path.exists(socket):
+        os.unlink(socket)
+    log = open(socket + ".log", "ab")
+    p = subprocess.Popen([bin_path, "serve", "--socket", socket, "--size", size], stdout=log, stderr=log,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not os.path.exists(socket):
+        time.sleep(0.05)
+    time.sleep(0.1)
+    return p
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if spec.get("mode", "inproc") == "inproc":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if spec.get("socket"):
+        import kachedb.vllm
+
+        kw["kv_transfer_config"] = KVTransferConfig(**kachedb.vllm.kv_transfer_config(spec["socket"], **spec.get("options", {})))
+    llm = LLM(
+        model=spec["model"],
+        load_format=spec.get("load_format", "auto"),
+        seed=0,
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "float32"),
+        max_model_len=spec.get("max_model_len", 2048),
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        block_size=spec.get("block_size", 32),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 2048)),
+        **kw,
+    )
+    startup = time.perf_counter() - t0
+    result = {"startup_s": startup, "phases": []}
+    daemon = None
+    deleting = {"k": None}
+
+    if spec.get("socket") and spec.get("mode", "inproc") == "inproc":
+        # Test hook for "a block deleted between lookup and load": wraps the manager.
+        from kachedb.vllm import manager as _m
+
+        orig_prepare_load = _m.KacheDBOffloadingManager.prepare_load
+
+        def prepare_load(self, keys, req_context):
+            k = deleting["k"]
+            keys = list(keys)
+            if k is not None and len(keys) > k:
+                import kachedb
+
+                with kachedb.connect(spec["socket"]) as kc:
+                    gone = kc.delete(self.spec.daemon_key(keys[k]))
+                result.setdefault("deleted", []).append(bool(gone))
+            return orig_prepare_load(self, keys, req_context)
+
+        _m.KacheDBOffloadingManager.prepare_load = prepare_load
+
+    def act(a):
+        nonlocal daemon
+        if a.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        if a.get("corrupt_loaded"):
+            # Negative control: give every block this process loaded the bytes of
+            # another one (finite values, wrong tokens), through the KacheDB API.
+            import kachedb
+            import kachedb.vllm
+
+            keys = [bytes.fromhex(h) for h in dict.fromkeys(kachedb.vllm.stats()["loaded_keys"])]
+            with kachedb.connect(spec["socket"]) as kc:
+                blocks = []
+                for key in keys:
+                    with kc.get(key) as t:
+                        blocks.append(t.clone())
+                for i, key in enumerate(keys):
+                    kc.put(key, blocks[(i + 1) % len(blocks)])
+            result["corrupted"] = len(keys)
+        if "delete_on_load" in a:
+            deleting["k"] = a["delete_on_load"]
+        if a.get("start_daemon"):
+            d = a["start_daemon"]
+            daemon = _start_daemon(d["bin"], spec["socket"], d.get("size", "256MiB"))
+        if a.get("kill_daemon"):
+            if daemon is not None:
+                daemon.send_signal(signal.SIGKILL)
+                daemon.wait()
+                daemon = None
+        if a.get("wait_file"):
+            deadline = time.monotonic() + a.get("timeout", 300)
+            while not os.path.exists(a["wait_file"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(a["wait_file"])
+                time.sleep(0.1)
+        if a.get("touch_file"):
+            open(a["touch_file"], "w").close()
+        if a.get("sleep"):
+            time.sleep(a["sleep"])
+
+    try:
+        for ph in spec["phases"]:
+            for a in ph.get("before", []):
+                act(a)
+            sp = SamplingParams(temperature=0, max_tokens=ph.get("max_tokens", 8), detokenize=False)
+            prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
+            outs = []
+            for p in prompts:  # one at a time: TTFT per prompt
+                t = time.perf_counter()
+                o = llm.generate([p], sp, use_tqdm=False)[0]
+                wall = time.perf_counter() - t
+                m = getattr(o, "metrics", None)
+                ttft = None
+                try:
+                    ttft = m.first_token_latency if m is not None else None
+                except Exception:
+                    ttft = None
+                outs.append({
+                    "tokens": list(o.outputs[0].token_ids),
+                    "num_cached_tokens": o.num_cached_tokens,
+                    "wall_s": wall,
+                    "ttft_s": ttft,
+                })
+            rec = {"outputs": outs}
+            if spec.get("socket") and spec.get("mode", "inproc") == "inproc":
+                import kachedb.vllm
+
+                st = kachedb.vllm.stats()
+                st.pop("stored_keys", None)
+                rec["stats"] = st
+            result["phases"].append(rec)
+            for a in ph.get("after", []):
+                act(a)
+    finally:
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait()
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)
+    # Engine shutdown (and, in mp mode, the engine-core process exit) happens here.
+    del llm
+
+
+if __name__ == "__main__":
+    main()

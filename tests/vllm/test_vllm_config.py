@@ -1,0 +1,69 @@
+"""kachedb.vllm's configuration and key namespace (no engine: seconds)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kachedb
+import kachedb.vllm
+from kachedb.vllm import keys
+
+
+def test_kv_transfer_config_is_accepted_by_vllm(tmp_path):
+    from vllm.config import KVTransferConfig
+
+    cfg = kachedb.vllm.kv_transfer_config(str(tmp_path / "d.sock"), namespace="tenant-a")
+    ktc = KVTransferConfig(**cfg)
+    assert ktc.kv_connector == "KacheDBConnector"
+    assert ktc.kv_connector_module_path == "kachedb.vllm.connector"
+    assert ktc.kv_load_failure_policy == "recompute"
+    extra = ktc.kv_connector_extra_config
+    assert extra["spec_name"] == "KacheDBOffloadingSpec" and extra["spec_module_path"] == "kachedb.vllm.spec"
+    assert extra["socket"] == str(tmp_path / "d.sock") and extra["namespace"] == "tenant-a"
+    # the classes it names import and are what vLLM expects
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+    from kachedb.vllm.connector import KacheDBConnector
+    from kachedb.vllm.spec import KacheDBOffloadingSpec
+
+    assert issubclass(KacheDBConnector, OffloadingConnector) and issubclass(KacheDBOffloadingSpec, OffloadingSpec)
+
+
+def test_socket_defaults_like_connect(monkeypatch):
+    monkeypatch.setenv("KACHEDB_SOCKET", "/tmp/somewhere/k.sock")
+    assert kachedb.vllm.kv_transfer_config()["kv_connector_extra_config"]["socket"] == "/tmp/somewhere/k.sock"
+    monkeypatch.delenv("KACHEDB_SOCKET")
+    assert kachedb.vllm.kv_transfer_config()["kv_connector_extra_config"]["socket"] == kachedb.default_socket_path()
+
+
+def test_cli_prints_the_same_json(tmp_path):
+    sock = str(tmp_path / "x.sock")
+    out = subprocess.run([sys.executable, "-m", "kachedb", "vllm-config", "--socket", sock],
+                         check=True, capture_output=True, text=True).stdout
+    assert json.loads(out) == kachedb.vllm.kv_transfer_config(sock)
+    env = dict(os.environ, KACHEDB_SOCKET=sock)
+    out = subprocess.run([sys.executable, "-m", "kachedb", "vllm-config"], check=True, capture_output=True, text=True,
+                         env=env).stdout
+    assert json.loads(out)["kv_connector_extra_config"]["socket"] == sock
+
+
+BASE = dict(model="/m", hf_config={"hidden_size": 8}, dtype="float16", kv_cache_dtype="float16", tokens_per_block=[32],
+            bytes_per_block=4096, num_layers=2, tp_rank=0, tp_size=1, kv_layout="LBHNC", hash_algo="sha256")
+
+
+@pytest.mark.parametrize("change", [
+    {"model": "/other"}, {"hf_config": {"hidden_size": 8, "rope_theta": 1.0}}, {"config_file_sha256": "ab"},
+    {"dtype": "bfloat16"}, {"kv_cache_dtype": "fp8"}, {"tokens_per_block": [64]}, {"bytes_per_block": 8192},
+    {"tp_rank": 1}, {"tp_size": 2}, {"kv_layout": "BLHNC"}, {"hash_algo": "sha256_cbor"}, {"salt": "x"},
+    {"num_layers": 3}, {"load_format": "dummy", "seed": 0},
+])
+def test_every_field_changes_the_namespace(change):
+    a = keys.namespace_digest(keys.namespace_fields(**BASE))
+    b = keys.namespace_digest(keys.namespace_fields(**dict(BASE, **change)))
+    assert a != b and len(a) == 16
+    assert keys.namespace_digest(keys.namespace_fields(**BASE)) == a  # stable
+    assert keys.block_key(a, b"h" * 36) != keys.block_key(b, b"h" * 36)

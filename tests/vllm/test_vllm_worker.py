@@ -1,0 +1,114 @@
+"""kachedb.vllm's transfer worker on synthetic vLLM-shaped CPU KV caches (no engine):
+lossless round trip, one batch per direction, failed loads reported, full store skipped,
+daemon absent."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
+
+import kachedb
+from kachedb.vllm import _state
+from kachedb.vllm.manager import KacheDBLoadStoreSpec
+from kachedb.vllm.worker import KacheDBOffloadingWorker
+from vllm_support import Daemon
+
+LAYERS, BLOCKS, PAGE = 4, 64, 8192
+
+
+def caches(one_buffer=True):
+    g = torch.Generator().manual_seed(0)
+    if one_buffer:  # vLLM's CPU layout: one buffer, layer-major
+        buf = torch.randint(-128, 127, (LAYERS, BLOCKS, PAGE), dtype=torch.int8, generator=g)
+        layers = [buf[l] for l in range(LAYERS)]
+    else:
+        layers = [torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8, generator=g) for _ in range(LAYERS)]
+    c = CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in layers], [[CanonicalKVCacheRef(l, PAGE) for l in range(LAYERS)]])
+    return c, layers
+
+
+def worker(sock, c):
+    ns = os.urandom(16)
+    spec = SimpleNamespace(socket=sock, rank=0, retry_s=0.2, store_mode="batched", stats_file=None,
+                           daemon_key=lambda k, rank=None: ns + bytes(k))
+    return KacheDBOffloadingWorker(spec, c), spec
+
+
+def keys(n, start=0):
+    return [i.to_bytes(32, "big") + b"\0\0\0\0" for i in range(start, start + n)]
+
+
+@pytest.fixture(scope="module")
+def daemon(workdir):
+    d = Daemon(str(workdir / "worker.sock"), size="64MiB").start()
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("one_buffer", [True, False])
+@pytest.mark.parametrize("mode", ["batched", "reserve"])
+def test_store_then_load_is_lossless_and_batched(daemon, one_buffer, mode):
+    c, layers = caches(one_buffer)
+    w, spec = worker(daemon.socket, c)
+    spec.store_mode = mode
+    before = dict(_state.COUNTERS)
+    n = 16
+    src, dst = list(range(n)), list(range(32, 32 + n))
+    w.submit_store(1, GPULoadStoreSpec(src, [n], [0]), KacheDBLoadStoreSpec(keys(n)))
+    w.submit_load(2, KacheDBLoadStoreSpec(keys(n)), GPULoadStoreSpec(dst, [n], [0]))
+    assert sorted(r.job_id for r in w.get_finished()) == [1, 2]
+    for t in layers:
+        assert torch.equal(t[src], t[dst])
+    assert w.take_invalid_block_ids() == set()
+    assert _state.COUNTERS["store_batches"] - before.get("store_batches", 0) == 1
+    assert _state.COUNTERS["load_batches"] - before.get("load_batches", 0) == 1
+    w.shutdown()
+    st = daemon.stats()
+    assert st["pins"] == 0 and st["reserved"] == 0
+
+
+def test_missing_block_is_a_failed_load_from_there_on(daemon):
+    c, layers = caches()
+    w, spec = worker(daemon.socket, c)
+    w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), KacheDBLoadStoreSpec(keys(4)))
+    with kachedb.connect(daemon.socket) as kc:
+        assert kc.delete(spec.daemon_key(keys(4)[2]))
+    snapshot = [t[40:44].clone() for t in layers]
+    w.submit_load(2, KacheDBLoadStoreSpec(keys(4)), GPULoadStoreSpec([40, 41, 42, 43], [4], [0]))
+    assert {r.job_id: r.success for r in w.get_finished()} == {1: True, 2: True}
+    assert w.take_invalid_block_ids() == {42, 43}
+    for t, s in zip(layers, snapshot):
+        assert torch.equal(t[40:42], t[0:2])  # the leading blocks were loaded
+        assert torch.equal(t[42:44], s[2:4])  # the failed ones were not touched
+    w.shutdown()
+
+
+def test_full_store_skips(daemon):
+    c, layers = caches()
+    w, spec = worker(daemon.socket, c)
+    with kachedb.connect(daemon.socket) as kc:
+        # 63 of the 64 MiB held by a pinned block: 48 blocks of 32 KiB can never fit
+        kc.put(b"filler", torch.zeros(63 << 20, dtype=torch.uint8))
+        with kc.get(b"filler"):
+            before = _state.COUNTERS.get("store_skipped_full", 0)
+            n = 48
+            w.submit_store(10, GPULoadStoreSpec(list(range(n)), [n], [0]), KacheDBLoadStoreSpec(keys(n, 1000)))
+            assert [r.success for r in w.get_finished()] == [True]
+            assert _state.COUNTERS["store_skipped_full"] == before + 1
+            assert kc.lookup([spec.daemon_key(k) for k in keys(n, 1000)]) == 0
+        kc.delete(b"filler")
+    w.shutdown()
+    st = daemon.stats()
+    assert st["pins"] == 0 and st["reserved"] == 0
+
+
+def test_daemon_absent_loads_fail_stores_skip(workdir):
+    c, layers = caches()
+    w, spec = worker(str(workdir / "nobody.sock"), c)
+    w.submit_store(1, GPULoadStoreSpec([0, 1], [2], [0]), KacheDBLoadStoreSpec(keys(2)))
+    w.submit_load(2, KacheDBLoadStoreSpec(keys(2)), GPULoadStoreSpec([5, 6], [2], [0]))
+    assert sorted(r.job_id for r in w.get_finished()) == [1, 2]
+    assert w.take_invalid_block_ids() == {5, 6}
+    w.shutdown()
