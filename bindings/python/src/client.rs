@@ -297,12 +297,7 @@ impl NativeClient {
         let keys = keys_of(keys)?;
         let items: Vec<_> = keys.into_iter().map(|k| (k, dt, sh, 0)).collect();
         let rs = py.allow_threads(|| self.inner.reserve_many(&items)).map_err(client_err)?;
-        Ok(NativeReservations {
-            inner: Mutex::new(Some(rs)),
-            region: self.inner.region().clone(),
-            code,
-            dims,
-        })
+        Ok(NativeReservations { inner: Mutex::new(Some(rs)), region: self.inner.region().clone(), code, dims })
     }
 
     /// Pins the leading present keys in one round trip and exports each as
@@ -371,11 +366,7 @@ impl NativeClient {
     }
 
     /// `get_dlpack` of many keys (any iterable of keys) in one batch.
-    fn get_many_dlpack<'py>(
-        &self,
-        py: Python<'py>,
-        keys: &Bound<'py, PyAny>,
-    ) -> PyResult<Vec<Option<Exported<'py>>>> {
+    fn get_many_dlpack<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Vec<Option<Exported<'py>>>> {
         let keys = keys_of(keys)?;
         let v = py.allow_threads(|| self.inner.get_many(&keys)).map_err(client_err)?;
         v.into_iter().map(|b| b.map(|v| block_capsule(py, v)).transpose()).collect()
@@ -420,12 +411,23 @@ impl NativeClient {
 #[derive(Debug)]
 #[pyclass(frozen, module = "kachedb._kachedb_rust", name = "NativeBlock")]
 pub struct NativeBlock {
-    view: Arc<BlockView>,
+    /// Dropped by hand, with the GIL released (see `Drop`).
+    view: std::mem::ManuallyDrop<Arc<BlockView>>,
 }
 
 impl NativeBlock {
     fn new(v: BlockView) -> Self {
-        NativeBlock { view: Arc::new(v) }
+        NativeBlock { view: std::mem::ManuallyDrop::new(Arc::new(v)) }
+    }
+}
+
+impl Drop for NativeBlock {
+    fn drop(&mut self) {
+        // SAFETY: `view` is taken exactly once, here, and `self` is not used after.
+        let view = unsafe { std::mem::ManuallyDrop::take(&mut self.view) };
+        // Dropping the last Arc releases the pin, which may wait for room on
+        // the submission ring: never with the GIL held.
+        crate::dlpack::drop_without_gil(view);
     }
 }
 
@@ -451,7 +453,8 @@ impl NativeBlock {
     /// (`typed(dtype_code, shape)` exports it as the block).
     fn buffer(&self) -> PyResult<DLPackBuffer> {
         let ptr = NonNull::new(self.view.as_ptr() as *mut u8).ok_or_else(|| KacheDBError::new_err("null view"))?;
-        let owner: Arc<dyn std::any::Any + Send + Sync> = self.view.clone();
+        let view: Arc<BlockView> = Arc::clone(&self.view);
+        let owner: Arc<dyn std::any::Any + Send + Sync> = view;
         // SAFETY: the view is pinned (never evicted, moved or reused) and its
         // mapping kept alive for as long as `owner` (an Arc of the view) lives.
         Ok(unsafe { DLPackBuffer::new(ptr, self.view.len(), owner, true) })
@@ -495,6 +498,24 @@ impl NativeReservation {
     }
 }
 
+impl Drop for NativeReservation {
+    fn drop(&mut self) {
+        // An uncommitted reservation aborts on drop: a round trip to the
+        // daemon, never with the GIL held.
+        if let Some(r) = self.inner.get_mut().ok().and_then(Option::take) {
+            crate::dlpack::drop_without_gil(r);
+        }
+    }
+}
+
+impl Drop for NativeReservations {
+    fn drop(&mut self) {
+        if let Some(rs) = self.inner.get_mut().ok().and_then(Option::take) {
+            crate::dlpack::drop_without_gil(rs);
+        }
+    }
+}
+
 impl NativeReservation {
     fn take(&self) -> PyResult<kachedb_client::Reservation> {
         self.inner
@@ -533,7 +554,8 @@ impl NativeReservations {
     /// commit: after commit the blocks are immutable and may be evicted.
     fn capsules<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let mut g = self.inner.lock().map_err(|_| KacheDBError::new_err("poisoned"))?;
-        let rs = g.as_mut().ok_or_else(|| InvalidArgument::new_err("the reservations were already committed or aborted"))?;
+        let rs =
+            g.as_mut().ok_or_else(|| InvalidArgument::new_err("the reservations were already committed or aborted"))?;
         let dt = DlDtype::of(dtype(self.code)?, Reader::Torch);
         rs.iter_mut()
             .map(|r| {

@@ -208,7 +208,7 @@ impl DlOwner {
         match self {
             DlOwner::Rust(owner) => {
                 // A panicking Drop must not unwind into the consumer's C frames.
-                let _ = catch_unwind(AssertUnwindSafe(move || drop(owner)));
+                let _ = catch_unwind(AssertUnwindSafe(move || drop_without_gil(owner)));
             }
             DlOwner::Py(obj) => {
                 // SAFETY: Py_IsInitialized may be called at any time, with or
@@ -223,6 +223,23 @@ impl DlOwner {
             }
         }
     }
+}
+
+/// Drops `value` with the GIL released, if this thread holds it: a pin's or a
+/// reservation's drop may block (a full submission ring, a round trip to the
+/// daemon), and while it blocks with the GIL every Python thread would wait —
+/// a stopped daemon would hang the whole process. Without a live interpreter
+/// it is dropped as is.
+pub(crate) fn drop_without_gil<T: Send>(value: T) {
+    // SAFETY: Py_IsInitialized may be called at any time, with or without the GIL.
+    if unsafe { ffi::Py_IsInitialized() } == 0 {
+        drop(value);
+        return;
+    }
+    // Re-entrant: cheap when this thread holds the GIL (a deleter run by
+    // Python's garbage collection, a pyclass's dealloc); taken then given up
+    // at once otherwise.
+    Python::with_gil(move |py| py.allow_threads(move || drop(value)));
 }
 
 /// The two DLPack managed-tensor layouts, for code generic over them.

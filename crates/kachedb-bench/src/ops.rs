@@ -1,10 +1,10 @@
 //! `kachedb bench ops`: operations against a real daemon process.
 
 use crate::spawn::{cpu_seconds, DaemonProcess};
-use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
 use clap::Args;
 use kachedb_client::{Client, ConnectOptions, DType, Key, Shape};
 use kachedb_shm::units::{human_bytes, parse_size};
+use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -112,7 +112,8 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
 
     // The GET round trip with and without a Prometheus scraper (fresh daemon).
     if a.socket.is_none() && a.scrape_hz > 0.0 {
-        match crate::scrape::compare(a.scrape_hz, rtt_iters, 10) {
+        let (round, rounds) = if a.quick { (Duration::from_millis(300), 3) } else { (Duration::from_secs(1), 5) };
+        match crate::scrape::compare(a.scrape_hz, round, rounds) {
             Ok(c) => {
                 let p = |v: &[u64]| (percentile(v, 0.5), percentile(v, 0.99));
                 let ((b50, b99), (w50, w99)) = (p(&c.without), p(&c.with));
@@ -331,7 +332,8 @@ fn pinned_get_rtt(daemon_cpu: usize, client_cpu: usize, iters: usize) -> Result<
         sched_setaffinity(None, &only(daemon_cpu))?;
         let daemon = DaemonProcess::spawn(64 << 20, &[])?;
         sched_setaffinity(None, &only(client_cpu))?;
-        let kc = Client::connect(&ConnectOptions { socket: Some(daemon.socket().to_path_buf()), ..Default::default() })?;
+        let kc =
+            Client::connect(&ConnectOptions { socket: Some(daemon.socket().to_path_buf()), ..Default::default() })?;
         let key = Key::from_bytes(b"bench/pinned");
         kc.put(key, &[7u8; 4096])?;
         for _ in 0..2000 {

@@ -33,8 +33,9 @@ pub struct Comparison {
     pub scrape_bytes: u64,
 }
 
-/// `iters` GET round trips per condition, in `rounds` alternating rounds.
-pub fn compare(hz: f64, iters: usize, rounds: usize) -> Result<Comparison, Box<dyn std::error::Error>> {
+/// GET round trips for `rounds` alternating rounds of `round` each per
+/// condition (rounds long enough to hold many scrapes: at 50/s, 50 a second).
+pub fn compare(hz: f64, round: Duration, rounds: usize) -> Result<Comparison, Box<dyn std::error::Error>> {
     // A free port: bind one, let it go, give it to the daemon.
     let addr: SocketAddr = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
     let daemon = DaemonProcess::spawn(64 << 20, &["--metrics-addr", &addr.to_string()])?;
@@ -74,15 +75,17 @@ pub fn compare(hz: f64, iters: usize, rounds: usize) -> Result<Comparison, Box<d
             }
         })
     };
-    let per_round = (iters / rounds.max(1)).max(1);
-    let (mut without, mut with) = (Vec::with_capacity(iters), Vec::with_capacity(iters));
+    let (mut without, mut with) = (Vec::with_capacity(1 << 20), Vec::with_capacity(1 << 20));
     let mut scraping_time = Duration::ZERO;
     let run = |v: &mut Vec<u64>| -> Result<(), Box<dyn std::error::Error>> {
-        for _ in 0..per_round {
-            let t = Instant::now();
-            let view = kc.get(key)?;
-            v.push(t.elapsed().as_nanos() as u64);
-            drop(view);
+        let start = Instant::now();
+        while start.elapsed() < round {
+            for _ in 0..256 {
+                let t = Instant::now();
+                let view = kc.get(key)?;
+                v.push(t.elapsed().as_nanos() as u64);
+                drop(view);
+            }
         }
         Ok(())
     };

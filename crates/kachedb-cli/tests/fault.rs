@@ -403,6 +403,11 @@ fn random_frame(rng: &mut Rng, handles: &[u64]) -> TensorBlockDescriptor {
             f.handle = handles[rng.below(handles.len() as u64) as usize];
         }
     }
+    if f.op == Op::Wait as u8 && f.status == 0 {
+        // A WAIT's `handle` is its timeout: a random one would (rightly) park
+        // the channel for ages. At most 1 ms.
+        f.handle %= 1000;
+    }
     f
 }
 

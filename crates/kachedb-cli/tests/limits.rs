@@ -5,6 +5,7 @@ mod common;
 
 use common::{num, stats_fast, Daemon, TempDir};
 use kachedb_client::{Client, Key};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -94,7 +95,10 @@ fn stats_are_cheap_without_check_invariants() {
         })
     );
     assert!(m_cheap * 3 < m_full, "stats with the full check {m_full:?}, without {m_cheap:?}");
-    assert!(p99_polled < Duration::from_millis(30), "GET p99 {p99_polled:?} while stats are polled (alone {p99_alone:?})");
+    assert!(
+        p99_polled < Duration::from_millis(30),
+        "GET p99 {p99_polled:?} while stats are polled (alone {p99_alone:?})"
+    );
 }
 
 /// Item 9: `--max-client-bytes 1MiB`: a greedy client's reserves and gets
@@ -140,16 +144,171 @@ fn max_client_bytes_limits_one_client_only() {
     // 8 pinned extents: two more 100 KiB reservations fit, a third does not.
     let r1 = greedy.reserve(Key::from_bytes(b"x1"), DType::U8, &shape, 0).expect("within the limit");
     let r2 = greedy.reserve(Key::from_bytes(b"x2"), DType::U8, &shape, 0).expect("within the limit");
-    let e = greedy.reserve(Key::from_bytes(b"x3"), DType::U8, &shape, 0).err().expect("over the limit");
+    let e = greedy.reserve(Key::from_bytes(b"x3"), DType::U8, &shape, 0).expect_err("over the limit");
     assert!(matches!(e, ClientError::ClientLimit(LIMIT)), "{e:?}");
     // The same block pinned twice counts once.
     let again = greedy.get(Key::from_bytes(b"b0")).expect("a second pin of a held block").expect("found");
     // The other client pins all 8 blocks too.
-    let theirs: Vec<_> = (0..8).map(|i| other.get(Key::from_bytes(format!("b{i}").as_bytes())).unwrap().unwrap()).collect();
+    let theirs: Vec<_> =
+        (0..8).map(|i| other.get(Key::from_bytes(format!("b{i}").as_bytes())).unwrap().unwrap()).collect();
     drop((r1, r2, again, theirs));
     let v = stats_fast(&d.socket);
     assert!(num(&v, "client_limit_hits") >= 2 && v["invariants_ok"] == true, "{v}");
     drop(views);
     let r = greedy.reserve(Key::from_bytes(b"x4"), DType::U8, &shape, 0).expect("room again");
     r.abort().unwrap();
+}
+
+/// Seconds of CPU (user + system) `pid` has used.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/pid/stat");
+    let after = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    ticks as f64 / 100.0
+}
+
+/// Whether the daemon closed `s` (EOF) within `limit`.
+fn closed_within(s: &std::os::unix::net::UnixStream, limit: Duration) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(limit)).unwrap();
+    matches!((&*s).read(&mut [0u8; 64]), Ok(0) | Err(_)) && {
+        // Err may be the timeout: tell them apart.
+        s.set_nonblocking(true).unwrap();
+        matches!((&*s).read(&mut [0u8; 64]), Ok(0))
+    }
+}
+
+/// Item 10: connections are bounded (`--max-connections`: one more is closed
+/// at once) and so is the time to the first request (`--hello-timeout-ms`:
+/// silent connections are closed); a real client still gets in afterwards.
+#[test]
+fn connection_floods_are_bounded() {
+    use std::os::unix::net::UnixStream;
+    let dir = TempDir::new("flood");
+    let mut d = Daemon::spawn_with(&dir.socket(), "8MiB", &["--max-connections", "16", "--hello-timeout-ms", "600"]);
+    d.wait_ready();
+    std::thread::sleep(Duration::from_millis(700)); // wait_ready's probes time out first
+    let t0 = Instant::now();
+    let flood: Vec<UnixStream> = (0..40).map(|_| UnixStream::connect(&d.socket).expect("connect")).collect();
+    // Beyond 16, closed at once.
+    let extra_closed = flood[16..].iter().filter(|s| closed_within(s, Duration::from_millis(300))).count();
+    assert_eq!(extra_closed, 24, "connections beyond --max-connections were not closed at once");
+    // The first 16 are closed once the hello timeout passes.
+    let silent_closed = flood[..16].iter().filter(|s| closed_within(s, Duration::from_secs(3))).count();
+    assert_eq!(silent_closed, 16);
+    assert!(t0.elapsed() >= Duration::from_millis(550), "closed before the hello timeout: {:?}", t0.elapsed());
+    let kc = Client::connect(&d.opts()).expect("a real client after the flood");
+    kc.put(Key::from_bytes(b"after"), &[1u8; 64]).expect("put");
+}
+
+/// Item 10: a daemon out of file descriptors (`RLIMIT_NOFILE` 48, a flood of
+/// 100 silent connections) neither spins nor floods its log: accepting pauses
+/// 100 ms after each EMFILE, one log line per 10 s; once the silent
+/// connections time out, a real client gets in.
+#[test]
+fn out_of_file_descriptors_does_not_spin_or_flood_the_log() {
+    use std::os::unix::net::UnixStream;
+    if Command::new("prlimit").arg("--version").output().is_err() {
+        println!("skipped: needs prlimit");
+        return;
+    }
+    let dir = TempDir::new("emfile");
+    let sock = dir.socket();
+    let mut cmd = Command::new("prlimit");
+    cmd.args(["--nofile=48:48", common::BIN, "serve", "--size", "8MiB", "--hello-timeout-ms", "1500", "--socket"])
+        .arg(&sock)
+        .env("RUST_LOG", "info")
+        .env_remove("KACHEDB_SOCKET")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut d = Daemon::launch(cmd, &sock);
+    d.wait_ready();
+    std::thread::sleep(Duration::from_millis(1600)); // wait_ready's probes time out first
+    let flood: Vec<UnixStream> = (0..100).map(|_| UnixStream::connect(&sock).expect("connect")).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let cpu0 = cpu_seconds(d.pid());
+    std::thread::sleep(Duration::from_millis(1000));
+    let cpu = cpu_seconds(d.pid()) - cpu0;
+    let log = d.log();
+    let lines = log.matches("accept failed").count();
+    println!(
+        "figures: {}",
+        serde_json::json!({"test": "out_of_file_descriptors", "daemon_cpu_s_per_s": cpu, "accept_failed_lines": lines})
+    );
+    assert!(log.contains("accept failed"), "the flood never ran the daemon out of fds:\n{log}");
+    assert!(cpu < 0.3, "the daemon used {cpu} s of CPU in 1 s while out of fds");
+    assert!(lines <= 2, "{lines} 'accept failed' lines:\n{log}");
+    drop(flood);
+    // Room again once they are gone.
+    let t = Instant::now();
+    loop {
+        match Client::connect(&common::opts(&sock)) {
+            Ok(kc) => {
+                kc.put(Key::from_bytes(b"after"), &[1u8; 64]).expect("put");
+                break;
+            }
+            Err(e) if t.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("no client got in after the flood: {e}"),
+        }
+    }
+}
+
+/// Item 7: a client that stops draining its completion ring (here: this test
+/// publishes 1536 PINGs on its raw rings and reads nothing) costs the daemon
+/// ~0 CPU: a channel without completion room is not polled. Once the client
+/// drains, every frame is answered; other clients are served throughout.
+#[test]
+fn client_with_full_completion_ring_costs_no_cpu() {
+    use kachedb_shm::{Op, TensorBlockDescriptor};
+    let dir = TempDir::new("fullcomp");
+    let d = Daemon::start(&dir.socket(), "8MiB");
+    let kc = Client::connect(&d.opts()).expect("connect");
+    let region = kc.region().clone();
+    let cap = region.layout().ring_capacity as usize;
+    let (mut sub, mut comp) = region.client_channel(kc.channel()).expect("own channel");
+    let total = cap + cap / 2;
+    let frames: Vec<TensorBlockDescriptor> = (0..total)
+        .map(|i| {
+            let mut f = TensorBlockDescriptor::request(Op::Ping, 0, 0);
+            f.request_id = i as u32;
+            f
+        })
+        .collect();
+    let mut sent = 0;
+    let t = Instant::now();
+    while sent < total {
+        sent += sub.push_batch(&frames[sent..]).expect("push");
+        region.doorbell().notify();
+        assert!(t.elapsed() < Duration::from_secs(10), "the daemon never made room on the submission ring");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let cpu0 = cpu_seconds(d.pid());
+    // Another client is served meanwhile.
+    let other = Client::connect(&d.opts()).expect("connect");
+    other.put(Key::from_bytes(b"other"), &[3u8; 4096]).expect("the other client's put");
+    std::thread::sleep(Duration::from_millis(1000));
+    let cpu = cpu_seconds(d.pid()) - cpu0;
+    println!("figures: {}", serde_json::json!({"test": "client_with_full_completion_ring", "daemon_cpu_s_per_s": cpu}));
+    assert!(cpu < 0.2, "the daemon used {cpu} s of CPU in 1 s while a client's completion ring was full");
+    // Drain: every frame answered, in order.
+    let mut got = 0;
+    let mut buf = [TensorBlockDescriptor::default(); 64];
+    let t = Instant::now();
+    while got < total {
+        let n = comp.pop_batch(&mut buf).expect("pop");
+        for f in &buf[..n] {
+            assert_eq!(f.request_id as usize, got);
+            got += 1;
+        }
+        if n > 0 {
+            region.doorbell().notify();
+        }
+        assert!(t.elapsed() < Duration::from_secs(5), "only {got} of {total} answered after draining");
+    }
 }

@@ -63,10 +63,8 @@ fn squatter_that_never_answers_does_not_hang_connect() {
     let sock = dir.socket();
     let heard = squatter(&sock);
     let t = Instant::now();
-    let why = untrusted(Client::connect(&ConnectOptions {
-        answer_timeout: Some(Duration::from_millis(400)),
-        ..opts(&sock)
-    }));
+    let why =
+        untrusted(Client::connect(&ConnectOptions { answer_timeout: Some(Duration::from_millis(400)), ..opts(&sock) }));
     let took = t.elapsed();
     assert!(why.contains("did not answer hello"), "{why}");
     assert!(took >= Duration::from_millis(350) && took < Duration::from_secs(3), "took {took:?}");

@@ -223,7 +223,8 @@ impl Channel {
                     self.region.doorbell().notify();
                 }
             }
-            let want = (io.unacked + sent - received).min(buf.len());
+            let in_flight = io.unacked + sent - received;
+            let want = in_flight.min(buf.len());
             if want == 0 {
                 // Nothing in flight yet the ring had no room: only a daemon that
                 // stopped consuming does that. Check it is alive, then retry.
@@ -272,6 +273,11 @@ impl Channel {
                 return Err(e);
             }
             let got = got.map_err(|e| self.ring_err(e))?;
+            if got > 0 && in_flight >= self.region.layout().ring_capacity as usize {
+                // Our completion ring may have been full: the daemon does not
+                // poll a channel without completion room, so tell it there is.
+                self.region.doorbell().notify();
+            }
             for d in &buf[..got] {
                 check_order(io, d)?;
                 if io.unacked > 0 {

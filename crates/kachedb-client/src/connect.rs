@@ -53,7 +53,10 @@ impl ConnectOptions {
         if let Some(v) = std::env::var_os(TRUST_UID_ENV).filter(|v| !v.is_empty()) {
             for part in v.to_string_lossy().split(',').map(str::trim).filter(|p| !p.is_empty()) {
                 uids.push(part.parse().map_err(|_| {
-                    ClientError::Invalid(format!("{TRUST_UID_ENV}={:?}: {part:?} is not a uid (give numbers separated by commas)", v))
+                    ClientError::Invalid(format!(
+                        "{TRUST_UID_ENV}={:?}: {part:?} is not a uid (give numbers separated by commas)",
+                        v
+                    ))
                 })?);
             }
         }
@@ -83,8 +86,12 @@ pub(crate) fn connect_trusted(opts: &ConnectOptions) -> Result<(UnixStream, Path
             dir.display()
         ))
     })?;
-    let cred = kachedb_shm::trust::peer_cred(&stream)
-        .map_err(|e| ClientError::Untrusted(format!("cannot read the credentials of the daemon at {} (SO_PEERCRED): {e}", path.display())))?;
+    let cred = kachedb_shm::trust::peer_cred(&stream).map_err(|e| {
+        ClientError::Untrusted(format!(
+            "cannot read the credentials of the daemon at {} (SO_PEERCRED): {e}",
+            path.display()
+        ))
+    })?;
     let me = rustix::process::geteuid().as_raw();
     if cred.uid != me && cred.uid != 0 && !trusted.contains(&cred.uid) {
         return Err(ClientError::Untrusted(format!(

@@ -37,9 +37,9 @@ pub use view::{BlockView, Reservation};
 use channel::Channel;
 use error::{invalid, ok_or, status_error};
 use kachedb_shm::{page_offset_of, Completion, Region, Request, Status, TensorBlockDescriptor, WAIT_FOREVER};
-use std::time::Duration;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// A connection to the daemon. See the crate docs.
 pub struct Client {
@@ -164,7 +164,9 @@ impl Client {
     pub fn reserve_many(&self, items: &[(Key, DType, Shape, u64)]) -> Result<Vec<Reservation>> {
         let reqs = items
             .iter()
-            .map(|(key, dtype, shape, page_offset)| Request::reserve(key.0, *dtype, *shape, *page_offset).map_err(invalid))
+            .map(|(key, dtype, shape, page_offset)| {
+                Request::reserve(key.0, *dtype, *shape, *page_offset).map_err(invalid)
+            })
             .collect::<Result<Vec<_>>>()?;
         let done = self.channel.call(&reqs)?;
         let mut out = Vec::with_capacity(items.len());
@@ -235,8 +237,7 @@ impl Client {
         if c.status == Status::TimedOut {
             return Err(ClientError::TimedOut(timeout.unwrap_or(Duration::MAX)));
         }
-        BlockView::from_get(&self.channel, c)?
-            .ok_or_else(|| ClientError::Protocol("WAIT answered NOT_FOUND".into()))
+        BlockView::from_get(&self.channel, c)?.ok_or_else(|| ClientError::Protocol("WAIT answered NOT_FOUND".into()))
     }
 
     /// How many leading keys of `keys` are present (a prefix-cache hash chain).

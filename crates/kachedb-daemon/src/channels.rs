@@ -81,7 +81,10 @@ impl Channels {
             // namespace), so we cannot tell when it exits, and it may write
             // the channel's rings for as long as it lives: the channel stays
             // out of the pool until the daemon restarts.
-            tracing::warn!(channel = ch, "holding back the channel of a disconnected client in another PID namespace until the daemon restarts");
+            tracing::warn!(
+                channel = ch,
+                "holding back the channel of a disconnected client in another PID namespace until the daemon restarts"
+            );
             if let Ok(mut q) = self.quarantine.lock() {
                 q.push(Quarantined { channel: ch, pid: 0, pidfd: None });
             }

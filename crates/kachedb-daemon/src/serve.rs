@@ -48,10 +48,23 @@ struct Session {
 }
 
 impl Session {
-    /// Whether a pass would find something to do on this channel.
+    /// Whether a pass would find something to do on this channel. Nothing
+    /// while its completion ring is full: a client that stopped draining it
+    /// (SIGSTOP, a debugger, throttling) would otherwise make the idle loop
+    /// spin on frames it cannot answer. Once the client drains, the next
+    /// check (at the latest one park timeout later) sees room. A corrupt
+    /// ring counts as work, so that the pass reports it.
     fn has_work(&mut self) -> bool {
-        !self.kicked
-            && (!self.backlog.is_empty() || (!self.waiting && (!self.held.is_empty() || self.sub.has_data())))
+        if self.kicked {
+            return false;
+        }
+        if self.waiting && self.backlog.is_empty() {
+            // Nothing is served while a WAIT is parked; only a corrupt ring
+            // needs a pass (to kick its client).
+            return self.sub.check().is_err();
+        }
+        let pending = !self.backlog.is_empty() || (!self.waiting && (!self.held.is_empty() || self.sub.has_data()));
+        pending && self.comp.free_slots().map_or(true, |room| room > 0)
     }
 }
 
@@ -449,6 +462,9 @@ fn serve_channel(
         }
     }
     if s.waiting {
+        // Nothing is served while the WAIT is parked, but a corrupt ring is
+        // still noticed (and its client kicked) now, not after the WAIT.
+        s.sub.check()?;
         return Ok(0);
     }
     let room = s.comp.free_slots()?.min(BATCH);

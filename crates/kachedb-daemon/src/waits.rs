@@ -87,9 +87,7 @@ impl Waits {
             return Vec::new();
         }
         let expired: Vec<u32> = (0..self.by_channel.len() as u32)
-            .filter(|&ch| {
-                matches!(self.by_channel[ch as usize], Some(Waiter { deadline: Some(d), .. }) if d <= now)
-            })
+            .filter(|&ch| matches!(self.by_channel[ch as usize], Some(Waiter { deadline: Some(d), .. }) if d <= now))
             .collect();
         expired.into_iter().filter_map(|ch| self.remove_channel(ch).map(|w| (ch, w))).collect()
     }

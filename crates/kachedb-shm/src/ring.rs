@@ -404,6 +404,14 @@ impl Consumer {
         Ok(self.ready() as usize)
     }
 
+    /// Re-reads the producer cursor and checks it (for a consumer that is not
+    /// popping for a while but must still notice a corrupt peer); frames
+    /// available.
+    pub fn check(&mut self) -> Result<usize, RingError> {
+        self.refresh_tail()?;
+        Ok(self.ready() as usize)
+    }
+
     /// Whether a frame is ready (refreshes the producer cursor).
     pub fn has_data(&mut self) -> bool {
         !matches!(self.available(), Ok(0))

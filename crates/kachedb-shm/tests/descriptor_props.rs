@@ -144,10 +144,10 @@ fn check_completion(f: &TensorBlockDescriptor) {
             assert_eq!((c.request_id, c.handle, c.offset), (f.request_id, f.handle, f.offset));
             match c.tensor {
                 Some((dtype, shape, len)) => {
-                    assert!(c.op == Op::Get && c.status == Status::Ok);
+                    assert!(matches!(c.op, Op::Get | Op::Wait) && c.status == Status::Ok);
                     check_tensor(f, dtype, &shape, len);
                 }
-                None => assert!(!(c.op == Op::Get && c.status == Status::Ok)),
+                None => assert!(!(matches!(c.op, Op::Get | Op::Wait) && c.status == Status::Ok)),
             }
             // What decodes re-encodes to a frame that decodes to the same.
             assert_eq!(Completion::decode(&c.encode()), Ok(c));
@@ -159,7 +159,10 @@ fn check_completion(f: &TensorBlockDescriptor) {
             assert!(overflow_is_right(&f.shape[..usize::from(f.ndim)], dt.itemsize()));
         }
         Err(_) => {
-            assert!(f.op == Op::Get as u8 && f.status == Status::Ok as u8, "only a GET OK completion checks its shape")
+            assert!(
+                (f.op == Op::Get as u8 || f.op == Op::Wait as u8) && f.status == Status::Ok as u8,
+                "only a GET or WAIT OK completion checks its shape"
+            )
         }
     }
 }

@@ -146,7 +146,8 @@ impl Store {
             if let Some(session) = self.sessions.get_mut(&s) {
                 session.pins.remove(&block_index);
             }
-            if let Some(SlotState::Block { tensor, .. }) = self.slots.get(block_index as usize).map(|slot| &slot.state) {
+            if let Some(SlotState::Block { tensor, .. }) = self.slots.get(block_index as usize).map(|slot| &slot.state)
+            {
                 let len = tensor.extent.len;
                 self.hold(s, len, false);
             }

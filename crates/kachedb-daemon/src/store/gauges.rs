@@ -58,3 +58,51 @@ impl Store {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{reserve_req, SLAB_OFFSET};
+    use super::*;
+    use crate::alloc::PAGE_LEN;
+    use kachedb_shm::{Request, Status};
+
+    #[test]
+    fn gauges_follow_every_change_and_agree_with_stats() {
+        let mut st = Store::new(SLAB_OFFSET, 8 * PAGE_LEN);
+        let (a, b) = (st.open_session(), st.open_session());
+        let ok = |st: &mut Store, s, req: Request| {
+            let c = st.handle(s, 1, &req);
+            assert_eq!(c.status, Status::Ok, "{req:?}");
+            st.check_invariants().unwrap();
+            c
+        };
+        let r1 = ok(&mut st, a, reserve_req(1, 5000, 0));
+        let _r2 = ok(&mut st, b, reserve_req(2, 100, 0));
+        assert_eq!((st.gauges().reservations, st.gauges().bytes_used), (2, 3 * PAGE_LEN));
+        ok(&mut st, a, Request::Commit { handle: r1.handle });
+        let p1 = ok(&mut st, a, Request::Get { key: 1 });
+        ok(&mut st, b, Request::Get { key: 1 });
+        ok(&mut st, b, Request::Get { key: 1 });
+        ok(&mut st, a, Request::Lookup { key: 1 });
+        let g = st.gauges();
+        assert_eq!((g.blocks, g.pins, g.reservations), (1, 3, 1));
+        assert_eq!((g.stored_bytes, g.get_hit_bytes, g.lookup_hit_bytes), (5000, 3 * 5000, 5000));
+        ok(&mut st, a, Request::Release { handle: p1.handle });
+        st.close_session(b); // drops b's 2 pins and its reservation
+        let g = st.gauges();
+        assert_eq!((g.pins, g.reservations, g.bytes_used, g.bytes_evictable), (0, 0, 2 * PAGE_LEN, 2 * PAGE_LEN));
+        let full = st.stats();
+        assert_eq!(
+            (g.blocks, g.pins, g.reservations, g.bytes_used, g.bytes_free, g.bytes_capacity),
+            (full.blocks, full.pins, full.reserved, full.bytes_used, full.bytes_free, full.bytes_total)
+        );
+        // Evicting: 7 one-page blocks into the 6 free pages push the oldest out.
+        for k in 10..17u128 {
+            let r = ok(&mut st, a, reserve_req(k, 10, 0));
+            ok(&mut st, a, Request::Commit { handle: r.handle });
+        }
+        let g = st.gauges();
+        assert_eq!((g.evictions, g.evicted_bytes), (st.stats().evictions, st.stats().evicted_bytes));
+        assert!(g.evictions > 0);
+    }
+}

@@ -80,8 +80,8 @@ mod slots;
 #[cfg(test)]
 mod tests;
 
-pub use kachedb_shm::control::StoreStats;
 pub use gauges::Gauges;
+pub use kachedb_shm::control::StoreStats;
 
 use counters::Counters;
 use session::Session;

@@ -7,9 +7,11 @@ pages, layers in vLLM's order (``keys.LAYOUT_VERSION``). It becomes visible
 only when committed, after every layer is written.
 
 Per scheduler step and direction there is one batch: a store is one RESERVE
-batch and one COMMIT batch (``put_many``), a load one GET batch (``get_many``)
-whose views are copied straight into the KV cache and then dropped (their pins
-go with them). On vLLM's CPU engine the copies are plain tensor copies, done
+batch, one copy per block straight into the reservations, and one COMMIT batch
+(``reserve_many``; with an older kachedb, a gather then ``put_many``); a load is
+one ``get_prefix`` (lookup-and-pin of the leading present blocks, one round trip)
+whose views are copied straight into the KV cache and then dropped (their pins go
+with them). On vLLM's CPU engine the copies are plain tensor copies, done
 before ``submit_*`` returns, so a block is in the daemon by the time the step
 that stored it returns. On CUDA the copies run on a side stream from the
 registered region (``register_cuda``); reservations and pins are held until the
@@ -73,9 +75,14 @@ class _Group:
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The blocks ``ids`` as one contiguous ``(n, num_layers, page)`` tensor."""
+        out = torch.empty((len(ids), self.num_layers, self.page), dtype=torch.uint8, device=self.device)
         if self.blocks is not None:
-            return self.blocks.index_select(0, ids)
-        out = torch.zeros((len(ids), self.num_layers, self.page), dtype=torch.uint8, device=self.device)
+            # One strided copy per block: rows of page bytes (index_select over the
+            # layer-strided view takes a slow element-wise path for uint8).
+            for i, b in enumerate(ids.tolist()):
+                out[i].copy_(self.blocks[b])
+            return out
+        out.zero_()
         for l, t in enumerate(self.layers):
             out[:, l, : t.shape[1]] = t.index_select(0, ids)
         return out
@@ -188,7 +195,14 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                         with kc.reserve(k, group.shape, torch.uint8) as out:
                             group.copy_block_out(out, b)
                     nbytes += len(ids) * group.num_layers * group.page
-                else:
+                elif hasattr(kc, "reserve_many"):
+                    # One RESERVE batch, one copy per block straight into shared memory,
+                    # one COMMIT batch: blocks become visible together, fully written.
+                    with kc.reserve_many(dkeys, group.shape, torch.uint8) as outs:
+                        for out, b in zip(outs, ids):
+                            group.copy_block_out(out, b)
+                    nbytes += len(ids) * group.num_layers * group.page
+                else:  # a kachedb without reserve_many: gather, then put_many (two copies)
                     staged = group.gather(torch.tensor(ids, dtype=torch.long))
                     kc.put_many(dkeys, list(staged.unbind(0)))
                     nbytes += staged.numel()
@@ -251,7 +265,9 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             if kc is not None:
                 try:
                     dkeys = [self.spec.daemon_key(k) for k in okeys]
-                    views = kc.get_many(dkeys)
+                    # get_prefix pins each block as it looks it up (one round trip; no
+                    # eviction in between) and stops at the first missing one.
+                    views = kc.get_prefix(dkeys) if hasattr(kc, "get_prefix") else kc.get_many(dkeys)
                 except kachedb.Disconnected as e:
                     self.link.failed(e)
                     kc, views = None, []
