@@ -169,7 +169,39 @@ def _is_ndarray(x: Any) -> bool:
     return np is not None and isinstance(x, np.ndarray)
 
 
-class Reservation:
+class _Pending:
+    """What ``Reservation`` and ``Reservations`` share: one native handle,
+    committed on normal exit of ``with``, aborted if the block raises or if the
+    object is collected unfinished."""
+
+    _native: Any
+    _done: bool
+
+    def commit(self) -> None:
+        self._done = True
+        self._native.commit()
+
+    def abort(self) -> None:
+        self._done = True
+        self._native.abort()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._done:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            try:
+                self.abort()
+            except Exception:
+                pass
+
+
+class Reservation(_Pending):
     """A reserved block being written: ``out`` is a writable tensor (or numpy
     array) of the block. Committed on normal exit of ``with``, aborted if the
     block raises. Do not write ``out`` after the ``with`` block."""
@@ -183,34 +215,11 @@ class Reservation:
             self.out = torch_from_dlpack(buf, code, shape)
         self._done = False
 
-    def commit(self) -> None:
-        self._done = True
-        self._native.commit()
-
-    def abort(self) -> None:
-        self._done = True
-        self._native.abort()
-
     def __enter__(self) -> Any:
         return self.out
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._done:
-            return
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            try:
-                self.abort()
-            except Exception:
-                pass
-
-
-class Reservations:
+class Reservations(_Pending):
     """Blocks reserved together by ``Client.reserve_many``: ``out`` is the list
     of writable tensors, one per key. All committed (one batch) on normal exit of
     ``with``, all aborted if the block raises. Do not write them after the
@@ -221,34 +230,11 @@ class Reservations:
         self._done = False
         self.out = writable_tensors(native.capsules(), code)
 
-    def commit(self) -> None:
-        self._done = True
-        self._native.commit()
-
-    def abort(self) -> None:
-        self._done = True
-        self._native.abort()
-
     def __len__(self) -> int:
         return len(self.out)
 
     def __enter__(self) -> List[Any]:
         return self.out
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._done:
-            return
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            try:
-                self.abort()
-            except Exception:
-                pass
 
 
 def _batch_source(value: Any) -> tuple:
