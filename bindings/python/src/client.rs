@@ -4,8 +4,7 @@
 
 use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat, Reader};
 use crate::errors::{client_err, InvalidArgument, KacheDBError};
-use kachedb_client::copy::copy_into;
-use kachedb_client::{BlockView, ClientError, ConnectOptions, DType, Key, Reservation, Shape};
+use kachedb_client::{BlockView, ConnectOptions, DType, Key, Reservation, Shape};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyString};
@@ -159,7 +158,7 @@ impl NativeClient {
     }
 
     /// Copies `nbytes` at `address` into a new block: one copy, GIL released,
-    /// by several threads for large blocks (`copy.rs`).
+    /// by several threads for large blocks (`kachedb_client::copy`).
     ///
     /// The caller must keep the source object alive and unmodified during the call.
     #[allow(clippy::too_many_arguments)] // the Python signature
@@ -178,19 +177,7 @@ impl NativeClient {
         py.allow_threads(|| {
             // SAFETY: the Python caller holds the source for the whole call.
             let bytes = unsafe { src.slice() };
-            let len = sh.len_bytes(dt).ok_or_else(|| ClientError::Invalid("shape times itemsize overflows".into()))?;
-            if len != bytes.len() as u64 {
-                return Err(ClientError::Invalid(format!(
-                    "shape and dtype make {len} bytes but {} were given",
-                    bytes.len()
-                )));
-            }
-            // The source's offset in its page, as the client's `put_tensor`
-            // reserves: source and block then share their alignment.
-            let page_offset = kachedb_shm::page_offset_of(bytes.as_ptr());
-            let mut r = self.inner.reserve(key(lo, hi), dt, &sh, page_offset)?;
-            copy_into(r.as_mut_slice(), bytes);
-            r.commit()
+            self.inner.put_tensor(key(lo, hi), dt, &sh, bytes)
         })
         .map_err(client_err)
     }
