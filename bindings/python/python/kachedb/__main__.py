@@ -28,6 +28,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .vllm.config import main as vllm_config_main
 
         return int(vllm_config_main(args[1:]))
+    if args[:1] == ["sglang-config"]:  # the SGLang HiCache extra-config JSON (kachedb.sglang, pure Python)
+        from .sglang.config import main as sglang_config_main
+
+        return int(sglang_config_main(args[1:]))
+    if args[:1] == ["lmcache-config"]:  # the LMCache remote-storage plugin entries (kachedb.lmcache, pure Python)
+        from .lmcache.config import main as lmcache_config_main
+
+        return int(lmcache_config_main(args[1:]))
     cli_main = getattr(_kachedb_rust, "cli_main", None)
     if cli_main is None:
         print(

@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Store and retrieve of a prompt's KV through SGLang HiCache's L3 storage:
+the KacheDB backend vs SGLang's own file backend, in the same run, on SGLang's
+real host pools (CPU).
+
+Run with the SGLang environment (``make sglang-env``; ninja on PATH for SGLang's
+page-hash extension, as ``make bench-sglang`` sets it)::
+
+    PATH=.venv-sglang/bin:$PATH .venv-sglang/bin/python benchmarks/sglang_backend.py [--json]
+        [--tokens 2048] [--reps 5] [--layouts page_first,layer_first]
+
+Per layout and rep, a fresh prompt (SGLang's own 64-hex page hashes) whose KV
+fills ``--tokens`` slots of a host pool is
+
+* ``kachedb``: stored with ``batch_set_v1`` and retrieved with ``batch_exists`` +
+  ``batch_get_v1`` into other slots (the zero-copy path SGLang's controller takes
+  with ``interface_v1``), through the real daemon binary (started here);
+* ``file``: SGLang's ``HiCacheFile`` (``--hicache-storage-backend file``) driven as
+  its controller drives it: ``get_data_page`` + ``batch_set`` to store,
+  ``batch_exists`` + ``batch_get`` into dummy pages + ``set_from_flat_data_page``
+  to retrieve; files under ``--file-dir`` (default: a temporary directory);
+* ``memcpy``: the same pages copied host slot to host slot with the pool's own
+  page copy (``get_data_page`` / ``set_from_flat_data_page``; strided for
+  ``layer_first``): what moving the bytes within host memory costs.
+
+Both backends are checked byte-equal after each retrieve. Figures are medians
+over ``--reps`` prompts: milliseconds for the whole prompt and microseconds per
+page. The model geometry defaults to a Llama-3.2-1B-like layer stack
+(16 layers, 8 KV heads of 64, bfloat16, 64 tokens per page: 32 KiB per token).
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_daemon(sock: str, size: str) -> subprocess.Popen:
+    binary = os.environ.get("KACHEDB_BIN") or str(ROOT / "target" / "release" / "kachedb")
+    if not os.path.exists(binary):
+        sys.exit(f"{binary} is missing: cargo build --release -p kachedb-cli (or make build)")
+    log = open(sock + ".log", "wb")
+    p = subprocess.Popen([binary, "serve", "--socket", sock, "--size", size], stdout=log, stderr=log,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock):
+        if p.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"the daemon did not start: {open(sock + '.log').read()[-2000:]}")
+        time.sleep(0.05)
+    return p
+
+
+def stop_daemon(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt length in tokens (default 2048)")
+    ap.add_argument("--reps", type=int, default=5, help="prompts per layout (default 5; medians)")
+    ap.add_argument("--layouts", default="page_first,layer_first", help="host-pool layouts (default both)")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--daemon-size", default="2GiB", help="the daemon's megaslab (default 2GiB)")
+    ap.add_argument("--file-dir", default=None, help="directory of SGLang's file backend (default: a temporary one)")
+    a = ap.parse_args()
+
+    import torch
+
+    import kachedb.sglang
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    ps = a.page_size
+    tokens = a.tokens // ps * ps
+    n_pages = tokens // ps
+    layouts = [x for x in a.layouts.split(",") if x]
+    tmp = tempfile.mkdtemp(prefix="kachedb-sglang-bench-")
+    file_dir = a.file_dir or os.path.join(tmp, "hicache-files")
+    sock = os.path.join(tmp, "kachedb.sock")
+    daemon = start_daemon(sock, a.daemon_size)
+    rng = random.Random(0)
+    results = {}
+    try:
+        kv = MHATokenToKVPool(size=tokens, page_size=ps, dtype=torch.bfloat16, head_num=a.kv_heads, head_dim=a.head_dim,
+                              layer_num=a.layers, device="cpu", enable_memory_saver=False, start_layer=0,
+                              end_layer=a.layers)
+
+        def config(layout, extra):
+            return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                        is_mla_model=False, enable_storage_metrics=False,
+                                        is_page_first_layout=layout == "page_first", model_name="bench/llama-like",
+                                        extra_config=json.loads(json.dumps(extra)))
+
+        for layout in layouts:
+            # room for the source slots and the destination slots
+            host = MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=2.0, host_size=0,
+                                        page_size=ps, layout=layout, pin_memory=False, device="cpu",
+                                        device_capacity_tokens=kv.size, start_layer=0, end_layer=a.layers)
+            src = host.alloc(tokens)
+            dst = host.alloc(tokens)
+            page_bytes = host.get_data_page(int(src[0]), flat=True).numel() * host.dtype.itemsize
+            kdb = StorageBackendFactory.create_backend("dynamic", config(layout, kachedb.sglang.hicache_config(sock)), host)
+            kdb.register_mem_pool_host(host)
+            fb = StorageBackendFactory.create_backend("file", config(layout, {"file_storage_path": file_dir}), host)
+            fb.register_mem_pool_host(host)
+
+            def fill():
+                for s in range(0, tokens, ps):
+                    page = host.get_data_page(int(src[s]), flat=True)
+                    host.set_from_flat_data_page(int(src[s]), torch.randn(page.numel()).to(page.dtype))
+
+            def clear_dst():
+                for s in range(0, tokens, ps):
+                    page = host.get_data_page(int(dst[s]), flat=True)
+                    host.set_from_flat_data_page(int(dst[s]), torch.zeros(page.numel(), dtype=page.dtype))
+
+            def equal():
+                return all(
+                    torch.equal(host.get_data_page(int(src[s]), flat=True), host.get_data_page(int(dst[s]), flat=True))
+                    for s in range(0, tokens, ps)
+                )
+
+            def file_store(keys):
+                data = [host.get_data_page(int(src[i * ps])) for i in range(len(keys))]
+                return fb.batch_set(keys, data)
+
+            def file_retrieve(keys):
+                hit = fb.batch_exists(keys)
+                dummies = [host.get_dummy_flat_data_page() for _ in keys[:hit]]
+                pages = fb.batch_get(keys[:hit], dummies)
+                for i, p in enumerate(pages):
+                    if p is None:
+                        return i
+                    host.set_from_flat_data_page(int(dst[i * ps]), p)
+                return hit
+
+            def kdb_retrieve(keys):
+                hit = kdb.batch_exists(keys)
+                return sum(kdb.batch_get_v1(keys[:hit], dst[: hit * ps]))
+
+            def memcpy():
+                for s in range(0, tokens, ps):
+                    host.set_from_flat_data_page(int(dst[s]), host.get_data_page(int(src[s]), flat=True))
+                return n_pages
+
+            rows = {"kachedb": {"store": [], "retrieve": []}, "file": {"store": [], "retrieve": []}, "memcpy": {"retrieve": []}}
+            for rep in range(a.reps + 1):  # rep 0 warms up (page-hash extension, allocations)
+                fill()
+                prompt = [rng.randrange(1, 150_000) for _ in range(tokens)]
+                keys = list(get_hash_str(prompt, None, page_size=ps))
+                assert len(keys) == n_pages
+                timings = {}
+                for name, store, retrieve in (
+                    ("kachedb", lambda k: all(kdb.batch_set_v1(k, src)), kdb_retrieve),
+                    ("file", file_store, file_retrieve),
+                ):
+                    clear_dst()
+                    t = time.perf_counter()
+                    ok = store(keys)
+                    timings[(name, "store")] = time.perf_counter() - t
+                    if not ok:
+                        sys.exit(f"{name}: store failed")
+                    t = time.perf_counter()
+                    got = retrieve(keys)
+                    timings[(name, "retrieve")] = time.perf_counter() - t
+                    if got != n_pages or not equal():
+                        sys.exit(f"{name}: retrieved {got}/{n_pages} pages, equal={equal()}")
+                clear_dst()
+                t = time.perf_counter()
+                memcpy()
+                timings[("memcpy", "retrieve")] = time.perf_counter() - t
+                if rep == 0:
+                    continue
+                for (name, op), s in timings.items():
+                    rows[name][op].append(s)
+            res = {"pages": n_pages, "page_bytes": page_bytes, "prompt_bytes": page_bytes * n_pages}
+            for name, ops in rows.items():
+                for op, xs in ops.items():
+                    med = statistics.median(xs)
+                    res[f"{name}_{op}_ms"] = round(med * 1e3, 3)
+                    res[f"{name}_{op}_us_per_page"] = round(med * 1e6 / n_pages, 2)
+            res["store_file_over_kachedb"] = round(res["file_store_ms"] / res["kachedb_store_ms"], 2)
+            res["retrieve_file_over_kachedb"] = round(res["file_retrieve_ms"] / res["kachedb_retrieve_ms"], 2)
+            res["retrieve_kachedb_over_memcpy"] = round(res["kachedb_retrieve_ms"] / res["memcpy_retrieve_ms"], 2)
+            res["daemon_pins_after"] = kdb._link.client().stats()["pins"]
+            results[layout] = res
+            kdb.close()
+    finally:
+        stop_daemon(daemon)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    out = {
+        "tokens": tokens,
+        "page_size": ps,
+        "layers": a.layers,
+        "kv_heads": a.kv_heads,
+        "head_dim": a.head_dim,
+        "dtype": "bfloat16",
+        "reps": a.reps,
+        "file_dir": a.file_dir or "(temporary directory)",
+        "layouts": results,
+    }
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{tokens}-token prompt, {a.layers} layers x {a.kv_heads} KV heads x {a.head_dim}, bf16, "
+          f"{ps} tokens/page; medians of {a.reps}")
+    print(f"{'layout':<12} {'backend':<8} {'store ms':>9} {'µs/page':>9} {'retrieve ms':>12} {'µs/page':>9}")
+    for layout, r in results.items():
+        print(f"{layout:<12} (prompt {r['prompt_bytes'] / 2**20:.1f} MiB, {r['pages']} pages of {r['page_bytes'] / 2**10:.0f} KiB)")
+        for name in ("kachedb", "file"):
+            print(f"{'':<12} {name:<8} {r[f'{name}_store_ms']:>9.2f} {r[f'{name}_store_us_per_page']:>9.1f} "
+                  f"{r[f'{name}_retrieve_ms']:>12.2f} {r[f'{name}_retrieve_us_per_page']:>9.1f}")
+        print(f"{'':<12} {'memcpy':<8} {'':>9} {'':>9} {r['memcpy_retrieve_ms']:>12.2f} {r['memcpy_retrieve_us_per_page']:>9.1f}")
+        print(f"{'':<12} file / kachedb: store {r['store_file_over_kachedb']}x, retrieve {r['retrieve_file_over_kachedb']}x; "
+              f"kachedb retrieve / memcpy {r['retrieve_kachedb_over_memcpy']}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""LMCache's remote storage interface over the KacheDB daemon.
+
+``KacheDBConnectorAdapter`` is what LMCache's plugin loader instantiates
+(``remote_storage_plugin.<name>.module_path`` / ``.class_name``); for the URL
+``plugin://kachedb`` (or ``plugin://kachedb.<instance>``) it creates a
+``KacheDBConnector``, LMCache's ``RemoteConnector``, which LMCache wraps in its
+``RemoteBackend``. ``KacheDBConnector`` itself is also accepted as the class
+name (LMCache then builds it through its own dynamic adapter).
+
+A stored chunk is one 1-D uint8 KacheDB block holding the ``MemoryObj``'s bytes
+(``keys.LAYOUT_VERSION``); its length says how many tokens it holds, so a
+partial last chunk needs no side metadata. Keys: ``keys.chunk_key``.
+
+The operations map onto the store as follows: ``exists``/``exists_sync`` and the
+leading-prefix counts (``batched_contains``, ``batched_async_contains``) are one
+LOOKUP; ``put``/``batched_put`` are one ``put_many`` (one RESERVE batch, the
+copies, one COMMIT batch; chunks already present at the head of the batch are
+skipped); ``get``/``batched_get``/``batched_get_non_blocking`` are one
+``get_prefix`` (lookup-and-pin of the leading present chunks), a copy of each
+view into a ``MemoryObj`` allocated from LMCache's local CPU backend, and the
+views dropped (their pins go with them).
+
+Reference counts follow LMCache's contract: a ``MemoryObj`` given to ``put`` /
+``batched_put`` is LMCache's, which drops its reference when the call returns
+(this module never does); a ``MemoryObj`` returned by a get is the caller's.
+
+Failures never reach the engine as wrong KV: a chunk whose size is not a whole
+number of tokens is a miss; a full store skips the store; a daemon that is gone
+turns every operation into a miss or a skipped store until it answers again
+(tried at most every ``retry_seconds``). The calls are short (shared-memory
+copies and one ring round trip) and run on LMCache's event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+import kachedb
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+from ._stats import COUNTERS
+from .config import PLUGIN_TYPE, option_key, resolve_socket
+from .keys import chunk_key, namespace_digest, namespace_fields
+
+logger = logging.getLogger("kachedb.lmcache")
+
+_PLUGIN_SCHEME = "plugin://"
+
+
+def _log_once(tag: str, msg: str, *args: Any) -> None:
+    if COUNTERS[f"logged_{tag}"] == 0:
+        logger.warning(msg, *args)
+    COUNTERS[f"logged_{tag}"] += 1
+
+
+class _Link:
+    """The connection to the daemon; ``None`` from ``client()`` while it is down.
+    A failed connect or a ``Disconnected`` operation turns the tier off until the
+    next try, ``retry_s`` later."""
+
+    def __init__(self, socket: str, retry_s: float) -> None:
+        self.socket = socket
+        self.retry_s = retry_s
+        self._kc: Any = None
+        self._pid = os.getpid()
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    def connect(self) -> Any:
+        """Connects now; raises if the daemon does not answer."""
+        with self._lock:
+            self._kc = kachedb.connect(self.socket)
+            self._pid = os.getpid()
+            return self._kc
+
+    def client(self) -> Any:
+        kc = self._kc
+        if kc is not None and self._pid == os.getpid():
+            return kc
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        with self._lock:
+            if self._kc is not None and self._pid == os.getpid():
+                return self._kc
+            try:
+                self._kc = kachedb.connect(self.socket)
+                self._pid = os.getpid()
+            except Exception as e:
+                self._kc = None
+                self._next_try = now + self.retry_s
+                _log_once("tier_off", "KacheDB tier off: no daemon answers at %s (%s); retrying every %g s", self.socket, e, self.retry_s)
+                return None
+            COUNTERS["reconnects"] += 1
+            logger.warning("KacheDB tier back on: connected to %s", self.socket)
+            return self._kc
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            kc, self._kc = self._kc, None
+            self._next_try = time.monotonic() + self.retry_s
+        COUNTERS["tier_off"] += 1
+        logger.warning("KacheDB tier off: the daemon at %s went away (%s); retrying every %g s", self.socket, exc, self.retry_s)
+        if kc is not None:
+            try:
+                kc.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            kc, self._kc = self._kc, None
+            self._next_try = float("inf")
+        if kc is not None:
+            kc.close()
+
+
+def _bytes_of(memory_obj: MemoryObj) -> Any:
+    """The ``MemoryObj``'s logical bytes: a 1-D uint8 tensor view (no copy) of a
+    tensor-backed object, else its byte buffer."""
+    raw = getattr(memory_obj, "raw_data", None)
+    n = memory_obj.get_size()
+    if isinstance(raw, torch.Tensor) and raw.device.type == "cpu" and raw.is_contiguous():
+        flat = raw.view(-1) if raw.dtype == torch.uint8 else raw.reshape(-1).view(torch.uint8)
+        return flat[:n]
+    return memoryview(memory_obj.byte_array)[:n]
+
+
+class KacheDBConnector(RemoteConnector):
+    """LMCache's ``RemoteConnector`` over the KacheDB daemon (see the module doc)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: LocalCPUBackend,
+        config: Optional[LMCacheEngineConfig],
+        metadata: Optional[LMCacheMetadata] = None,
+        plugin_name: Optional[str] = None,
+    ) -> None:
+        if config is None:
+            config = local_cpu_backend.config
+        if metadata is None:
+            metadata = local_cpu_backend.metadata
+        if config.use_layerwise:
+            raise ValueError("the KacheDB LMCache plugin stores whole chunks: use_layerwise=True is not supported")
+        if (config.remote_serde or "naive") != "naive":
+            raise ValueError(
+                f"the KacheDB LMCache plugin stores the raw KV bytes: remote_serde must be 'naive', not {config.remote_serde!r}"
+            )
+        super().__init__(config, metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.metadata = metadata
+        self.plugin_name = plugin_name or PLUGIN_TYPE
+        extra = config.extra_config or {}
+
+        def opt(name: str, default: Any = None) -> Any:
+            return extra.get(option_key(self.plugin_name, name), default)
+
+        self.socket = resolve_socket(opt("socket"))
+        self.namespace_fields = namespace_fields(
+            fmt=self.meta_fmt.name,
+            shapes=self.meta_shapes,
+            dtypes=self.meta_dtypes,
+            chunk_size=metadata.chunk_size,
+            use_mla=metadata.use_mla,
+            salt=opt("namespace"),
+        )
+        self.namespace = namespace_digest(self.namespace_fields)
+        self._link = _Link(self.socket, float(opt("retry_seconds", 5.0)))
+        # A daemon that does not answer now fails the build: LMCache logs it and
+        # serves from its other tiers (and retries the connection later).
+        self._link.connect()
+        logger.info(
+            "KacheDB tier %s on %s (namespace %s, %d bytes per full chunk)",
+            self.plugin_name,
+            self.socket,
+            self.namespace.hex(),
+            self.full_chunk_size_bytes,
+        )
+
+    # -- helpers ---------------------------------------------------------
+    def daemon_key(self, key: CacheEngineKey) -> bytes:
+        """The KacheDB key of ``key`` (bytes, hashed by the client)."""
+        return chunk_key(self.namespace, key.to_string())
+
+    def _client(self) -> Any:
+        return self._link.client()
+
+    def _lookup(self, keys: Sequence[CacheEngineKey]) -> int:
+        kc = self._client()
+        if kc is None or not keys:
+            return 0
+        try:
+            n = int(kc.lookup([self.daemon_key(k) for k in keys]))
+        except kachedb.Disconnected as e:
+            self._link.failed(e)
+            return 0
+        except kachedb.KacheDBError as e:
+            COUNTERS["lookup_errors"] += 1
+            _log_once("lookup_error", "KacheDB lookup failed (%s): treated as a miss", e)
+            return 0
+        COUNTERS["lookups"] += 1
+        COUNTERS["lookup_hit_chunks"] += n
+        return n
+
+    def _load_prefix(self, keys: Sequence[CacheEngineKey]) -> List[MemoryObj]:
+        """``MemoryObj``s holding the leading present chunks of ``keys``."""
+        kc = self._client()
+        if kc is None or not keys:
+            return []
+        try:
+            views = kc.get_prefix([self.daemon_key(k) for k in keys])
+        except kachedb.Disconnected as e:
+            self._link.failed(e)
+            return []
+        except kachedb.KacheDBError as e:
+            COUNTERS["get_errors"] += 1
+            _log_once("get_error", "KacheDB get failed (%s): treated as a miss", e)
+            return []
+        out: List[MemoryObj] = []
+        try:
+            for i in range(len(views)):
+                obj = self._copy_out(views[i])
+                views[i] = None  # its pin goes with it
+                if obj is None:
+                    break
+                out.append(obj)
+        except BaseException:
+            for obj in out:
+                obj.ref_count_down()
+            raise
+        finally:
+            views.clear()  # the pins of the views past a miss
+        COUNTERS["get_batches"] += 1
+        COUNTERS["loaded_chunks"] += len(out)
+        COUNTERS["missed_chunks"] += len(keys) - len(out)
+        return out
+
+    def _copy_out(self, view: Any) -> Optional[MemoryObj]:
+        """A ``MemoryObj`` allocated from the local CPU backend holding ``view``'s
+        bytes; ``None`` if the chunk is malformed or no memory is free."""
+        nbytes = int(view.numel()) * int(view.element_size())
+        if view.dtype != torch.uint8 or view.dim() != 1 or nbytes == 0 or nbytes % self.single_token_size or nbytes > self.full_chunk_size_bytes:
+            COUNTERS["malformed_chunks"] += 1
+            _log_once(
+                "malformed",
+                "KacheDB chunk of %s %s (%d bytes) does not fit this engine's layout (%d bytes a token, %d a chunk): a miss",
+                view.dtype,
+                tuple(view.shape),
+                nbytes,
+                self.single_token_size,
+                self.full_chunk_size_bytes,
+            )
+            return None
+        num_tokens = nbytes // self.single_token_size
+        # No busy wait: this runs on LMCache's event loop, which frees memory too.
+        obj = self.local_cpu_backend.allocate(
+            self.metadata.get_shapes(num_tokens), self.meta_dtypes, self.meta_fmt, eviction=True, busy_loop=False
+        )
+        if obj is None:
+            COUNTERS["alloc_failed"] += 1
+            _log_once("alloc", "LMCache's local CPU backend has no room for a KacheDB chunk: a miss")
+            return None
+        try:
+            dst = _bytes_of(obj)
+            if len(dst) != nbytes:
+                raise ValueError(f"allocated {len(dst)} bytes for a chunk of {nbytes}")
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(view)
+            else:
+                dst[:] = memoryview(view.numpy()).cast("B")
+        except BaseException:
+            obj.ref_count_down()
+            raise
+        COUNTERS["loaded_bytes"] += nbytes
+        return obj
+
+    def _store(self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj]) -> None:
+        kc = self._client()
+        if kc is None:
+            COUNTERS["store_skipped_off"] += len(keys)
+            return
+        items = []
+        for k, obj in zip(keys, memory_objs):
+            if obj.get_memory_format() != self.meta_fmt:
+                COUNTERS["store_skipped_format"] += 1
+                _log_once("format", "KacheDB stores %s chunks, not %s: skipped", self.meta_fmt, obj.get_memory_format())
+                continue
+            items.append((self.daemon_key(k), obj))
+        if not items:
+            return
+        try:
+            # Chunks chain over the prompt: the head of the batch present in the
+            # daemon (stored by this or another engine) is not copied again.
+            present = int(kc.lookup([k for k, _ in items]))
+            if present:
+                COUNTERS["store_skipped_present"] += present
+                items = items[present:]
+            if not items:
+                return
+            values = [_bytes_of(obj) for _, obj in items]
+            kc.put_many([k for k, _ in items], values)
+        except (kachedb.OutOfMemory, kachedb.TooLarge) as e:
+            COUNTERS["store_skipped_full"] += len(items)
+            _log_once("full", "KacheDB store full (%s): skipping stores until there is room", e)
+            return
+        except kachedb.Disconnected as e:
+            self._link.failed(e)
+            return
+        except kachedb.KacheDBError as e:
+            COUNTERS["store_errors"] += 1
+            _log_once("store_error", "KacheDB store failed (%s): skipped", e)
+            return
+        COUNTERS["store_batches"] += 1
+        COUNTERS["stored_chunks"] += len(values)
+        COUNTERS["stored_bytes"] += sum(len(v) for v in values)
+
+    # -- RemoteConnector -------------------------------------------------
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return self._lookup([key]) == 1
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self._lookup([key]) == 1
+
+    async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+        got = self._load_prefix([key])
+        return got[0] if got else None
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        # LMCache's wrapper drops the reference when this returns.
+        self._store([key], [memory_obj])
+
+    async def list(self) -> List[str]:
+        raise NotImplementedError("KacheDB keys are 128-bit hashes: the daemon cannot list LMCache keys")
+
+    async def close(self) -> None:
+        self._link.close()
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        kc = self._client()
+        if kc is None:
+            return 1
+        try:
+            kc.ping()
+        except kachedb.Disconnected as e:
+            self._link.failed(e)
+            return 1
+        except kachedb.KacheDBError:
+            return 1
+        return 0
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+        got: List[Optional[MemoryObj]] = list(self._load_prefix(keys))
+        return got + [None] * (len(keys) - len(got))
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
+        # LMCache's wrapper drops the references when this returns.
+        self._store(keys, memory_objs)
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
+        # (``pin`` is not needed: the get that follows pins while it copies, and
+        # a chunk evicted in between is a shorter prefix, which LMCache handles.)
+        return self._lookup(keys)
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: List[CacheEngineKey]) -> List[MemoryObj]:
+        return self._load_prefix(keys)
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: List[CacheEngineKey]) -> int:
+        return self._lookup(keys)
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        kc = self._client()
+        if kc is None:
+            return False
+        try:
+            return bool(kc.delete(self.daemon_key(key)))
+        except kachedb.Disconnected as e:
+            self._link.failed(e)
+            return False
+
+    def __repr__(self) -> str:
+        return f"<KacheDBConnector {self.plugin_name} socket={self.socket!r}>"
+
+
+class KacheDBConnectorAdapter(ConnectorAdapter):
+    """Creates a ``KacheDBConnector`` for ``plugin://kachedb`` and
+    ``plugin://kachedb.<instance>``, with LMCache's metadata and the plugin name
+    (which selects the ``extra_config`` options)."""
+
+    def __init__(self) -> None:
+        super().__init__(_PLUGIN_SCHEME + PLUGIN_TYPE)
+
+    def can_parse(self, url: str) -> bool:
+        return url.startswith(_PLUGIN_SCHEME) and extract_plugin_type(url[len(_PLUGIN_SCHEME) :]) == PLUGIN_TYPE
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        name = context.plugin_name or context.url[len(_PLUGIN_SCHEME) :]
+        return KacheDBConnector(
+            loop=context.loop,
+            local_cpu_backend=context.local_cpu_backend,
+            config=context.config,
+            metadata=context.metadata,
+            plugin_name=name,
+        )

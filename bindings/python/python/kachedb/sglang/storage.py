@@ -1,0 +1,578 @@
+"""``KacheDBStorage``: SGLang HiCache's L3 storage in the KacheDB daemon.
+
+SGLang's storage factory builds it from ``--hicache-storage-backend dynamic``
+and the extra config ``kachedb.sglang.hicache_config()`` writes
+(``module_path`` / ``class_name`` / ``interface_v1``), then registers the
+host KV pool (``register_mem_pool_host``).
+
+A stored page is one KacheDB block: with the zero-copy v1 interface
+(``interface_v1``: ``batch_set_v1`` / ``batch_get_v1``, what SGLang's
+controller uses when the config says so) a 1-D uint8 block of the byte ranges
+that the host pool's ``get_page_buffer_meta`` names for the page, concatenated
+in its order (for an MHA pool: K and V of all layers for ``page_first``; K and V
+of each layer for ``layer_first``); with the generic interface (``set`` /
+``get`` / ``batch_*``) the tensor SGLang passes (the pool's flat data page).
+Keys are ``keys.page_key`` of SGLang's 64-hex page hashes in a namespace of
+model, ranks, pool geometry and interface (``keys.py``).
+
+Per call there is one batch each way: a store is one LOOKUP (pages already
+stored are skipped: a page hash names its tokens and everything before them),
+one RESERVE batch, one copy per byte range straight from the host pool into
+shared memory, one COMMIT batch; a load is one ``get_prefix`` (lookup and pin of
+the leading present pages, one round trip), one copy per byte range into the
+host pool, then the views (and their pins) are dropped. ``batch_exists`` is
+one LOOKUP: the count of leading present pages.
+
+Failures never reach SGLang's controller as exceptions: a missing daemon (at
+start or later) turns the tier off with one warning (misses, skipped stores;
+retried every ``retry_seconds``), a full store or any other error makes that
+call a miss / ``False`` and is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+import kachedb
+
+from . import keys as _keys
+
+logger = logging.getLogger("kachedb.sglang")
+
+_DEFAULT_RETRY_S = 5.0
+
+
+class _Link:
+    """The client, or ``None`` while the daemon is unreachable: connects
+    lazily, at most every ``retry_s`` seconds, and once per outage warns."""
+
+    def __init__(self, socket: Optional[str], retry_s: float) -> None:
+        self.socket = socket
+        self.retry_s = float(retry_s)
+        self._kc: Any = None
+        self._pid = os.getpid()
+        self._next_try_s = 0.0
+        self._warned = False
+        self._lock = threading.Lock()
+        self.reconnects = 0
+        self.outages = 0
+
+    def client(self) -> Any:
+        kc = self._kc
+        if kc is not None and self._pid == os.getpid():
+            return kc
+        now = time.monotonic()
+        if now < self._next_try_s:
+            return None
+        with self._lock:
+            if self._kc is not None and self._pid == os.getpid():
+                return self._kc
+            self._kc = None
+            self._pid = os.getpid()
+            try:
+                self._kc = kachedb.connect(self.socket)
+            except Exception as e:  # Disconnected, an untrusted socket…: the tier is off
+                self._next_try_s = now + self.retry_s
+                self._off(f"no KacheDB daemon answers at {self.socket or kachedb.default_socket_path()} ({e})")
+                return None
+            if self._warned:
+                self._warned = False
+                self.reconnects += 1
+                logger.warning("KacheDB HiCache tier back on: connected to %s", self._kc.socket)
+            return self._kc
+
+    def failed(self, exc: BaseException) -> None:
+        """An operation raised ``Disconnected``: the tier goes off until a reconnect."""
+        with self._lock:
+            kc, self._kc = self._kc, None
+            self._next_try_s = time.monotonic() + self.retry_s
+        if kc is not None:
+            try:
+                kc.close()
+            except Exception:
+                pass
+        self._off(f"the KacheDB daemon went away ({exc})")
+
+    def _off(self, why: str) -> None:
+        self.outages += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "KacheDB HiCache tier off: %s; SGLang keeps serving without it (misses, stores skipped) "
+                "and retries every %g s",
+                why,
+                self.retry_s,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            kc, self._kc = self._kc, None
+        if kc is not None:
+            try:
+                kc.close()
+            except Exception:
+                pass
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a 1-D uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, in one torch call where torch has it."""
+    if not dst:
+        return
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
+class _PoolBytes:
+    """The host pool's memory as flat uint8 views, so that the ``(address,
+    bytes)`` ranges of ``get_page_buffer_meta`` become tensor slices (bounds
+    checked: a range outside the pool's buffers is an error, never a stray copy)."""
+
+    def __init__(self, host_pool: Any) -> None:
+        self.pool = host_pool
+        self._bases: List[Tuple[int, int, torch.Tensor]] = []
+        self._key: Tuple[int, ...] = ()
+
+    def _buffers(self) -> List[torch.Tensor]:
+        kv = getattr(self.pool, "kv_buffer", None)
+        if isinstance(kv, torch.Tensor):
+            return [kv]
+        get = getattr(self.pool, "get_hybrid_pool_buffer", None)
+        bufs = [b for b in (get() if get is not None else []) if isinstance(b, torch.Tensor)]
+        if not bufs:
+            raise kachedb.InvalidArgument(f"the SGLang host pool {type(self.pool).__name__} exposes no KV buffer")
+        return bufs
+
+    def _refresh(self) -> None:
+        bufs = self._buffers()
+        key = tuple(b.data_ptr() for b in bufs)
+        if key == self._key:
+            return
+        bases = []
+        for b in bufs:
+            if b.device.type != "cpu" or not b.is_contiguous():
+                raise kachedb.InvalidArgument(
+                    f"the SGLang host pool's buffer must be contiguous host memory (device {b.device}, "
+                    f"contiguous {b.is_contiguous()})"
+                )
+            flat = _flat_bytes(b)
+            bases.append((b.data_ptr(), flat.numel(), flat))
+        self._bases, self._key = bases, key
+
+    def slice(self, addr: int, nbytes: int) -> torch.Tensor:
+        for base, size, flat in self._bases:
+            off = addr - base
+            if 0 <= off and off + nbytes <= size:
+                return flat[off : off + nbytes]
+        raise kachedb.InvalidArgument(f"get_page_buffer_meta named {nbytes} bytes at {addr:#x}, outside the host pool")
+
+    def pages(self, host_indices: Any, n_pages: int) -> Tuple[List[List[torch.Tensor]], int]:
+        """Per page, the slices of its byte ranges in ``get_page_buffer_meta``'s
+        order, and the bytes of one page."""
+        self._refresh()
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        ptrs, sizes = list(ptrs), [int(s) for s in sizes]
+        if n_pages <= 0 or len(ptrs) != len(sizes) or len(ptrs) % n_pages:
+            raise kachedb.InvalidArgument(
+                f"get_page_buffer_meta returned {len(ptrs)} ranges ({len(sizes)} sizes) for {n_pages} pages"
+            )
+        per = len(ptrs) // n_pages
+        row_sizes = sizes[:per]
+        out = []
+        for p in range(n_pages):
+            if sizes[p * per : (p + 1) * per] != row_sizes:
+                raise kachedb.InvalidArgument("the pages of one batch have differently sized byte ranges")
+            out.append([self.slice(int(ptrs[p * per + r]), row_sizes[r]) for r in range(per)])
+        return out, sum(row_sizes)
+
+
+class KacheDBStorage(HiCacheStorage):
+    """SGLang HiCache L3 storage in the node's KacheDB daemon (see the module docstring).
+
+    ``storage_config.extra_config`` (``kachedb.sglang.hicache_config()`` writes it):
+    ``socket`` (the daemon's control socket; default as ``kachedb.connect``),
+    ``namespace`` (a salt mixed into every key), ``retry_seconds`` (how often a
+    missing daemon is retried, default 5), ``interface_v1`` (SGLang's switch to
+    the zero-copy page interface; ``batch_exists`` / ``exists`` look in the
+    namespace of the interface it selects).
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[Dict[str, Any]] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.storage_config = storage_config
+        self.socket = extra.get("socket") or os.environ.get("KACHEDB_SOCKET") or None
+        self.salt = extra.get("namespace")
+        self.retry_s = float(extra.get("retry_seconds", _DEFAULT_RETRY_S))
+        self.interface_v1 = bool(extra.get("interface_v1", 0))
+        self.metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self.mem_pool_host: Any = None
+        self._pool_bytes: Optional[_PoolBytes] = None
+        self.counters: Dict[str, int] = {
+            k: 0
+            for k in (
+                "exists_calls",
+                "exists_pages_hit",
+                "get_pages",
+                "get_pages_hit",
+                "set_pages",
+                "set_pages_stored",
+                "set_pages_present",
+                "set_pages_failed",
+                "store_full",
+                "errors",
+            )
+        }
+        self._logged: set = set()
+        self._counters_lock = threading.Lock()
+        self._metrics_lock = threading.Lock()
+        self._prefetch_pgs: List[int] = []
+        self._backup_pgs: List[int] = []
+        self._prefetch_gbps: List[float] = []
+        self._backup_gbps: List[float] = []
+        self._set_namespaces()
+        self._link = _Link(self.socket, self.retry_s)
+        self._link.client()  # connect now (or warn now); every call retries if it failed
+
+    # -- setup -----------------------------------------------------------
+    def _set_namespaces(self) -> None:
+        pool = self.mem_pool_host
+        self.fields_v1 = _keys.namespace_fields(self.storage_config, pool, interface="v1", salt=self.salt)
+        self.fields_generic = _keys.namespace_fields(self.storage_config, pool, interface="generic", salt=self.salt)
+        self.ns_v1 = _keys.namespace_digest(self.fields_v1)
+        self.ns_generic = _keys.namespace_digest(self.fields_generic)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._pool_bytes = _PoolBytes(mem_pool_host)
+        self._set_namespaces()
+
+    # -- helpers ---------------------------------------------------------
+    def _log_once(self, tag: str, msg: str, *args: Any) -> None:
+        if tag not in self._logged:
+            self._logged.add(tag)
+            logger.warning(msg, *args)
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        """One place that turns an exception into a miss / skipped store."""
+        if isinstance(e, kachedb.Disconnected):
+            self._link.failed(e)
+        elif isinstance(e, (kachedb.OutOfMemory, kachedb.TooLarge)):
+            self._add(store_full=1)
+            self._log_once("full", "KacheDB store full (%s): that %s is skipped (later ones are tried)", e, what)
+        else:
+            self._add(errors=1)
+            self._log_once(f"error:{what}:{type(e).__name__}", "KacheDB HiCache %s failed (%r): treated as a miss", what, e)
+
+    def _add(self, **deltas: int) -> None:
+        # (SGLang calls from its prefetch and backup threads at once)
+        with self._counters_lock:
+            for k, d in deltas.items():
+                self.counters[k] += d
+
+    def _dkeys(self, ns: bytes, keys: Sequence[str]) -> List[bytes]:
+        return [_keys.page_key(ns, str(k)) for k in keys]
+
+    def _record(self, pgs: List[int], gbps: List[float], n: int, nbytes: int, t0: float) -> None:
+        if not self.metrics or n <= 0:
+            return
+        dt = time.perf_counter() - t0
+        with self._metrics_lock:
+            pgs.append(n)
+            if dt > 0:
+                gbps.append(nbytes / dt / (1 << 30))
+
+    def _v1_pages(self, keys: Sequence[str], host_indices: Any) -> Tuple[List[List[torch.Tensor]], int]:
+        if self._pool_bytes is None:
+            raise kachedb.InvalidArgument("no host pool registered (register_mem_pool_host)")
+        page_size = int(self.mem_pool_host.page_size)
+        if int(host_indices.numel()) != len(keys) * page_size:
+            raise kachedb.InvalidArgument(
+                f"{host_indices.numel()} host indices for {len(keys)} pages of {page_size} tokens"
+            )
+        return self._pool_bytes.pages(host_indices, len(keys))
+
+    # -- zero-copy v1 interface -------------------------------------------
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many leading pages of ``keys`` are stored (one LOOKUP)."""
+        self._add(exists_calls=1)
+        if not keys:
+            return 0
+        kc = self._link.client()
+        if kc is None:
+            return 0
+        try:
+            n = int(kc.lookup(self._dkeys(self.ns_v1 if self.interface_v1 else self.ns_generic, keys)))
+        except Exception as e:
+            self._failed("lookup", e)
+            return 0
+        self._add(exists_pages_hit=n)
+        return n
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_set_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
+        """Stores the pages at ``host_indices`` (``len(keys) * page_size`` token
+        slots of the host pool) under ``keys``; one bool per page."""
+        n = len(keys)
+        self._add(set_pages=n)
+        if n == 0:
+            return []
+        kc = self._link.client()
+        if kc is None:
+            self._add(set_pages_failed=n)
+            return [False] * n
+        t0 = time.perf_counter()
+        try:
+            pages, page_bytes = self._v1_pages(keys, host_indices)
+            dkeys = self._dkeys(self.ns_v1, keys)
+            present = int(kc.lookup(dkeys))  # a page hash names its whole prefix: stored once
+            todo = list(range(present, n))
+            if todo:
+                with kc.reserve_many([dkeys[i] for i in todo], (page_bytes,), torch.uint8) as outs:
+                    dst: List[torch.Tensor] = []
+                    src: List[torch.Tensor] = []
+                    for out, i in zip(outs, todo):
+                        off = 0
+                        for s in pages[i]:
+                            dst.append(out[off : off + s.numel()])
+                            src.append(s)
+                            off += s.numel()
+                    _copy_all(dst, src)
+                    del dst, src
+        except Exception as e:
+            self._add(set_pages_failed=n)
+            self._failed("store", e)
+            return [False] * n
+        self._add(set_pages_present=present, set_pages_stored=n - present)
+        self._record(self._backup_pgs, self._backup_gbps, n - present, (n - present) * page_bytes, t0)
+        return [True] * n
+
+    def batch_get_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
+        """Loads the leading stored pages of ``keys`` into the host pool at
+        ``host_indices``; one bool per page (``True`` for the loaded prefix)."""
+        n = len(keys)
+        self._add(get_pages=n)
+        if n == 0:
+            return []
+        kc = self._link.client()
+        if kc is None:
+            return [False] * n
+        t0 = time.perf_counter()
+        n_ok = 0
+        try:
+            pages, page_bytes = self._v1_pages(keys, host_indices)
+            views = kc.get_prefix(self._dkeys(self.ns_v1, keys))
+            try:
+                dst: List[torch.Tensor] = []
+                src: List[torch.Tensor] = []
+                for i, v in enumerate(views):
+                    if v.dtype != torch.uint8 or v.numel() != page_bytes:
+                        self._log_once("shape", "KacheDB page of %d bytes where %d were expected: a miss", v.numel(), page_bytes)
+                        break
+                    flat = v.reshape(-1)
+                    off = 0
+                    for s in pages[i]:
+                        dst.append(s)
+                        src.append(flat[off : off + s.numel()])
+                        off += s.numel()
+                    n_ok += 1
+                _copy_all(dst, src)
+            finally:
+                # the views hold the pins: drop them as soon as the bytes are copied
+                dst = src = flat = v = None  # type: ignore[assignment]
+                del views
+        except Exception as e:
+            self._failed("load", e)
+            return [False] * n
+        self._add(get_pages_hit=n_ok)
+        self._record(self._prefetch_pgs, self._prefetch_gbps, n_ok, n_ok * page_bytes, t0)
+        return [True] * n_ok + [False] * (n - n_ok)
+
+    # -- v2 (hybrid models' per-pool transfers): not stored here -----------
+    def _no_v2(self) -> None:
+        self._log_once(
+            "v2",
+            "KacheDB HiCache: the per-pool v2 interface (hybrid models: Mamba/SWA/sidecar pools) is not "
+            "supported; those pages are misses and are not stored",
+        )
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        self._no_v2()
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: List[Any], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        self._no_v2()
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: List[Any], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[str, List[bool]]:
+        self._no_v2()
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    # -- generic interface ------------------------------------------------
+    @staticmethod
+    def _fill(target: torch.Tensor, v: torch.Tensor) -> bool:
+        """Copies block ``v`` into ``target``; ``False`` if their bytes differ in size."""
+        if target.numel() * target.element_size() != v.numel() * v.element_size():
+            return False
+        if target.is_contiguous() and target.device.type == "cpu":
+            _flat_bytes(target).copy_(_flat_bytes(v.contiguous()))
+        elif target.dtype == v.dtype:
+            target.copy_(v.reshape(target.shape))
+        else:
+            target.copy_(v.reshape(-1).view(torch.uint8).view(target.dtype).reshape(target.shape))
+        return True
+
+    @staticmethod
+    def _private(v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(tuple(v.shape), dtype=v.dtype)
+        out.copy_(v)
+        return out
+
+    def get(
+        self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> Optional[torch.Tensor]:
+        """The page stored under ``key`` by ``set``: copied into
+        ``target_location`` (a tensor of the same byte size) and returned, or a
+        private copy when there is no target; ``None`` on a miss."""
+        got = self.batch_get([key], None if target_location is None else [target_location], target_sizes)
+        return got[0]
+
+    def batch_get(
+        self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> List[Optional[torch.Tensor]]:
+        n = len(keys)
+        self._add(get_pages=n)
+        out: List[Optional[torch.Tensor]] = [None] * n
+        if n == 0:
+            return out
+        kc = self._link.client()
+        if kc is None:
+            return out
+        try:
+            views = kc.get_many(self._dkeys(self.ns_generic, keys))
+            try:
+                for i, v in enumerate(views):
+                    if v is None:
+                        continue
+                    target = target_locations[i] if target_locations is not None else None
+                    if isinstance(target, torch.Tensor):
+                        if self._fill(target, v):
+                            out[i] = target
+                        else:
+                            self._log_once("gshape", "KacheDB page %r does not fit its target: a miss", keys[i])
+                    else:
+                        out[i] = self._private(v)
+            finally:
+                v = None  # type: ignore[assignment]
+                del views
+        except Exception as e:
+            self._failed("load", e)
+            return [None] * n
+        self._add(get_pages_hit=sum(x is not None for x in out))
+        return out
+
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        """Stores tensor ``value`` under ``key`` (skipped if stored already)."""
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        """Stores tensors ``values`` under ``keys`` (one LOOKUP, then one
+        ``put_many`` of the pages not stored yet); ``True`` if all are stored."""
+        n = len(keys)
+        self._add(set_pages=n)
+        if n == 0:
+            return True
+        if values is None or len(values) != n or any(not isinstance(v, torch.Tensor) for v in values):
+            self._add(set_pages_failed=n)
+            self._log_once("gvalues", "KacheDB HiCache set needs one tensor per key (zero-copy pointers: use interface_v1)")
+            return False
+        kc = self._link.client()
+        if kc is None:
+            self._add(set_pages_failed=n)
+            return False
+        try:
+            dkeys = self._dkeys(self.ns_generic, keys)
+            present = int(kc.lookup(dkeys))
+            if present < n:
+                kc.put_many(dkeys[present:], [v.detach() for v in values[present:]])
+        except Exception as e:
+            self._add(set_pages_failed=n)
+            self._failed("store", e)
+            return False
+        self._add(set_pages_present=present, set_pages_stored=n - present)
+        return True
+
+    # -- housekeeping -----------------------------------------------------
+    def clear(self) -> None:
+        """Leaves the daemon's store alone: other servers on the node share it
+        (its blocks are evicted by the daemon; restart it to empty it)."""
+        self._log_once("clear", "KacheDB HiCache clear(): the shared KacheDB store is not cleared")
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (pages and GB/s per batch since the last
+        call) when storage metrics are on, else ``None``."""
+        if not self.metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        with self._metrics_lock:
+            m.prefetch_pgs.extend(self._prefetch_pgs)
+            m.backup_pgs.extend(self._backup_pgs)
+            m.prefetch_bandwidth.extend(self._prefetch_gbps)
+            m.backup_bandwidth.extend(self._backup_gbps)
+            for lst in (self._prefetch_pgs, self._backup_pgs, self._prefetch_gbps, self._backup_gbps):
+                lst.clear()
+        return m
+
+    def kachedb_stats(self) -> Dict[str, Any]:
+        """This backend's counters, link state and namespace fields (for debugging a miss)."""
+        return {
+            **self.counters,
+            "tier_off": self._link._kc is None,
+            "outages": self._link.outages,
+            "reconnects": self._link.reconnects,
+            "socket": self.socket,
+            "namespace_v1": self.ns_v1.hex(),
+            "namespace_generic": self.ns_generic.hex(),
+            "fields": self.fields_v1,
+        }
+
+    def close(self) -> None:
+        self._link.close()

@@ -1,0 +1,288 @@
+"""One LMCache engine process of the KacheDB integration tests.
+
+Run with the LMCache environment's python: ``python engine_proc.py SPEC.json``.
+SPEC is a JSON object ``{"scenario": name, "socket": path or null, "out": path,
+...}``; the scenario's result (a JSON object) is written to ``out``. Every
+scenario destroys its engine before returning (LMCache's storage thread keeps a
+process alive until then), so the process must then exit by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lmcache_support as S  # noqa: E402
+
+
+def _bytes(t: Any) -> bytes:
+    import torch
+
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _remote_lookup(engine: Any, tokens: List[int]) -> int:
+    return int(engine.lookup(tokens, search_range=[S.REMOTE_BACKEND]))
+
+
+def _local_lookup(engine: Any, tokens: List[int]) -> int:
+    return int(engine.lookup(tokens, search_range=["LocalCPUBackend"]))
+
+
+def _wait_landed(daemon: Any, keys: List[bytes], timeout_s: float) -> Dict[str, Any]:
+    """Polls the daemon until every key is present or ``timeout_s`` passes."""
+    start = time.monotonic()
+    present = daemon.lookup(keys)
+    while present < len(keys) and time.monotonic() - start < timeout_s:
+        time.sleep(0.01)
+        present = daemon.lookup(keys)
+    return {"present": present, "expected": len(keys), "waited_s": time.monotonic() - start}
+
+
+def _settled_ref_counts(engine: Any, timeout_s: float) -> List[int]:
+    """The reference counts of the chunks in the engine's local CPU tier, once
+    they are all 1 or ``timeout_s`` has passed (the puts' references go when
+    LMCache's put tasks finish)."""
+    local = engine.storage_manager.storage_backends["LocalCPUBackend"]
+    start = time.monotonic()
+    while True:
+        with local.cpu_lock:
+            counts = [obj.get_ref_count() for obj in local.hot_cache.values()]
+        if all(c == 1 for c in counts) or time.monotonic() - start > timeout_s:
+            return counts
+        time.sleep(0.01)
+
+
+def scenario_store(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Engine 1: stores each prompt's KV; reports when the asynchronous puts
+    have landed in the daemon (through an observer client of its own)."""
+    import kachedb
+    import kachedb.lmcache
+
+    engine = S.build_engine("store", socket=spec["socket"], model=spec.get("model", "kachedb-test/tiny-llama"))
+    conn = S.kachedb_connector(engine)
+    out: Dict[str, Any] = {"backends": list(engine.storage_manager.storage_backends), "connector": repr(conn)}
+    observer = kachedb.connect(spec["socket"])
+    landed = []
+    for n, seed in spec["prompts"]:
+        tokens = S.prompt_tokens(n, seed)
+        engine.store(tokens, kv=S.prompt_kv(n, seed))
+        keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
+        landed.append(_wait_landed(observer, keys, spec.get("land_timeout_s", 10.0)))
+    out["landed"] = landed
+    # LMCache's reference counting: once the puts are done, each chunk in the
+    # local CPU tier holds one reference, its own (a connector dropping the
+    # reference LMCache drops for it leaves 0: a freed chunk still cached).
+    out["local_ref_counts"] = _settled_ref_counts(engine, spec.get("land_timeout_s", 10.0))
+    for n, seed in spec["prompts"]:
+        S.clear_local(engine, S.prompt_tokens(n, seed))  # (clear skips chunks not at one reference)
+    out["stats"] = kachedb.lmcache.stats()
+    out["daemon"] = observer.stats()
+    observer.close()
+    _destroy("store")
+    return out
+
+
+def scenario_load(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Engine 2 (fresh: its local CPU tier is empty): looks a stored prompt up
+    and retrieves it through KacheDB; partial chunks; misses; the asynchronous
+    lookup-and-get path of the backend."""
+    import torch
+
+    import kachedb
+    import kachedb.lmcache
+
+    n, seed = spec["prompt"]
+    tokens = S.prompt_tokens(n, seed)
+    expect = S.prompt_kv(n, seed)
+    engine = S.build_engine("load", socket=spec["socket"], model=spec.get("model", "kachedb-test/tiny-llama"))
+    conn = S.kachedb_connector(engine)
+    observer = kachedb.connect(spec["socket"])
+    out: Dict[str, Any] = {"backends": list(engine.storage_manager.storage_backends), "connector": repr(conn)}
+    out["num_chunks"] = len(S.chunk_keys(engine, tokens))
+
+    # The whole prompt, through KacheDB only.
+    out["local_lookup_before"] = _local_lookup(engine, tokens)
+    out["remote_lookup"] = _remote_lookup(engine, tokens)
+    before = observer.stats()
+    got = torch.zeros_like(expect)
+    mask = engine.retrieve(tokens, kv=got, req_id="whole")
+    after = observer.stats()
+    out["retrieved_tokens"] = int(mask.sum())
+    out["byte_equal"] = _bytes(got) == _bytes(expect)
+    out["get_hits_delta"] = after["get_hits"] - before["get_hits"]
+    out["local_lookup_after"] = _local_lookup(engine, tokens)
+
+    # Partial chunks: a prompt ending inside a stored chunk, and one extending
+    # past the stored partial last chunk, each from an emptied local tier.
+    S.clear_local(engine, tokens)
+    short = tokens[: spec["short"]]
+    out["short_remote_lookup"] = _remote_lookup(engine, short)
+    longer = tokens + S.prompt_tokens(spec["extra"], seed + 1000)
+    out["long_remote_lookup"] = _remote_lookup(engine, longer)
+    before = observer.stats()
+    got_long = torch.zeros((2, S.NUM_LAYERS, len(longer), S.NUM_HEADS * S.HEAD_SIZE), dtype=expect.dtype)
+    mask = engine.retrieve(longer, kv=got_long, req_id="long")
+    after = observer.stats()
+    hit = int(mask.sum())
+    out["long_retrieved_tokens"] = hit
+    out["long_mask_is_prefix"] = bool(mask[:hit].all()) and not bool(mask[hit:].any())
+    out["long_byte_equal"] = _bytes(got_long[:, :, :hit]) == _bytes(expect[:, :, :hit])
+    out["long_untouched_zero"] = bool((got_long[:, :, hit:] == 0).all())
+    out["long_get_hits_delta"] = after["get_hits"] - before["get_hits"]
+
+    # Misses: a prompt nobody stored.
+    S.clear_local(engine, tokens)
+    other = S.prompt_tokens(n, seed + 7)
+    before = observer.stats()
+    out["miss_remote_lookup"] = _remote_lookup(engine, other)
+    got_miss = torch.zeros_like(expect)
+    out["miss_retrieved_tokens"] = int(engine.retrieve(other, kv=got_miss, req_id="miss").sum())
+    after = observer.stats()
+    out["miss_not_found_delta"] = after["not_found"] - before["not_found"]
+    out["miss_get_hits_delta"] = after["get_hits"] - before["get_hits"]
+
+    # LMCache's asynchronous path (scheduler lookup, prefetch) on the backend
+    # itself, on the storage manager's event loop.
+    backend = engine.storage_manager.storage_backends[S.REMOTE_BACKEND]
+    loop = engine.storage_manager.loop
+    keys = S.chunk_keys(engine, tokens)
+    out["async_contains"] = asyncio.run_coroutine_threadsafe(backend.batched_async_contains("a1", keys), loop).result(30)
+    out["async_contains_miss"] = asyncio.run_coroutine_threadsafe(
+        backend.batched_async_contains("a2", S.chunk_keys(engine, other)), loop
+    ).result(30)
+    objs = asyncio.run_coroutine_threadsafe(backend.batched_get_non_blocking("a3", keys), loop).result(30)
+    starts = [s for s, _, _ in engine.token_database.process_tokens(tokens=tokens)]
+    ends = [e for _, e, _ in engine.token_database.process_tokens(tokens=tokens)]
+    out["async_got"] = len(objs)
+    out["async_byte_equal"] = all(
+        _bytes(o.tensor) == _bytes(expect[:, :, s:e]) for o, s, e in zip(objs, starts, ends)
+    )
+    out["async_ref_counts"] = [o.get_ref_count() for o in objs]
+    for o in objs:
+        o.ref_count_down()
+    # A chunk in the middle goes missing: the get returns the prefix before it.
+    observer.delete(conn.daemon_key(keys[3]))
+    objs = asyncio.run_coroutine_threadsafe(backend.batched_get_non_blocking("a4", keys), loop).result(30)
+    out["async_got_after_delete"] = len(objs)
+    for o in objs:
+        o.ref_count_down()
+    out["remote_lookup_after_delete"] = _remote_lookup(engine, tokens)
+
+    out["stats"] = kachedb.lmcache.stats()
+    out["daemon"] = observer.stats()
+    observer.close()
+    _destroy("load")
+    return out
+
+
+def scenario_lookup(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """A fresh engine (possibly of another model, or another namespace) looks a
+    prompt up in KacheDB only."""
+    import kachedb.lmcache
+
+    n, seed = spec["prompt"]
+    tokens = S.prompt_tokens(n, seed)
+    engine = S.build_engine(
+        "lookup", socket=spec["socket"], model=spec.get("model", "kachedb-test/tiny-llama"), namespace=spec.get("namespace")
+    )
+    out = {
+        "backends": list(engine.storage_manager.storage_backends),
+        "connector": repr(S.kachedb_connector(engine)),
+        "remote_lookup": _remote_lookup(engine, tokens),
+        "stats": kachedb.lmcache.stats(),
+    }
+    _destroy("lookup")
+    return out
+
+
+def scenario_no_daemon(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """The plugin configured on a socket nobody serves: the engine still stores
+    and retrieves through its local tier, and KacheDB answers nothing."""
+    import torch
+
+    n, seed = spec["prompt"]
+    tokens = S.prompt_tokens(n, seed)
+    kv = S.prompt_kv(n, seed)
+    engine = S.build_engine("nodaemon", socket=spec["socket"])
+    out: Dict[str, Any] = {"backends": list(engine.storage_manager.storage_backends)}
+    out["connector_is_none"] = S.kachedb_connector(engine) is None
+    engine.store(tokens, kv=kv)
+    out["remote_lookup"] = _remote_lookup(engine, tokens)
+    out["local_lookup"] = _local_lookup(engine, tokens)
+    got = torch.zeros_like(kv)
+    out["retrieved_tokens"] = int(engine.retrieve(tokens, kv=got, req_id="r").sum())
+    out["byte_equal"] = _bytes(got) == _bytes(kv)
+    _destroy("nodaemon")
+    return out
+
+
+def scenario_daemon_restart(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """The daemon (started and stopped here) goes away under a running engine
+    and comes back: meanwhile KacheDB answers misses and skips stores, the engine
+    raises nothing; afterwards the tier is used again."""
+    import torch
+
+    import kachedb.lmcache
+
+    (n, seed), (n2, seed2) = spec["prompt"], spec["second"]
+    tokens, kv = S.prompt_tokens(n, seed), S.prompt_kv(n, seed)
+    tokens2, kv2 = S.prompt_tokens(n2, seed2), S.prompt_kv(n2, seed2)
+    socket = spec["socket"]
+    daemon = S.Daemon("64MiB", socket=socket)
+    out: Dict[str, Any] = {}
+    try:
+        engine = S.build_engine("restart", socket=socket, retry_seconds=spec["retry_seconds"])
+        conn = S.kachedb_connector(engine)
+        out["connector"] = repr(conn)
+        engine.store(tokens, kv=kv)
+        keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
+        out["landed_before"] = _wait_landed(daemon.client(), keys, 10.0)
+        out["stop_rc"] = daemon.stop()
+
+        # The daemon is gone: misses, skipped stores, no exception.
+        out["down_remote_lookup"] = _remote_lookup(engine, tokens)
+        S.clear_local(engine, tokens)
+        got = torch.zeros_like(kv)
+        out["down_retrieved_tokens"] = int(engine.retrieve(tokens, kv=got, req_id="down").sum())
+        engine.store(tokens2, kv=kv2)
+        out["down_local_lookup"] = _local_lookup(engine, tokens2)  # the local tier still works
+
+        # Back (empty): after retry_seconds the tier reconnects and stores again.
+        daemon = S.Daemon("64MiB", socket=socket)
+        time.sleep(spec["retry_seconds"] * 2)
+        S.clear_local(engine, tokens2)
+        engine.store(tokens2, kv=kv2)
+        keys2 = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens2)]
+        out["landed_after"] = _wait_landed(daemon.client(), keys2, 10.0)
+        out["up_remote_lookup"] = _remote_lookup(engine, tokens2)
+        out["up_remote_lookup_old"] = _remote_lookup(engine, tokens)  # the restarted daemon is empty
+        out["stats"] = kachedb.lmcache.stats()
+        _destroy("restart")
+    finally:
+        out["final_stop_rc"] = daemon.stop()
+    return out
+
+
+def _destroy(instance_id: str) -> None:
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    LMCacheEngineBuilder.destroy(instance_id)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = globals()["scenario_" + spec["scenario"]](spec)
+    tmp = spec["out"] + ".tmp"
+    Path(tmp).write_text(json.dumps(result))
+    Path(tmp).rename(spec["out"])
+
+
+if __name__ == "__main__":
+    main()

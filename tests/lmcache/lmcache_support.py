@@ -1,0 +1,253 @@
+"""Helpers of the LMCache integration tests and benchmark: the daemon binary, a
+CPU implementation of LMCache's GPU-connector interface, and an LMCache engine
+built around it.
+
+LMCache's engine copies KV between the serving engine's cache and its
+``MemoryObj`` chunks through a GPU connector; its ``MockGPUConnector`` copies
+nothing. ``CPUKVConnector`` copies tensor slices of a CPU KV buffer laid out as
+LMCache's chunks are (``[2, layers, tokens, heads * head_size]``), so a store
+reads real bytes and a retrieve writes them back. Nothing here is part of the
+product.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+#: The plugin name the tests register (``kachedb.lmcache.config()``'s default).
+PLUGIN = "kachedb"
+#: LMCache's name of the remote backend of that plugin.
+REMOTE_BACKEND = f"RemoteBackend-{PLUGIN}"
+
+# A small model's KV layout: (layers, 2, chunk tokens, kv heads, head size).
+NUM_LAYERS = 4
+NUM_HEADS = 2
+HEAD_SIZE = 16
+CHUNK_TOKENS = 16
+
+
+def daemon_bin() -> str:
+    b = os.environ.get("KACHEDB_BIN") or str(ROOT / "target" / "release" / "kachedb")
+    if not os.path.exists(b):
+        raise FileNotFoundError(f"the daemon binary {b} is missing: run `cargo build --release -p kachedb-cli` (or `make build`)")
+    return b
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class Daemon:
+    """The real daemon binary on a private socket; stopped by its PID."""
+
+    def __init__(self, size: str = "256MiB", socket: Optional[str] = None) -> None:
+        """``socket``: a path in a private directory (default: a new one)."""
+        self._own_dir = socket is None
+        self.dir = os.path.dirname(socket) if socket else tempfile.mkdtemp(prefix="kdb-lmc-", dir="/tmp")
+        self.socket = socket or os.path.join(self.dir, "d.sock")
+        self.log_path = os.path.join(self.dir, "daemon.log")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [daemon_bin(), "serve", "--socket", self.socket, "--size", size],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self._observer: Any = None
+        deadline = time.monotonic() + 30
+        import kachedb
+
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the daemon did not start:\n{self.log()}")
+            if os.path.exists(self.socket):
+                try:
+                    self._observer = kachedb.connect(self.socket)
+                    break
+                except kachedb.Disconnected:
+                    pass
+            time.sleep(0.02)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-3000:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def client(self) -> Any:
+        """A client kept for observing the daemon (stats, lookups)."""
+        return self._observer
+
+    def stats(self) -> Dict[str, Any]:
+        return self._observer.stats()
+
+    def stop(self) -> int:
+        """SIGTERM (SIGKILL after 15 s); returns the exit code."""
+        if self._observer is not None:
+            self._observer.close()
+            self._observer = None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return self.proc.returncode
+
+
+# --- the engine side (imports LMCache and torch) ---------------------------
+
+
+def prompt_tokens(n: int, seed: int) -> List[int]:
+    """``n`` deterministic token ids."""
+    out: List[int] = []
+    i = 0
+    while len(out) < n:
+        d = hashlib.blake2b(f"tokens/{seed}/{i}".encode(), digest_size=64).digest()
+        out.extend(int.from_bytes(d[j : j + 2], "little") % 32000 for j in range(0, 64, 2))
+        i += 1
+    return out[:n]
+
+
+def prompt_kv(n: int, seed: int, layers: int = NUM_LAYERS, hidden: int = NUM_HEADS * HEAD_SIZE) -> Any:
+    """The bfloat16 KV of ``n`` tokens, ``[2, layers, n, hidden]``: deterministic
+    values (a stand-in for a model's prefill)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((2, layers, n, hidden), generator=g, dtype=torch.float32).to(torch.bfloat16)
+
+
+def make_cpu_connector(layers: int = NUM_LAYERS, hidden: int = NUM_HEADS * HEAD_SIZE) -> Any:
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+
+    class CPUKVConnector(GPUConnectorInterface):
+        """Copies between a CPU KV buffer (``kv=`` keyword, ``[2, L, T, H*D]``) and
+        LMCache's chunks (``MemoryFormat.KV_2LTD``, the same layout per chunk)."""
+
+        def __init__(self) -> None:
+            self.kvcaches = None
+
+        def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+            memory_obj.tensor.copy_(kwargs["kv"][:, :, start:end, :])
+
+        def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+            kwargs["kv"][:, :, start:end, :].copy_(memory_obj.tensor)
+
+        def batched_from_gpu(self, memory_objs: Any, starts: List[int], ends: List[int], **kwargs: Any) -> None:
+            for obj, s, e in zip(memory_objs, starts, ends):
+                self.from_gpu(obj, s, e, **kwargs)
+
+        def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kwargs: Any) -> None:
+            for obj, s, e in zip(memory_objs, starts, ends):
+                self.to_gpu(obj, s, e, **kwargs)
+
+        def get_shape(self, num_tokens: int) -> Any:
+            import torch
+
+            return torch.Size([2, layers, num_tokens, hidden])
+
+    return CPUKVConnector()
+
+
+def build_engine(
+    instance_id: str,
+    *,
+    socket: Optional[str],
+    model: str = "kachedb-test/tiny-llama",
+    namespace: Optional[str] = None,
+    retry_seconds: Optional[float] = None,
+    local_cpu_gib: float = 0.25,
+    layers: int = NUM_LAYERS,
+    heads: int = NUM_HEADS,
+    head_size: int = HEAD_SIZE,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> Any:
+    """An LMCache engine (bfloat16 KV of ``layers`` x ``heads`` x ``head_size``,
+    chunks of ``chunk_tokens``, a local CPU tier of ``local_cpu_gib``) with the
+    KacheDB plugin at ``socket`` (``None``: the local CPU tier only),
+    post-initialised."""
+    import torch
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    import kachedb.lmcache
+
+    plugin: Dict[str, Any] = {}
+    if socket is not None:
+        plugin = kachedb.lmcache.config(socket, namespace=namespace, retry_seconds=retry_seconds)
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=chunk_tokens,
+        local_cpu=True,
+        max_local_cpu_size=local_cpu_gib,
+        save_unfull_chunk=True,
+        **plugin,
+    )
+    metadata = LMCacheMetadata(
+        model_name=model,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=(layers, 2, chunk_tokens, heads, head_size),
+        chunk_size=chunk_tokens,
+        role="worker",
+    )
+    engine = LMCacheEngineBuilder.get_or_create(
+        instance_id, config, metadata, make_cpu_connector(layers, heads * head_size), lambda t, r: None, lambda o, r: o
+    )
+    engine.post_init()
+    return engine
+
+
+def kachedb_connector(engine: Any) -> Any:
+    """The ``KacheDBConnector`` serving the engine's KacheDB backend (``None`` if
+    LMCache built the backend without a connection)."""
+    backend = engine.storage_manager.storage_backends.get(REMOTE_BACKEND)
+    if backend is None or backend.connection is None:
+        return None
+    conn = backend.connection
+    return conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
+
+
+def chunk_keys(engine: Any, tokens: List[int]) -> List[Any]:
+    """The ``CacheEngineKey``s of ``tokens``' chunks, in order."""
+    return [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
+
+
+def clear_local(engine: Any, tokens: List[int], timeout_s: float = 30.0) -> None:
+    """Empties the engine's local CPU tier until ``tokens`` are no longer in it
+    (LMCache keeps a chunk whose remote put is still in flight referenced, and
+    its ``clear`` skips referenced chunks)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engine.clear(locations=["LocalCPUBackend"])
+        if engine.lookup(tokens, search_range=["LocalCPUBackend"]) == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"LMCache's local CPU tier still holds the prompt after {timeout_s} s")
+        time.sleep(0.005)

@@ -1,0 +1,226 @@
+"""The KacheDB HiCache backend in one SGLang process: a daemon that is down or
+dies gives misses / False (never an exception into SGLang's controller), bad
+input and a full store change nothing, the config SGLang is given, and the
+generic interface."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import kachedb
+import kachedb.sglang
+import pools
+from sglang_support import Daemon
+
+pytestmark = pytest.mark.timeout(900)
+
+N = 6
+
+
+@pytest.fixture(scope="module")
+def kv():
+    return pools.device_pool()
+
+
+def _prompt(seed: int):
+    toks = list(range(seed * 1000, seed * 1000 + N * pools.PAGE_SIZE))
+    return pools.page_hashes(toks)
+
+
+def _host(kv, layout="page_first"):
+    host = pools.host_pool(kv, layout)
+    idx = host.alloc(N * pools.PAGE_SIZE)
+    pools.fill_random(host, idx, seed=3)
+    return host, idx
+
+
+def test_hicache_config_is_what_sglang_loads(workdir):
+    cfg = kachedb.sglang.hicache_config("/tmp/x.sock", namespace="n1")
+    assert cfg == {
+        "backend_name": "kachedb",
+        "module_path": "kachedb.sglang.storage",
+        "class_name": "KacheDBStorage",
+        "interface_v1": 1,
+        "socket": "/tmp/x.sock",
+        "namespace": "n1",
+    }
+    out = subprocess.run([sys.executable, "-m", "kachedb", "sglang-config", "--socket", "/tmp/x.sock", "--namespace", "n1"],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == cfg
+    env = dict(os.environ, KACHEDB_SOCKET="/tmp/from-env.sock")
+    out = subprocess.run([sys.executable, "-m", "kachedb", "sglang-config"], capture_output=True, text=True, check=True, env=env)
+    assert json.loads(out.stdout)["socket"] == "/tmp/from-env.sock"
+
+
+def test_factory_builds_it_and_selects_the_zero_copy_path(daemon, kv):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    from kachedb.sglang.storage import KacheDBStorage
+
+    host, _ = _host(kv)
+    b = pools.backend(daemon.socket, host)
+    assert isinstance(b, KacheDBStorage) and isinstance(b, HiCacheStorage)
+    # what SGLang's cache controller tests to pick batch_get_v1 / batch_set_v1
+    assert bool(b.storage_config.extra_config.get("interface_v1", 0))
+    b.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_round_trip_in_one_process(daemon, kv, layout):
+    host, idx = _host(kv, layout)
+    keys = _prompt(1)
+    b = pools.backend(daemon.socket, host)
+    assert b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, idx) == [False] * N
+    assert b.batch_set_v1(keys, idx) == [True] * N
+    assert b.batch_exists(keys) == N
+    dst = host.alloc(N * pools.PAGE_SIZE)
+    assert b.batch_get_v1(keys, dst) == [True] * N
+    for a, e in zip(pools.pages_bytes(host, dst), pools.pages_bytes(host, idx)):
+        assert torch.equal(a, e)
+    assert daemon.stats()["pins"] == 0
+    b.close()
+
+
+def test_daemon_down_gives_misses_and_the_tier_comes_back(workdir, kv, caplog):
+    sock = str(workdir / "down.sock")
+    assert not os.path.exists(sock)
+    host, idx = _host(kv)
+    keys = _prompt(2)
+    caplog.set_level(logging.WARNING, logger="kachedb.sglang")
+    b = pools.backend(sock, host, retry_seconds=0.2)
+    for _ in range(3):
+        assert b.batch_exists(keys) == 0
+        assert b.exists(keys[0]) is False
+        assert b.batch_set_v1(keys, idx) == [False] * N
+        assert b.batch_get_v1(keys, idx) == [False] * N
+        assert b.get(keys[0]) is None
+        assert b.batch_get(keys) == [None] * N
+        assert b.set(keys[0], torch.zeros(4)) is False
+        assert b.batch_set(keys, [torch.zeros(4)] * N) is False
+        time.sleep(0.25)
+    off = [r for r in caplog.records if "tier off" in r.getMessage()]
+    assert len(off) == 1, [r.getMessage() for r in caplog.records]  # one warning per outage
+    assert b.kachedb_stats()["tier_off"]
+    d = Daemon(sock).start()
+    try:
+        time.sleep(0.3)  # past retry_seconds: the next call connects
+        assert b.batch_set_v1(keys, idx) == [True] * N
+        assert b.batch_exists(keys) == N
+        assert b.kachedb_stats()["reconnects"] == 1
+        assert d.stats()["blocks"] == N
+    finally:
+        b.close()
+        d.stop()
+
+
+def test_daemon_killed_mid_run_gives_misses(workdir, kv):
+    d = Daemon(str(workdir / "killed.sock")).start()
+    host, idx = _host(kv)
+    keys = _prompt(3)
+    b = pools.backend(d.socket, host, retry_seconds=60)
+    try:
+        assert b.batch_set_v1(keys, idx) == [True] * N
+        d.kill()
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get_v1(keys, idx) == [False] * N
+        assert b.batch_set_v1(keys, idx) == [False] * N
+        assert b.batch_get(keys) == [None] * N
+        assert b.kachedb_stats()["tier_off"]
+    finally:
+        b.close()
+        d.stop()
+
+
+def test_bad_input_is_a_miss_and_changes_nothing(daemon, kv):
+    host, idx = _host(kv)
+    keys = _prompt(4)
+    b = pools.backend(daemon.socket, host)
+    before = daemon.stats()
+    # host indices for fewer pages than keys
+    assert b.batch_set_v1(keys, idx[: (N - 1) * pools.PAGE_SIZE]) == [False] * N
+    assert b.batch_get_v1(keys, idx[:3]) == [False] * N
+    # generic set without tensors
+    assert b.batch_set(keys, None) is False
+    assert b.batch_set(keys, [b"bytes"] * N) is False
+    after = daemon.stats()
+    assert after["blocks"] == before["blocks"] and after["reserved"] == 0 and after["pins"] == 0
+    assert b.kachedb_stats()["errors"] >= 2
+    b.close()
+
+
+def test_full_store_skips_the_batch(workdir):
+    # pages of 256 KiB (16 tokens x 4 layers x 8 heads x 128 x bf16 x K,V); 32 of them > a 4 MiB store
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    kv = MHATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, head_num=8, head_dim=128, layer_num=4,
+                          device="cpu", enable_memory_saver=False, start_layer=0, end_layer=4)
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    host = MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=2.0, host_size=0,
+                                page_size=16, layout="page_first", pin_memory=False, device="cpu",
+                                device_capacity_tokens=kv.size, start_layer=0, end_layer=4)
+    idx = host.alloc(32 * 16)
+    keys = [f"{i:064x}" for i in range(32)]
+    d = Daemon(str(workdir / "full.sock"), size="4MiB").start()
+    b = None
+    try:
+        b = pools.backend(d.socket, host)
+        assert b.batch_set_v1(keys, idx) == [False] * 32
+        s = d.stats()
+        assert s["blocks"] == 0 and s["reserved"] == 0
+        assert b.kachedb_stats()["store_full"] == 1
+        # the tier stays on: a batch that fits is stored
+        assert b.batch_set_v1(keys[:4], idx[: 4 * 16]) == [True] * 4
+        assert b.batch_exists(keys) == 4
+    finally:
+        if b is not None:
+            b.close()
+        d.stop()
+
+
+def test_generic_interface_in_one_process(daemon, kv):
+    host, idx = _host(kv)
+    keys = _prompt(5)
+    b = pools.backend(daemon.socket, host, interface_v1=False)
+    pages = [host.get_data_page(int(idx[i * pools.PAGE_SIZE]), flat=True) for i in range(N)]
+    assert b.exists(keys[0]) is False
+    assert b.set(keys[0], pages[0]) is True
+    assert b.exists(keys[0]) is True
+    assert b.batch_set(keys, pages) is True
+    assert b.batch_exists(keys) == N
+    target = host.get_dummy_flat_data_page()
+    assert b.get(keys[2], target) is target
+    assert torch.equal(target, pages[2])
+    got = b.batch_get(keys + ["0" * 64])
+    assert got[-1] is None
+    assert all(torch.equal(g, p) for g, p in zip(got[:N], pages))
+    # a target of another size is a miss, not a wrong copy
+    assert b.get(keys[1], torch.zeros(3, dtype=torch.bfloat16)) is None
+    # the v1 namespace is another one: the generic pages are not v1 pages
+    v1 = pools.backend(daemon.socket, host)
+    assert v1.batch_exists(keys) == 0
+    del got
+    assert daemon.stats()["pins"] == 0
+    b.close()
+    v1.close()
+
+
+def test_v2_interface_is_misses_not_exceptions(daemon, kv):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    host, idx = _host(kv)
+    keys = _prompt(6)
+    b = pools.backend(daemon.socket, host)
+    t = PoolTransfer(name=PoolName.MAMBA, host_indices=idx, keys=keys)
+    assert b.batch_exists_v2(keys, [t]).kv_hit_pages == 0
+    assert b.batch_set_v2([t]) == {PoolName.MAMBA: [False] * N}
+    assert b.batch_get_v2([t]) == {PoolName.MAMBA: [False] * N}
+    assert daemon.stats()["blocks"] == 0
+    b.close()
