@@ -8,7 +8,10 @@ a config with a fixed seed, so nothing is downloaded) runs in two processes:
   ``(layers, 2, kv_heads, block_tokens, head_dim)`` (K and V of every layer),
   written in place with ``reserve``. Each block's key is a hash chain, as in
   vLLM's prefix cache: ``key_i = blake2b(key_{i-1} || tokens of block i ||
-  model fingerprint)``, so a shared prefix maps to the same keys. A keeps the
+  model fingerprint)``, so a shared prefix maps to the same keys; the blocks
+  are stored as a chain (``chain=True``: each names the one before it as its
+  parent), so the daemon's eviction never drops a block before the blocks
+  after it (docs/eviction.md). A keeps the
   same KV in its own memory and serves it over TCP loopback (the baseline).
 * **B (consumer)** gets a new request: the same prompt plus ``--suffix-len`` new
   tokens. It answers it in three ways (four paths) and generates ``--new-tokens``
@@ -405,10 +408,11 @@ def _producer(conn: Any, spec: Dict[str, Any], socket_path: str) -> None:
     dtype = ks[0].dtype
 
     # Store: one block per `bs` tokens, every layer's K and V, written in place;
-    # all blocks reserved in one batch and committed in one batch.
+    # all blocks reserved in one batch and committed in one batch, as a chain
+    # (each block's parent is the block before it).
     kc = kachedb.connect(socket=socket_path)
     t0 = now()
-    with kc.reserve_many(keys, (layers, 2, kv_heads, bs, head_dim), dtype) as outs:
+    with kc.reserve_many(keys, (layers, 2, kv_heads, bs, head_dim), dtype, chain=True) as outs:
         for i, out in enumerate(outs):
             s, e = i * bs, (i + 1) * bs
             for l in range(layers):
@@ -541,7 +545,8 @@ def _consumer(spec: Dict[str, Any], socket_path: str, port: int, checksum: float
     ref = samples["cold"][0]
     out: Dict[str, Any] = {"pid": os.getpid(), "paths": {}, "prompt_tokens": len(tokens),
                            "daemon_stats": {k: stats[k] for k in ("lookups", "lookup_hits", "gets", "get_hits",
-                                                                  "blocks", "bytes_used", "pins", "daemon_pid")}}
+                                                                  "blocks", "bytes_used", "pins", "daemon_pid",
+                                                                  "chained_blocks", "parents_missing")}}
     for name, all_runs in samples.items():
         rs = all_runs[warmup:]
         diffs = [float((r["first_logits"] - ref["first_logits"]).abs().max()) for r in all_runs]

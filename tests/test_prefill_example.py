@@ -126,6 +126,8 @@ def test_kachedb_served_the_prefix(small_run):
     assert paths["tcp"]["hit_blocks"] == blocks
     stats = summary["daemon_stats"]
     assert stats["lookup_hits"] > 0 and stats["get_hits"] > 0
+    # The producer stored its blocks as one chain: each after the one before it.
+    assert stats["chained_blocks"] == blocks - 1 and stats["parents_missing"] == 0
     assert stats["pins"] == 0, "views outlived the request that used them"
     assert kd["pins_after"] == 0
     assert summary["kachedb_served_hits"] and summary["tokens_identical"] and summary["logits_allclose"]

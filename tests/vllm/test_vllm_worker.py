@@ -85,6 +85,25 @@ def test_missing_block_is_a_failed_load_from_there_on(daemon):
     w.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["batched", "reserve"])
+def test_stored_blocks_chain_on_from_the_spec_parent(daemon, mode):
+    # Each stored block names the one before it; a job's first block names the
+    # spec's parent (the manager's last block already in the daemon).
+    c, layers = caches()
+    w, spec = worker(daemon.socket, c)
+    spec.store_mode = mode
+    before = daemon.stats()
+    w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), KacheDBLoadStoreSpec(keys(4, 500)))
+    w.submit_store(2, GPULoadStoreSpec([4, 5, 6], [3], [0]), KacheDBLoadStoreSpec(keys(3, 504), parent=keys(4, 500)[3]))
+    assert sorted(r.job_id for r in w.get_finished()) == [1, 2]
+    st = daemon.stats()
+    assert st["chained_blocks"] - before["chained_blocks"] == 6  # 3 in each job
+    assert st["parents_missing"] == before["parents_missing"]
+    with kachedb.connect(daemon.socket) as kc:
+        assert kc.delete_many([spec.daemon_key(k) for k in keys(7, 500)]) == 7
+    w.shutdown()
+
+
 def test_full_store_skips(daemon):
     c, layers = caches()
     w, spec = worker(daemon.socket, c)

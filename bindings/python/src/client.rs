@@ -49,6 +49,20 @@ fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
     keys.try_iter()?.map(|k| key_of(&k?)).collect()
 }
 
+/// The parents of a batch (`None`, or an iterable of keys and `None`s, one per
+/// block), as the Rust client takes them (empty: no parents).
+fn parents_of(parents: Option<&Bound<'_, PyAny>>, count: usize) -> PyResult<Vec<Option<Key>>> {
+    let Some(parents) = parents else { return Ok(Vec::new()) };
+    let v: Vec<Option<Key>> = parents
+        .try_iter()?
+        .map(|p| p.and_then(|p| if p.is_none() { Ok(None) } else { key_of(&p).map(Some) }))
+        .collect::<PyResult<_>>()?;
+    if v.len() != count {
+        return Err(InvalidArgument::new_err(format!("{} parents for {count} keys: give one per key", v.len())));
+    }
+    Ok(v)
+}
+
 /// A source block of `put_many_values`: its dtype, shape and bytes.
 struct SrcBlock {
     key: Key,
@@ -161,7 +175,9 @@ impl NativeClient {
     /// by several threads for large blocks (`kachedb_client::copy`).
     ///
     /// The caller must keep the source object alive and unmodified during the call.
+    /// `parent`: `(lo, hi)` of the block this one follows in a chain, or `None`.
     #[allow(clippy::too_many_arguments)] // the Python signature
+    #[pyo3(signature = (lo, hi, code, dims, address, nbytes, parent=None))]
     fn put_raw(
         &self,
         py: Python<'_>,
@@ -171,13 +187,15 @@ impl NativeClient {
         dims: Vec<u64>,
         address: usize,
         nbytes: usize,
+        parent: Option<(u64, u64)>,
     ) -> PyResult<()> {
         let (dt, sh) = (dtype(code)?, shape(&dims)?);
         let src = Src { address, nbytes };
+        let parent = parent.map(|(lo, hi)| key(lo, hi));
         py.allow_threads(|| {
             // SAFETY: the Python caller holds the source for the whole call.
             let bytes = unsafe { src.slice() };
-            self.inner.put_tensor(key(lo, hi), dt, &sh, bytes)
+            self.inner.put_tensor_with_parent(key(lo, hi), parent, dt, &sh, bytes)
         })
         .map_err(client_err)
     }
@@ -205,7 +223,8 @@ impl NativeClient {
     /// `shape`, `nbytes`); any other value goes through `source(value)`, which
     /// returns `(code, shape, address, nbytes, keepalive)`. Then one RESERVE
     /// batch, the copies (GIL released, threads for large batches), one COMMIT
-    /// batch; all or nothing.
+    /// batch; all or nothing. `parents`: one key (or `None`) per block.
+    #[pyo3(signature = (keys, values, codes, source, parents=None))]
     fn put_many_values(
         &self,
         py: Python<'_>,
@@ -213,8 +232,10 @@ impl NativeClient {
         values: &Bound<'_, PyAny>,
         codes: &Bound<'_, PyDict>,
         source: &Bound<'_, PyAny>,
+        parents: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let keys = keys_of(keys)?;
+        let parents = parents_of(parents, keys.len())?;
         let values: Vec<Bound<'_, PyAny>> = values.try_iter()?.collect::<PyResult<_>>()?;
         if keys.len() != values.len() {
             return Err(InvalidArgument::new_err(format!(
@@ -264,7 +285,7 @@ impl NativeClient {
                 // SAFETY: the caller's `values` (and `keep`) hold every source for the whole call.
                 .map(|b| (b.key, b.dtype, b.shape, unsafe { b.src.slice() }))
                 .collect();
-            self.inner.put_many_tensors(&tensors)
+            self.inner.put_many_tensors_with_parents(&tensors, &parents)
         })
         .map_err(client_err)?;
         drop(keep);
@@ -273,17 +294,21 @@ impl NativeClient {
 
     /// Reserves one block per key, each `dims` of dtype `code`, in one batch;
     /// all or nothing. Returns a `NativeReservations` to write and commit.
+    /// `parents`: one key (or `None`) per block, sent with the COMMITs.
+    #[pyo3(signature = (keys, code, dims, parents=None))]
     fn reserve_many(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         code: u8,
         dims: Vec<u64>,
+        parents: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<NativeReservations> {
         let (dt, sh) = (dtype(code)?, shape(&dims)?);
         let keys = keys_of(keys)?;
+        let parents = parents_of(parents, keys.len())?;
         let items: Vec<_> = keys.into_iter().map(|k| (k, dt, sh, 0)).collect();
-        let rs = py.allow_threads(|| self.inner.reserve_many(&items)).map_err(client_err)?;
+        let rs = py.allow_threads(|| self.inner.reserve_many_with_parents(&items, &parents)).map_err(client_err)?;
         Ok(NativeReservations { inner: Mutex::new(Some(rs)), region: self.inner.region().clone(), code, dims })
     }
 
@@ -322,11 +347,22 @@ impl NativeClient {
         py.allow_threads(|| self.inner.delete_many(&keys)).map_err(client_err)
     }
 
-    /// Reserves a block; returns a `NativeReservation` to write and commit.
-    fn reserve(&self, py: Python<'_>, lo: u64, hi: u64, code: u8, dims: Vec<u64>) -> PyResult<NativeReservation> {
+    /// Reserves a block; returns a `NativeReservation` to write and commit
+    /// (naming `parent`, `(lo, hi)` or `None`, as the block it follows).
+    #[pyo3(signature = (lo, hi, code, dims, parent=None))]
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        lo: u64,
+        hi: u64,
+        code: u8,
+        dims: Vec<u64>,
+        parent: Option<(u64, u64)>,
+    ) -> PyResult<NativeReservation> {
         let (dt, sh) = (dtype(code)?, shape(&dims)?);
         let r = py.allow_threads(|| self.inner.reserve(key(lo, hi), dt, &sh, 0)).map_err(client_err)?;
         let mut r = r;
+        r.set_parent(parent.map(|(lo, hi)| key(lo, hi)));
         let ptr = NonNull::new(r.as_mut_ptr()).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
         let len = r.len();
         Ok(NativeReservation {

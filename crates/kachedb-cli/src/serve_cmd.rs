@@ -62,6 +62,20 @@ pub struct ServeArgs {
     #[arg(long, env = "KACHEDB_CHECK_INVARIANTS", action = clap::ArgAction::SetTrue,
           value_parser = clap::builder::BoolishValueParser::new())]
     pub check_invariants: bool,
+    /// Which blocks eviction takes first: `chain` (blocks no other block names
+    /// as parent, least recently used first, so a cached block's prefix stays
+    /// cached) or `lru` (least recently used, parents or not). docs/eviction.md.
+    #[arg(long, value_enum, default_value_t = Eviction::Chain)]
+    pub eviction: Eviction,
+}
+
+/// `kachedb serve --eviction`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Eviction {
+    /// Leaves of the prefix chains first, least recently used among them.
+    Chain,
+    /// Least recently used first.
+    Lru,
 }
 
 /// How `kachedb serve` writes its log.
@@ -133,6 +147,10 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         max_connections: a.max_connections,
         hello_timeout: std::time::Duration::from_millis(a.hello_timeout_ms),
         check_invariants: a.check_invariants,
+        eviction: match a.eviction {
+            Eviction::Chain => kachedb_daemon::EvictionPolicy::Chain,
+            Eviction::Lru => kachedb_daemon::EvictionPolicy::Lru,
+        },
     };
     say(format!(
         "reserving {} of shared memory for instance {}{}",
@@ -200,7 +218,12 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
         "clients           {} connected, {} since start, {} disconnected as corrupt",
         serve.clients_connected, serve.clients_total, serve.clients_kicked
     );
-    println!("evictions         {} ({})", store.evictions, human_bytes(store.evicted_bytes));
+    println!(
+        "evictions         {} ({}), policy {}",
+        store.evictions,
+        human_bytes(store.evicted_bytes),
+        store.eviction_policy
+    );
     println!("rejected frames   {}", serve.rejected_frames);
     println!("ops               {} total, {:.0}/s over the last second", serve.ops, s.ops_per_s);
     Ok(())

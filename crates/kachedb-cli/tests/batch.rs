@@ -235,3 +235,59 @@ fn wait_for_a_block_never_committed_times_out_and_a_dead_waiter_is_forgotten() {
     assert_pattern(&v, key, 4096, "after a dead waiter");
     assert!(invariants_ok(&stats(&daemon.socket)));
 }
+
+#[test]
+fn chains_name_their_parent_at_commit_and_lose_their_tail_first() {
+    for policy in ["chain", "lru"] {
+        let dir = TempDir::new(&format!("chain-{policy}"));
+        let mut daemon = Daemon::spawn_with(&dir.socket(), "1MiB", &["--eviction", policy]);
+        daemon.wait_ready();
+        let kc = Client::connect(&daemon.opts()).expect("connect");
+        // A chain of 8 one-page blocks (page offset 0: exactly one page each).
+        let keys: Vec<Key> = (0..8).map(|i| k("c", i)).collect();
+        let shape = Shape::new(&[4096]).unwrap();
+        let items: Vec<_> = keys.iter().map(|&key| (key, DType::U8, shape, 0)).collect();
+        let parents = kachedb_client::chain_parents(&keys, None);
+        assert!(matches!(kc.reserve_many_with_parents(&items, &parents[..3]), Err(ClientError::Invalid(_))));
+        let rs = kc.reserve_many_with_parents(&items, &parents).expect("reserve_many");
+        assert_eq!(rs[0].parent(), None);
+        assert_eq!(rs[7].parent(), Some(keys[6]));
+        kc.commit_many(rs).expect("commit_many");
+        let v = stats(&daemon.socket);
+        assert_eq!(v.get("eviction_policy").and_then(|p| p.as_str()), Some(policy));
+        assert_eq!((num(&v, "chained_blocks"), num(&v, "parents_missing")), (7, 0));
+        // put_with_parent of an absent parent: committed, the link dropped.
+        kc.put_with_parent(k("lone", 0), Some(k("absent", 0)), &[1u8; 100]).expect("put_with_parent");
+        assert_eq!(num(&stats(&daemon.socket), "parents_missing"), 1);
+        // Fill the 256 pages with unrelated chains until 3 blocks were evicted.
+        let mut i = 0;
+        while num(&stats(&daemon.socket), "evictions") < 3 {
+            let pair = [(k("f", 2 * i), &[0u8; 4096][..]), (k("f", 2 * i + 1), &[0u8; 4096][..])];
+            kc.put_chain(&pair, None).expect("put_chain");
+            i += 1;
+            assert!(i < 1000, "never evicted");
+        }
+        let v = stats(&daemon.socket);
+        assert!(invariants_ok(&v), "{v}");
+        let present: Vec<bool> = kc.get_many(&keys).expect("get_many").iter().map(Option::is_some).collect();
+        if policy == "chain" {
+            // Tail first: what is left of the chain is a prefix of it, all reachable.
+            assert!(present[0], "{present:?}");
+            assert!(present.windows(2).all(|w| w[0] || !w[1]), "a hole: {present:?}");
+            assert_eq!(kc.lookup(&keys).expect("lookup"), present.iter().filter(|&&p| p).count());
+            assert_eq!(num(&v, "links_cut_by_eviction"), 0);
+        } else {
+            // The head (least recently used) went first; the rest is unreachable.
+            assert!(!present[0] && present[7], "{present:?}");
+            assert_eq!(kc.lookup(&keys).expect("lookup"), 0);
+            assert!(num(&v, "links_cut_by_eviction") >= 1);
+        }
+        // A COMMIT frame with flags other than COMMIT_HAS_PARENT is refused.
+        let r = kc.reserve(k("raw", 0), DType::U8, &shape, 0).expect("reserve");
+        let mut f = kachedb_shm::Request::Commit { handle: r.handle(), parent: None }.encode(0);
+        f.offset = 2;
+        let c = kc.call_raw(&[f]).expect("raw commit");
+        assert_eq!(c[0].status, kachedb_shm::Status::Invalid as u8);
+        r.abort().expect("abort");
+    }
+}

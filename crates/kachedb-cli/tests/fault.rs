@@ -1382,7 +1382,7 @@ fn hostile() {
         for (f, c) in frames.iter().zip(&done) {
             assert!(Status::from_code(c.status).is_some(), "completion with an unknown status: {c:?}");
             if let Ok(
-                kachedb_shm::Request::Commit { handle }
+                kachedb_shm::Request::Commit { handle, .. }
                 | kachedb_shm::Request::Abort { handle }
                 | kachedb_shm::Request::Release { handle },
             ) = kachedb_shm::Request::decode(f)

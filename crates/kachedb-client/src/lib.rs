@@ -9,6 +9,14 @@
 //! # Ok::<(), kachedb_client::ClientError>(())
 //! ```
 //!
+//! Blocks of a prefix chain name their **parent** (the block before them):
+//! [`Client::put_chain`], [`Client::put_with_parent`],
+//! [`Reservation::set_parent`], the `parents` of
+//! [`Client::put_many_tensors_with_parents`] and
+//! [`Client::reserve_many_with_parents`] ([`chain_parents`] builds them for a
+//! chain). The daemon's chain-aware eviction then never evicts a block before
+//! the blocks that follow it (`docs/eviction.md`).
+//!
 //! One [`Client`] is one channel (a pair of rings) to the daemon. It can be
 //! shared between threads (`Arc<Client>` or `&Client`); operations on one client
 //! are serialised by a mutex, so use one client per thread for parallel work.
@@ -124,18 +132,40 @@ impl Client {
 
     /// Stores a tensor's bytes under `key` (one copy into shared memory).
     pub fn put_tensor(&self, key: Key, dtype: DType, shape: &Shape, bytes: &[u8]) -> Result<()> {
+        self.put_tensor_with_parent(key, None, dtype, shape, bytes)
+    }
+
+    /// [`put`](Self::put) of a block that follows the block of `parent` in a
+    /// prefix chain (`None`: no parent; see [`Reservation::set_parent`]).
+    pub fn put_with_parent(&self, key: Key, parent: Option<Key>, bytes: &[u8]) -> Result<()> {
+        self.put_tensor_with_parent(key, parent, DType::U8, &flat_shape(bytes)?, bytes)
+    }
+
+    /// [`put_tensor`](Self::put_tensor) with a parent, as [`put_with_parent`](Self::put_with_parent).
+    pub fn put_tensor_with_parent(
+        &self,
+        key: Key,
+        parent: Option<Key>,
+        dtype: DType,
+        shape: &Shape,
+        bytes: &[u8],
+    ) -> Result<()> {
         let mut r = self.reserve_for_copy(key, dtype, shape, bytes)?;
+        r.set_parent(parent);
         copy::copy_into(r.as_mut_slice(), bytes);
         r.commit()
     }
 
     /// Stores many flat byte blocks, with one publish per ring-full of frames.
     pub fn put_many(&self, items: &[(Key, &[u8])]) -> Result<()> {
-        let mut tensors = Vec::with_capacity(items.len());
-        for (key, bytes) in items {
-            tensors.push((*key, DType::U8, flat_shape(bytes)?, *bytes));
-        }
-        self.put_many_tensors(&tensors)
+        self.put_many_tensors(&flat_tensors(items)?)
+    }
+
+    /// Stores the blocks of a prefix chain, in order, as [`put_many`](Self::put_many):
+    /// each block's parent is the one before it, the first one's `parent`.
+    pub fn put_chain(&self, items: &[(Key, &[u8])], parent: Option<Key>) -> Result<()> {
+        let keys: Vec<Key> = items.iter().map(|(k, _)| *k).collect();
+        self.put_many_tensors_with_parents(&flat_tensors(items)?, &chain_parents(&keys, parent))
     }
 
     /// Stores many tensors: all RESERVEs in one batch ([`reserve_many`](Self::reserve_many),
@@ -144,12 +174,23 @@ impl Client {
     /// All or nothing: if any reservation fails, every one is aborted and the
     /// first error returned (nothing becomes visible).
     pub fn put_many_tensors(&self, items: &[(Key, DType, Shape, &[u8])]) -> Result<()> {
+        self.put_many_tensors_with_parents(items, &[])
+    }
+
+    /// [`put_many_tensors`](Self::put_many_tensors) where block `i` names
+    /// `parents[i]` as its parent (`parents` empty: none). The COMMITs go in
+    /// order, so a block may name one committed earlier in the same batch.
+    pub fn put_many_tensors_with_parents(
+        &self,
+        items: &[(Key, DType, Shape, &[u8])],
+        parents: &[Option<Key>],
+    ) -> Result<()> {
         let mut wanted = Vec::with_capacity(items.len());
         for (key, dtype, shape, bytes) in items {
             shape.check_len(*dtype, bytes.len() as u64).map_err(invalid)?;
             wanted.push((*key, *dtype, *shape, page_offset_of(bytes.as_ptr())));
         }
-        let mut reservations = self.reserve_many(&wanted)?;
+        let mut reservations = self.reserve_many_with_parents(&wanted, parents)?;
         let mut pairs: Vec<(&mut [u8], &[u8])> =
             reservations.iter_mut().zip(items).map(|(r, (_, _, _, bytes))| (r.as_mut_slice(), *bytes)).collect();
         copy::copy_many(&mut pairs);
@@ -162,6 +203,25 @@ impl Client {
     /// fails, the others are aborted (one batch of ABORTs) and its error returned.
     /// Write each, then [`commit_many`](Self::commit_many) (or drop to abort).
     pub fn reserve_many(&self, items: &[(Key, DType, Shape, u64)]) -> Result<Vec<Reservation>> {
+        self.reserve_many_with_parents(items, &[])
+    }
+
+    /// [`reserve_many`](Self::reserve_many) where reservation `i` names
+    /// `parents[i]` as its parent ([`Reservation::set_parent`]; `parents`
+    /// empty: none, else one per item). [`commit_many`](Self::commit_many)
+    /// commits them in order, so a block may name one earlier in the batch.
+    pub fn reserve_many_with_parents(
+        &self,
+        items: &[(Key, DType, Shape, u64)],
+        parents: &[Option<Key>],
+    ) -> Result<Vec<Reservation>> {
+        if !parents.is_empty() && parents.len() != items.len() {
+            return Err(ClientError::Invalid(format!(
+                "{} parents for {} blocks: give one per block, or none",
+                parents.len(),
+                items.len()
+            )));
+        }
         let reqs = items
             .iter()
             .map(|(key, dtype, shape, page_offset)| {
@@ -183,6 +243,9 @@ impl Client {
         if let Some(e) = first_err {
             self.abort_many(out)?;
             return Err(e);
+        }
+        for (r, parent) in out.iter_mut().zip(parents) {
+            r.set_parent(*parent);
         }
         Ok(out)
     }
@@ -296,6 +359,21 @@ impl Client {
     pub fn forget_after_fork(&self) {
         self.channel.forget_after_fork();
     }
+}
+
+/// The parents of a prefix chain of `keys`: each key's parent is the key
+/// before it, the first key's `first` (for the `parents` of
+/// [`Client::put_many_tensors_with_parents`] and [`Client::reserve_many_with_parents`]).
+pub fn chain_parents(keys: &[Key], first: Option<Key>) -> Vec<Option<Key>> {
+    std::iter::once(first).chain(keys.iter().map(|k| Some(*k))).take(keys.len()).collect()
+}
+
+/// A tensor to store: key, dtype, shape, bytes.
+type TensorItem<'a> = (Key, DType, Shape, &'a [u8]);
+
+/// Flat `u8` tensors of byte blocks.
+fn flat_tensors<'a>(items: &[(Key, &'a [u8])]) -> Result<Vec<TensorItem<'a>>> {
+    items.iter().map(|(key, bytes)| Ok((*key, DType::U8, flat_shape(bytes)?, *bytes))).collect()
 }
 
 /// The shape of a flat byte block of `bytes`.

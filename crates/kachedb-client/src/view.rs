@@ -4,6 +4,7 @@
 
 use crate::channel::Channel;
 use crate::error::{ok_or, ClientError, Result};
+use crate::Key;
 use kachedb_shm::{Completion, DType, Request, Shape, Status};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -106,6 +107,8 @@ pub struct Reservation {
     len: u64,
     dtype: DType,
     shape: Shape,
+    /// The key of the block this one follows in a prefix chain, sent with the COMMIT.
+    parent: Option<Key>,
     done: bool,
 }
 
@@ -132,7 +135,16 @@ impl Reservation {
         let ptr = channel.region.slab_ptr(c.offset, len).ok_or_else(|| {
             ClientError::Protocol(format!("daemon returned offset {} outside the megaslab", c.offset))
         })?;
-        Ok(Reservation { channel: channel.clone(), handle: c.handle, ptr, len, dtype, shape, done: false })
+        Ok(Reservation {
+            channel: channel.clone(),
+            handle: c.handle,
+            ptr,
+            len,
+            dtype,
+            shape,
+            parent: None,
+            done: false,
+        })
     }
 
     /// The writable bytes.
@@ -166,10 +178,21 @@ impl Reservation {
     pub fn handle(&self) -> u64 {
         self.handle
     }
-    /// Makes the block visible under its key.
+    /// Names the block this one follows in a prefix chain (the block of key
+    /// `parent`, which must be committed before this one is; `None`: no
+    /// parent). The daemon's chain-aware eviction keeps a block's ancestors
+    /// cached while it is (`docs/eviction.md`).
+    pub fn set_parent(&mut self, parent: Option<Key>) {
+        self.parent = parent;
+    }
+    /// The parent named with [`set_parent`](Self::set_parent).
+    pub fn parent(&self) -> Option<Key> {
+        self.parent
+    }
+    /// Makes the block visible under its key (linked to its parent, if any).
     pub fn commit(mut self) -> Result<()> {
         self.done = true;
-        self.finish(Request::Commit { handle: self.handle })
+        self.finish(Request::Commit { handle: self.handle, parent: self.parent.map(|k| k.0) })
     }
     /// Drops the block.
     pub fn abort(mut self) -> Result<()> {
@@ -177,16 +200,17 @@ impl Reservation {
         self.finish(Request::Abort { handle: self.handle })
     }
     /// Commits many reservations of one client with one batch of COMMITs (a
-    /// closed client still finishes them). Every COMMIT is sent; the first
+    /// closed client still finishes them), in order, each with its parent (so
+    /// a chain reserved in order links block by block). Every COMMIT is sent; the first
     /// error is returned. Reservations of different clients are refused
     /// (`Invalid`, and dropped: aborted one by one).
     pub fn commit_all(reservations: Vec<Reservation>) -> Result<()> {
-        finish_all(reservations, |handle| Request::Commit { handle })
+        finish_all(reservations, |r| Request::Commit { handle: r.take_handle(), parent: r.parent.map(|k| k.0) })
     }
 
     /// Aborts many reservations of one client with one batch of ABORTs.
     pub fn abort_all(reservations: Vec<Reservation>) -> Result<()> {
-        finish_all(reservations, |handle| Request::Abort { handle })
+        finish_all(reservations, |r| Request::Abort { handle: r.take_handle() })
     }
 
     /// Marks the reservation finished by the caller (a batch COMMIT or ABORT of
@@ -200,12 +224,12 @@ impl Reservation {
     }
 }
 
-fn finish_all(mut reservations: Vec<Reservation>, req: impl Fn(u64) -> Request) -> Result<()> {
+fn finish_all(mut reservations: Vec<Reservation>, req: impl Fn(&mut Reservation) -> Request) -> Result<()> {
     let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(()) };
     if reservations.iter().any(|r| !Arc::ptr_eq(&r.channel, &channel)) {
         return Err(ClientError::Invalid("a batch of reservations must all come from one client".into()));
     }
-    let reqs: Vec<Request> = reservations.iter_mut().map(|r| req(r.take_handle())).collect();
+    let reqs: Vec<Request> = reservations.iter_mut().map(req).collect();
     for c in channel.finish_many(&reqs)? {
         ok_or(c, 0)?;
     }

@@ -48,6 +48,8 @@ pub struct ServeConfig {
     pub hello_timeout: std::time::Duration,
     /// Run the full invariant check for every stats answer.
     pub check_invariants: bool,
+    /// Which blocks eviction takes first (`docs/eviction.md`).
+    pub eviction: crate::store::EvictionPolicy,
 }
 
 /// Why the daemon could not start.
@@ -216,6 +218,7 @@ impl Daemon {
         };
         let mut store = Store::new(layout.slab_offset, layout.slab_len);
         store.set_max_session_bytes(cfg.max_client_bytes);
+        store.set_eviction_policy(cfg.eviction);
         Ok(Daemon {
             cfg,
             region,

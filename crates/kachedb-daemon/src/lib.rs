@@ -22,3 +22,4 @@ pub mod store;
 mod waits;
 
 pub use daemon::{Daemon, ServeConfig, ServeError};
+pub use store::EvictionPolicy;

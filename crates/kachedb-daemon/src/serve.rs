@@ -487,9 +487,9 @@ fn serve_channel(
     for (i, frame) in req[..n].iter().enumerate() {
         counters.ops += 1;
         let c = match Request::decode(frame) {
-            Ok(Request::Commit { handle }) if !waits.is_empty() => {
+            Ok(r @ Request::Commit { handle, .. }) if !waits.is_empty() => {
                 let key = store.reservation_key(s.session, handle);
-                let c = store.handle(s.session, frame.request_id, &Request::Commit { handle });
+                let c = store.handle(s.session, frame.request_id, &r);
                 if let (Some(key), Status::Ok) = (key, c.status) {
                     committed.push(key);
                 }

@@ -229,6 +229,20 @@ pub struct StoreStats {
     pub evicted_bytes: u64,
     /// Committed blocks that replaced an older block of the same key.
     pub replaced: u64,
+    /// The eviction policy (`kachedb serve --eviction`): `"chain"` (leaves
+    /// first, least recently used among them) or `"lru"` (docs/eviction.md).
+    pub eviction_policy: String,
+    /// Linked blocks whose parent (named at COMMIT) is linked: chain links now.
+    pub chained_blocks: u64,
+    /// COMMITs that named a parent that was not linked (absent, or the block's
+    /// own key): committed without a parent.
+    pub parents_missing: u64,
+    /// Chain links cut because the parent was deleted, replaced or evicted
+    /// (the child stays, as a block without a parent).
+    pub links_cut: u64,
+    /// Of those, links cut by eviction: each one left a linked block that a
+    /// LOOKUP of its chain no longer reaches. Always 0 under `chain`.
+    pub links_cut_by_eviction: u64,
     /// PING requests.
     pub pings: u64,
     /// RESERVE requests (any outcome).

@@ -7,7 +7,8 @@
 //! The layout is the wire contract of `docs/PROTOCOL.md`, and each of its
 //! rules is written here once: the RESERVE page offset
 //! ([`page_offset_is_valid`], [`page_offset_of`]), a tensor's byte length
-//! ([`Shape::len_bytes`], [`Shape::check_len`]). Everything read from shared
+//! ([`Shape::len_bytes`], [`Shape::check_len`]), the COMMIT parent
+//! ([`COMMIT_HAS_PARENT`]). Everything read from shared
 //! memory is untrusted: decoding never panics and never indexes with an
 //! unchecked value.
 
@@ -38,6 +39,13 @@ pub const fn page_offset_is_valid(page_offset: u64) -> bool {
 pub fn page_offset_of(addr: *const u8) -> u64 {
     (addr as u64 % PAGE_LEN) & !(PAGE_OFFSET_ALIGN - 1)
 }
+
+/// COMMIT flag (the frame's `offset` field): the key fields carry the
+/// committed block's **parent**, the block that precedes it in a prefix chain
+/// (`docs/PROTOCOL.md`, "COMMIT and the parent"; `docs/eviction.md`). Without
+/// it the key fields of a COMMIT are ignored (old clients send zero there).
+/// Any other bit of a COMMIT's `offset` makes the frame invalid.
+pub const COMMIT_HAS_PARENT: u64 = 1;
 
 /// One ring slot: 64 bytes, plain old data, every bit pattern valid.
 #[repr(C)]
@@ -354,6 +362,9 @@ pub enum DecodeError {
     /// RESERVE: the wanted page offset fails [`page_offset_is_valid`].
     #[error("page offset {0} is not a multiple of {PAGE_OFFSET_ALIGN} below {PAGE_LEN}")]
     BadPageOffset(u64),
+    /// COMMIT: the `offset` field holds bits other than [`COMMIT_HAS_PARENT`].
+    #[error("COMMIT flags {0:#x} hold bits other than COMMIT_HAS_PARENT (1)")]
+    BadCommitFlags(u64),
     /// A request carried a non-zero status.
     #[error("request frames must carry status 0, got {0}")]
     StatusInRequest(u8),
@@ -381,6 +392,9 @@ pub enum Request {
     Commit {
         /// Reservation handle.
         handle: u64,
+        /// The key of the block this one follows in a prefix chain, if any
+        /// (carried in the key fields with [`COMMIT_HAS_PARENT`]).
+        parent: Option<u128>,
     },
     /// ABORT a reservation.
     Abort {
@@ -490,7 +504,11 @@ impl Request {
                 let (dtype, shape) = checked_dims(d)?;
                 Request::reserve(key, dtype, shape, d.offset)?
             }
-            Op::Commit => Request::Commit { handle: d.handle },
+            Op::Commit => match d.offset {
+                0 => Request::Commit { handle: d.handle, parent: None },
+                COMMIT_HAS_PARENT => Request::Commit { handle: d.handle, parent: Some(key) },
+                flags => return Err(DecodeError::BadCommitFlags(flags)),
+            },
             Op::Abort => Request::Abort { handle: d.handle },
             Op::Get => Request::Get { key },
             Op::Release => Request::Release { handle: d.handle },
@@ -514,7 +532,14 @@ impl Request {
                 d.set_shape(dtype, &shape);
                 d.offset = page_offset;
             }
-            Request::Commit { handle } | Request::Abort { handle } | Request::Release { handle } => d.handle = handle,
+            Request::Commit { handle, parent } => {
+                d.handle = handle;
+                if let Some(parent) = parent {
+                    d.set_key(parent);
+                    d.offset = COMMIT_HAS_PARENT;
+                }
+            }
+            Request::Abort { handle } | Request::Release { handle } => d.handle = handle,
             Request::Get { key } | Request::Lookup { key } | Request::Delete { key } => d.set_key(key),
             Request::Wait { key, timeout_us } => {
                 d.set_key(key);
@@ -639,7 +664,9 @@ mod tests {
         let all = [
             Request::Ping,
             Request::reserve(key, DType::F16, shape, 128).unwrap(),
-            Request::Commit { handle: 1 << 62 | 7 },
+            Request::Commit { handle: 1 << 62 | 7, parent: None },
+            Request::Commit { handle: 1 << 62 | 8, parent: Some(0) },
+            Request::Commit { handle: 1 << 62 | 9, parent: Some(u128::MAX) },
             Request::Abort { handle: u64::MAX },
             Request::Get { key },
             Request::Release { handle: 2 << 62 },
@@ -653,6 +680,20 @@ mod tests {
             let d = r.encode(i as u32 + 10);
             assert_eq!((d.request_id, d.op, d.status), (i as u32 + 10, r.op() as u8, 0));
             assert_eq!(Request::decode(&d), Ok(*r));
+        }
+    }
+
+    #[test]
+    fn commit_parent_rule() {
+        let mut d = TensorBlockDescriptor::request(Op::Commit, 1, 77);
+        d.handle = 5;
+        // An old client's COMMIT: no flag, key fields ignored.
+        assert_eq!(Request::decode(&d), Ok(Request::Commit { handle: 5, parent: None }));
+        d.offset = COMMIT_HAS_PARENT;
+        assert_eq!(Request::decode(&d), Ok(Request::Commit { handle: 5, parent: Some(77) }));
+        for flags in [2, 3, 1 << 63] {
+            d.offset = flags;
+            assert_eq!(Request::decode(&d), Err(DecodeError::BadCommitFlags(flags)));
         }
     }
 

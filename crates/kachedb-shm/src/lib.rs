@@ -25,7 +25,7 @@ pub mod wait;
 pub use control::Stats;
 pub use descriptor::{
     page_offset_is_valid, page_offset_of, Completion, DType, DecodeError, LenError, Op, Request, Shape, Status,
-    TensorBlockDescriptor, MAX_DIMS, PAGE_LEN, PAGE_OFFSET_ALIGN, WAIT_FOREVER,
+    TensorBlockDescriptor, COMMIT_HAS_PARENT, MAX_DIMS, PAGE_LEN, PAGE_OFFSET_ALIGN, WAIT_FOREVER,
 };
 pub use region::{CreateOptions, Layout, Region, RegionError};
 pub use ring::{Consumer, HeapRing, Producer, RingError, RingHeader};

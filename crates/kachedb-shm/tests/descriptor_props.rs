@@ -101,8 +101,16 @@ fn check_request(f: &TensorBlockDescriptor) {
                     assert!(page_offset < 4096 && page_offset & 63 == 0);
                     assert_eq!(page_offset, f.offset);
                 }
-                Request::Commit { handle } | Request::Abort { handle } | Request::Release { handle } => {
-                    assert!(matches!(op, Op::Commit | Op::Abort | Op::Release));
+                Request::Commit { handle, parent } => {
+                    assert_eq!(op, Op::Commit);
+                    assert_eq!(handle, f.handle);
+                    assert_eq!(parent.is_some(), f.offset == kachedb_shm::COMMIT_HAS_PARENT);
+                    if let Some(parent) = parent {
+                        assert_eq!(parent, f.key());
+                    }
+                }
+                Request::Abort { handle } | Request::Release { handle } => {
+                    assert!(matches!(op, Op::Abort | Op::Release));
                     assert_eq!(handle, f.handle);
                 }
                 Request::Get { key } | Request::Lookup { key } | Request::Delete { key } => {
@@ -132,6 +140,9 @@ fn check_request(f: &TensorBlockDescriptor) {
                 assert!(overflow_is_right(&f.shape[..usize::from(f.ndim)], dt.itemsize()));
             }
             DecodeError::BadPageOffset(o) => assert!(o >= 4096 || o & 63 != 0),
+            DecodeError::BadCommitFlags(flags) => {
+                assert!(f.op == Op::Commit as u8 && flags == f.offset && flags & !kachedb_shm::COMMIT_HAS_PARENT != 0)
+            }
         },
     }
 }
@@ -239,7 +250,7 @@ proptest! {
                 prop_assume!(r.is_ok());
                 r.unwrap()
             }
-            Op::Commit => Request::Commit { handle },
+            Op::Commit => Request::Commit { handle, parent: (page % 2 == 1).then_some(key) },
             Op::Abort => Request::Abort { handle },
             Op::Get => Request::Get { key },
             Op::Release => Request::Release { handle },
@@ -252,7 +263,12 @@ proptest! {
         prop_assert_eq!((f.op, f.status, f.request_id), (op as u8, 0, request_id));
         prop_assert_eq!(Request::decode(&f), Ok(r));
         if !matches!(op, Op::Reserve) {
-            prop_assert_eq!((f.dtype, f.ndim, f.shape, f.offset), (0, 0, [0; MAX_DIMS], 0));
+            // COMMIT's `offset` holds its flags: COMMIT_HAS_PARENT exactly when it names a parent.
+            let flags = match r {
+                Request::Commit { parent: Some(_), .. } => kachedb_shm::COMMIT_HAS_PARENT,
+                _ => 0,
+            };
+            prop_assert_eq!((f.dtype, f.ndim, f.shape, f.offset), (0, 0, [0; MAX_DIMS], flags));
         }
     }
 

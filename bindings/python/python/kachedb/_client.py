@@ -5,6 +5,12 @@ its block pinned (never evicted, moved or reused) for as long as it, or any
 tensor or array made from it (slices, ``.view``, ``as_strided``…), is alive;
 when the last one is garbage-collected the pin is released. ``close()`` stops new
 operations but keeps live views valid (and pinned) until they go.
+
+Blocks of a prefix chain (block i useful only after blocks 0..i-1) should name
+their ``parent``, the key of the block before them (``put(..., parent=)``,
+``put_many(..., chain=True)``, ``reserve``/``reserve_many`` alike): the daemon's
+default eviction then never evicts a block before the blocks that follow it, so
+a lookup of a chain never stops at a hole that eviction made (docs/eviction.md).
 """
 
 from __future__ import annotations
@@ -247,6 +253,18 @@ def _batch_source(value: Any) -> tuple:
     return code, list(check_shape(shape)), addr, nbytes, keep
 
 
+def _parents(keys: Sequence[KeyLike], parent: Optional[KeyLike], chain: bool) -> tuple:
+    """``(keys, parents)`` of a batch: with ``chain`` each key's parent is the key
+    before it (the first one's ``parent``); else every key's is ``parent``.
+    ``parents`` is ``None`` when no key has one."""
+    if not chain and parent is None:
+        return keys, None
+    keys = list(keys)
+    if chain:
+        return keys, [parent] + keys[:-1]
+    return keys, [parent] * len(keys)
+
+
 def _torch_codes() -> dict:
     """torch dtype -> code, for the native ``put_many`` ({} without torch)."""
     if "torch" not in sys.modules:
@@ -337,58 +355,83 @@ class Client:
             f"put() takes a torch.Tensor, a numpy.ndarray or bytes, not {type(value).__name__}"
         )
 
-    def put(self, key: KeyLike, value: Any) -> None:
+    def put(self, key: KeyLike, value: Any, *, parent: Optional[KeyLike] = None) -> None:
         """Stores ``value`` (CPU or CUDA torch tensor, numpy array, or bytes)
         under ``key``: one copy into shared memory (device->shm for CUDA).
-        Replaces an existing block with that key."""
+        Replaces an existing block with that key. ``parent``: the key of the
+        block this one follows in a prefix chain (it must be stored first; one
+        that is not there is ignored)."""
         native = self._check()
         lo, hi = key_parts(key)
         if _is_tensor(value) and (value.device.type != "cpu" or not value.is_contiguous()):
             # torch's copy straight into the block: device->shm for CUDA, and a
             # strided CPU source without a contiguous temporary (still one copy).
-            with self.reserve(key, tuple(value.shape), value.dtype) as out:
+            with self.reserve(key, tuple(value.shape), value.dtype, parent=parent) as out:
                 out.copy_(value.detach())
             return
         code, shape, addr, nbytes, keep = self._source(value)
         check_shape(shape)
-        native.put_raw(lo, hi, code, list(shape), addr, nbytes)
+        native.put_raw(lo, hi, code, list(shape), addr, nbytes, None if parent is None else key_parts(parent))
         del keep
 
-    def put_many(self, keys: Sequence[KeyLike], values: Sequence[Any]) -> None:
+    def put_many(
+        self,
+        keys: Sequence[KeyLike],
+        values: Sequence[Any],
+        *,
+        parent: Optional[KeyLike] = None,
+        chain: bool = False,
+    ) -> None:
         """``put`` of many blocks in one native call: one batch of reservations,
         the copies (GIL released, split between threads for large batches), one
-        batch of commits. All or nothing: if one reservation fails, none is
-        committed."""
-        self._check().put_many_values(keys, values, _torch_codes(), _batch_source)
+        batch of commits, in order. All or nothing: if one reservation fails,
+        none is committed. ``chain=True``: the keys are a prefix chain, each
+        block's parent the one before it (the first one's ``parent``); without
+        it, ``parent`` is every block's parent."""
+        keys, parents = _parents(keys, parent, chain)
+        self._check().put_many_values(keys, values, _torch_codes(), _batch_source, parents)
 
-    def reserve(self, key: KeyLike, shape: ShapeLike, dtype: Any) -> Reservation:
+    def reserve(
+        self, key: KeyLike, shape: ShapeLike, dtype: Any, *, parent: Optional[KeyLike] = None
+    ) -> Reservation:
         """Reserves a block to be written in place: ``with kc.reserve(k, shape,
         torch.float16) as out: out.copy_(src)``. ``out`` is a torch tensor, or a
         numpy array when ``dtype`` is a numpy dtype. Invisible to readers until
-        committed (normal exit of ``with``); aborted if the block raises."""
+        committed (normal exit of ``with``); aborted if the block raises.
+        ``parent`` as for ``put`` (named when the block is committed)."""
         native = self._check()
         dims = check_shape(shape)
         code = dtype_code(dtype)
         as_numpy = not is_torch_dtype(dtype) and not isinstance(dtype, str)
         lo, hi = key_parts(key)
-        r = native.reserve(lo, hi, code, list(dims))
+        r = native.reserve(lo, hi, code, list(dims), None if parent is None else key_parts(parent))
         return Reservation(r, code, dims, as_numpy)
 
-    def reserve_many(self, keys: Sequence[KeyLike], shape: ShapeLike, dtype: Any) -> Reservations:
+    def reserve_many(
+        self,
+        keys: Sequence[KeyLike],
+        shape: ShapeLike,
+        dtype: Any,
+        *,
+        parent: Optional[KeyLike] = None,
+        chain: bool = False,
+    ) -> Reservations:
         """Reserves one block of ``shape`` and ``dtype`` (a torch dtype or a
         name) per key in one batch: ``with kc.reserve_many(keys, shape,
         torch.float16) as outs: ...`` yields a list of writable torch tensors,
-        committed together (one batch) on normal exit, all aborted if the block
-        raises. All or nothing: if one reservation fails (``OutOfMemory``…),
-        none is kept."""
+        committed together (one batch, in order) on normal exit, all aborted if
+        the block raises. All or nothing: if one reservation fails
+        (``OutOfMemory``…), none is kept. ``parent`` and ``chain`` as for
+        ``put_many``."""
         native = self._check()
+        keys, parents = _parents(keys, parent, chain)
         dims = check_shape(shape)
         if not is_torch_dtype(dtype) and not isinstance(dtype, str):
             raise TypeError(
                 f"reserve_many yields torch tensors: pass a torch dtype or a dtype name, not {dtype!r}"
             )
         code = dtype_code(dtype)
-        return Reservations(native.reserve_many(keys, code, list(dims)), code)
+        return Reservations(native.reserve_many(keys, code, list(dims), parents), code)
 
     # -- reads -------------------------------------------------------------
     @staticmethod

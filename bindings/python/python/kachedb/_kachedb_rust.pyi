@@ -66,13 +66,26 @@ class NativeClient:
     def region_span(self) -> Tuple[int, int]:
         """(address, bytes) of the whole mapped region in this process."""
     def ping(self) -> None: ...
-    def put_raw(self, lo: int, hi: int, code: int, dims: Sequence[int], address: int, nbytes: int) -> None:
+    def put_raw(
+        self,
+        lo: int,
+        hi: int,
+        code: int,
+        dims: Sequence[int],
+        address: int,
+        nbytes: int,
+        parent: Optional[Tuple[int, int]] = None,
+    ) -> None:
         """Copies ``nbytes`` at ``address`` into a new block (by several threads for
-        large blocks). The caller keeps the source alive and unmodified during the call."""
+        large blocks), naming ``parent`` ``(lo, hi)`` as the block it follows. The
+        caller keeps the source alive and unmodified during the call."""
     def put_many_raw(self, items: Sequence[Tuple[int, int, int, Sequence[int], int, int]]) -> None:
         """Many ``put_raw`` ``(lo, hi, code, dims, address, nbytes)`` items: one
         RESERVE batch, one COMMIT batch; all or nothing."""
-    def reserve(self, lo: int, hi: int, code: int, dims: Sequence[int]) -> NativeReservation: ...
+    def reserve(
+        self, lo: int, hi: int, code: int, dims: Sequence[int], parent: Optional[Tuple[int, int]] = None
+    ) -> NativeReservation:
+        """Reserves a block; ``parent`` ``(lo, hi)`` is named at its COMMIT."""
     def get(self, lo: int, hi: int) -> Optional[NativeBlock]:
         """Pins the block; ``None`` if absent."""
     def get_dlpack(self, lo: int, hi: int) -> Optional[Tuple[Any, int]]:
@@ -88,12 +101,23 @@ class NativeClient:
     def wait_for_dlpack(self, key: Any, timeout: Optional[float] = None) -> Tuple[Any, int]:
         """Waits (GIL released) until ``key`` is committed; ``TimedOut`` after
         ``timeout`` seconds (``None``: never)."""
-    def put_many_values(self, keys: Iterable[Any], values: Iterable[Any], codes: Dict[Any, int], source: Any) -> None:
+    def put_many_values(
+        self,
+        keys: Iterable[Any],
+        values: Iterable[Any],
+        codes: Dict[Any, int],
+        source: Any,
+        parents: Optional[Iterable[Any]] = None,
+    ) -> None:
         """``Client.put_many`` in one call: contiguous CPU torch tensors are read
         natively (``codes``: torch dtype -> code), other values through
-        ``source(value) -> (code, shape, address, nbytes, keepalive)``."""
-    def reserve_many(self, keys: Iterable[Any], code: int, dims: Sequence[int]) -> NativeReservations:
-        """One reservation of ``dims`` of dtype ``code`` per key, in one batch; all or nothing."""
+        ``source(value) -> (code, shape, address, nbytes, keepalive)``.
+        ``parents``: one key (or ``None``) per block."""
+    def reserve_many(
+        self, keys: Iterable[Any], code: int, dims: Sequence[int], parents: Optional[Iterable[Any]] = None
+    ) -> NativeReservations:
+        """One reservation of ``dims`` of dtype ``code`` per key, in one batch; all or
+        nothing. ``parents``: one key (or ``None``) per block, named at the COMMITs."""
     def delete_many(self, keys: Iterable[Any]) -> int:
         """Unlinks the keys in one batch; how many were present."""
     def lookup(self, keys: Iterable[Any]) -> int:

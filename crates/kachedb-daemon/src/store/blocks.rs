@@ -1,6 +1,7 @@
 //! The operations on reservations and blocks: RESERVE, COMMIT, ABORT, GET,
 //! RELEASE, LOOKUP, DELETE, and the unlinking and freeing they lead to.
 
+use super::evict::Unlink;
 use super::handles::{decode_handle, encode_handle, HandleKind};
 use super::slots::{Pin, SlotState, MAX_SLOTS};
 use super::{Reply, SessionId, Store, Tensor};
@@ -51,13 +52,22 @@ impl Store {
         })
     }
 
-    pub(super) fn commit(&mut self, s: SessionId, handle: u64) -> Result<Reply, Status> {
+    pub(super) fn commit(&mut self, s: SessionId, handle: u64, parent: Option<u128>) -> Result<Reply, Status> {
         let index = self.own_reservation(s, handle)?;
         let slot = self.slots.get_mut(index as usize).ok_or(Status::Internal)?;
         let SlotState::Reserved { tensor, .. } = slot.state else {
             return Err(Status::Internal);
         };
-        slot.state = SlotState::Block { tensor, linked: true, pins: 0, lru_tick: None };
+        slot.state = SlotState::Block {
+            tensor,
+            linked: true,
+            pins: 0,
+            lru_tick: None,
+            last_use: 0,
+            counted: false,
+            parent: None,
+            children: 0,
+        };
         self.counters.reservation_closed();
         self.counters.stored(tensor.len);
         if let Some(session) = self.sessions.get_mut(&s) {
@@ -66,7 +76,10 @@ impl Store {
         self.hold(s, tensor.extent.len, false);
         if let Some(old) = self.keys.insert(tensor.key, index) {
             self.counters.block_replaced();
-            self.unlink(old)?;
+            self.unlink(old, Unlink::Dropped)?;
+        }
+        if let Some(parent) = parent {
+            self.link_parent(index, parent)?;
         }
         self.lru_touch(index)?;
         Ok(Reply::default())
@@ -118,7 +131,7 @@ impl Store {
             _ => return Err(Status::Internal),
         };
         if first_pin {
-            self.lru_remove(index)?;
+            self.resync(index)?;
         }
         self.counters.hit(Op::Get, tensor.len);
         Ok(Reply {
@@ -167,7 +180,7 @@ impl Store {
 
     pub(super) fn delete(&mut self, key: u128) -> Result<Reply, Status> {
         let &index = self.keys.get(&key).ok_or(Status::NotFound)?;
-        self.unlink(index)?;
+        self.unlink(index, Unlink::Dropped)?;
         Ok(Reply::default())
     }
 
@@ -191,9 +204,10 @@ impl Store {
         Ok(())
     }
 
-    /// Unlinks block `index` from its key (if it is still the key's block) and
-    /// the LRU list; frees it now if unpinned, else its last RELEASE will.
-    pub(super) fn unlink(&mut self, index: u32) -> Result<(), Status> {
+    /// Unlinks block `index` from its key (if it is still the key's block),
+    /// the eviction list and its chain links; frees it now if unpinned, else
+    /// its last RELEASE will.
+    pub(super) fn unlink(&mut self, index: u32, why: Unlink) -> Result<(), Status> {
         let (key, pins) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
             Some(SlotState::Block { tensor, linked, pins, .. }) if *linked => {
                 *linked = false;
@@ -204,7 +218,8 @@ impl Store {
         if self.keys.get(&key) == Some(&index) {
             self.keys.remove(&key);
         }
-        self.lru_remove(index)?;
+        self.resync(index)?;
+        self.cut_links(index, why)?;
         if pins == 0 {
             self.free_block(index)?;
         }
@@ -214,7 +229,16 @@ impl Store {
     /// Frees the extent and slot of unlinked, unpinned block `index`.
     pub(super) fn free_block(&mut self, index: u32) -> Result<(), Status> {
         let extent = match self.slots.get(index as usize).map(|slot| &slot.state) {
-            Some(SlotState::Block { tensor, linked: false, pins: 0, lru_tick: None }) => tensor.extent,
+            Some(SlotState::Block {
+                tensor,
+                linked: false,
+                pins: 0,
+                lru_tick: None,
+                counted: false,
+                parent: None,
+                children: 0,
+                ..
+            }) => tensor.extent,
             _ => return Err(Status::Internal),
         };
         self.alloc.try_free(extent).map_err(|_| Status::Internal)?;

@@ -3,7 +3,7 @@
 //! started with `--check-invariants` ([`Store::check_counters`] otherwise).
 
 use super::slots::SlotState;
-use super::Store;
+use super::{EvictionPolicy, Store};
 use crate::alloc::{round_up_to_pages, Extent, PAGE_LEN};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -12,8 +12,13 @@ impl Store {
     ///
     /// The allocator's own invariants; every allocated extent belongs to
     /// exactly one live reservation or block and vice versa; each tensor lies
-    /// in its extent; `keys` and linked blocks agree; the LRU list holds
-    /// exactly the linked unpinned blocks and `evictable_bytes` their bytes;
+    /// in its extent; `keys` and linked blocks agree; `evictable_bytes` is
+    /// the bytes of the linked unpinned blocks, and the eviction list holds
+    /// exactly those of them the policy lets eviction take (under `Chain`:
+    /// those without children), each under its last use; chain links join
+    /// linked blocks only, agree with the parent and child counts of both
+    /// ends and form no cycle, so a linked block's ancestors are linked; under
+    /// `Chain` no link was ever cut by eviction;
     /// unlinked blocks are pinned; pin counts agree between blocks, pin
     /// records and sessions; reservations agree with their sessions; free-slot
     /// lists hold exactly the free slots; the `O(1)` [`gauges`](Store::gauges)
@@ -47,7 +52,7 @@ impl Store {
                     }
                     tensor
                 }
-                SlotState::Block { tensor, linked, pins, lru_tick } => {
+                SlotState::Block { tensor, linked, pins, lru_tick, last_use, counted, parent, children } => {
                     if *linked {
                         linked_count += 1;
                         if self.keys.get(&tensor.key) != Some(&index) {
@@ -55,22 +60,47 @@ impl Store {
                         }
                     } else if *pins == 0 {
                         return Err(format!("unlinked block {index} is unpinned but not freed"));
+                    } else if parent.is_some() || *children != 0 {
+                        return Err(format!("unlinked block {index} keeps chain links"));
                     }
-                    match (*linked && *pins == 0, lru_tick) {
+                    let evictable_now = *linked && *pins == 0;
+                    if *counted != evictable_now {
+                        return Err(format!("block {index}: counted evictable {counted}, should be {evictable_now}"));
+                    }
+                    if evictable_now {
+                        evictable += tensor.extent.len;
+                    }
+                    let listed = evictable_now && (self.policy == EvictionPolicy::Lru || *children == 0);
+                    match (listed, lru_tick) {
                         (true, Some(tick)) => {
-                            if self.lru.get(tick) != Some(&index) {
-                                return Err(format!("block {index} has LRU tick {tick} but is not there"));
+                            if self.lru.get(tick) != Some(&index) || tick != last_use {
+                                return Err(format!("block {index} has list tick {tick} but is not there"));
                             }
                             lru_count += 1;
-                            evictable += tensor.extent.len;
                         }
                         (false, None) => {}
                         (should, _) => {
                             return Err(format!(
-                                "block {index}: on LRU list {}, should be {should}",
+                                "block {index}: on the eviction list {}, should be {should}",
                                 lru_tick.is_some()
                             ));
                         }
+                    }
+                    if let Some(p) = parent {
+                        if !self.links.contains(&(*p, index)) {
+                            return Err(format!("block {index} names parent {p} without a link"));
+                        }
+                        let parent_linked = matches!(
+                            self.slots.get(*p as usize).map(|slot| &slot.state),
+                            Some(SlotState::Block { linked: true, .. })
+                        );
+                        if !parent_linked {
+                            return Err(format!("block {index}: parent {p} is not a linked block"));
+                        }
+                    }
+                    let links_out = self.links.range((index, 0)..=(index, u32::MAX)).count();
+                    if links_out != *children as usize {
+                        return Err(format!("block {index} counts {children} children, {links_out} links name it"));
                     }
                     block_pins.insert(index, *pins);
                     tensor
@@ -114,8 +144,12 @@ impl Store {
             return Err(format!("LRU list has {} entries, {lru_count} blocks are on it", self.lru.len()));
         }
         if evictable != self.evictable_bytes {
-            return Err(format!("evictable_bytes {} but LRU blocks hold {evictable}", self.evictable_bytes));
+            return Err(format!(
+                "evictable_bytes {} but linked unpinned blocks hold {evictable}",
+                self.evictable_bytes
+            ));
         }
+        self.check_chains()?;
 
         // Pins: records agree with sessions and with block counts.
         let free_pins: BTreeSet<u32> = self.free_pin_slots.iter().copied().collect();
@@ -198,6 +232,50 @@ impl Store {
             return Err(format!(
                 "gauges count {} pins and {} reservations, the tables hold {pins} and {reserved}",
                 g.pins, g.reservations
+            ));
+        }
+        Ok(())
+    }
+
+    /// Chain links: each names a child whose parent is its parent, and
+    /// following parents from any block ends (no cycle), at a linked root.
+    /// Each block is walked once (`depth` memoises), so `O(n log n)`.
+    fn check_chains(&self) -> Result<(), String> {
+        let parent_of = |i: u32| match self.slots.get(i as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { parent, .. }) => Ok(*parent),
+            _ => Err(format!("chain link names slot {i}, not a block")),
+        };
+        for &(p, c) in &self.links {
+            if parent_of(c)? != Some(p) {
+                return Err(format!("link ({p}, {c}) but block {c} names another parent"));
+            }
+        }
+        let mut depth: BTreeMap<u32, usize> = BTreeMap::new();
+        let linked = self.keys.len();
+        for &start in self.keys.values() {
+            let mut path = Vec::new();
+            let mut at = start;
+            let base = loop {
+                if let Some(&d) = depth.get(&at) {
+                    break d;
+                }
+                path.push(at);
+                if path.len() > linked {
+                    return Err(format!("the chain above block {start} is a cycle"));
+                }
+                match parent_of(at)? {
+                    Some(p) => at = p,
+                    None => break 0,
+                }
+            };
+            for (i, &b) in path.iter().rev().enumerate() {
+                depth.insert(b, base + i + 1);
+            }
+        }
+        if self.policy == EvictionPolicy::Chain && self.counters.links_cut_by_eviction() != 0 {
+            return Err(format!(
+                "{} chain links cut by eviction under the chain policy",
+                self.counters.links_cut_by_eviction()
             ));
         }
         Ok(())

@@ -34,6 +34,12 @@ pub(super) struct Counters {
     hit_bytes: [u64; CODES],
     /// OUT_OF_MEMORY answers because of the per-client limit.
     client_limit_hits: u64,
+    /// COMMITs whose parent was not linked.
+    parents_missing: u64,
+    /// Chain links cut because the parent was unlinked.
+    links_cut: u64,
+    /// Of those, cut by eviction.
+    links_cut_by_eviction: u64,
 }
 
 impl Counters {
@@ -120,6 +126,23 @@ impl Counters {
         self.client_limit_hits += 1;
     }
 
+    /// A COMMIT named a parent that is not linked.
+    pub(super) fn parent_missing(&mut self) {
+        self.parents_missing += 1;
+    }
+
+    /// A chain link was cut (its parent unlinked; `by_eviction`: evicted).
+    pub(super) fn link_cut(&mut self, by_eviction: bool) {
+        self.links_cut += 1;
+        if by_eviction {
+            self.links_cut_by_eviction += 1;
+        }
+    }
+
+    pub(super) fn links_cut_by_eviction(&self) -> u64 {
+        self.links_cut_by_eviction
+    }
+
     /// A committed block replaced an older block of its key.
     pub(super) fn block_replaced(&mut self) {
         self.replaced += 1;
@@ -154,6 +177,9 @@ impl Counters {
         st.not_found = err(Status::NotFound);
         st.out_of_memory = err(Status::OutOfMemory);
         st.client_limit_hits = self.client_limit_hits;
+        st.parents_missing = self.parents_missing;
+        st.links_cut = self.links_cut;
+        st.links_cut_by_eviction = self.links_cut_by_eviction;
         st.invalid = err(Status::Invalid);
         st.bad_handle = err(Status::BadHandle);
         st.too_large = err(Status::TooLarge);

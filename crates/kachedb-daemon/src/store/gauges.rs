@@ -79,7 +79,7 @@ mod tests {
         let r1 = ok(&mut st, a, reserve_req(1, 5000, 0));
         let _r2 = ok(&mut st, b, reserve_req(2, 100, 0));
         assert_eq!((st.gauges().reservations, st.gauges().bytes_used), (2, 3 * PAGE_LEN));
-        ok(&mut st, a, Request::Commit { handle: r1.handle });
+        ok(&mut st, a, Request::Commit { handle: r1.handle, parent: None });
         let p1 = ok(&mut st, a, Request::Get { key: 1 });
         ok(&mut st, b, Request::Get { key: 1 });
         ok(&mut st, b, Request::Get { key: 1 });
@@ -99,7 +99,7 @@ mod tests {
         // Evicting: 7 one-page blocks into the 6 free pages push the oldest out.
         for k in 10..17u128 {
             let r = ok(&mut st, a, reserve_req(k, 10, 0));
-            ok(&mut st, a, Request::Commit { handle: r.handle });
+            ok(&mut st, a, Request::Commit { handle: r.handle, parent: None });
         }
         let g = st.gauges();
         assert_eq!((g.evictions, g.evicted_bytes), (st.stats().evictions, st.stats().evicted_bytes));

@@ -1,5 +1,5 @@
 //! `Store`: the block index of the daemon — 128-bit keys to committed blocks
-//! in the megaslab, two-phase writes, per-session pins, LRU eviction.
+//! in the megaslab, two-phase writes, per-session pins, chain-aware LRU eviction.
 //!
 //! Pure logic: no shared memory, sockets or threads. The serve loop decodes a
 //! frame into a [`Request`], calls [`Store::handle`] with the session of the
@@ -32,42 +32,63 @@
 //! generation wraps after 2^30 reuses of one slot; a handle kept that long
 //! could then alias a new object of the same session.
 //!
+//! # Chains
+//!
+//! A COMMIT may name a **parent**: the key of the block that precedes this
+//! one in a prefix chain. The link is made if the parent's key has a linked
+//! block (other than the one being committed); otherwise the block is
+//! committed without a parent (counted in `parents_missing`) and stays so. A
+//! link is between two linked blocks; when a parent is unlinked (DELETE, a
+//! newer block of its key, or eviction under the LRU policy) its children stay,
+//! as blocks without a parent (`links_cut`). A block is linked to a parent only
+//! while it has no children (at its COMMIT), so links never form a cycle.
+//!
 //! # Eviction
 //!
-//! When a RESERVE does not fit in any free extent, linked unpinned blocks are
-//! evicted in least-recently-used order, one at a time (each freed extent
-//! coalesces with its neighbours), until the reservation fits. "Used" means
-//! committed, found by GET or LOOKUP, or released by its last pin. Pinned
-//! blocks, unlinked-but-pinned blocks and reservations are not in the LRU
-//! list, so they are never evicted. If even freeing every evictable block could
-//! not give enough bytes (`free + evictable < needed`) the answer is
-//! `OUT_OF_MEMORY` and **nothing is evicted**. Otherwise eviction proceeds; if
-//! fragmentation by pinned blocks or reservations still leaves no large enough
-//! extent once the LRU list is empty, the answer is `OUT_OF_MEMORY` and the
+//! When a RESERVE does not fit in any free extent, blocks are evicted from the
+//! head of the **eviction list**, one at a time (each freed extent coalesces
+//! with its neighbours), until the reservation fits. The list holds linked
+//! unpinned blocks in least-recently-used order; under
+//! [`EvictionPolicy::Chain`] (the default) only those without children (the
+//! leaves): evicting a leaf may make its parent a leaf, which joins the list
+//! at its own last use. So under `Chain` a linked block's ancestors stay
+//! linked: eviction never leaves a hole in front of a block. Under
+//! [`EvictionPolicy::Lru`] every linked unpinned block is on the list. "Used"
+//! means committed, found by GET or LOOKUP, or released by its last pin.
+//! Pinned blocks, unlinked-but-pinned blocks and reservations are never on
+//! the list. If even freeing every linked unpinned block could not give enough
+//! bytes (`free + evictable < needed`) the answer is `OUT_OF_MEMORY` and
+//! **nothing is evicted**. Otherwise eviction proceeds; if the list runs empty
+//! first (fragmentation by pinned blocks or reservations, or, under `Chain`,
+//! unpinned ancestors of pinned blocks) the answer is `OUT_OF_MEMORY` and the
 //! blocks evicted on the way stay evicted (they were the least recently used).
 //!
 //! # Cost
 //!
 //! Every request is `O(log n)` (B-tree indexes for free extents, the LRU list
 //! and per-session records; a hash map for keys), except a RESERVE that evicts,
-//! which is `O(log n)` per block evicted. `close_session` is `O(p log n)` in the
-//! session's pins and reservations.
+//! which is `O(log n)` per block evicted, and an unlink of a block with `k`
+//! children (DELETE, replacement, LRU eviction of a parent), `O(k log n)`.
+//! `close_session` is `O(p log n)` in the session's pins and reservations.
 //!
 //! # Files
 //!
 //! `mod.rs` the [`Store`] and its request dispatch; `session` client sessions
 //! (their pins and reservations, closing); `blocks` the operations on
-//! reservations and blocks; `evict` the LRU list and eviction; `slots` the
+//! reservations and blocks; `evict` the eviction list, chain links and
+//! eviction; `slots` the
 //! slot tables behind handles, `handles` the handle encoding; `counters` what
 //! is counted; `check` the invariant check.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use kachedb_shm::{Completion, DType, Request, Shape, Status};
 
 use crate::alloc::{Extent, ExtentAllocator};
 
 mod blocks;
+#[cfg(test)]
+mod chain_tests;
 mod check;
 mod counters;
 mod evict;
@@ -80,6 +101,7 @@ mod slots;
 #[cfg(test)]
 mod tests;
 
+pub use evict::EvictionPolicy;
 pub use gauges::Gauges;
 pub use kachedb_shm::control::StoreStats;
 
@@ -155,11 +177,18 @@ pub struct Store {
     free_pin_slots: Vec<u32>,
     /// Linked blocks: key -> slot index.
     keys: HashMap<u128, u32>,
-    /// Linked unpinned blocks: last-use tick -> slot index; first = least recent.
+    /// The eviction list: the blocks eviction may take now (linked, unpinned,
+    /// and under [`EvictionPolicy::Chain`] without children), last-use tick ->
+    /// slot index; first = least recent.
     lru: BTreeMap<u64, u32>,
+    /// Chain links between linked blocks: (parent, child) slot indexes.
+    links: BTreeSet<(u32, u32)>,
+    policy: EvictionPolicy,
     /// Last tick handed out; each use takes a fresh one.
     tick: u64,
-    /// Sum of the extent lengths of the blocks in `lru`, bytes.
+    /// Sum of the extent lengths of the linked unpinned blocks, bytes (under
+    /// the chain policy more than the list holds: parents join it as their
+    /// children go).
     evictable_bytes: u64,
     sessions: BTreeMap<SessionId, Session>,
     next_session: u64,
@@ -186,6 +215,8 @@ impl Store {
             free_pin_slots: Vec::new(),
             keys: HashMap::new(),
             lru: BTreeMap::new(),
+            links: BTreeSet::new(),
+            policy: EvictionPolicy::default(),
             tick: 0,
             evictable_bytes: 0,
             sessions: BTreeMap::new(),
@@ -208,7 +239,7 @@ impl Store {
                 Request::Reserve { key, dtype, shape, len, page_offset } => {
                     self.reserve(s, key, dtype, shape, len, page_offset)
                 }
-                Request::Commit { handle } => self.commit(s, handle),
+                Request::Commit { handle, parent } => self.commit(s, handle, parent),
                 Request::Abort { handle } => self.abort(s, handle),
                 // A WAIT is a GET here; the serve loop parks it while NOT_FOUND.
                 Request::Get { key } | Request::Wait { key, .. } => self.get(s, key),
@@ -292,6 +323,8 @@ impl Store {
         st.largest_free_bytes = self.alloc.largest_free();
         st.evictable_bytes = self.evictable_bytes;
         st.free_extents = self.alloc.free_extent_count() as u64;
+        st.eviction_policy = self.policy.name().to_string();
+        st.chained_blocks = self.links.len() as u64;
         st
     }
 }

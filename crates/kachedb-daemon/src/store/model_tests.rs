@@ -1,5 +1,6 @@
 //! Property tests of the store: random op sequences from several sessions
-//! against a model, and arbitrary frames and hand-built requests.
+//! against a model (under both eviction policies, with chain links), and
+//! arbitrary frames and hand-built requests.
 
 use super::tests::{reserve_req, SLAB_OFFSET};
 use super::*;
@@ -26,6 +27,7 @@ enum Step {
         pick: usize,
         how: u8,
         random: u64,
+        parent: Option<u8>,
     },
     Abort {
         s: usize,
@@ -67,8 +69,8 @@ fn step() -> impl Strategy<Value = Step> {
         6 => (s.clone(), key.clone(), 0u64..7 * PAGE_LEN, 0u64..64)
             .prop_map(|(s, key, len, po)| Step::Reserve { s, key, len, page_offset: po * 64 }),
         1 => (s.clone(), key.clone()).prop_map(|(s, key)| Step::Reserve { s, key, len: 40 * PAGE_LEN, page_offset: 0 }),
-        5 => (s.clone(), any::<usize>(), how.clone(), any::<u64>())
-            .prop_map(|(s, pick, how, random)| Step::Commit { s, pick, how, random }),
+        5 => (s.clone(), any::<usize>(), how.clone(), any::<u64>(), proptest::option::weighted(0.7, 0..KEYS))
+            .prop_map(|(s, pick, how, random, parent)| Step::Commit { s, pick, how, random, parent }),
         2 => (s.clone(), any::<usize>(), how.clone(), any::<u64>())
             .prop_map(|(s, pick, how, random)| Step::Abort { s, pick, how, random }),
         4 => (s.clone(), key.clone()).prop_map(|(s, key)| Step::Get { s, key }),
@@ -122,17 +124,29 @@ struct Model {
     st: Store,
     sessions: Vec<MSession>,
     committed: HashMap<u128, Region>,
+    /// Chain links between committed keys: child -> parent.
+    links: HashMap<u128, u128>,
     /// Handles whose object is gone; they must stay bad for every session.
     dead: Vec<u64>,
     next_id: u32,
 }
 
 impl Model {
-    fn new() -> Model {
+    fn new(policy: EvictionPolicy) -> Model {
         let mut st = Store::new(SLAB_OFFSET, PAGES * PAGE_LEN);
+        st.set_eviction_policy(policy);
         let sessions =
             (0..SESSIONS).map(|_| MSession { id: st.open_session(), res: Vec::new(), pins: Vec::new() }).collect();
-        Model { st, sessions, committed: HashMap::new(), dead: Vec::new(), next_id: 0 }
+        Model { st, sessions, committed: HashMap::new(), links: HashMap::new(), dead: Vec::new(), next_id: 0 }
+    }
+
+    /// `key` is no longer committed: its own link goes, and its children's
+    /// (they stay, without a parent). Returns how many children it had.
+    fn unlink_key(&mut self, key: u128) -> usize {
+        self.links.remove(&key);
+        let before = self.links.len();
+        self.links.retain(|_, p| *p != key);
+        before - self.links.len()
     }
 
     fn send(&mut self, s: usize, req: Request) -> Completion {
@@ -213,7 +227,7 @@ impl Model {
                         let st = self.st.stats();
                         prop_assert!(st.largest_free_bytes < need);
                         prop_assert!(
-                            st.evictable_bytes == 0 || st.bytes_free + st.evictable_bytes < need,
+                            self.st.lru.is_empty() || st.bytes_free + st.evictable_bytes < need,
                             "OOM with evictable blocks left: {:?}",
                             st
                         );
@@ -221,13 +235,21 @@ impl Model {
                     other => prop_assert!(false, "reserve -> {:?}", other),
                 }
             }
-            Step::Commit { s, pick, how, random } => {
+            Step::Commit { s, pick, how, random, parent } => {
                 let (h, own) = self.pick_handle(s, pick, how, random, false);
-                let c = self.send(s, Request::Commit { handle: h });
+                let parent = parent.map(u128::from);
+                let c = self.send(s, Request::Commit { handle: h, parent });
                 if own {
                     prop_assert_eq!(c.status, Status::Ok);
                     let i = self.sessions[s].res.iter().position(|r| r.handle == h).unwrap();
                     let r = self.sessions[s].res.swap_remove(i);
+                    if self.committed.contains_key(&r.key) {
+                        self.unlink_key(r.key);
+                    }
+                    // Linked when the parent is committed and not the key itself.
+                    if let Some(p) = parent.filter(|&p| p != r.key && self.committed.contains_key(&p)) {
+                        self.links.insert(r.key, p);
+                    }
                     self.committed.insert(r.key, r.region);
                     self.dead.push(h);
                 } else {
@@ -294,6 +316,7 @@ impl Model {
                 let c = self.send(s, Request::Delete { key });
                 let want = if self.committed.remove(&key).is_some() { Status::Ok } else { Status::NotFound };
                 prop_assert_eq!(c.status, want);
+                self.unlink_key(key);
             }
             Step::Stats { s } => {
                 let c = self.send(s, Request::Stats);
@@ -320,6 +343,7 @@ impl Model {
     /// checks that every model key is in the store with the same region.
     fn reconcile(&mut self, evictions_allowed: bool) -> Result<(), TestCaseError> {
         let keys: Vec<u128> = self.committed.keys().copied().collect();
+        let mut evicted = Vec::new();
         for key in keys {
             let region = self.committed[&key];
             match self.st.peek(key) {
@@ -331,8 +355,21 @@ impl Model {
                     prop_assert!(evictions_allowed, "key {} vanished", key);
                     prop_assert!(!self.is_pinned(&region), "pinned key {} was evicted", key);
                     self.committed.remove(&key);
+                    evicted.push(key);
                 }
             }
+        }
+        // Under the chain policy only leaves go: no key evicted now is the
+        // parent of a key still committed.
+        let chain = self.st.eviction_policy() == EvictionPolicy::Chain;
+        for &key in &evicted {
+            if chain {
+                let orphan = self.links.iter().find(|&(c, p)| *p == key && self.committed.contains_key(c));
+                prop_assert!(orphan.is_none(), "evicted {} before its child {:?}", key, orphan);
+            }
+        }
+        for key in evicted {
+            self.unlink_key(key);
         }
         Ok(())
     }
@@ -351,6 +388,10 @@ impl Model {
         }
         let st = self.st.stats();
         prop_assert_eq!(st.blocks, self.committed.len() as u64);
+        prop_assert_eq!(st.chained_blocks, self.links.len() as u64);
+        for (c, p) in &self.links {
+            prop_assert!(self.committed.contains_key(c) && self.committed.contains_key(p));
+        }
         prop_assert_eq!(st.reserved, self.sessions.iter().map(|m| m.res.len() as u64).sum::<u64>());
         prop_assert_eq!(st.pins, self.sessions.iter().map(|m| m.pins.len() as u64).sum::<u64>());
         prop_assert_eq!(st.bytes_used + st.bytes_free, st.bytes_total);
@@ -364,8 +405,11 @@ proptest! {
     /// Random op sequences from several sessions against a model: visible
     /// keys, regions, pins, handle checks, eviction rules, invariants.
     #[test]
-    fn random_sessions_match_the_model(steps in proptest::collection::vec(step(), 1..200)) {
-        let mut m = Model::new();
+    fn random_sessions_match_the_model(
+        steps in proptest::collection::vec(step(), 1..200),
+        lru in any::<bool>(),
+    ) {
+        let mut m = Model::new(if lru { EvictionPolicy::Lru } else { EvictionPolicy::Chain });
         for step in &steps {
             m.run(step)?;
         }
@@ -389,8 +433,10 @@ proptest! {
     #[test]
     fn arbitrary_requests_never_break_the_store(
         frames in proptest::collection::vec((any::<[u8; 64]>(), 1u8..=9, 0usize..2, any::<bool>()), 1..100),
+        lru in any::<bool>(),
     ) {
         let mut st = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
+        st.set_eviction_policy(if lru { EvictionPolicy::Lru } else { EvictionPolicy::Chain });
         let sessions = [st.open_session(), st.open_session()];
         let mut handles: Vec<u64> = Vec::new();
         for (bytes, op, s, small) in frames {
@@ -406,7 +452,7 @@ proptest! {
                 for (i, dim) in d.shape.iter_mut().enumerate() {
                     *dim = if i < usize::from(d.ndim) { *dim % 5000 } else { 0 };
                 }
-                d.offset = (d.offset % 64) * 64;
+                d.offset = if d.op == Op::Commit as u8 { d.offset % 2 } else { (d.offset % 64) * 64 };
                 if let Some(&h) = handles.get(d.handle as usize % handles.len().max(1)) {
                     d.handle = h;
                 }

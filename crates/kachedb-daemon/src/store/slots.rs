@@ -23,8 +23,18 @@ pub(super) enum SlotState {
         linked: bool,
         /// Pins, all sessions together.
         pins: u64,
-        /// Its key in `lru`; `Some` exactly when linked and unpinned.
+        /// Its key in `lru` (its `last_use`); `Some` exactly when eviction may
+        /// take it now ([`Store::attach`]).
         lru_tick: Option<u64>,
+        /// Tick of its last use (commit, GET, LOOKUP, last RELEASE).
+        last_use: u64,
+        /// Whether its extent is counted in `evictable_bytes` (linked and unpinned).
+        counted: bool,
+        /// The linked block it follows in its chain (named at COMMIT); `None`
+        /// for a block without one, and for every unlinked block.
+        parent: Option<u32>,
+        /// Linked blocks that name it as parent (0 when unlinked).
+        children: u32,
     },
 }
 

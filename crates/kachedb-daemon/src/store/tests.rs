@@ -36,7 +36,7 @@ impl T {
     fn put(&mut self, s: SessionId, key: u128, len: u64) -> u64 {
         let c = self.reserve(s, key, len);
         assert_eq!(c.status, Status::Ok, "reserve {key}");
-        assert_eq!(self.req(s, Request::Commit { handle: c.handle }).status, Status::Ok);
+        assert_eq!(self.req(s, Request::Commit { handle: c.handle, parent: None }).status, Status::Ok);
         c.offset
     }
     fn get(&mut self, s: SessionId, key: u128) -> Completion {
@@ -90,7 +90,7 @@ fn reserve_commit_get_release() {
     assert_eq!(t.req(s, Request::Stats).handle, 0);
     assert_eq!(t.st.peek(42), None);
 
-    assert_eq!(t.status(s, Request::Commit { handle: r.handle }), Status::Ok);
+    assert_eq!(t.status(s, Request::Commit { handle: r.handle, parent: None }), Status::Ok);
     assert_eq!(t.st.stats().reserved, 0);
     assert_eq!(t.status(s, Request::Lookup { key: 42 }), Status::Ok);
     let g = t.get(s, 42);
@@ -118,7 +118,7 @@ fn zero_length_tensor_takes_one_page() {
     let r = t.req(s, Request::Reserve { key: 1, dtype: DType::F32, shape, len: 0, page_offset: 0 });
     assert_eq!(r.status, Status::Ok);
     assert_eq!(t.st.stats().bytes_used, PAGE_LEN);
-    assert_eq!(t.status(s, Request::Commit { handle: r.handle }), Status::Ok);
+    assert_eq!(t.status(s, Request::Commit { handle: r.handle, parent: None }), Status::Ok);
     assert_eq!(t.get(s, 1).tensor, Some((DType::F32, shape, 0)));
 }
 
@@ -166,7 +166,7 @@ fn two_gib_block_in_three_gib_slab() {
     let s = st.open_session();
     let c = st.handle(s, 1, &reserve_req(1, 2 * GIB, 0));
     assert_eq!(c.status, Status::Ok);
-    assert_eq!(st.handle(s, 2, &Request::Commit { handle: c.handle }).status, Status::Ok);
+    assert_eq!(st.handle(s, 2, &Request::Commit { handle: c.handle, parent: None }).status, Status::Ok);
     let g = st.handle(s, 3, &Request::Get { key: 1 });
     assert_eq!(g.tensor.unwrap().2, 2 * GIB);
     st.check_invariants().unwrap();
@@ -179,18 +179,18 @@ fn commit_and_abort_check_ownership_and_staleness() {
     let b = t.st.open_session();
     let r = t.reserve(a, 1, 100);
     // Other session, forged values, a pin handle used as a reservation.
-    assert_eq!(t.status(b, Request::Commit { handle: r.handle }), Status::BadHandle);
+    assert_eq!(t.status(b, Request::Commit { handle: r.handle, parent: None }), Status::BadHandle);
     assert_eq!(t.status(b, Request::Abort { handle: r.handle }), Status::BadHandle);
     for forged in [0, 1, u64::MAX, r.handle ^ 1, r.handle ^ (1 << 32), r.handle ^ (3 << 62)] {
-        assert_eq!(t.status(a, Request::Commit { handle: forged }), Status::BadHandle, "{forged:#x}");
+        assert_eq!(t.status(a, Request::Commit { handle: forged, parent: None }), Status::BadHandle, "{forged:#x}");
         assert_eq!(t.status(a, Request::Abort { handle: forged }), Status::BadHandle, "{forged:#x}");
     }
-    assert_eq!(t.status(a, Request::Commit { handle: r.handle }), Status::Ok);
+    assert_eq!(t.status(a, Request::Commit { handle: r.handle, parent: None }), Status::Ok);
     // Committed: the reservation handle is spent.
-    assert_eq!(t.status(a, Request::Commit { handle: r.handle }), Status::BadHandle);
+    assert_eq!(t.status(a, Request::Commit { handle: r.handle, parent: None }), Status::BadHandle);
     assert_eq!(t.status(a, Request::Abort { handle: r.handle }), Status::BadHandle);
     let g = t.get(a, 1);
-    assert_eq!(t.status(a, Request::Commit { handle: g.handle }), Status::BadHandle);
+    assert_eq!(t.status(a, Request::Commit { handle: g.handle, parent: None }), Status::BadHandle);
     assert_eq!(t.status(a, Request::Abort { handle: g.handle }), Status::BadHandle);
     // A reservation handle is not a pin handle.
     let r2 = t.reserve(a, 2, 100);
@@ -211,8 +211,8 @@ fn stale_handle_after_slot_reuse() {
     assert_eq!(r1.handle as u32, r2.handle as u32);
     assert_eq!(r1.offset, r2.offset);
     assert_ne!(r1.handle, r2.handle);
-    assert_eq!(t.status(s, Request::Commit { handle: r1.handle }), Status::BadHandle);
-    assert_eq!(t.status(s, Request::Commit { handle: r2.handle }), Status::Ok);
+    assert_eq!(t.status(s, Request::Commit { handle: r1.handle, parent: None }), Status::BadHandle);
+    assert_eq!(t.status(s, Request::Commit { handle: r2.handle, parent: None }), Status::Ok);
     // Pins too: release to zero, pin again, the old pin handle is stale.
     let g1 = t.get(s, 1);
     assert_eq!(t.status(s, Request::Release { handle: g1.handle }), Status::Ok);
@@ -331,8 +331,8 @@ fn two_reservations_of_one_key_commit_in_order() {
     let s = t.st.open_session();
     let r1 = t.reserve(s, 9, 10);
     let r2 = t.reserve(s, 9, 20);
-    assert_eq!(t.status(s, Request::Commit { handle: r2.handle }), Status::Ok);
-    assert_eq!(t.status(s, Request::Commit { handle: r1.handle }), Status::Ok);
+    assert_eq!(t.status(s, Request::Commit { handle: r2.handle, parent: None }), Status::Ok);
+    assert_eq!(t.status(s, Request::Commit { handle: r1.handle, parent: None }), Status::Ok);
     // Last commit wins.
     assert_eq!(t.get(s, 9).offset, r1.offset);
     assert_eq!(t.st.stats().bytes_used, PAGE_LEN, "r2's block was replaced and freed");
@@ -406,7 +406,7 @@ fn eviction_never_takes_pinned_blocks_or_reservations() {
     // Nothing else can go: everything left is pinned or reserved.
     assert_eq!(t.reserve(a, 6, 1).status, Status::OutOfMemory);
     assert!(t.st.peek(2).is_none() && t.st.peek(4).is_none());
-    assert_eq!(t.status(b, Request::Commit { handle: res.handle }), Status::Ok);
+    assert_eq!(t.status(b, Request::Commit { handle: res.handle, parent: None }), Status::Ok);
     assert_eq!(t.get(a, 1).offset, pinned.offset);
     assert_eq!(t.st.stats().reserved, 1);
 }
@@ -488,7 +488,7 @@ fn close_session_releases_pins_and_aborts_reservations() {
     // Requests of a closed session are refused; its handles are dead.
     assert_eq!(t.status(b, Request::Ping), Status::Internal);
     assert_eq!(t.status(a, Request::Release { handle: g1.handle }), Status::BadHandle);
-    assert_eq!(t.status(a, Request::Commit { handle: res.handle }), Status::BadHandle);
+    assert_eq!(t.status(a, Request::Commit { handle: res.handle, parent: None }), Status::BadHandle);
     assert_eq!(t.status(a, Request::Release { handle: ga.handle }), Status::Ok);
     assert_eq!(t.st.stats().bytes_used, PAGE_LEN);
     t.st.close_session(b);

@@ -50,7 +50,7 @@ pub fn check_decode(bytes: &[u8]) -> Result<(), String> {
                     return Err(format!("non-zero unused dims accepted: {d:?}"));
                 }
             }
-            Request::Commit { handle } | Request::Abort { handle } | Request::Release { handle }
+            Request::Commit { handle, .. } | Request::Abort { handle } | Request::Release { handle }
                 if handle != d.handle =>
             {
                 return Err(format!("handle {handle} is not the frame's {}", d.handle));
@@ -202,7 +202,7 @@ pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
                 }
                 issued.push(c.handle);
             }
-            Request::Commit { handle } | Request::Abort { handle } => {
+            Request::Commit { handle, .. } | Request::Abort { handle } => {
                 let own = reservations.get(&handle).is_some_and(|(owner, _)| *owner == i);
                 match (own, c.status) {
                     (true, Status::Ok) => {

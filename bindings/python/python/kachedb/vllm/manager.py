@@ -8,7 +8,7 @@ whose store is in flight, ``prepare_load`` just names the keys for the worker.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, List, Set
+from typing import TYPE_CHECKING, Collection, List, Optional, Set
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -29,13 +29,36 @@ if TYPE_CHECKING:
 
 class KacheDBLoadStoreSpec(LoadStoreSpec):
     """The vLLM offload keys (block hash + group index) of a load or store, in the
-    order of the GPU blocks of the matching ``GPULoadStoreSpec``. Picklable."""
+    order of the GPU blocks of the matching ``GPULoadStoreSpec``; for a store,
+    ``parent``: the offload key of the block before the first one in its
+    request's chain (already in the daemon), if any. Picklable."""
 
-    def __init__(self, keys: List[bytes]) -> None:
+    def __init__(self, keys: List[bytes], parent: Optional[bytes] = None) -> None:
         self.keys = [bytes(k) for k in keys]
+        self.parent = None if parent is None else bytes(parent)
 
     def __repr__(self) -> str:
         return f"KacheDBLoadStoreSpec({len(self.keys)} keys)"
+
+
+class _ChainTail:
+    """Per request (in its ``ReqContext``): the last offload key it handed to a
+    store, the parent of the first block of its next store."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+
+def _chain_tail(req_context: ReqContext) -> Optional[bytes]:
+    get = getattr(req_context, "get_state", None)  # vLLM versions without per-request state: none
+    tail = get(_ChainTail) if get is not None else None
+    return tail.key if tail is not None else None
+
+
+def _set_chain_tail(req_context: ReqContext, key: bytes) -> None:
+    put = getattr(req_context, "set_state", None)
+    if put is not None:
+        put(_ChainTail(key))
 
 
 class KacheDBOffloadingManager(OffloadingManager):
@@ -91,7 +114,13 @@ class KacheDBOffloadingManager(OffloadingManager):
         todo = keys[present:]
         COUNTERS["store_already_present_blocks"] += present
         self._storing.update(todo)
-        return PrepareStoreOutput(keys_to_store=todo, store_spec=KacheDBLoadStoreSpec(todo), evicted_keys=[])
+        # The stored blocks chain on from the last one the daemon has, else from
+        # the last one this request stored before (docs/eviction.md).
+        parent = keys[present - 1] if present else _chain_tail(req_context)
+        _set_chain_tail(req_context, keys[-1])
+        return PrepareStoreOutput(
+            keys_to_store=todo, store_spec=KacheDBLoadStoreSpec(todo, parent), evicted_keys=[]
+        )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         self._storing.difference_update(bytes(k) for k in keys)

@@ -8,7 +8,12 @@ only when committed, after every layer is written.
 
 Per scheduler step and direction there is one batch: a store is one RESERVE
 batch, one copy per block straight into the reservations, and one COMMIT batch
-(``reserve_many``; with an older kachedb, a gather then ``put_many``); a load is
+(``reserve_many``; with an older kachedb, a gather then ``put_many``); each
+stored block names the one before it in its request's chain as its parent
+(the first one: the last block the manager found in the daemon, else the last
+block the request stored before; ``KacheDBLoadStoreSpec.parent``), so the
+daemon's chain-aware eviction never evicts a block before the blocks that
+follow it (docs/eviction.md). A load is
 one ``get_prefix`` (lookup-and-pin of the leading present blocks, one round trip)
 whose views are copied straight into the KV cache and then dropped (their pins go
 with them). On vLLM's CPU engine the copies are plain tensor copies, done
@@ -180,25 +185,30 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             COUNTERS["store_skipped_off_blocks"] += len(keys)
             self._done(job_id, 0, started)
             return True
+        # The block before the first one stored (one KV-cache group: with several,
+        # each group's run starts without a parent).
+        first = getattr(dst_spec, "parent", None)
+        first = self.spec.daemon_key(first) if first is not None and len(self.groups) == 1 else None
         try:
             for group, ids, okeys in self._split(src_spec, keys):
                 if not ids:
                     continue
                 dkeys = [self.spec.daemon_key(k) for k in okeys]
+                parents = [first] + dkeys[:-1]  # consecutive blocks of one request chain
                 if self.cuda:
-                    cuda_hold.extend(self._store_cuda(kc, group, ids, dkeys))
+                    cuda_hold.extend(self._store_cuda(kc, group, ids, dkeys, parents))
                     nbytes += len(ids) * group.num_layers * group.page
                     STORED_KEYS.extend(k.hex() for k in dkeys)
                     continue
                 elif self.spec.store_mode == "reserve":
-                    for b, k in zip(ids, dkeys):
-                        with kc.reserve(k, group.shape, torch.uint8) as out:
+                    for b, k, p in zip(ids, dkeys, parents):
+                        with kc.reserve(k, group.shape, torch.uint8, parent=p) as out:
                             group.copy_block_out(out, b)
                     nbytes += len(ids) * group.num_layers * group.page
                 elif hasattr(kc, "reserve_many"):
                     # One RESERVE batch, one copy per block straight into shared memory,
                     # one COMMIT batch: blocks become visible together, fully written.
-                    with kc.reserve_many(dkeys, group.shape, torch.uint8) as outs:
+                    with kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True) as outs:
                         for out, b in zip(outs, ids):
                             group.copy_block_out(out, b)
                     nbytes += len(ids) * group.num_layers * group.page
@@ -227,15 +237,18 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             self._done(job_id, nbytes, started)
         return True
 
-    def _store_cuda(self, kc: Any, group: _Group, ids: List[int], dkeys: List[bytes]) -> List[Any]:
+    def _store_cuda(
+        self, kc: Any, group: _Group, ids: List[int], dkeys: List[bytes], parents: List[Optional[bytes]]
+    ) -> List[Any]:
         # Reserve in the daemon, copy device->shm on the side stream (after the forward
-        # pass that wrote the blocks); the caller commits when the copies' event completes.
+        # pass that wrote the blocks); the caller commits when the copies' event completes,
+        # in order (a block's parent first).
         self._stream.wait_stream(torch.cuda.current_stream(group.device))
         hold = []
         try:
             with torch.cuda.stream(self._stream):
-                for b, k in zip(ids, dkeys):
-                    r = kc.reserve(k, group.shape, torch.uint8)
+                for b, k, p in zip(ids, dkeys, parents):
+                    r = kc.reserve(k, group.shape, torch.uint8, parent=p)
                     hold.append(r)
                     group.copy_block_out(r.out, b, non_blocking=True)
         except BaseException:
