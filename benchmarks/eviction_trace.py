@@ -387,8 +387,8 @@ class FleetReplay(Replay):
        store (each present key is touched, past a miss too), skipping the
        leading present ones; the worker's ``reserve_many(chain=True)`` of the
        rest, the first block's parent being the last leading present key, else
-       none (the request has stored nothing before: the manager's chain tail is
-       per request) — so after a load the first stored block names no parent;
+       the request's chain tail (the last block it loaded: ``prepare_load``
+       records it), else none;
        all or nothing: out of memory skips the store;
     5. the engine's local cache then holds the whole chain.
 
@@ -446,6 +446,7 @@ class FleetReplay(Replay):
         while h < len(chain) and self._lookup_one(chain[h]):
             h += 1
         loaded = 0
+        want: List[int] = []
         if h > n_local:
             want = chain[n_local:h]
             views = kc.get_prefix(want)
@@ -465,7 +466,7 @@ class FleetReplay(Replay):
         if store:
             present = self._lookup_batch(store)
             todo = store[present:]
-            parent = store[present - 1] if present else None
+            parent = store[present - 1] if present else (want[loaded - 1] if loaded else None)
             if self.fleet.store == "computed":
                 parent = self.trace.parent[todo[0]] if todo else None
             if todo:

@@ -104,6 +104,28 @@ def test_stored_blocks_chain_on_from_the_spec_parent(daemon, mode):
     w.shutdown()
 
 
+def test_manager_chains_a_store_on_from_the_request_s_last_load_or_store(daemon):
+    # The parent of a store's first block: the daemon's last leading present key,
+    # else the last block this request loaded, else the last one it stored before.
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kachedb.vllm.manager import KacheDBOffloadingManager
+
+    ns = os.urandom(16)
+    spec = SimpleNamespace(socket=daemon.socket, retry_s=0.2, world_size=1,
+                           daemon_key=lambda k, rank=None: ns + bytes(k))
+    m = KacheDBOffloadingManager(spec)
+    k = keys(6, 900)
+    loading = ReqContext(req_id="loading")
+    assert m.prepare_load(k[:2], loading).keys == k[:2]
+    assert m.prepare_store(k[2:4], loading).store_spec.parent == k[1]
+    m.complete_store(k[2:4], loading)
+    assert m.prepare_store(k[4:], loading).store_spec.parent == k[3]
+    fresh = ReqContext(req_id="fresh")
+    assert m.prepare_store(k[:1], fresh).store_spec.parent is None
+    m.shutdown()
+
+
 def test_full_store_skips(daemon):
     c, layers = caches()
     w, spec = worker(daemon.socket, c)

@@ -43,7 +43,7 @@ class KacheDBLoadStoreSpec(LoadStoreSpec):
 
 class _ChainTail:
     """Per request (in its ``ReqContext``): the last offload key it handed to a
-    store, the parent of the first block of its next store."""
+    load or a store, the parent of the first block of its next store."""
 
     def __init__(self, key: bytes) -> None:
         self.key = key
@@ -93,7 +93,11 @@ class KacheDBOffloadingManager(OffloadingManager):
         return LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return KacheDBLoadStoreSpec(list(keys))
+        keys = [bytes(k) for k in keys]
+        if keys:
+            # The request's next store chains on from the last block it loads.
+            _set_chain_tail(req_context, keys[-1])
+        return KacheDBLoadStoreSpec(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:
         keys = [bytes(k) for k in keys if bytes(k) not in self._storing]
