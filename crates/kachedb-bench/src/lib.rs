@@ -1,5 +1,5 @@
 //! The benchmarks and the demo of the `kachedb` command: `kachedb bench ring`,
-//! `kachedb bench ops`, `kachedb demo`, and the hidden child processes they
+//! `kachedb bench ops`, `kachedb bench remote`, `kachedb demo`, and the hidden child processes they
 //! start by re-executing the current binary.
 //!
 //! `kachedb-cli` flattens [`Command`] into its subcommands when built with its
@@ -12,6 +12,7 @@ use clap::Subcommand;
 
 pub mod demo;
 pub mod ops;
+pub mod remote;
 pub mod ring;
 pub mod scrape;
 pub mod spawn;
@@ -43,6 +44,10 @@ pub enum BenchCommand {
     /// given): GET-hit round trip, batched ops/s, PUT and GET of large blocks
     /// against memcpy, idle daemon CPU.
     Ops(ops::OpsArgs),
+    /// The remote tier against a Redis Cluster (started for the run unless
+    /// --remote is given): fill throughput against a plain Redis client's GET
+    /// of the same bytes, write-behind throughput, local GET latency during fills.
+    Remote(remote::RemoteArgs),
 }
 
 /// Runs `command`.
@@ -52,6 +57,7 @@ pub fn run(command: &Command) -> Result<(), Box<dyn std::error::Error>> {
         Command::DemoChild(a) => demo::child(a),
         Command::Bench(BenchCommand::Ring(a)) => ring::run(a),
         Command::Bench(BenchCommand::Ops(a)) => ops::run(a),
+        Command::Bench(BenchCommand::Remote(a)) => remote::run(a),
         Command::BenchChild(a) => ring::child(a),
     }
 }

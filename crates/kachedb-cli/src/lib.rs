@@ -24,7 +24,7 @@ pub struct Cli {
 pub enum Command {
     /// Run the daemon: own the shared-memory region and serve clients until
     /// SIGINT/SIGTERM. Needs no config: the defaults are printed at start.
-    Serve(serve_cmd::ServeArgs),
+    Serve(Box<serve_cmd::ServeArgs>),
     /// Print a running daemon's stats (blocks, bytes, pins, clients, evictions,
     /// rejected frames, ops/s); `--watch` keeps a live view.
     Stats(serve_cmd::StatsArgs),

@@ -67,6 +67,37 @@ pub struct ServeArgs {
     /// cached) or `lru` (least recently used, parents or not). docs/eviction.md.
     #[arg(long, value_enum, default_value_t = Eviction::Chain)]
     pub eviction: Eviction,
+    /// A Redis Cluster (any node; the cluster is discovered) or a standalone
+    /// Redis behind the megaslab, shared by a fleet of daemons:
+    /// `redis://HOST:PORT`, or `rediss://HOST:PORT` for TLS (docs/remote.md).
+    /// Off by default.
+    #[arg(long, value_name = "URL")]
+    pub remote: Option<String>,
+    /// A file holding the remote's password (its first line). The password
+    /// can also come from the environment variable KACHEDB_REMOTE_PASSWORD;
+    /// it is never taken on the command line, which other users can read.
+    #[arg(long, value_name = "PATH")]
+    pub remote_password_file: Option<PathBuf>,
+    /// Key prefix in the remote store: daemons with the same namespace share
+    /// blocks, others do not see them.
+    #[arg(long, default_value = "kachedb", value_name = "NAME")]
+    pub remote_namespace: String,
+    /// Milliseconds one round of remote requests may take; past it the keys
+    /// are misses (a node down or slow never stalls a client longer).
+    #[arg(long, default_value_t = kachedb_daemon::remote::DEFAULT_TIMEOUT_MS, value_name = "MS")]
+    pub remote_timeout_ms: u64,
+    /// Expiry of the blocks written to the remote store, seconds (default: none).
+    #[arg(long, value_name = "SECS")]
+    pub remote_ttl_s: Option<u64>,
+    /// Most block bytes waiting to be written to the remote store (pinned in
+    /// the megaslab meanwhile); blocks committed beyond it are not written
+    /// (counted as remote_dropped_writes).
+    #[arg(long, value_parser = parse_size, default_value = "1GiB", value_name = "SIZE")]
+    pub remote_queue_bytes: u64,
+    /// Bytes per remote value (a block is cut into chunks of this size;
+    /// 64KiB to 64MiB).
+    #[arg(long, value_parser = parse_size, default_value = "1MiB", value_name = "SIZE")]
+    pub remote_chunk_bytes: u64,
 }
 
 /// `kachedb serve --eviction`.
@@ -76,6 +107,45 @@ pub enum Eviction {
     Chain,
     /// Least recently used first.
     Lru,
+}
+
+/// The remote tier's settings from `a`, if `--remote` is given; the password
+/// from `--remote-password-file` or KACHEDB_REMOTE_PASSWORD.
+fn remote_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::remote::RemoteConfig>, Box<dyn std::error::Error>> {
+    let Some(url) = &a.remote else {
+        if a.remote_password_file.is_some() {
+            return Err("--remote-password-file needs --remote".into());
+        }
+        return Ok(None);
+    };
+    let password = match &a.remote_password_file {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).map_err(|e| format!("--remote-password-file {}: {e}", p.display()))?;
+            Some(text.lines().next().unwrap_or("").to_string())
+        }
+        None => std::env::var("KACHEDB_REMOTE_PASSWORD").ok().filter(|p| !p.is_empty()),
+    };
+    let userinfo = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest).split('/').next().unwrap_or("");
+    if userinfo.rsplit_once('@').is_some_and(|(user, _)| user.contains(':')) {
+        return Err("--remote: give the password with --remote-password-file or KACHEDB_REMOTE_PASSWORD, not in the URL (other users can read command lines)".into());
+    }
+    let chunk_bytes = u32::try_from(a.remote_chunk_bytes)
+        .ok()
+        .filter(|&c| kachedb_daemon::remote::format::chunk_bytes_ok(u64::from(c)))
+        .ok_or_else(|| format!("--remote-chunk-bytes {}: give 64KiB to 64MiB", a.remote_chunk_bytes))?;
+    if a.remote_timeout_ms == 0 {
+        return Err("--remote-timeout-ms must be above 0".into());
+    }
+    Ok(Some(kachedb_daemon::remote::RemoteConfig {
+        url: url.clone(),
+        password,
+        namespace: a.remote_namespace.clone(),
+        timeout: std::time::Duration::from_millis(a.remote_timeout_ms),
+        ttl: a.remote_ttl_s.filter(|&s| s > 0).map(std::time::Duration::from_secs),
+        queue_bytes: a.remote_queue_bytes,
+        chunk_bytes,
+    }))
 }
 
 /// How `kachedb serve` writes its log.
@@ -151,6 +221,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             Eviction::Chain => kachedb_daemon::EvictionPolicy::Chain,
             Eviction::Lru => kachedb_daemon::EvictionPolicy::Lru,
         },
+        remote: remote_config(a)?,
     };
     say(format!(
         "reserving {} of shared memory for instance {}{}",
@@ -181,6 +252,9 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let _ = std::io::stdout().flush();
     if let Some(addr) = daemon.metrics_addr() {
         say(format!("metrics at http://{addr}/metrics"));
+    }
+    if let Some(url) = &a.remote {
+        say(format!("remote tier {url} (namespace {})", a.remote_namespace));
     }
     daemon.run();
     say("stopped".into());
@@ -226,5 +300,26 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("rejected frames   {}", serve.rejected_frames);
     println!("ops               {} total, {:.0}/s over the last second", serve.ops, s.ops_per_s);
+    let r = &s.remote;
+    if r.remote_enabled {
+        println!(
+            "remote writes     {} ({}), {} dropped, queue {} in {} block(s)",
+            r.remote_writes,
+            human_bytes(r.remote_write_bytes),
+            r.remote_dropped_writes,
+            human_bytes(r.remote_queue_bytes),
+            r.remote_queue_blocks
+        );
+        println!(
+            "remote fills      {} ({}) from {} fetch(es), {} miss(es); fill {:.2} ms mean, {:.2} ms max",
+            r.remote_fills,
+            human_bytes(r.remote_fill_bytes),
+            r.remote_fetches,
+            r.remote_misses,
+            r.remote_fill_ms_mean,
+            r.remote_fill_ms_max
+        );
+        println!("remote errors     {} failed or timed out, {} corrupt (refused)", r.remote_errors, r.remote_corrupt);
+    }
     Ok(())
 }

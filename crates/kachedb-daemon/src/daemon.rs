@@ -7,6 +7,7 @@ use crate::channels::Channels;
 use crate::control::{self, Access};
 use crate::events::{self, Event};
 use crate::metrics::Metrics;
+use crate::remote::RemoteTier;
 use crate::serve::Serve;
 use crate::store::Store;
 use kachedb_shm::region::{CreateOptions, Layout};
@@ -50,6 +51,8 @@ pub struct ServeConfig {
     pub check_invariants: bool,
     /// Which blocks eviction takes first (`docs/eviction.md`).
     pub eviction: crate::store::EvictionPolicy,
+    /// The remote tier behind the megaslab, if any (docs/remote.md).
+    pub remote: Option<crate::remote::RemoteConfig>,
 }
 
 /// Why the daemon could not start.
@@ -85,6 +88,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// The remote tier could not start.
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
     /// A filesystem or socket operation failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -108,6 +114,7 @@ pub struct Daemon {
     shutdown: Arc<AtomicBool>,
     control: Option<std::thread::JoinHandle<()>>,
     metrics: Arc<Metrics>,
+    remote: Option<RemoteTier>,
     /// The metrics endpoint's thread and bound address.
     http: Option<(std::thread::JoinHandle<()>, SocketAddr)>,
     _lock: crate::lock::InstanceLock,
@@ -199,6 +206,10 @@ impl Daemon {
             hello_timeout: cfg.hello_timeout,
         };
         let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
+        let remote = match &cfg.remote {
+            Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
+            None => None,
+        };
         let control = {
             let (region, channels, shutdown, metrics) =
                 (region.clone(), channels.clone(), shutdown.clone(), metrics.clone());
@@ -228,6 +239,7 @@ impl Daemon {
             shutdown,
             control: Some(control),
             metrics,
+            remote,
             http,
             _lock: lock,
             started: Instant::now(),
@@ -253,10 +265,23 @@ impl Daemon {
     /// Serves until the shutdown flag is set; then closes every channel,
     /// removes the socket and returns.
     pub fn run(self) {
-        let Daemon { cfg, region, store, events, channels, shutdown, control, metrics, http, _lock: lock, started } =
-            self;
+        let Daemon {
+            cfg,
+            region,
+            store,
+            events,
+            channels,
+            shutdown,
+            control,
+            metrics,
+            remote,
+            http,
+            _lock: lock,
+            started,
+        } = self;
         Serve::new(region, store, events, channels, shutdown, cfg.wait, cfg.socket_path.clone(), started, metrics)
             .with_full_checks(cfg.check_invariants)
+            .with_remote(remote)
             .run();
         if let Some(c) = control {
             let _ = c.join();

@@ -31,6 +31,8 @@ pub enum Event {
     /// Someone asked for stats; the answer goes back on this sender once
     /// every frame published before the question has been served.
     Stats(Sender<Stats>),
+    /// The remote tier's workers report (`crate::remote`).
+    Remote(crate::remote::RemoteEvent),
 }
 
 /// The control thread's end of the queue.

@@ -6,7 +6,8 @@
 //! of those share only the channel pool ([`channels`]) and the event queue
 //! ([`events`]) from `control` to `serve`. Both also count into the
 //! [`metrics`] (atomics), which the optional HTTP endpoint ([`http`]) reads
-//! on its own threads.
+//! on its own threads. With `--remote`, the [`remote`] tier runs its own
+//! threads and reports to `serve` through the same event queue.
 #![warn(missing_docs)]
 
 pub mod alloc;
@@ -17,6 +18,7 @@ pub mod events;
 pub mod http;
 pub mod lock;
 pub mod metrics;
+pub mod remote;
 mod serve;
 pub mod store;
 mod waits;

@@ -216,6 +216,74 @@ struct ServeCells {
     parks: Cell,
 }
 
+/// Upper bounds of the remote fill latency buckets, microseconds (a 64 KiB
+/// block from a local cluster takes ~0.2 ms, a 64 MiB one ~150 ms).
+const FILL_BOUNDS_US: [u64; 12] =
+    [100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000];
+
+/// The remote tier's counters (`kachedb serve --remote`). Written by the
+/// remote workers and the serve loop with `fetch_add`/`fetch_sub` (several
+/// writers; a slow path: a few per remote request). Relaxed: each value is
+/// read for itself, nothing else is published through it.
+#[derive(Debug, Default)]
+pub struct RemoteCells {
+    /// The tier is on.
+    pub enabled: AtomicBool,
+    /// Blocks written.
+    pub writes: AtomicU64,
+    /// Tensor bytes written.
+    pub write_bytes: AtomicU64,
+    /// Blocks not queued: the queue was full.
+    pub dropped_writes: AtomicU64,
+    /// Tensor bytes queued or being written.
+    pub queue_bytes: AtomicU64,
+    /// Blocks queued or being written.
+    pub queue_blocks: AtomicU64,
+    /// Remote reads asked for.
+    pub fetches: AtomicU64,
+    /// Blocks filled.
+    pub fills: AtomicU64,
+    /// Tensor bytes filled.
+    pub fill_bytes: AtomicU64,
+    /// Keys the remote store does not hold.
+    pub misses: AtomicU64,
+    /// Requests failed or timed out.
+    pub errors: AtomicU64,
+    /// Values that did not verify.
+    pub corrupt: AtomicU64,
+    /// Longest fill, microseconds.
+    fill_us_max: AtomicU64,
+}
+
+impl RemoteCells {
+    /// Adds `n` to `c`.
+    #[inline]
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Relaxed);
+    }
+
+    /// The counters as stats (`fill`: the serve loop's fill latency histogram).
+    fn stats(&self, fill: &Histogram) -> kachedb_shm::control::RemoteStats {
+        let (sum_s, count, _) = fill.load(1e6);
+        kachedb_shm::control::RemoteStats {
+            remote_enabled: self.enabled.load(Relaxed),
+            remote_writes: self.writes.load(Relaxed),
+            remote_write_bytes: self.write_bytes.load(Relaxed),
+            remote_dropped_writes: self.dropped_writes.load(Relaxed),
+            remote_queue_bytes: self.queue_bytes.load(Relaxed),
+            remote_queue_blocks: self.queue_blocks.load(Relaxed),
+            remote_fetches: self.fetches.load(Relaxed),
+            remote_fills: self.fills.load(Relaxed),
+            remote_fill_bytes: self.fill_bytes.load(Relaxed),
+            remote_misses: self.misses.load(Relaxed),
+            remote_errors: self.errors.load(Relaxed),
+            remote_corrupt: self.corrupt.load(Relaxed),
+            remote_fill_ms_mean: if count == 0 { 0.0 } else { sum_s * 1e3 / count as f64 },
+            remote_fill_ms_max: self.fill_us_max.load(Relaxed) as f64 / 1e3,
+        }
+    }
+}
+
 /// What the serve loop writes; on its own cache lines (away from the control
 /// thread's counters).
 #[derive(Debug)]
@@ -229,6 +297,8 @@ struct ServeSide {
     op_ns: [Histogram; OPS],
     /// Frames per batch.
     batch_frames: Histogram,
+    /// Time from a local miss to its remote fill landing, microseconds.
+    remote_fill_us: Histogram,
 }
 
 /// Every metric of the daemon; shared (`Arc`) by the serve loop's
@@ -236,6 +306,8 @@ struct ServeSide {
 #[derive(Debug)]
 pub struct Metrics {
     serve: ServeSide,
+    /// The remote tier's counters.
+    pub remote: RemoteCells,
     /// Clients refused, by [`Refusal`]; written by the control thread.
     refused: [AtomicU64; 3],
     /// The serve loop is running (for `/healthz`).
@@ -260,7 +332,9 @@ impl Metrics {
                 serve: ServeCells::default(),
                 op_ns: std::array::from_fn(|_| Histogram::new(&DURATION_BOUNDS_NS)),
                 batch_frames: Histogram::new(&BATCH_BOUNDS),
+                remote_fill_us: Histogram::new(&FILL_BOUNDS_US),
             },
+            remote: RemoteCells::default(),
             refused: Default::default(),
             serving: AtomicBool::new(false),
             channels,
@@ -290,6 +364,11 @@ impl Metrics {
     /// Frames with op `op` answered `status` so far.
     pub fn ops(&self, op: Op, status: Status) -> u64 {
         self.serve.ops[op as usize][status as usize].get()
+    }
+
+    /// The remote tier's counters as stats.
+    pub fn remote_stats(&self) -> kachedb_shm::control::RemoteStats {
+        self.remote.stats(&self.serve.remote_fill_us)
     }
 
     /// A registry holding these metrics (prefix `kachedb_`) for
@@ -325,6 +404,11 @@ impl MetricsWriter {
     /// The writer of `m` (make one per [`Metrics`]).
     pub fn new(m: Arc<Metrics>) -> Self {
         Self { m, countdown: 1, rng: 0x9E37_79B9 }
+    }
+
+    /// The metrics written.
+    pub fn metrics(&self) -> &Metrics {
+        &self.m
     }
 
     /// Sets whether the serve loop runs (`/healthz`).
@@ -394,6 +478,12 @@ impl MetricsWriter {
         c.stored_bytes.set(g.stored_bytes);
         c.get_hit_bytes.set(g.get_hit_bytes);
         c.lookup_hit_bytes.set(g.lookup_hit_bytes);
+    }
+
+    /// A remote fetch's fill landed `us` microseconds after its local miss.
+    pub fn remote_fill(&self, us: u64) {
+        self.m.serve.remote_fill_us.observe_n(us, 1);
+        self.m.remote.fill_us_max.fetch_max(us, Relaxed);
     }
 
     /// Publishes the serve loop's counters.
@@ -605,6 +695,53 @@ impl Collector for Collect {
         )?
         .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
 
+        if m.remote.enabled.load(Relaxed) {
+            let r = &m.remote;
+            let rows: [(&str, &str, MetricType, &AtomicU64); 11] = [
+                ("remote_writes", "Blocks written to the remote store.", Counter, &r.writes),
+                (
+                    "remote_write_bytes",
+                    "Tensor bytes of the blocks written to the remote store.",
+                    Counter,
+                    &r.write_bytes,
+                ),
+                (
+                    "remote_dropped_writes",
+                    "Committed blocks not written remotely because the write-behind queue was full.",
+                    Counter,
+                    &r.dropped_writes,
+                ),
+                (
+                    "remote_queue_bytes",
+                    "Tensor bytes queued or being written to the remote store.",
+                    Gauge,
+                    &r.queue_bytes,
+                ),
+                ("remote_queue_blocks", "Blocks queued or being written to the remote store.", Gauge, &r.queue_blocks),
+                ("remote_fetches", "Remote reads asked for (one per local-miss tail of a batch).", Counter, &r.fetches),
+                ("remote_fills", "Blocks filled from the remote store into the megaslab.", Counter, &r.fills),
+                ("remote_fill_bytes", "Tensor bytes filled from the remote store.", Counter, &r.fill_bytes),
+                ("remote_misses", "Keys asked for that the remote store does not hold.", Counter, &r.misses),
+                ("remote_errors", "Remote requests that failed or timed out.", Counter, &r.errors),
+                (
+                    "remote_corrupt",
+                    "Remote values whose header or checksum did not verify (never served).",
+                    Counter,
+                    &r.corrupt,
+                ),
+            ];
+            for (name, help, kind, cell) in rows {
+                single(&mut enc, name, help, kind, cell.load(Relaxed))?;
+            }
+            let (sum, count, buckets) = s.remote_fill_us.load(1e6);
+            enc.encode_descriptor(
+                "remote_fill_duration_seconds",
+                "Time from a local GET or LOOKUP miss to its remote fill landing in the megaslab (per fetch).",
+                None,
+                Hist,
+            )?
+            .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+        }
         single(&mut enc, "channels", "Channels (clients connected at once) the region has.", Gauge, m.channels as u64)?;
         single(&mut enc, "ring_capacity_slots", "Slots per ring.", Gauge, m.ring_capacity as u64)?;
         let e = enc.encode_descriptor("start_time_seconds", "When the daemon started, Unix time.", None, Gauge)?;

@@ -10,7 +10,8 @@
 
 use crate::channels::Channels;
 use crate::events::Event;
-use crate::metrics::{Metrics, MetricsWriter};
+use crate::metrics::{Metrics, MetricsWriter, RemoteCells};
+use crate::remote::{FetchJob, RemoteEvent, RemoteTier, Reserved, WriteJob};
 use crate::store::{SessionId, Store};
 use crate::waits::{Waiter, Waits};
 use kachedb_shm::control::ServeStats;
@@ -18,6 +19,7 @@ use kachedb_shm::{
     Completion, Consumer, Op, Producer, Region, Request, RingError, SpinThenPark, Stats, Status, TensorBlockDescriptor,
     Tick, WaitState, WAIT_FOREVER,
 };
+use std::collections::{HashMap, HashSet};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,6 +47,61 @@ struct Session {
     /// Request frames popped after a WAIT that parked, served (before any
     /// newer frame) once it is answered.
     held: Vec<TensorBlockDescriptor>,
+    /// The remote fetch this channel is parked on (`waiting` is set too).
+    fetch: Option<PendingFetch>,
+    /// Keys the remote tier was asked for while this channel's held frames
+    /// are served: a local miss of one of them is answered, not fetched again.
+    remote_asked: HashSet<u128>,
+}
+
+/// A remote fetch a channel is parked on.
+struct PendingFetch {
+    id: u64,
+    keys: Vec<u128>,
+    started: Instant,
+}
+
+/// The serve loop's side of the remote tier (`crate::remote`).
+struct RemoteSide {
+    tier: RemoteTier,
+    /// The tier's own session: its write-behind pins and fill reservations.
+    session: SessionId,
+    next_fetch: u64,
+    /// Fetches channels are parked on: id -> (channel, when to stop waiting).
+    pending: HashMap<u64, (u32, Instant)>,
+}
+
+impl RemoteSide {
+    /// Queues the block of `key` (just committed by a client) for writing,
+    /// pinned; or drops it, counted, when the queue is full.
+    fn queue_write(&mut self, store: &mut Store, key: u128) {
+        let Some(b) = store.peek(key) else { return };
+        if !self.tier.admit(b.len) {
+            return;
+        }
+        let c = store.handle_internal(self.session, &Request::Get { key });
+        if c.status != Status::Ok {
+            self.tier.unadmit(b.len);
+            return;
+        }
+        self.tier.write(WriteJob {
+            key,
+            pin: c.handle,
+            data_offset: b.data_offset,
+            len: b.len,
+            dtype: b.dtype,
+            shape: b.shape,
+        });
+    }
+
+    /// Starts a fetch of `keys` for `channel`; its id.
+    fn start_fetch(&mut self, channel: u32, keys: Vec<u128>) -> u64 {
+        self.next_fetch += 1;
+        let id = self.next_fetch;
+        self.pending.insert(id, (channel, Instant::now() + self.tier.fetch_bound()));
+        self.tier.fetch(FetchJob { id, keys });
+        id
+    }
 }
 
 impl Session {
@@ -101,6 +158,8 @@ pub(crate) struct Serve {
     /// The spin budget learnt from the idle waits (yield at once when clients
     /// share the daemon's core).
     wait_state: WaitState,
+    /// The remote tier, if the daemon has one.
+    remote: Option<RemoteSide>,
     /// Run the store's full `O(n log n)` invariant check for every stats
     /// answer (`kachedb serve --check-invariants`, tests); otherwise stats
     /// make only the `O(1)` cross-checks of [`Store::check_counters`], so a
@@ -141,8 +200,21 @@ impl Serve {
             out: Vec::with_capacity(BATCH),
             waits,
             wait_state: WaitState::new(),
+            remote: None,
             full_checks: false,
         }
+    }
+
+    /// Serves with the remote tier `tier` behind the store (a session of
+    /// its own holds its pins and reservations).
+    pub(crate) fn with_remote(mut self, tier: Option<RemoteTier>) -> Serve {
+        self.remote = tier.map(|tier| RemoteSide {
+            tier,
+            session: self.store.open_session(),
+            next_fetch: 0,
+            pending: HashMap::new(),
+        });
+        self
     }
 
     /// Whether every stats answer runs the full invariant check (see `full_checks`).
@@ -170,7 +242,10 @@ impl Serve {
             // Idle: wait by the policy on the doorbell, parking no later than
             // the next WAIT deadline.
             let ops = self.counters.ops;
-            let deadline = self.waits.next_deadline();
+            let deadline = match (self.waits.next_deadline(), self.next_fetch_deadline()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             let mut policy = self.wait;
             if let Some(d) = deadline {
                 policy.park_timeout = policy.park_timeout.min(d.saturating_duration_since(Instant::now()));
@@ -232,6 +307,9 @@ impl Serve {
         if !self.waits.is_empty() {
             did_work |= self.expire_waits();
         }
+        if self.remote.as_ref().is_some_and(|r| !r.pending.is_empty()) {
+            did_work |= self.expire_fetches();
+        }
         if !self.stats_waiting.is_empty() {
             // Answer stats only after serving every frame published before
             // the request (e.g. a fire-and-forget RELEASE), so a client that
@@ -263,7 +341,99 @@ impl Serve {
             &mut self.counters,
             &mut self.metrics,
             &mut self.waits,
+            &mut self.remote,
         )
+    }
+
+    /// The earliest time the serve loop stops waiting for a remote fetch.
+    fn next_fetch_deadline(&self) -> Option<Instant> {
+        self.remote.as_ref()?.pending.values().map(|&(_, d)| d).min()
+    }
+
+    /// Unparks the channels whose remote fetch never came back in time (their
+    /// held frames are then answered from what is local); whether any.
+    fn expire_fetches(&mut self) -> bool {
+        let Some(r) = self.remote.as_mut() else { return false };
+        let now = Instant::now();
+        let expired: Vec<u64> = r.pending.iter().filter(|(_, &(_, d))| d <= now).map(|(&id, _)| id).collect();
+        for id in &expired {
+            if let Some((ch, _)) = r.pending.remove(id) {
+                if let Some(s) = self.sessions.get_mut(ch as usize).and_then(Option::as_mut) {
+                    if s.fetch.as_ref().is_some_and(|f| f.id == *id) {
+                        unpark_fetch(s);
+                    }
+                }
+            }
+        }
+        !expired.is_empty()
+    }
+
+    /// What the remote tier's workers report.
+    fn on_remote(&mut self, ev: RemoteEvent) {
+        let Some(r) = self.remote.as_mut() else { return };
+        match ev {
+            RemoteEvent::Written { pin } => {
+                self.store.handle_internal(r.session, &Request::Release { handle: pin });
+            }
+            RemoteEvent::Reserve { fetch: _, blocks, reply } => {
+                let answers: Vec<Option<Reserved>> = blocks
+                    .iter()
+                    .map(|b| {
+                        // Committed by a client meanwhile: that block stands.
+                        if self.store.peek(b.key).is_some() {
+                            return None;
+                        }
+                        let c = self.store.handle_internal(
+                            r.session,
+                            &Request::Reserve {
+                                key: b.key,
+                                dtype: b.dtype,
+                                shape: b.shape,
+                                len: b.len,
+                                page_offset: 0,
+                            },
+                        );
+                        (c.status == Status::Ok).then_some(Reserved { handle: c.handle, data_offset: c.offset })
+                    })
+                    .collect();
+                if let Err(answers) = reply.send(answers) {
+                    for a in answers.into_iter().flatten() {
+                        self.store.handle_internal(r.session, &Request::Abort { handle: a.handle });
+                    }
+                }
+            }
+            RemoteEvent::Filled { fetch, filled } => {
+                let cells = &self.metrics.metrics().remote;
+                let mut committed = Vec::new();
+                for (handle, len) in filled {
+                    let key = self.store.reservation_key(r.session, handle);
+                    if self.store.handle_internal(r.session, &Request::Commit { handle, parent: None }).status == Status::Ok {
+                        RemoteCells::add(&cells.fills, 1);
+                        RemoteCells::add(&cells.fill_bytes, len);
+                        committed.extend(key);
+                    }
+                }
+                if let Some((ch, _)) = r.pending.remove(&fetch) {
+                    if let Some(s) = self.sessions.get_mut(ch as usize).and_then(Option::as_mut) {
+                        if s.fetch.as_ref().is_some_and(|f| f.id == fetch) {
+                            let started = unpark_fetch(s);
+                            if !committed.is_empty() {
+                                self.metrics.remote_fill(started.elapsed().as_micros() as u64);
+                            }
+                        }
+                    }
+                }
+                if !committed.is_empty() && !self.waits.is_empty() {
+                    wake_waits(
+                        &mut self.store,
+                        &mut self.sessions,
+                        &mut self.waits,
+                        &mut committed,
+                        &mut self.counters,
+                    );
+                }
+            }
+        }
     }
 
     /// Answers `TIMED_OUT` to the WAITs whose deadline passed; whether any.
@@ -301,6 +471,8 @@ impl Serve {
                     kicked: false,
                     waiting: false,
                     held: Vec::new(),
+                    fetch: None,
+                    remote_asked: HashSet::new(),
                 });
                 self.counters.clients_connected += 1;
                 self.counters.clients_total += 1;
@@ -322,6 +494,7 @@ impl Serve {
                 }
             }
             Event::Stats(reply) => self.stats_waiting.push(reply),
+            Event::Remote(ev) => self.on_remote(ev),
         }
         // Sessions opened and closed change the gauges outside any batch.
         self.metrics.publish_store(&self.store.gauges());
@@ -340,6 +513,7 @@ impl Serve {
         Stats {
             store,
             serve: self.counters.clone(),
+            remote: self.metrics.metrics().remote_stats(),
             ops_per_s: self.rate.per_second(),
             region_bytes: l.region_len,
             slab_bytes: l.slab_len,
@@ -356,6 +530,7 @@ impl Serve {
 }
 
 /// One pass over every live channel; whether any frame was served.
+#[allow(clippy::too_many_arguments)] // the serve loop's parts
 fn serve_all(
     store: &mut Store,
     sessions: &mut [Option<Session>],
@@ -364,6 +539,7 @@ fn serve_all(
     counters: &mut ServeStats,
     metrics: &mut MetricsWriter,
     waits: &mut Waits,
+    remote: &mut Option<RemoteSide>,
 ) -> bool {
     let mut did_work = false;
     let mut committed = Vec::new();
@@ -372,7 +548,7 @@ fn serve_all(
         if s.kicked {
             continue;
         }
-        let served = serve_channel(store, s, ch as u32, req, out, counters, metrics, waits, &mut committed);
+        let served = serve_channel(store, s, ch as u32, req, out, counters, metrics, waits, remote, &mut committed);
         if !committed.is_empty() {
             wake_waits(store, sessions, waits, &mut committed, counters);
         }
@@ -419,6 +595,20 @@ fn wake_waits(
     }
 }
 
+/// Ends the remote fetch `s` is parked on: its held frames are served again
+/// from the next pass on, answering the keys it asked for from what is local
+/// now. When it started.
+fn unpark_fetch(s: &mut Session) -> Instant {
+    s.waiting = false;
+    match s.fetch.take() {
+        Some(f) => {
+            s.remote_asked.extend(f.keys);
+            f.started
+        }
+        None => Instant::now(),
+    }
+}
+
 /// Sends the completion of the parked WAIT of `s`; its held frames are served
 /// from the next pass on.
 fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeStats) {
@@ -437,7 +627,9 @@ fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeStats) {
 /// Handles what one channel has, bounded by room in its completion ring.
 /// A WAIT for an absent key parks (in `waits`; the frames after it are held),
 /// and the keys of the COMMITs served are added to `committed` while any WAIT
-/// is parked.
+/// is parked. With a remote tier, each block committed is queued for writing,
+/// and a GET or LOOKUP that misses locally parks the channel the same way
+/// while the remote tier fetches the batch's local-miss tail.
 #[allow(clippy::too_many_arguments)] // the serve loop's parts
 fn serve_channel(
     store: &mut Store,
@@ -448,6 +640,7 @@ fn serve_channel(
     counters: &mut ServeStats,
     metrics: &mut MetricsWriter,
     waits: &mut Waits,
+    remote: &mut Option<RemoteSide>,
     committed: &mut Vec<u128>,
 ) -> Result<usize, RingError> {
     // First flush completions that did not fit last time.
@@ -471,7 +664,8 @@ fn serve_channel(
     if room == 0 {
         return Ok(0);
     }
-    let n = if s.held.is_empty() {
+    let from_held = !s.held.is_empty();
+    let n = if !from_held {
         s.sub.pop_batch(&mut req[..room])?
     } else {
         let k = s.held.len().min(room);
@@ -487,13 +681,44 @@ fn serve_channel(
     for (i, frame) in req[..n].iter().enumerate() {
         counters.ops += 1;
         let c = match Request::decode(frame) {
-            Ok(r @ Request::Commit { handle, .. }) if !waits.is_empty() => {
+            Ok(r @ Request::Commit { handle, .. }) if !waits.is_empty() || remote.is_some() => {
                 let key = store.reservation_key(s.session, handle);
                 let c = store.handle(s.session, frame.request_id, &r);
                 if let (Some(key), Status::Ok) = (key, c.status) {
-                    committed.push(key);
+                    if !waits.is_empty() {
+                        committed.push(key);
+                    }
+                    if let Some(tier) = remote.as_mut() {
+                        tier.queue_write(store, key);
+                    }
                 }
                 c
+            }
+            Ok(r @ (Request::Get { key } | Request::Lookup { key }))
+                if remote.is_some() && !s.remote_asked.contains(&key) && store.peek(key).is_none() =>
+            {
+                // A local miss: ask the remote tier for it and for every
+                // other local miss of this batch after it (a chain's tail,
+                // read in one round), and serve this frame and the rest of
+                // the batch again once the fill is in.
+                let mut keys = vec![key];
+                for f in &req[i + 1..n] {
+                    if let Ok(Request::Get { key: k } | Request::Lookup { key: k }) = Request::decode(f) {
+                        if !s.remote_asked.contains(&k) && store.peek(k).is_none() && !keys.contains(&k) {
+                            keys.push(k);
+                        }
+                    }
+                }
+                if let Some(rs) = remote.as_mut() {
+                    let id = rs.start_fetch(channel, keys.clone());
+                    s.fetch = Some(PendingFetch { id, keys, started: Instant::now() });
+                    s.waiting = true;
+                    s.held.splice(0..0, req[i..n].iter().copied());
+                    // Counted when it is served again.
+                    counters.ops -= 1;
+                    break;
+                }
+                store.handle(s.session, frame.request_id, &r)
             }
             Ok(r @ Request::Wait { key, timeout_us }) => {
                 let c = store.handle(s.session, frame.request_id, &r);
@@ -542,6 +767,9 @@ fn serve_channel(
         s.backlog.extend_from_slice(&out[pushed..]);
     }
     metrics.batch_end(timer, &req[..n]);
+    if from_held && s.held.is_empty() && !s.waiting {
+        s.remote_asked.clear();
+    }
     if s.comp.notify_consumer() {
         counters.wakeups_sent += 1;
     }

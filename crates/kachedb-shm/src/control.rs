@@ -160,6 +160,9 @@ pub struct Stats {
     /// The serve loop's counters.
     #[serde(flatten)]
     pub serve: ServeStats,
+    /// The remote tier's counters (all zero without `--remote`).
+    #[serde(flatten)]
+    pub remote: RemoteStats,
     /// Frames served per second over the last whole second (0 when idle for 3 s).
     pub ops_per_s: f64,
     /// Region bytes.
@@ -282,6 +285,40 @@ pub struct StoreStats {
     /// Completions with status `INTERNAL`, plus internal errors met while
     /// closing sessions (each one is a bug).
     pub internal: u64,
+}
+
+/// Counters of the remote tier (`kachedb serve --remote`, docs/remote.md).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RemoteStats {
+    /// The daemon runs with a remote tier.
+    pub remote_enabled: bool,
+    /// Blocks written to the remote store.
+    pub remote_writes: u64,
+    /// Tensor bytes of the blocks written.
+    pub remote_write_bytes: u64,
+    /// Committed blocks not written because the write-behind queue was full.
+    pub remote_dropped_writes: u64,
+    /// Tensor bytes queued or being written now.
+    pub remote_queue_bytes: u64,
+    /// Blocks queued or being written now.
+    pub remote_queue_blocks: u64,
+    /// Remote reads asked for (one per local-miss tail of a batch).
+    pub remote_fetches: u64,
+    /// Blocks filled from the remote store into the megaslab.
+    pub remote_fills: u64,
+    /// Tensor bytes of the blocks filled.
+    pub remote_fill_bytes: u64,
+    /// Keys asked for that the remote store does not hold.
+    pub remote_misses: u64,
+    /// Remote requests that failed or timed out (a node down or slow).
+    pub remote_errors: u64,
+    /// Values read back whose header or checksum did not verify (never served).
+    pub remote_corrupt: u64,
+    /// Mean time from a local miss to its fill being served, milliseconds.
+    pub remote_fill_ms_mean: f64,
+    /// Longest such time, milliseconds.
+    pub remote_fill_ms_max: f64,
 }
 
 /// Counters of the daemon's serve loop.

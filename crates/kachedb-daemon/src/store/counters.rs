@@ -58,6 +58,18 @@ impl Counters {
         }
     }
 
+    /// Puts back the requests, answers and hit bytes counted since `saved`
+    /// was taken (a request the daemon made for itself); `INTERNAL` answers
+    /// stay counted (each is a bug, whoever asked).
+    pub(super) fn restore_requests(&mut self, saved: &Counters) {
+        self.requests = saved.requests;
+        self.ok = saved.ok;
+        let internal = self.errors[Status::Internal as usize];
+        self.errors = saved.errors;
+        self.errors[Status::Internal as usize] = internal;
+        self.hit_bytes = saved.hit_bytes;
+    }
+
     /// A reservation was made.
     pub(super) fn reservation_opened(&mut self) {
         self.reservations_live += 1;

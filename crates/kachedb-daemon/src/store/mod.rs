@@ -274,6 +274,16 @@ impl Store {
         }
     }
 
+    /// Answers a request the daemon makes for itself (the remote tier's pins
+    /// and fills, in its own session): as [`handle`](Self::handle), but not
+    /// counted among the clients' requests, answers and hits.
+    pub fn handle_internal(&mut self, s: SessionId, req: &Request) -> Completion {
+        let saved = self.counters.clone();
+        let c = self.handle(s, 0, req);
+        self.counters.restore_requests(&saved);
+        c
+    }
+
     /// The committed block of `key`, without marking it used.
     pub fn peek(&self, key: u128) -> Option<BlockInfo> {
         let &index = self.keys.get(&key)?;

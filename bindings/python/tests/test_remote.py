@@ -1,0 +1,472 @@
+"""The remote tier (`kachedb serve --remote`, docs/remote.md) against a real
+3-master Redis Cluster that these tests start and stop, with two daemons
+standing for two nodes (separate sockets and regions) and real clients.
+
+Needs redis-server and redis-cli on PATH (Makefile `system-deps` installs
+them); without them these tests fail rather than skip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import kachedb
+from kdb_support import Daemon, pattern, poll_until
+from redis_cluster import RedisCluster
+
+#: Small chunks, so that modest blocks span several chunks (several keys).
+CHUNK = "64KiB"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = RedisCluster(3)
+    yield c
+    c.stop()
+
+
+def node(url: str, ns: str, *extra: str, size: str = "128MiB") -> Daemon:
+    return Daemon(size, "--remote", url, "--remote-namespace", ns, "--remote-chunk-bytes", CHUNK, *extra)
+
+
+def remote(d: Daemon) -> dict:
+    return {k: v for k, v in d.stats().items() if k.startswith("remote_")}
+
+
+def wait_written(d: Daemon, n: int) -> None:
+    """Waits until `d` has written `n` blocks and its queue is empty."""
+    poll_until(
+        lambda: (lambda s: s["remote_writes"] >= n and s["remote_queue_blocks"] == 0)(d.stats()),
+        timeout=60,
+        what=f"{n} remote writes",
+    )
+
+
+def assert_clean(*daemons: Daemon) -> None:
+    """No pins, reservations or queued writes left, invariants hold."""
+    for d in daemons:
+        poll_until(
+            lambda d=d: (lambda s: s["pins"] == 0 and s["reserved"] == 0 and s["remote_queue_blocks"] == 0)(d.stats()),
+            timeout=30,
+            what="no pins, reservations or queued writes",
+        )
+        s = d.stats()
+        assert s["invariants_ok"], s
+
+
+def chain(seed: int):
+    """A chain of blocks of mixed sizes and dtypes (one spans many chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(64, 33, generator=g, dtype=torch.float32),
+        torch.randn(1000, generator=g).to(torch.float16),
+        torch.randn(7, 5, 3, generator=g).to(torch.bfloat16),
+        torch.randint(-100, 100, (300_001,), generator=g, dtype=torch.int8),  # ~4.6 chunks
+        torch.randint(0, 1 << 40, (17, 3), generator=g, dtype=torch.int64),
+        torch.tensor([], dtype=torch.float32),
+        torch.from_numpy(np.frombuffer(pattern(1 << 20, seed), dtype=np.uint8).copy()),  # exactly 16 chunks
+    ]
+
+
+def same(t: torch.Tensor, want: torch.Tensor) -> bool:
+    return (
+        t.dtype == want.dtype
+        and tuple(t.shape) == tuple(want.shape)
+        and t.contiguous().view(torch.uint8).numpy().tobytes() == want.contiguous().view(torch.uint8).numpy().tobytes()
+    )
+
+
+def test_a_chain_put_on_one_node_is_found_whole_on_another(cluster):
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    from redis_cluster import _free_ports
+
+    port = _free_ports(1)[0]
+    a, b = node(cluster.url, ns), node(cluster.url, ns, "--metrics-addr", f"127.0.0.1:{port}")
+    try:
+        keys = [f"chain/{i}" for i in range(7)]
+        blocks = chain(1)
+        with a.connect() as ka:
+            for k, t in zip(keys, blocks):
+                ka.put(k, t)
+        wait_written(a, len(keys))
+        st = remote(a)
+        assert st["remote_enabled"] and st["remote_dropped_writes"] == 0 and st["remote_errors"] == 0
+
+        with b.connect() as kb:
+            assert b.stats()["blocks"] == 0
+            # One LOOKUP of the chain: its whole local-miss tail is fetched in one go.
+            assert kb.lookup(keys) == len(keys)
+            st = remote(b)
+            assert st["remote_fetches"] == 1, st
+            assert st["remote_fills"] == len(keys), st
+            assert st["remote_fill_bytes"] == sum(t.numel() * t.element_size() for t in blocks)
+            assert st["remote_corrupt"] == 0 and st["remote_errors"] == 0
+            assert b.stats()["blocks"] == len(keys)
+            # The filled blocks are ordinary local blocks now: no more fetches.
+            for k, want in zip(keys, blocks):
+                got = kb.get(k)
+                assert same(got, want), k
+                del got
+            assert remote(b)["remote_fetches"] == 1
+            # A key that is nowhere: a miss, counted, and nothing filled.
+            assert kb.lookup(["chain/absent"]) == 0
+            with pytest.raises(kachedb.NotFound):
+                kb.get("chain/absent")
+            assert remote(b)["remote_misses"] >= 2
+        # B's fills are not written back.
+        assert remote(b)["remote_writes"] == 0
+        # The same counters as Prometheus metrics and in `kachedb stats`.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as r:
+            text = r.read().decode()
+        assert f"kachedb_remote_fills_total {len(keys)}" in text.splitlines(), text
+        assert "kachedb_remote_fill_duration_seconds_count 1" in text.splitlines()
+        out = subprocess.run([sys.executable, "-m", "kachedb", "stats", "--socket", b.socket],
+                             capture_output=True, text=True, check=True).stdout
+        assert f"remote fills      {len(keys)} " in out, out
+        assert_clean(a, b)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_get_miss_fills_and_a_restarted_daemon_is_warm_again(cluster):
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    a = node(cluster.url, ns)
+    keys = [f"warm/{i}" for i in range(5)]
+    blocks = [torch.full((1000 * (i + 1),), float(i), dtype=torch.float32) for i in range(5)]
+    try:
+        with a.connect() as ka:
+            for k, t in zip(keys, blocks):
+                ka.put(k, t)
+        wait_written(a, len(keys))
+    finally:
+        a.stop()
+    # The same node, restarted empty.
+    a2 = node(cluster.url, ns)
+    try:
+        assert a2.stats()["blocks"] == 0
+        with a2.connect() as kc:
+            got = kc.get_many(keys)
+            assert all(g is not None and same(g, w) for g, w in zip(got, blocks))
+            del got
+            # A single GET of a block not local any more.
+            kc.delete(keys[2])
+            t = kc.get(keys[2])
+            assert same(t, blocks[2])
+            del t
+        st = remote(a2)
+        assert st["remote_fills"] == len(keys) + 1, st
+        assert st["remote_fill_ms_max"] > 0
+        assert_clean(a2)
+    finally:
+        a2.stop()
+
+
+def test_namespaces_do_not_share_and_values_expire_with_a_ttl(cluster):
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    a = node(cluster.url, ns, "--remote-ttl-s", "3600")
+    b = node(cluster.url, f"t-{uuid.uuid4().hex[:8]}")
+    rc = cluster.client()
+    try:
+        with a.connect() as ka:
+            ka.put("ns/x", torch.ones(10))
+            ka.put("ns/big", torch.zeros(100_000))  # 7 chunks
+        wait_written(a, 2)
+        with b.connect() as kb:
+            assert kb.lookup(["ns/x"]) == 0
+        assert remote(b)["remote_fills"] == 0
+        for key, chunks in (("ns/x", 1), ("ns/big", 7)):
+            for i in range(chunks):
+                ttl_ms = rc.pttl(redis_key(ns, key, i))
+                assert 0 < ttl_ms <= 3600 * 1000, (key, i, ttl_ms)
+            assert rc.exists(redis_key(ns, key, chunks)) == 0
+    finally:
+        rc.close()
+        a.stop()
+        b.stop()
+
+
+def redis_key(ns: str, key: str, chunk: int) -> str:
+    """The Redis key of chunk `chunk` of block `key` (docs/remote.md, key layout)."""
+    return f"{ns}:{{{kachedb.key_of(key):032x}}}:{chunk}"
+
+
+def test_a_value_corrupted_inside_redis_is_never_served(cluster):
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    a, b = node(cluster.url, ns), node(cluster.url, ns)
+    rc = cluster.client()
+    try:
+        data = np.frombuffer(pattern(300_000, 7), dtype=np.uint8).copy()  # 5 chunks
+        names = ["bad/payload", "bad/header", "bad/missing", "bad/short", "good"]
+        with a.connect() as ka:
+            for k in names:
+                ka.put(k, data)
+        wait_written(a, len(names))
+        # Flip bytes in the middle of chunk 2, same length.
+        rc.setrange(redis_key(ns, "bad/payload", 2), 1000, b"\xff\x00\xff\x00")
+        # Damage the header (the dims) in chunk 0.
+        rc.setrange(redis_key(ns, "bad/header", 0), 20, b"\x09")
+        # Lose a chunk.
+        rc.delete(redis_key(ns, "bad/missing", 3))
+        # Truncate the last chunk.
+        last = rc.get(redis_key(ns, "bad/short", 4))
+        rc.set(redis_key(ns, "bad/short", 4), last[:-1])
+        with b.connect() as kb:
+            for k in names[:4]:
+                with pytest.raises(kachedb.NotFound):
+                    kb.get(k)
+                assert kb.lookup([k]) == 0
+            got = kb.get_numpy("good")
+            assert got.tobytes() == data.tobytes()
+            del got
+        st = remote(b)
+        assert st["remote_corrupt"] >= 4, st
+        assert st["remote_fills"] == 1, st
+        assert_clean(a, b)
+    finally:
+        rc.close()
+        a.stop()
+        b.stop()
+
+
+def test_a_slow_or_dead_master_turns_into_misses_and_the_daemon_recovers(cluster):
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    a = node(cluster.url, ns, "--remote-timeout-ms", "500")
+    b = node(cluster.url, ns, "--remote-timeout-ms", "500")
+    keys = [f"dead/{i}" for i in range(30)]
+    blocks = [torch.full((2000,), float(i), dtype=torch.float32) for i in range(len(keys))]
+    victim = None
+    paused = False
+    try:
+        with a.connect() as ka:
+            for k, t in zip(keys, blocks):
+                ka.put(k, t)
+            wait_written(a, len(keys))
+            ports = {k: cluster.port_of_key(redis_key(ns, k, 0)) for k in keys}
+            victim = ports[keys[0]]
+            dead = [k for k in keys if ports[k] == victim]
+            alive = [k for k in keys if ports[k] != victim]
+            assert dead and alive
+
+            with b.connect() as kb, b.connect() as local:
+                local.put("local/x", torch.arange(100))
+                stop = threading.Event()
+                served = []
+
+                def local_traffic():
+                    while not stop.is_set():
+                        t = local.get("local/x")
+                        assert int(t[99]) == 99
+                        del t
+                        served.append(1)
+
+                def check_all(first_waits: bool) -> None:
+                    for n, k in enumerate(dead):
+                        before = len(served)
+                        with pytest.raises(kachedb.NotFound):
+                            kb.get(k)
+                        if first_waits and n == 0:
+                            # That GET waited for a node that never answers (the
+                            # whole timeout); the other client was served meanwhile.
+                            assert len(served) > before
+                    for k, t in zip(keys, blocks):
+                        if k in alive:
+                            g = kb.get(k)
+                            assert same(g, t), k
+                            del g
+                            kb.delete(k)  # so the next round fills it again
+
+                th = threading.Thread(target=local_traffic)
+                th.start()
+                try:
+                    # A slow node: it accepts requests and never answers.
+                    cluster.pause_node(victim, True)
+                    paused = True
+                    check_all(first_waits=True)
+                    cluster.pause_node(victim, False)
+                    paused = False
+                    # A dead node.
+                    cluster.kill_node(victim)
+                    check_all(first_waits=False)
+                finally:
+                    stop.set()
+                    th.join()
+                st = remote(b)
+                assert st["remote_errors"] >= 2 * len(dead), st
+                assert st["remote_fills"] == 2 * len(alive), st
+
+                # The master comes back (empty: no persistence). Writes reach it
+                # again and B finds the blocks.
+                cluster.restart_node(victim)
+                deadline = time.monotonic() + 60
+                while True:
+                    # A's first writes after the restart may still fail while its
+                    # connection notices the node is back: put again until they land.
+                    for k, t in zip(keys, blocks):
+                        if k in dead:
+                            ka.delete(k)
+                            ka.put(k, t)
+                    poll_until(lambda: remote(a)["remote_queue_blocks"] == 0, timeout=60, what="the rewrites")
+                    if all(in_redis(ns, cluster, k) for k in dead):
+                        break
+                    assert time.monotonic() < deadline, "the writes never reached the restarted master"
+                    time.sleep(0.5)
+                for k, t in zip(keys, blocks):
+                    if k in dead:
+                        g = kb.get(k)
+                        assert same(g, t), k
+                        del g
+        assert_clean(a, b)
+    finally:
+        if paused:
+            cluster.pause_node(victim, False)
+        if victim is not None and victim not in cluster.procs:
+            cluster.restart_node(victim)
+        a.stop()
+        b.stop()
+
+
+def in_redis(ns: str, cluster: RedisCluster, key: str) -> bool:
+    rc = cluster.client()
+    try:
+        return rc.exists(redis_key(ns, key, 0)) == 1
+    finally:
+        rc.close()
+
+
+def test_concurrent_fills_and_local_traffic(cluster):
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    a, b = node(cluster.url, ns), node(cluster.url, ns, size="256MiB")
+    chains = {c: [f"cc/{c}/{i}" for i in range(8)] for c in range(6)}
+    data = {k: np.frombuffer(pattern(100_000 + 997 * i, c * 100 + i), dtype=np.uint8).copy()
+            for c, ks in chains.items() for i, k in enumerate(ks)}
+    try:
+        with a.connect() as ka:
+            for k, v in data.items():
+                ka.put(k, v)
+        wait_written(a, len(data))
+        errors = []
+
+        def filler(c):
+            try:
+                with b.connect() as kb:
+                    ks = chains[c]
+                    assert kb.lookup(ks) == len(ks)
+                    for k in ks:
+                        g = kb.get_numpy(k)
+                        assert g.tobytes() == data[k].tobytes(), k
+                        del g
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        with b.connect() as local:
+            local.put("local/y", np.arange(1000, dtype=np.int32))
+            stop = threading.Event()
+            local_gets = []
+
+            def local_traffic():
+                while not stop.is_set():
+                    v = local.get_numpy("local/y")
+                    if int(v[999]) != 999:
+                        errors.append("local value changed")
+                    del v
+                    local_gets.append(1)
+
+            lt = threading.Thread(target=local_traffic)
+            lt.start()
+            threads = [threading.Thread(target=filler, args=(c,)) for c in chains]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            stop.set()
+            lt.join()
+        assert not errors, errors
+        assert local_gets
+        st = remote(b)
+        assert st["remote_fills"] == len(data), st
+        assert st["remote_corrupt"] == 0 and st["remote_errors"] == 0
+        assert_clean(a, b)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_full_write_queue_drops_and_counts(cluster):
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    # A queue smaller than one block: every write is dropped, nothing is pinned.
+    a = Daemon("64MiB", "--remote", cluster.url, "--remote-namespace", ns, "--remote-queue-bytes", "1000")
+    try:
+        with a.connect() as ka:
+            for i in range(3):
+                ka.put(f"q/{i}", np.zeros(10_000, dtype=np.uint8))
+        st = remote(a)
+        assert st["remote_dropped_writes"] == 3 and st["remote_writes"] == 0, st
+        assert_clean(a)
+    finally:
+        a.stop()
+
+
+@pytest.fixture
+def standalone_redis(tmp_path):
+    """One redis-server, not in cluster mode, with a password."""
+    from redis_cluster import _free_ports
+    from kdb_support import _die_with_parent
+
+    port = _free_ports(1)[0]
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--requirepass", "s3cret pass", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while b"PONG" not in subprocess.run(["redis-cli", "-p", str(port), "-a", "s3cret pass", "--no-auth-warning", "ping"],
+                                            capture_output=True).stdout:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_standalone_redis_with_a_password_from_a_file_or_the_environment(standalone_redis, tmp_path):
+    url = f"redis://127.0.0.1:{standalone_redis}"
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret pass\n")
+    pw.chmod(0o600)
+    a = Daemon("64MiB", "--remote", url, "--remote-password-file", str(pw))
+    os.environ["KACHEDB_REMOTE_PASSWORD"] = "s3cret pass"
+    try:
+        b = Daemon("64MiB", "--remote", url)
+    finally:
+        del os.environ["KACHEDB_REMOTE_PASSWORD"]
+    c = Daemon("64MiB", "--remote", url)  # no password: refused by Redis, so misses
+    try:
+        t = torch.randn(3, 4)
+        with a.connect() as ka:
+            ka.put("sa/x", t)
+        wait_written(a, 1)
+        with b.connect() as kb:
+            g = kb.get("sa/x")
+            assert same(g, t)
+            del g
+        with c.connect() as kc:
+            with pytest.raises(kachedb.NotFound):
+                kc.get("sa/x")
+        assert remote(c)["remote_errors"] >= 1
+        assert_clean(a, b, c)
+    finally:
+        a.stop()
+        b.stop()
+        c.stop()
