@@ -156,8 +156,8 @@ fn block_len(rng: &mut Rng) -> usize {
 fn layout_of(len: usize, rng: &mut Rng) -> (DType, Shape) {
     let len = len as u64;
     match rng.below(3) {
-        0 if len % 4 == 0 => (DType::F32, Shape::new(&[len / 4]).expect("shape")),
-        1 if len % 4 == 0 => (DType::BF16, Shape::new(&[2, len / 4]).expect("shape")),
+        0 if len.is_multiple_of(4) => (DType::F32, Shape::new(&[len / 4]).expect("shape")),
+        1 if len.is_multiple_of(4) => (DType::BF16, Shape::new(&[2, len / 4]).expect("shape")),
         _ => (DType::U8, Shape::for_bytes(len).expect("shape")),
     }
 }
@@ -334,7 +334,7 @@ impl Owned {
 
 /// The atomic `u64` at byte `off` of the region.
 fn shm_u64(region: &Region, off: u64) -> &AtomicU64 {
-    assert!(off % 8 == 0 && off + 8 <= region.layout().region_len);
+    assert!(off.is_multiple_of(8) && off + 8 <= region.layout().region_len);
     // SAFETY: `off` is 8-byte aligned and inside the mapping (asserted), which
     // `region` keeps mapped for the borrow; the word is plain memory shared with
     // the daemon, which accesses ring cursors atomically and validates them.
@@ -343,7 +343,7 @@ fn shm_u64(region: &Region, off: u64) -> &AtomicU64 {
 
 /// The atomic `u32` at byte `off` of the region.
 fn shm_u32(region: &Region, off: u64) -> &AtomicU32 {
-    assert!(off % 4 == 0 && off + 4 <= region.layout().region_len);
+    assert!(off.is_multiple_of(4) && off + 4 <= region.layout().region_len);
     // SAFETY: as in `shm_u64`, for a 4-byte aligned word.
     unsafe { AtomicU32::from_ptr(region.base().add(off as usize).cast::<u32>()) }
 }
@@ -1319,7 +1319,7 @@ fn good_client(kc: Client, id: u64) {
     say("READY", id);
     while !stop.load(Ordering::Relaxed) {
         m.step(&kc, &mut rng).unwrap_or_else(|e| panic!("good client {id}, op {}: {e}", m.ops));
-        if m.ops % 16 == 0 {
+        if m.ops.is_multiple_of(16) {
             std::thread::sleep(Duration::from_micros(300));
         }
     }

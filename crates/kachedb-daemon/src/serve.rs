@@ -233,7 +233,7 @@ impl Serve {
         while !self.shutdown.load(Ordering::Relaxed) {
             if self.pass() {
                 passes = passes.wrapping_add(1);
-                if passes % 1024 == 0 {
+                if passes.is_multiple_of(1024) {
                     self.rate.tick(self.counters.ops);
                 }
                 continue;
@@ -407,7 +407,9 @@ impl Serve {
                 let mut committed = Vec::new();
                 for (handle, len) in filled {
                     let key = self.store.reservation_key(r.session, handle);
-                    if self.store.handle_internal(r.session, &Request::Commit { handle, parent: None }).status == Status::Ok {
+                    if self.store.handle_internal(r.session, &Request::Commit { handle, parent: None }).status
+                        == Status::Ok
+                    {
                         RemoteCells::add(&cells.fills, 1);
                         RemoteCells::add(&cells.fill_bytes, len);
                         committed.extend(key);

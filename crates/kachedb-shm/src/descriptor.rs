@@ -285,7 +285,7 @@ impl Shape {
     pub fn for_bytes(len: u64) -> Option<Self> {
         if len <= u64::from(u32::MAX) {
             Self::new(&[len])
-        } else if len % PAGE_LEN == 0 {
+        } else if len.is_multiple_of(PAGE_LEN) {
             Self::new(&[len / PAGE_LEN, PAGE_LEN])
         } else {
             None
