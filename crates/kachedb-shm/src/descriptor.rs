@@ -167,6 +167,9 @@ code_enum! {
         /// GET that, if the key is absent, waits in the daemon until it is
         /// committed or the timeout the frame carries passes.
         Wait = 10,
+        /// COMMIT that also pins the committed block, answered as a GET: for a
+        /// writer that keeps a pointer into the block after committing it.
+        CommitPin = 11,
     }
 }
 
@@ -382,6 +385,12 @@ pub enum Request {
         /// Reservation handle.
         handle: u64,
     },
+    /// COMMIT a reservation and pin the block it becomes, in one step (no
+    /// other request can evict, replace-and-free or reuse it in between).
+    CommitPin {
+        /// Reservation handle.
+        handle: u64,
+    },
     /// ABORT a reservation.
     Abort {
         /// Reservation handle.
@@ -442,6 +451,14 @@ fn checked_shape(d: &TensorBlockDescriptor) -> Result<(DType, Shape, u64), Decod
     Ok((dtype, shape, len))
 }
 
+impl Op {
+    /// Whether an OK completion of this op carries a pin (`handle`) and the
+    /// block's dtype and shape: GET, WAIT and COMMIT_PIN.
+    pub fn pins(self) -> bool {
+        matches!(self, Op::Get | Op::Wait | Op::CommitPin)
+    }
+}
+
 impl Request {
     /// A RESERVE, checked as [`decode`](Self::decode) checks a RESERVE frame:
     /// the length must fit in 64 bits and the page offset must be valid.
@@ -467,6 +484,7 @@ impl Request {
             Request::Ping => Op::Ping,
             Request::Reserve { .. } => Op::Reserve,
             Request::Commit { .. } => Op::Commit,
+            Request::CommitPin { .. } => Op::CommitPin,
             Request::Abort { .. } => Op::Abort,
             Request::Get { .. } => Op::Get,
             Request::Release { .. } => Op::Release,
@@ -491,6 +509,7 @@ impl Request {
                 Request::reserve(key, dtype, shape, d.offset)?
             }
             Op::Commit => Request::Commit { handle: d.handle },
+            Op::CommitPin => Request::CommitPin { handle: d.handle },
             Op::Abort => Request::Abort { handle: d.handle },
             Op::Get => Request::Get { key },
             Op::Release => Request::Release { handle: d.handle },
@@ -514,7 +533,10 @@ impl Request {
                 d.set_shape(dtype, &shape);
                 d.offset = page_offset;
             }
-            Request::Commit { handle } | Request::Abort { handle } | Request::Release { handle } => d.handle = handle,
+            Request::Commit { handle }
+            | Request::CommitPin { handle }
+            | Request::Abort { handle }
+            | Request::Release { handle } => d.handle = handle,
             Request::Get { key } | Request::Lookup { key } | Request::Delete { key } => d.set_key(key),
             Request::Wait { key, timeout_us } => {
                 d.set_key(key);
@@ -538,7 +560,7 @@ pub struct Completion {
     pub handle: u64,
     /// Data offset from the region base (RESERVE, GET), bytes used (STATS).
     pub offset: u64,
-    /// Block element type and shape (GET, WAIT), when present.
+    /// Block element type and shape (GET, WAIT, COMMIT_PIN), when present.
     pub tensor: Option<(DType, Shape, u64)>,
 }
 
@@ -547,7 +569,7 @@ impl Completion {
     pub fn decode(d: &TensorBlockDescriptor) -> Result<Self, DecodeError> {
         let op = Op::from_code(d.op).ok_or(DecodeError::UnknownOp(d.op))?;
         let status = Status::from_code(d.status).ok_or(DecodeError::UnknownStatus(d.status))?;
-        let pins = matches!(op, Op::Get | Op::Wait);
+        let pins = op.pins();
         let tensor = if pins && status == Status::Ok { Some(checked_shape(d)?) } else { None };
         Ok(Self { request_id: d.request_id, op, status, handle: d.handle, offset: d.offset, tensor })
     }
@@ -628,6 +650,8 @@ mod tests {
         assert_eq!(Completion::decode(&c.encode()).unwrap(), c);
         let w = Completion { op: Op::Wait, ..c };
         assert_eq!(Completion::decode(&w.encode()).unwrap(), w);
+        let p = Completion { op: Op::CommitPin, ..c };
+        assert_eq!(Completion::decode(&p.encode()).unwrap(), p);
         let t = Completion { op: Op::Wait, status: Status::TimedOut, handle: 0, offset: 0, tensor: None, ..c };
         assert_eq!(Completion::decode(&t.encode()).unwrap(), t);
     }
@@ -640,6 +664,7 @@ mod tests {
             Request::Ping,
             Request::reserve(key, DType::F16, shape, 128).unwrap(),
             Request::Commit { handle: 1 << 62 | 7 },
+            Request::CommitPin { handle: 1 << 62 | 8 },
             Request::Abort { handle: u64::MAX },
             Request::Get { key },
             Request::Release { handle: 2 << 62 },

@@ -209,6 +209,7 @@ impl Store {
                     self.reserve(s, key, dtype, shape, len, page_offset)
                 }
                 Request::Commit { handle } => self.commit(s, handle),
+                Request::CommitPin { handle } => self.commit_pin(s, handle),
                 Request::Abort { handle } => self.abort(s, handle),
                 // A WAIT is a GET here; the serve loop parks it while NOT_FOUND.
                 Request::Get { key } | Request::Wait { key, .. } => self.get(s, key),
