@@ -4,7 +4,13 @@
 1. ``register_cuda()`` on a multi-GB region (``--size``, default 4 GiB).
 2. H2D and D2H of 256 MiB between the registered region and the GPU, against a
    ``pin_memory=True`` torch tensor in the same run (goal: >= 90 %).
-3. The vLLM worker's GPU store/load path (``kachedb.vllm.worker``) on synthetic
+3. ``non_blocking=True`` copies of views to the GPU (issue 12, item 6): a view
+   copied with ``kachedb.to_device(view, "cuda", non_blocking=True)`` and dropped
+   at once, its key deleted and its extent written by a new block while the DMA
+   may still run, must arrive exact on the GPU (its pin is kept until a CUDA
+   event after the copy completes); the same with a plain
+   ``view.to("cuda", non_blocking=True)`` is reported (it may arrive mixed).
+4. The vLLM worker's GPU store/load path (``kachedb.vllm.worker``) on synthetic
    vLLM-shaped KV caches (per layer ``(num_blocks, page_bytes)`` views of one CUDA
    buffer): blocks stored from the GPU, loaded back into other GPU blocks, bytes
    compared.
@@ -63,6 +69,35 @@ def copy_bandwidth(kc, torch, nbytes, reps):
     res["h2d_ratio"] = res["h2d_region_GBps"] / res["h2d_pinned_GBps"]
     res["d2h_ratio"] = res["d2h_region_GBps"] / res["d2h_pinned_GBps"]
     res["goal_90pct"] = res["h2d_ratio"] >= 0.9 and res["d2h_ratio"] >= 0.9
+    return res
+
+
+def non_blocking_copies(kc, torch, nbytes, rounds=5):
+    """Copies a view to the GPU without waiting, drops it, and overwrites its
+    extent at once; how many rounds arrived exact, by ``kachedb.to_device``
+    and by a plain ``.to(non_blocking=True)``."""
+    import kachedb
+
+    res = {"rounds": rounds, "to_device_exact": 0, "plain_exact": 0}
+    old = torch.full((nbytes,), 0x11, dtype=torch.uint8)
+    new = torch.full((nbytes,), 0x22, dtype=torch.uint8)
+    for how in ("to_device", "plain"):
+        for i in range(rounds):
+            key = f"gpu-check-nb-{how}-{i}"
+            kc.put(key, old)
+            view = kc.get(key)
+            if how == "to_device":
+                gpu = kachedb.to_device(view, "cuda", non_blocking=True)
+            else:
+                gpu = view.to("cuda", non_blocking=True)
+            del view
+            kc.delete(key)
+            kc.put(key + "-next", new)  # best fit: the extent just freed, if it was
+            torch.cuda.synchronize()
+            res[f"{how}_exact"] += int(bool((gpu == 0x11).all().item()))
+            del gpu
+            kc.delete(key + "-next")
+    res["ok"] = res["to_device_exact"] == rounds
     return res
 
 
@@ -144,6 +179,7 @@ def main():
             kc.register_cuda()
             out["register_cuda_s"] = time.perf_counter() - t
             out["copies"] = copy_bandwidth(kc, torch, a.copy_mib << 20, a.reps)
+            out["non_blocking"] = non_blocking_copies(kc, torch, a.copy_mib << 20)
         out["worker"] = worker_path(sock, torch)
         with kachedb.connect(sock) as kc:
             st = kc.stats()
@@ -158,9 +194,11 @@ def main():
         print(f"GPU {out['gpu']}; register_cuda() of a {a.size} region: {out['register_cuda_s'] * 1e3:.0f} ms")
         print(f"H2D {a.copy_mib} MiB: region {c['h2d_region_GBps']:.1f} GB/s vs pinned {c['h2d_pinned_GBps']:.1f} GB/s ({100 * c['h2d_ratio']:.0f} %)")
         print(f"D2H {a.copy_mib} MiB: region {c['d2h_region_GBps']:.1f} GB/s vs pinned {c['d2h_pinned_GBps']:.1f} GB/s ({100 * c['d2h_ratio']:.0f} %)")
+        print(f"non_blocking copies: {json.dumps(out['non_blocking'])}")
         print(f"worker GPU path: {json.dumps(out['worker'])}")
         print(f"daemon after: {out['daemon_after']}")
     ok = out["worker"].get("skipped") or (out["worker"]["bytes_equal"] and not out["worker"]["failed_blocks"])
+    ok = ok and out["non_blocking"]["ok"]
     return 0 if ok else 1
 
 

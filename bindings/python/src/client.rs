@@ -309,7 +309,7 @@ impl NativeClient {
         let parents = parents_of(parents, keys.len())?;
         let items: Vec<_> = keys.into_iter().map(|k| (k, dt, sh, 0)).collect();
         let rs = py.allow_threads(|| self.inner.reserve_many_with_parents(&items, &parents)).map_err(client_err)?;
-        Ok(NativeReservations { inner: Mutex::new(Some(rs)), region: self.inner.region().clone(), code, dims })
+        Ok(NativeReservations { extents: std::mem::ManuallyDrop::new(ReservedExtents::new(rs)), code, dims })
     }
 
     /// Pins the leading present keys in one round trip and exports each as
@@ -366,8 +366,7 @@ impl NativeClient {
         let ptr = NonNull::new(r.as_mut_ptr()).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
         let len = r.len();
         Ok(NativeReservation {
-            inner: Mutex::new(Some(r)),
-            region: self.inner.region().clone(),
+            extents: std::mem::ManuallyDrop::new(ReservedExtents::new(vec![r])),
             ptr: ptr.as_ptr() as usize,
             len,
         })
@@ -484,12 +483,105 @@ impl NativeBlock {
     }
 }
 
-/// An open reservation (private API).
+/// What a reservation's exported tensors keep alive: its extent, out of
+/// eviction and reuse for as long as the reservation object or any tensor made
+/// from it lives. Shared (an `Arc`) by the native reservation object and every
+/// DLPack export; dropping the last one drops what it holds (an open
+/// reservation sends its ABORT, a pinned view its RELEASE), with the GIL
+/// released ([`drop_without_gil`](crate::dlpack::drop_without_gil)).
+#[derive(Debug, Default)]
+pub(crate) struct ReservedExtents {
+    state: Mutex<Extents>,
+}
+
+/// The state of the reservations of one `reserve` / `reserve_many` call.
+#[derive(Debug, Default)]
+enum Extents {
+    /// Reserved, writable.
+    Open(Vec<Reservation>),
+    /// Aborted while tensors of them lived: still reserved (so never reused),
+    /// and their ABORTs go when the last tensor does.
+    Aborting(#[allow(dead_code)] Vec<Reservation>), // held for its Drop (the ABORTs)
+    /// Committed while tensors of them lived: COMMIT_PIN's pins, released
+    /// when the last tensor goes.
+    Pinned(#[allow(dead_code)] Vec<BlockView>), // held for its Drop (the RELEASEs)
+    /// Being committed or aborted, or finished with nothing left to hold.
+    #[default]
+    Finished,
+}
+
+impl ReservedExtents {
+    fn new(rs: Vec<Reservation>) -> Arc<Self> {
+        Arc::new(ReservedExtents { state: Mutex::new(Extents::Open(rs)) })
+    }
+
+    /// Takes the open reservations out (the state becomes `Finished`), or
+    /// `InvalidArgument` if they were already committed or aborted.
+    fn take(&self, what: &str) -> PyResult<Vec<Reservation>> {
+        let mut g = self.state.lock().map_err(|_| KacheDBError::new_err("poisoned"))?;
+        match std::mem::take(&mut *g) {
+            Extents::Open(rs) => Ok(rs),
+            other => {
+                *g = other;
+                Err(InvalidArgument::new_err(format!("{what} already committed or aborted")))
+            }
+        }
+    }
+
+    /// Whether tensors exported from these reservations may still be alive:
+    /// someone besides `this` (the reservation object's own reference)
+    /// holds the extents.
+    fn exported(this: &Arc<Self>) -> bool {
+        Arc::strong_count(this) > 1
+    }
+
+    /// Commits, pinning the blocks (COMMIT_PIN) if tensors of them may live:
+    /// then the pins go with the last tensor.
+    fn commit(this: &Arc<Self>, py: Python<'_>, what: &str) -> PyResult<()> {
+        let rs = this.take(what)?;
+        if !Self::exported(this) {
+            return py.allow_threads(|| Reservation::commit_all(rs)).map_err(client_err);
+        }
+        let views = py.allow_threads(|| Reservation::commit_all_pinned(rs)).map_err(client_err)?;
+        if let Ok(mut g) = this.state.lock() {
+            *g = Extents::Pinned(views);
+        }
+        Ok(())
+    }
+
+    /// Aborts now if no tensor of the reservations may live; else leaves them
+    /// reserved (refusing a later commit) until the last tensor goes, whose
+    /// drop sends the ABORTs.
+    fn abort(this: &Arc<Self>, py: Python<'_>, what: &str) -> PyResult<()> {
+        let rs = this.take(what)?;
+        if !Self::exported(this) {
+            return py.allow_threads(|| Reservation::abort_all(rs)).map_err(client_err);
+        }
+        if let Ok(mut g) = this.state.lock() {
+            *g = Extents::Aborting(rs);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ReservedExtents {
+    fn drop(&mut self) {
+        // The ABORTs of open reservations are round trips to the daemon:
+        // never with the GIL held.
+        if let Ok(state) = self.state.get_mut() {
+            crate::dlpack::drop_without_gil(std::mem::take(state));
+        }
+    }
+}
+/// An open reservation (private API). Tensors made from `buffer()` keep its
+/// extent out of eviction and reuse for as long as they live
+/// ([`ReservedExtents`]): a commit then pins the block (COMMIT_PIN) until
+/// the last of them goes, and an abort is carried out when it goes.
 #[derive(Debug)]
 #[pyclass(frozen, module = "kachedb._kachedb_rust", name = "NativeReservation")]
 pub struct NativeReservation {
-    inner: Mutex<Option<kachedb_client::Reservation>>,
-    region: Arc<kachedb_shm::Region>,
+    /// Dropped by hand, with the GIL released (see `Drop`).
+    extents: std::mem::ManuallyDrop<Arc<ReservedExtents>>,
     ptr: usize,
     len: usize,
 }
@@ -501,61 +593,49 @@ impl NativeReservation {
         self.len
     }
     /// A writable DLPack exporter of the reserved bytes (`typed(code, shape)`
-    /// exports them as the block). Write before commit:
-    /// after commit the block is immutable and may be evicted, so tensors made
-    /// from this buffer must not be written (the mapping stays valid).
+    /// exports them as the block); every tensor made from it keeps the
+    /// extent out of reuse while it lives. Write before commit: after commit
+    /// the block is immutable (readers may hold it).
     fn buffer(&self) -> PyResult<DLPackBuffer> {
         let ptr = NonNull::new(self.ptr as *mut u8).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
-        let owner: Arc<dyn std::any::Any + Send + Sync> = self.region.clone();
-        // SAFETY: the range lies in the region's mapping, which `owner` (an Arc of
-        // the region) keeps mapped for as long as any tensor made from it lives.
+        match self.extents.state.lock() {
+            Ok(g) if matches!(*g, Extents::Open(_)) => {}
+            _ => return Err(InvalidArgument::new_err("the reservation was already committed or aborted")),
+        }
+        let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(&self.extents) as _;
+        // SAFETY: the range is the reservation's extent in the region's
+        // mapping; `owner` holds the reservation (then its pin, or its
+        // deferred abort), which keeps the extent allocated to it and the
+        // region mapped for as long as any tensor made from it lives.
         Ok(unsafe { DLPackBuffer::new(ptr, self.len, owner, false) })
     }
     fn commit(&self, py: Python<'_>) -> PyResult<()> {
-        let r = self.take()?;
-        py.allow_threads(|| r.commit()).map_err(client_err)
+        ReservedExtents::commit(&self.extents, py, "the reservation was")
     }
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
-        let r = self.take()?;
-        py.allow_threads(|| r.abort()).map_err(client_err)
+        ReservedExtents::abort(&self.extents, py, "the reservation was")
     }
 }
 
 impl Drop for NativeReservation {
     fn drop(&mut self) {
-        // An uncommitted reservation aborts on drop: a round trip to the
-        // daemon, never with the GIL held.
-        if let Some(r) = self.inner.get_mut().ok().and_then(Option::take) {
-            crate::dlpack::drop_without_gil(r);
-        }
-    }
-}
-
-impl Drop for NativeReservations {
-    fn drop(&mut self) {
-        if let Some(rs) = self.inner.get_mut().ok().and_then(Option::take) {
-            crate::dlpack::drop_without_gil(rs);
-        }
-    }
-}
-
-impl NativeReservation {
-    fn take(&self) -> PyResult<kachedb_client::Reservation> {
-        self.inner
-            .lock()
-            .ok()
-            .and_then(|mut g| g.take())
-            .ok_or_else(|| InvalidArgument::new_err("the reservation was already committed or aborted"))
+        // SAFETY: `extents` is taken exactly once, here, and `self` is not used after.
+        let extents = unsafe { std::mem::ManuallyDrop::take(&mut self.extents) };
+        // The last reference to an open reservation aborts it: a round trip
+        // to the daemon, never with the GIL held.
+        crate::dlpack::drop_without_gil(extents);
     }
 }
 
 /// Reservations of one `reserve_many` batch (private API): `capsules()`
 /// exports each as a writable DLPack capsule of its dtype and shape;
-/// `commit()` / `abort()` finish all of them in one batch.
+/// `commit()` / `abort()` finish all of them in one batch. The exported
+/// tensors keep every extent of the batch out of reuse while any of them
+/// lives, as [`NativeReservation`]'s do.
 #[pyclass(frozen, module = "kachedb._kachedb_rust", name = "NativeReservations")]
 pub struct NativeReservations {
-    inner: Mutex<Option<Vec<Reservation>>>,
-    region: Arc<kachedb_shm::Region>,
+    /// Dropped by hand, with the GIL released (see `Drop`).
+    extents: std::mem::ManuallyDrop<Arc<ReservedExtents>>,
     code: u8,
     dims: Vec<u64>,
 }
@@ -566,26 +646,41 @@ impl std::fmt::Debug for NativeReservations {
     }
 }
 
+impl Drop for NativeReservations {
+    fn drop(&mut self) {
+        // SAFETY: `extents` is taken exactly once, here, and `self` is not used after.
+        let extents = unsafe { std::mem::ManuallyDrop::take(&mut self.extents) };
+        crate::dlpack::drop_without_gil(extents);
+    }
+}
+
 #[pymethods]
 impl NativeReservations {
     fn __len__(&self) -> usize {
-        self.inner.lock().ok().and_then(|g| g.as_ref().map(Vec::len)).unwrap_or(0)
+        match self.extents.state.lock().as_deref() {
+            Ok(Extents::Open(rs)) => rs.len(),
+            _ => 0,
+        }
     }
 
     /// One legacy DLPack capsule per reservation, of the batch's dtype (as
-    /// torch reads it) and shape; each keeps the region mapped. Write before
-    /// commit: after commit the blocks are immutable and may be evicted.
+    /// torch reads it) and shape; each keeps the batch's extents out of reuse
+    /// while it lives. Write before commit: after commit the blocks are
+    /// immutable (readers may hold them).
     fn capsules<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let mut g = self.inner.lock().map_err(|_| KacheDBError::new_err("poisoned"))?;
-        let rs =
-            g.as_mut().ok_or_else(|| InvalidArgument::new_err("the reservations were already committed or aborted"))?;
+        let mut g = self.extents.state.lock().map_err(|_| KacheDBError::new_err("poisoned"))?;
+        let Extents::Open(rs) = &mut *g else {
+            return Err(InvalidArgument::new_err("the reservations were already committed or aborted"));
+        };
         let dt = DlDtype::of(dtype(self.code)?, Reader::Torch);
         rs.iter_mut()
             .map(|r| {
                 let (ptr, len) = (r.as_mut_ptr(), r.len());
                 let ptr = NonNull::new(ptr).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
-                // SAFETY: the range lies in the region's mapping, which the owner
-                // (an Arc of the region) keeps mapped while any tensor made from it lives.
+                // SAFETY: the range is a reservation's extent in the region's
+                // mapping; the owner (the batch's extents) keeps it allocated to
+                // this client (reserved, then pinned, or its abort deferred) and
+                // the region mapped while any tensor made from it lives.
                 unsafe {
                     tensor_capsule(
                         py,
@@ -593,7 +688,7 @@ impl NativeReservations {
                         len,
                         dt,
                         &self.dims,
-                        DlOwner::Rust(Box::new(self.region.clone())),
+                        DlOwner::Rust(Box::new(Arc::clone(&self.extents))),
                         DlpackFormat::Legacy,
                     )
                 }
@@ -601,26 +696,16 @@ impl NativeReservations {
             .collect()
     }
 
-    /// Commits every reservation in one batch.
+    /// Commits every reservation in one batch (COMMIT_PINs while tensors of
+    /// them live).
     fn commit(&self, py: Python<'_>) -> PyResult<()> {
-        let rs = self.take()?;
-        py.allow_threads(|| Reservation::commit_all(rs)).map_err(client_err)
+        ReservedExtents::commit(&self.extents, py, "the reservations were")
     }
 
-    /// Aborts every reservation in one batch.
+    /// Aborts every reservation in one batch, or, while tensors of them live,
+    /// when the last of them goes.
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
-        let rs = self.take()?;
-        py.allow_threads(|| Reservation::abort_all(rs)).map_err(client_err)
-    }
-}
-
-impl NativeReservations {
-    fn take(&self) -> PyResult<Vec<Reservation>> {
-        self.inner
-            .lock()
-            .ok()
-            .and_then(|mut g| g.take())
-            .ok_or_else(|| InvalidArgument::new_err("the reservations were already committed or aborted"))
+        ReservedExtents::abort(&self.extents, py, "the reservations were")
     }
 }
 

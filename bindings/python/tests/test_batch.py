@@ -147,6 +147,10 @@ def test_reserve_many_aborts_all_on_error(kc, daemon):
             outs[0].fill_(1)
             raise RuntimeError("boom")
     assert kc.lookup(keys[:1]) == 0 and kc.lookup(keys[2:]) == 0
+    # The kept `outs` hold the aborted extents out of reuse until they go.
+    assert daemon.stats()["reserved"] == 3
+    del outs
+    gc.collect()
     assert daemon.stats()["reserved"] == 0
     # Explicit abort, and a second finish refused.
     r = kc.reserve_many(keys, (8,), torch.float32)

@@ -18,17 +18,10 @@ from kachedb._dtypes import dtype_code
 from kdb_support import Daemon
 
 
-def _progress_while(blocking) -> int:
-    """Runs ``blocking`` in a thread; counts the main thread's Python steps
-    over 0.5 s meanwhile (0 if the GIL is held throughout)."""
-    t = threading.Thread(target=blocking, daemon=True)
-    t.start()
-    time.sleep(0.05)  # let it block
-    steps = 0
-    end = time.monotonic() + 0.5
-    while time.monotonic() < end:
-        steps += 1
-    return steps, t
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
 def test_dropping_a_reservation_of_a_stopped_daemon_keeps_the_gil_free():
@@ -39,23 +32,35 @@ def test_dropping_a_reservation_of_a_stopped_daemon_keeps_the_gil_free():
         # uncommitted (e.g. freed by the cycle collector) aborts in its `Drop`.
         kc = rust.NativeClient.connect(d.socket)
         holder = {"r": kc.reserve(1, 0, dtype_code(torch.uint8), [1024])}
+        started, done = threading.Event(), threading.Event()
+
+        def drop():
+            started.set()
+            holder.pop("r")  # the native reservation aborts on drop: a round trip
+            done.set()
+            gc.collect()
+
         os.kill(d.proc.pid, signal.SIGSTOP)
-        # Resumes the daemon from outside in 2 s even if this process is frozen
-        # (the bug: the GIL held while blocked), so the test fails, not hangs.
-        watchdog = subprocess.Popen(["sh", "-c", f"sleep 2; kill -CONT {d.proc.pid}"])
+        # Resumes the daemon from outside in 10 s even if this process is
+        # frozen (the bug: the GIL held while blocked), so the test fails,
+        # not hangs.
+        watchdog = subprocess.Popen(["sh", "-c", f"sleep 10; kill -CONT {d.proc.pid}"])
         try:
-
-            def drop():
-                holder.pop("r")  # the native reservation aborts on drop: a round trip
-                gc.collect()
-
-            steps, t = _progress_while(drop)
+            t = threading.Thread(target=drop, daemon=True)
+            t.start()
+            started.wait()
+            time.sleep(0.1)  # lets the drop start its round trip to the stopped daemon
+            # This line runs Python: it can run before the drop is over only if
+            # the dropping thread let go of the GIL while it waits.
+            ran_while_blocked = _stopped(d.proc.pid) and not done.is_set()
         finally:
             os.kill(d.proc.pid, signal.SIGCONT)
-        t.join(10)
+        t.join(15)
+        watchdog.kill()
         watchdog.wait(10)
         assert not t.is_alive()
-        assert steps > 1000, f"the main thread made {steps} steps while a reservation was dropped"
+        assert done.is_set()
+        assert ran_while_blocked, "the main thread could not run Python while a reservation of a stopped daemon was dropped"
         kc.close()
     finally:
         d.stop(check=False)

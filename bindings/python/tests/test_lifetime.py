@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kachedb
-from kdb_support import poll_until
+from kdb_support import pattern, poll_until
 
 DAEMON_SIZE = "32MiB"
 MiB = 1 << 20
@@ -328,8 +328,12 @@ def test_reserve_aborts_when_the_block_raises(kc):
         with kc.reserve("res-old", (4,), torch.float32) as out:
             out.fill_(9.0)
             raise Boom()
-    s = kc.stats()
     assert "res-bad" not in kc
+    # The kept `out` holds the aborted extent out of reuse until it goes.
+    assert kc.stats()["reserved"] == 1
+    del out
+    gc.collect()
+    s = kc.stats()
     assert s["reserved"] == 0
     assert s["aborts"] == before["aborts"] + 2 and s["commits"] == before["commits"]
     assert kc.get("res-old").tolist() == [1, 1, 1, 1]  # the old block is untouched
@@ -444,3 +448,88 @@ def test_get_to_another_device_drops_the_pin_at_once(kc):
     assert collected_pins(kc) == 1
     del cpu
     assert collected_pins(kc) == 0
+
+
+# --- a reservation's tensors keep its extent out of reuse -------------------------
+
+#: Blocks of 128 KiB through a 4 MiB megaslab: 128 puts fill it eight times over,
+#: so every extent that can be evicted or freed is reused by a later block.
+KEPT_N = 128 * 1024
+KEPT_PUTS = 128
+
+
+def _fill_and_write_through(kc: kachedb.Client, out: torch.Tensor) -> int:
+    """Puts blocks until the megaslab was reused many times over, writes through
+    the kept ``out``, and checks that every other block still present holds
+    exactly its own bytes; returns how many were checked."""
+    for i in range(KEPT_PUTS):
+        kc.put(f"other-{i}", np.frombuffer(pattern(KEPT_N, i), dtype=np.uint8))
+    out.fill_(0xEE)
+    checked = 0
+    for i in range(KEPT_PUTS):
+        try:
+            got = kc.get_numpy(f"other-{i}")
+        except kachedb.NotFound:
+            continue
+        assert got.tobytes() == pattern(KEPT_N, i), f"other-{i} changed: a kept reservation tensor wrote into it"
+        checked += 1
+        del got
+    return checked
+
+
+@pytest.mark.parametrize("how", ["commit", "abort", "commit_many", "abort_many"])
+def test_kept_reservation_tensor_never_writes_into_another_block(make_daemon, how):
+    d = make_daemon("4MiB")
+    kc = d.connect()
+    if how.endswith("_many"):
+        r = kc.reserve_many(["kept-0", "kept-1"], (KEPT_N,), torch.uint8)
+        out = r.out[1]
+    else:
+        r = kc.reserve("kept", (KEPT_N,), torch.uint8)
+        out = r.out
+    out.fill_(1)
+    if how.startswith("commit"):
+        r.commit()
+    else:
+        r.abort()
+    del r  # only the tensor is kept
+    checked = _fill_and_write_through(kc, out)
+    assert checked >= 8, f"only {checked} blocks left to check"
+    st = d.stats()
+    if how.startswith("commit"):
+        assert st["pins"] >= 1, "the committed block is pinned while its tensor lives"
+    else:
+        assert st["reserved"] >= 1, "the aborted extent stays reserved while its tensor lives"
+    del out
+    gc.collect()
+    poll_until(lambda: d.stats()["pins"] == 0 and d.stats()["reserved"] == 0, 10, "the kept extent to be let go")
+    if how.startswith("abort"):
+        assert not kc.contains("kept") and not kc.contains("kept-1")
+    kc.close()
+
+
+def test_reservation_lets_go_of_its_extent_with_its_last_tensor(make_daemon):
+    d = make_daemon("4MiB")
+    kc = d.connect()
+    with kc.reserve("plain", (16,), torch.uint8) as out:
+        out.fill_(3)
+    del out
+    gc.collect()
+    assert d.stats()["pins"] == 0
+    assert kc.get_numpy("plain").tolist() == [3] * 16
+    r = kc.reserve("dropped", (16,), torch.uint8)
+    r.abort()
+    del r
+    gc.collect()
+    assert d.stats()["reserved"] == 0 and not kc.contains("dropped")
+    # A deferred abort still refuses a later commit.
+    r = kc.reserve("late", (16,), torch.uint8)
+    out = r.out
+    r.abort()
+    with pytest.raises(kachedb.InvalidArgument):
+        r.commit()
+    del r, out
+    gc.collect()
+    poll_until(lambda: d.stats()["reserved"] == 0, 10, "the deferred abort")
+    assert not kc.contains("late")
+    kc.close()

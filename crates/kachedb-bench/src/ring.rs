@@ -12,6 +12,9 @@
 //!   and in batches of 16, 64 and 256 (`push_batch` / `pop_batch`);
 //! * the same for a deliberately naive ring over the same memory, which loads
 //!   the other side's cursor (Acquire) on every message and never caches it;
+//! * `kachedb_shm`'s ring algorithm with plain 64-byte slot copies
+//!   (`plaincopy`, per message and batches of 64 and 256), the comparison for
+//!   its atomic word copies: the slot copy is the only difference;
 //! * ping-pong round trips over the two rings with both sides spinning, and
 //!   with the responder parked before every request (it must be woken);
 //! * the CPU a consumer burns while it waits on an empty ring with the default
@@ -98,6 +101,8 @@ pub enum ChildMode {
     Ring,
     /// Consume `msgs` frames `runs` times from the naive ring.
     Naive,
+    /// Consume `msgs` frames `runs` times from the plain-copy ring.
+    PlainCopy,
     /// Answer `msgs` requests, spinning between them.
     PingSpin,
     /// Answer `msgs` requests, parking (immediately) between them.
@@ -111,6 +116,7 @@ impl ChildMode {
         match self {
             ChildMode::Ring => "ring",
             ChildMode::Naive => "naive",
+            ChildMode::PlainCopy => "plain-copy",
             ChildMode::PingSpin => "ping-spin",
             ChildMode::PingParked => "ping-parked",
             ChildMode::Idle => "idle",
@@ -170,8 +176,16 @@ pub fn run(args: &RingArgs) -> Result<(), BoxError> {
     }));
 
     // Throughput, interleaved: one run of each configuration per round.
-    let configs: [(Impl, usize); 5] =
-        [(Impl::Kachedb, 1), (Impl::Naive, 1), (Impl::Kachedb, 16), (Impl::Kachedb, 64), (Impl::Kachedb, 256)];
+    let configs: [(Impl, usize); 8] = [
+        (Impl::Kachedb, 1),
+        (Impl::Naive, 1),
+        (Impl::Kachedb, 16),
+        (Impl::Kachedb, 64),
+        (Impl::Kachedb, 256),
+        (Impl::PlainCopy, 1),
+        (Impl::PlainCopy, 64),
+        (Impl::PlainCopy, 256),
+    ];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     for _ in 0..runs {
         for (k, &(imp, batch)) in configs.iter().enumerate() {
@@ -201,6 +215,7 @@ pub fn run(args: &RingArgs) -> Result<(), BoxError> {
 enum Impl {
     Kachedb,
     Naive,
+    PlainCopy,
 }
 
 impl Impl {
@@ -208,6 +223,7 @@ impl Impl {
         match self {
             Impl::Kachedb => "kachedb",
             Impl::Naive => "naive",
+            Impl::PlainCopy => "plaincopy",
         }
     }
 }
@@ -323,7 +339,11 @@ impl Bench {
 
     /// One throughput run of `msgs` frames; messages per second.
     fn throughput(&self, imp: Impl, batch: usize, msgs: u64) -> Result<f64, BoxError> {
-        let mode = if imp == Impl::Naive { ChildMode::Naive } else { ChildMode::Ring };
+        let mode = match imp {
+            Impl::Kachedb => ChildMode::Ring,
+            Impl::Naive => ChildMode::Naive,
+            Impl::PlainCopy => ChildMode::PlainCopy,
+        };
         let (mut sub, mut comp, mut child) = self.session(mode, batch, msgs, 1)?;
         expect_control(&mut comp, &mut child, READY)?;
         let t0 = Instant::now();
@@ -336,6 +356,13 @@ impl Bench {
                 // the naive producer runs, and the child is its only consumer.
                 let mut naive = unsafe { NaiveRing::submission(&self.region)? };
                 naive.produce(msgs, &mut child)?;
+            }
+            Impl::PlainCopy => {
+                // SAFETY: as for the naive ring: channel 0's submission ring
+                // was just reset, `sub` is unused meanwhile, and the child is
+                // the only consumer.
+                let mut plain = unsafe { PlainCopyRing::submission(&self.region)? };
+                plain.produce(batch, msgs, &mut child)?;
             }
         }
         let done = expect_control(&mut comp, &mut child, DONE)?;
@@ -649,6 +676,147 @@ impl NaiveRing {
 }
 
 // ---------------------------------------------------------------------------
+// The plain-copy ring
+
+/// `kachedb_shm`'s ring algorithm (cached peer cursor refreshed only when the
+/// ring looks full or empty, one cursor publish per batch, peer cursors
+/// checked) over the same memory, with the slots copied by plain 64-byte
+/// `ptr::write` / `ptr::read`: the comparison for `kachedb_shm`'s atomic
+/// word copies, which are defined even when a peer writes a slot
+/// concurrently. Benchmark only: a plain copy racing a peer's write is
+/// undefined behaviour.
+struct PlainCopyRing {
+    inner: NaiveRing,
+    /// The other side's cursor as last read.
+    cached_peer: u64,
+}
+
+impl PlainCopyRing {
+    /// # Safety
+    /// As for [`NaiveRing::submission`].
+    unsafe fn submission(region: &Arc<Region>) -> Result<Self, BoxError> {
+        // SAFETY: forwarded contract.
+        Ok(Self { inner: unsafe { NaiveRing::submission(region)? }, cached_peer: 0 })
+    }
+
+    fn corrupt(own: u64, peer: u64) -> BoxError {
+        format!("plain-copy ring: peer cursor {peer} out of range of {own}").into()
+    }
+
+    #[inline]
+    fn push_batch(&mut self, frames: &[TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        let r = &mut self.inner;
+        let cap = r.mask + 1;
+        let mut free = cap - r.own.wrapping_sub(self.cached_peer);
+        if free < frames.len() as u64 {
+            // SYNC POINT: Acquire pairs with the consumer's Release store of head.
+            let head = r.head().load(Ordering::Acquire);
+            if r.own.wrapping_sub(head) > cap {
+                return Err(Self::corrupt(r.own, head));
+            }
+            self.cached_peer = head;
+            free = cap - r.own.wrapping_sub(head);
+        }
+        let n = frames.len().min(free as usize);
+        for (i, f) in frames[..n].iter().enumerate() {
+            let slot = (r.own.wrapping_add(i as u64) & r.mask) as usize;
+            // SAFETY: slots [own, head + capacity) are the producer's and in
+            // bounds (masked); the consumer reads none of them until tail passes.
+            unsafe { r.slots.as_ptr().add(slot).write(*f) };
+        }
+        r.own = r.own.wrapping_add(n as u64);
+        // SYNC POINT: Release pairs with the consumer's Acquire load of tail.
+        r.tail().store(r.own, Ordering::Release);
+        Ok(n)
+    }
+
+    #[inline]
+    fn pop_batch(&mut self, out: &mut [TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        let r = &mut self.inner;
+        let mut avail = self.cached_peer.wrapping_sub(r.own);
+        if avail < out.len() as u64 {
+            // SYNC POINT: Acquire pairs with the producer's Release store of tail.
+            let tail = r.tail().load(Ordering::Acquire);
+            if tail.wrapping_sub(r.own) > r.mask + 1 {
+                return Err(Self::corrupt(r.own, tail));
+            }
+            self.cached_peer = tail;
+            avail = tail.wrapping_sub(r.own);
+        }
+        let n = out.len().min(avail as usize);
+        for (i, o) in out[..n].iter_mut().enumerate() {
+            let slot = (r.own.wrapping_add(i as u64) & r.mask) as usize;
+            // SAFETY: slots [head, tail) are the consumer's and in bounds
+            // (masked); the producer rewrites none of them until head passes.
+            *o = unsafe { r.slots.as_ptr().add(slot).read() };
+        }
+        if n > 0 {
+            r.own = r.own.wrapping_add(n as u64);
+            // SYNC POINT: Release pairs with the producer's Acquire load of head.
+            r.head().store(r.own, Ordering::Release);
+        }
+        Ok(n)
+    }
+
+    #[inline(never)] // a separate symbol, so its code can be inspected with objdump
+    fn produce(&mut self, batch: usize, n: u64, child: &mut ChildProc) -> Result<(), BoxError> {
+        let batch = batch.max(1);
+        let mut buf: Vec<TensorBlockDescriptor> = (0..batch as u64).map(frame).collect();
+        let (mut i, mut full) = (0u64, 0u32);
+        while i < n {
+            let k = (n - i).min(batch as u64) as usize;
+            for (j, f) in buf[..k].iter_mut().enumerate() {
+                f.offset = i + j as u64;
+            }
+            let mut sent = 0;
+            while sent < k {
+                let m = self.push_batch(&buf[sent..k])?;
+                if m == 0 {
+                    full = full.wrapping_add(1);
+                    if full & (CHECK_EVERY - 1) == 0 {
+                        child.check()?;
+                    }
+                    std::hint::spin_loop();
+                }
+                sent += m;
+            }
+            i += k as u64;
+        }
+        Ok(())
+    }
+}
+
+#[inline(never)] // a separate symbol, so its code can be inspected with objdump
+fn consume_plain_copy(
+    r: &mut PlainCopyRing,
+    batch: usize,
+    n: u64,
+    alive: &impl Fn() -> Result<(), BoxError>,
+) -> Result<u64, BoxError> {
+    let mut buf = vec![TensorBlockDescriptor::default(); batch.max(1)];
+    let (mut i, mut sum, mut empty) = (0u64, 0u64, 0u32);
+    while i < n {
+        let k = r.pop_batch(&mut buf)?;
+        if k == 0 {
+            empty = empty.wrapping_add(1);
+            if empty & (CHECK_EVERY - 1) == 0 {
+                alive()?;
+            }
+            std::hint::spin_loop();
+            continue;
+        }
+        for f in &buf[..k] {
+            if f.offset != i {
+                return Err(out_of_order(i, f.offset));
+            }
+            sum = sum.wrapping_add(f.offset);
+            i += 1;
+        }
+    }
+    Ok(sum)
+}
+
+// ---------------------------------------------------------------------------
 // Child
 
 /// Runs the child side.
@@ -666,7 +834,7 @@ pub fn child(args: &ChildArgs) -> Result<(), BoxError> {
         Ok(())
     };
     match args.mode {
-        ChildMode::Ring | ChildMode::Naive => {
+        ChildMode::Ring | ChildMode::Naive | ChildMode::PlainCopy => {
             for _ in 0..args.runs.max(1) {
                 control(&mut comp, READY, 0, 0)?;
                 let sum = match args.mode {
@@ -675,6 +843,11 @@ pub fn child(args: &ChildArgs) -> Result<(), BoxError> {
                         // runs the naive producer; we are the only consumer.
                         let mut naive = unsafe { NaiveRing::submission(&region)? };
                         consume_naive(&mut naive, args.msgs, &alive)?
+                    }
+                    ChildMode::PlainCopy => {
+                        // SAFETY: as for the naive ring.
+                        let mut plain = unsafe { PlainCopyRing::submission(&region)? };
+                        consume_plain_copy(&mut plain, args.batch, args.msgs, &alive)?
                     }
                     _ if args.batch <= 1 => consume_per_message(&mut sub, args.msgs, &alive)?,
                     _ => consume_batched(&mut sub, args.batch, args.msgs, &alive)?,

@@ -57,6 +57,13 @@ pub struct ServeArgs {
     /// before it is closed.
     #[arg(long, default_value_t = 5000)]
     pub hello_timeout_ms: u64,
+    /// Milliseconds a client may leave requests unanswerable because it does
+    /// not drain its completion ring (stopped, in a debugger, throttled)
+    /// before it is disconnected and its pins and reservations dropped.
+    /// 0: never. (A live client that published more than a ring of requests
+    /// and then stopped calling the library for that long looks the same.)
+    #[arg(long, default_value_t = 0)]
+    pub stuck_client_timeout_ms: u64,
     /// Run the store's full invariant check for every stats answer (slow with
     /// many blocks: for tests and debugging; stats otherwise cross-check counters).
     #[arg(long, env = "KACHEDB_CHECK_INVARIANTS", action = clap::ArgAction::SetTrue,
@@ -216,6 +223,8 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         max_client_bytes: a.max_client_bytes,
         max_connections: a.max_connections,
         hello_timeout: std::time::Duration::from_millis(a.hello_timeout_ms),
+        stuck_client_timeout: (a.stuck_client_timeout_ms > 0)
+            .then(|| std::time::Duration::from_millis(a.stuck_client_timeout_ms)),
         check_invariants: a.check_invariants,
         eviction: match a.eviction {
             Eviction::Chain => kachedb_daemon::EvictionPolicy::Chain,

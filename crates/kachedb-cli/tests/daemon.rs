@@ -801,7 +801,7 @@ fn malformed_frames_get_error_status_and_daemon_serves_on() {
     let f64c = DType::F64 as u8;
     let invalid: Vec<(&str, TensorBlockDescriptor)> = vec![
         ("unknown op 0", frame(0)),
-        ("unknown op 11", frame(11)),
+        ("unknown op 12 (one past the last)", frame(12)),
         ("unknown op 255", frame(255)),
         ("non-zero status in a request", {
             let mut f = frame(Op::Get as u8);

@@ -312,3 +312,60 @@ fn client_with_full_completion_ring_costs_no_cpu() {
         assert!(t.elapsed() < Duration::from_secs(5), "only {got} of {total} answered after draining");
     }
 }
+
+/// Issue 12, item 7: a client that leaves its completion ring full for longer
+/// than `--stuck-client-timeout-ms` is disconnected and its pins dropped,
+/// while other clients are served; one whose ring is full for less is not.
+#[test]
+fn client_stuck_past_the_timeout_is_disconnected_and_loses_its_pins() {
+    use common::poll_stats_fast;
+    use kachedb_client::ClientError;
+    use kachedb_shm::{Op, TensorBlockDescriptor};
+    let dir = TempDir::new("stuck");
+    let mut d = Daemon::spawn_with(&dir.socket(), "8MiB", &["--stuck-client-timeout-ms", "1500"]);
+    d.wait_ready();
+    let other = Client::connect(&d.opts()).expect("connect");
+    other.put(Key::from_bytes(b"held"), &[7u8; 4096]).expect("put");
+    let stuck = Client::connect(&d.opts()).expect("connect");
+    let view = stuck.get(Key::from_bytes(b"held")).expect("get").expect("present");
+    assert_eq!(num(&stats_fast(&dir.socket()), "pins"), 1);
+    // More PINGs than the completion ring holds, and nothing read: stuck.
+    let region = stuck.region().clone();
+    let cap = region.layout().ring_capacity as usize;
+    let (mut sub, _comp) = region.client_channel(stuck.channel()).expect("own channel");
+    let total = cap + cap / 2;
+    let frames: Vec<TensorBlockDescriptor> = (0..total)
+        .map(|i| {
+            let mut f = TensorBlockDescriptor::request(Op::Ping, 0, 0);
+            f.request_id = i as u32 + 1_000_000;
+            f
+        })
+        .collect();
+    let mut sent = 0;
+    let t = Instant::now();
+    while sent < total {
+        sent += sub.push_batch(&frames[sent..]).expect("push");
+        region.doorbell().notify();
+        assert!(t.elapsed() < Duration::from_secs(10), "the daemon never made room on the submission ring");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Well within the timeout: still connected, pin held, others served.
+    std::thread::sleep(Duration::from_millis(300));
+    other.put(Key::from_bytes(b"meanwhile"), &[1u8; 4096]).expect("the other client's put");
+    let s = stats_fast(&dir.socket());
+    // (Checked only if the machine was quick enough that less than the
+    // timeout has passed since before the first frame was published.)
+    if t.elapsed() < Duration::from_millis(1500) {
+        assert_eq!((num(&s, "clients_kicked"), num(&s, "pins")), (0, 1), "kicked before the timeout: {s}");
+    }
+    // Past it: disconnected, its pin gone.
+    let (s, _) = poll_stats_fast(&dir.socket(), Duration::from_secs(20), "the stuck client's disconnection", |s| {
+        num(s, "clients_kicked") == 1 && num(s, "pins") == 0
+    });
+    assert_eq!(num(&s, "clients_connected"), 1, "{s}");
+    assert!(d.log().contains("left its completion ring full"), "{}", d.log());
+    // The stuck client learns it on its next call; the other serves on.
+    drop(view);
+    assert!(matches!(stuck.ping(), Err(ClientError::Disconnected(_))), "{:?}", stuck.ping());
+    assert_eq!(&*other.get(Key::from_bytes(b"held")).expect("get").expect("present"), &[7u8; 4096][..]);
+}

@@ -73,6 +73,10 @@ pub(crate) struct Channel {
     /// Set in a process that inherited this client through `fork()`: the rings
     /// and the connection belong to the parent; touch neither.
     forked: AtomicBool,
+    /// [`kachedb_shm::fork::generation`] when the channel was made: another
+    /// value means this process inherited it through `fork()` (the region is
+    /// inaccessible here then), whether or not `forget_after_fork` was called.
+    fork_generation: u64,
     /// The control connection; its EOF tells the daemon we are gone. Taken out
     /// (closed) by `forget_after_fork` in a forked child.
     stream: Mutex<Option<UnixStream>>,
@@ -108,6 +112,7 @@ impl Channel {
             pending_release: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
             forked: AtomicBool::new(false),
+            fork_generation: kachedb_shm::fork::generation(),
             stream: Mutex::new(Some(stream)),
             gone: AtomicBool::new(false),
             wait,
@@ -117,13 +122,22 @@ impl Channel {
         })
     }
 
-    /// See `Client::forget_after_fork`.
+    /// See `Client::forget_after_fork`. Takes no lock that a thread of the
+    /// parent may have held at the fork (it may run in an at-fork handler):
+    /// if the connection's lock is taken, this process's copy of the socket
+    /// is closed when the client is dropped instead.
     pub(crate) fn forget_after_fork(&self) {
         self.forked.store(true, Ordering::Release);
         self.closed.store(true, Ordering::Release);
-        if let Ok(mut s) = self.stream.lock() {
+        if let Ok(mut s) = self.stream.try_lock() {
             s.take();
         }
+    }
+
+    /// Whether this process inherited the channel through `fork()`.
+    fn inherited(&self) -> bool {
+        // Acquire: pairs with the Release store in `forget_after_fork`.
+        self.forked.load(Ordering::Acquire) || kachedb_shm::fork::generation() != self.fork_generation
     }
 
     fn forked_error() -> ClientError {
@@ -131,16 +145,18 @@ impl Channel {
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Io>> {
-        if self.forked.load(Ordering::Acquire) {
-            return Err(Self::forked_error());
-        }
-        if self.closed.load(Ordering::Acquire) {
+        if self.closed.load(Ordering::Acquire) && !self.inherited() {
             return Err(ClientError::Disconnected("the client is closed: connect again".into()));
         }
         self.lock_even_closed()
     }
 
     fn lock_even_closed(&self) -> Result<MutexGuard<'_, Io>> {
+        // Checked before locking: in a forked child the lock may be held
+        // forever by a thread of the parent that does not exist here.
+        if self.inherited() {
+            return Err(Self::forked_error());
+        }
         self.io.lock().map_err(|_| ClientError::Disconnected("a thread panicked while using this client".into()))
     }
 
@@ -199,7 +215,7 @@ impl Channel {
     /// Pushes `frames` (request ids assigned here) and collects one completion
     /// each, in order; `keep = false` discards them.
     fn exchange<F: Frames + ?Sized>(&self, io: &mut Io, frames: &F, keep: bool) -> Result<Vec<TensorBlockDescriptor>> {
-        if self.forked.load(Ordering::Acquire) {
+        if self.inherited() {
             return Err(Self::forked_error());
         }
         if self.gone.load(Ordering::Acquire) {
@@ -299,7 +315,7 @@ impl Channel {
     /// completions, which later calls discard. Falls back to waiting when the
     /// ring is full.
     fn post(&self, io: &mut Io, reqs: &[Request]) -> Result<()> {
-        if self.forked.load(Ordering::Acquire) || self.gone.load(Ordering::Acquire) {
+        if self.inherited() || self.gone.load(Ordering::Acquire) {
             return Ok(()); // nothing to release: the parent's, or a dead daemon's
         }
         // Discard acknowledgements that are already there (no waiting).
@@ -375,6 +391,11 @@ impl Channel {
     /// Drops the pin `handle` (a view went away): sent now if the rings are
     /// free, else queued for the thread that holds them.
     pub(crate) fn release(&self, handle: u64) {
+        if self.inherited() {
+            // The pin is the parent's; and no lock here, which a thread of
+            // the parent may have held at the fork.
+            return;
+        }
         // A closed client still releases the pins of its live views.
         match self.io.try_lock() {
             Ok(mut io) => {

@@ -5,7 +5,7 @@
 use crate::channel::Channel;
 use crate::error::{ok_or, ClientError, Result};
 use crate::Key;
-use kachedb_shm::{Completion, DType, Request, Shape, Status};
+use kachedb_shm::{Completion, DType, Op, Request, Shape, Status};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -194,6 +194,18 @@ impl Reservation {
         self.done = true;
         self.finish(Request::Commit { handle: self.handle, parent: self.parent.map(|k| k.0) })
     }
+    /// Makes the block visible under its key and returns a pinned view of
+    /// it, in one request (COMMIT_PIN): the extent stays out of eviction and
+    /// reuse until the view is dropped. For a writer that keeps a pointer to
+    /// the reserved bytes (a tensor made from [`as_mut_ptr`](Self::as_mut_ptr))
+    /// past the commit; such a pointer must not be written through after the
+    /// commit (readers see the block as immutable), only kept valid.
+    pub fn commit_pinned(mut self) -> Result<BlockView> {
+        self.done = true;
+        let c = self.channel.finish(Request::CommitPin { handle: self.handle, parent: self.parent.map(|k| k.0) })?;
+        BlockView::from_get(&self.channel, c)?
+            .ok_or_else(|| ClientError::Protocol("COMMIT_PIN answered NOT_FOUND".into()))
+    }
     /// Drops the block.
     pub fn abort(mut self) -> Result<()> {
         self.done = true;
@@ -206,11 +218,41 @@ impl Reservation {
     /// (`Invalid`, and dropped: aborted one by one).
     pub fn commit_all(reservations: Vec<Reservation>) -> Result<()> {
         finish_all(reservations, |r| Request::Commit { handle: r.take_handle(), parent: r.parent.map(|k| k.0) })
+            .map(|_| ())
+    }
+
+    /// [`commit_pinned`](Self::commit_pinned) of many reservations of one
+    /// client with one batch of COMMIT_PINs: a view of each block, in order.
+    /// Every COMMIT_PIN is sent; on an error the pins that were taken are
+    /// released and the first error returned.
+    pub fn commit_all_pinned(reservations: Vec<Reservation>) -> Result<Vec<BlockView>> {
+        let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(Vec::new()) };
+        let done = finish_all(reservations, |r| Request::CommitPin {
+            handle: r.take_handle(),
+            parent: r.parent.map(|k| k.0),
+        })?;
+        let mut views = Vec::with_capacity(done.len());
+        let mut first_err = None;
+        for c in done {
+            match BlockView::from_get(&channel, c) {
+                Ok(Some(v)) => views.push(v),
+                Ok(None) => {
+                    first_err.get_or_insert(ClientError::Protocol("COMMIT_PIN answered NOT_FOUND".into()));
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(views),
+        }
     }
 
     /// Aborts many reservations of one client with one batch of ABORTs.
     pub fn abort_all(reservations: Vec<Reservation>) -> Result<()> {
-        finish_all(reservations, |r| Request::Abort { handle: r.take_handle() })
+        finish_all(reservations, |r| Request::Abort { handle: r.take_handle() }).map(|_| ())
     }
 
     /// Marks the reservation finished by the caller (a batch COMMIT or ABORT of
@@ -224,16 +266,25 @@ impl Reservation {
     }
 }
 
-fn finish_all(mut reservations: Vec<Reservation>, req: impl Fn(&mut Reservation) -> Request) -> Result<()> {
-    let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(()) };
+/// Sends `req` of every reservation (which takes its handle) in one batch and returns the
+/// completions; COMMIT and ABORT answers that are not OK become the error
+/// (COMMIT_PIN answers are the caller's to read).
+fn finish_all(
+    mut reservations: Vec<Reservation>,
+    req: impl Fn(&mut Reservation) -> Request,
+) -> Result<Vec<Completion>> {
+    let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(Vec::new()) };
     if reservations.iter().any(|r| !Arc::ptr_eq(&r.channel, &channel)) {
         return Err(ClientError::Invalid("a batch of reservations must all come from one client".into()));
     }
     let reqs: Vec<Request> = reservations.iter_mut().map(req).collect();
-    for c in channel.finish_many(&reqs)? {
-        ok_or(c, 0)?;
+    let done = channel.finish_many(&reqs)?;
+    for c in &done {
+        if c.op != Op::CommitPin {
+            ok_or(*c, 0)?;
+        }
     }
-    Ok(())
+    Ok(done)
 }
 
 impl Drop for Reservation {

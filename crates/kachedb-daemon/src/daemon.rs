@@ -47,6 +47,9 @@ pub struct ServeConfig {
     pub max_connections: u32,
     /// How long a new connection may take to send its first request.
     pub hello_timeout: std::time::Duration,
+    /// How long a client may leave its completion ring full with requests
+    /// waiting before it is disconnected (`None`: never).
+    pub stuck_client_timeout: Option<std::time::Duration>,
     /// Run the full invariant check for every stats answer.
     pub check_invariants: bool,
     /// Which blocks eviction takes first (`docs/eviction.md`).
@@ -282,6 +285,7 @@ impl Daemon {
         Serve::new(region, store, events, channels, shutdown, cfg.wait, cfg.socket_path.clone(), started, metrics)
             .with_full_checks(cfg.check_invariants)
             .with_remote(remote)
+            .with_stuck_client_timeout(cfg.stuck_client_timeout)
             .run();
         if let Some(c) = control {
             let _ = c.join();

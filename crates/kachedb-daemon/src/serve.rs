@@ -52,6 +52,9 @@ struct Session {
     /// Keys the remote tier was asked for while this channel's held frames
     /// are served: a local miss of one of them is answered, not fetched again.
     remote_asked: HashSet<u128>,
+    /// Since when requests of this channel wait for room in its completion
+    /// ring (the client does not drain it); `None` while it does.
+    stuck_since: Option<Instant>,
 }
 
 /// A remote fetch a channel is parked on.
@@ -123,6 +126,26 @@ impl Session {
         let pending = !self.backlog.is_empty() || (!self.waiting && (!self.held.is_empty() || self.sub.has_data()));
         pending && self.comp.free_slots().map_or(true, |room| room > 0)
     }
+
+    /// Whether requests (or completions) of this channel wait for room in
+    /// its completion ring: the client is not draining it.
+    fn blocked(&mut self) -> bool {
+        if self.kicked {
+            return false;
+        }
+        let pending = !self.backlog.is_empty() || (!self.waiting && (!self.held.is_empty() || self.sub.has_data()));
+        pending && self.comp.free_slots().is_ok_and(|room| room == 0)
+    }
+
+    /// Notes whether the channel is [`blocked`](Self::blocked) now, keeping
+    /// the time it started.
+    fn note_blocked(&mut self, now: Instant) {
+        if !self.blocked() {
+            self.stuck_since = None;
+        } else if self.stuck_since.is_none() {
+            self.stuck_since = Some(now);
+        }
+    }
 }
 
 /// What woke an idle serve loop.
@@ -165,6 +188,10 @@ pub(crate) struct Serve {
     /// make only the `O(1)` cross-checks of [`Store::check_counters`], so a
     /// stats poll never stalls the data path.
     full_checks: bool,
+    /// How long a channel may stay [`blocked`](Session::blocked) before its
+    /// client is disconnected (`kachedb serve --stuck-client-timeout-ms`;
+    /// `None`: never).
+    stuck_timeout: Option<Duration>,
 }
 
 impl Serve {
@@ -202,6 +229,7 @@ impl Serve {
             wait_state: WaitState::new(),
             remote: None,
             full_checks: false,
+            stuck_timeout: None,
         }
     }
 
@@ -215,6 +243,45 @@ impl Serve {
             pending: HashMap::new(),
         });
         self
+    }
+
+    /// Disconnects clients that leave their completion ring full for longer
+    /// than `timeout` (see `stuck_timeout`).
+    pub(crate) fn with_stuck_client_timeout(mut self, timeout: Option<Duration>) -> Serve {
+        self.stuck_timeout = timeout;
+        self
+    }
+
+    /// When the first blocked channel's client passes the stuck timeout.
+    fn next_stuck_deadline(&self) -> Option<Instant> {
+        let timeout = self.stuck_timeout?;
+        self.sessions.iter().flatten().filter_map(|s| s.stuck_since).min().and_then(|t| t.checked_add(timeout))
+    }
+
+    /// Notes which channels are blocked, and disconnects the clients blocked
+    /// for longer than the stuck timeout (their socket's EOF brings the
+    /// Detach that drops their pins and reservations); whether any was.
+    fn kick_stuck(&mut self) -> bool {
+        let Some(timeout) = self.stuck_timeout else { return false };
+        let now = Instant::now();
+        let mut kicked = false;
+        for s in self.sessions.iter_mut().flatten() {
+            s.note_blocked(now);
+            if s.stuck_since.is_some_and(|t| now.duration_since(t) >= timeout) {
+                tracing::warn!(
+                    event = "client_kicked",
+                    pid = s.pid,
+                    uid = s.uid,
+                    "disconnecting a client that left its completion ring full for {timeout:?} (--stuck-client-timeout-ms)"
+                );
+                self.counters.clients_kicked += 1;
+                s.kicked = true;
+                s.stuck_since = None;
+                let _ = s.stream.shutdown(std::net::Shutdown::Both);
+                kicked = true;
+            }
+        }
+        kicked
     }
 
     /// Whether every stats answer runs the full invariant check (see `full_checks`).
@@ -242,10 +309,10 @@ impl Serve {
             // Idle: wait by the policy on the doorbell, parking no later than
             // the next WAIT deadline.
             let ops = self.counters.ops;
-            let deadline = match (self.waits.next_deadline(), self.next_fetch_deadline()) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let deadline = [self.waits.next_deadline(), self.next_fetch_deadline(), self.next_stuck_deadline()]
+                .into_iter()
+                .flatten()
+                .min();
             let mut policy = self.wait;
             if let Some(d) = deadline {
                 policy.park_timeout = policy.park_timeout.min(d.saturating_duration_since(Instant::now()));
@@ -310,6 +377,7 @@ impl Serve {
         if self.remote.as_ref().is_some_and(|r| !r.pending.is_empty()) {
             did_work |= self.expire_fetches();
         }
+        did_work |= self.kick_stuck();
         if !self.stats_waiting.is_empty() {
             // Answer stats only after serving every frame published before
             // the request (e.g. a fire-and-forget RELEASE), so a client that
@@ -475,6 +543,7 @@ impl Serve {
                     held: Vec::new(),
                     fetch: None,
                     remote_asked: HashSet::new(),
+                    stuck_since: None,
                 });
                 self.counters.clients_connected += 1;
                 self.counters.clients_total += 1;
@@ -683,7 +752,9 @@ fn serve_channel(
     for (i, frame) in req[..n].iter().enumerate() {
         counters.ops += 1;
         let c = match Request::decode(frame) {
-            Ok(r @ Request::Commit { handle, .. }) if !waits.is_empty() || remote.is_some() => {
+            Ok(r @ (Request::Commit { handle, .. } | Request::CommitPin { handle, .. }))
+                if !waits.is_empty() || remote.is_some() =>
+            {
                 let key = store.reservation_key(s.session, handle);
                 let c = store.handle(s.session, frame.request_id, &r);
                 if let (Some(key), Status::Ok) = (key, c.status) {

@@ -333,7 +333,8 @@ pub struct ServeStats {
     pub clients_connected: u64,
     /// Clients connected since start.
     pub clients_total: u64,
-    /// Clients disconnected because their rings were corrupt.
+    /// Clients disconnected because their rings were corrupt, or because
+    /// they left their completion ring full past `--stuck-client-timeout-ms`.
     pub clients_kicked: u64,
     /// Wake syscalls made for parked clients.
     pub wakeups_sent: u64,

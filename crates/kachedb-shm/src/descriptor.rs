@@ -175,6 +175,9 @@ code_enum! {
         /// GET that, if the key is absent, waits in the daemon until it is
         /// committed or the timeout the frame carries passes.
         Wait = 10,
+        /// COMMIT that also pins the committed block, answered as a GET: for a
+        /// writer that keeps a pointer into the block after committing it.
+        CommitPin = 11,
     }
 }
 
@@ -396,6 +399,14 @@ pub enum Request {
         /// (carried in the key fields with [`COMMIT_HAS_PARENT`]).
         parent: Option<u128>,
     },
+    /// COMMIT a reservation and pin the block it becomes, in one step (no
+    /// other request can evict, replace-and-free or reuse it in between).
+    CommitPin {
+        /// Reservation handle.
+        handle: u64,
+        /// As for [`Request::Commit`].
+        parent: Option<u128>,
+    },
     /// ABORT a reservation.
     Abort {
         /// Reservation handle.
@@ -456,6 +467,24 @@ fn checked_shape(d: &TensorBlockDescriptor) -> Result<(DType, Shape, u64), Decod
     Ok((dtype, shape, len))
 }
 
+impl Op {
+    /// Whether an OK completion of this op carries a pin (`handle`) and the
+    /// block's dtype and shape: GET, WAIT and COMMIT_PIN.
+    pub fn pins(self) -> bool {
+        matches!(self, Op::Get | Op::Wait | Op::CommitPin)
+    }
+}
+
+/// The parent a COMMIT or COMMIT_PIN frame names: its key fields with
+/// [`COMMIT_HAS_PARENT`] in `offset`, none with 0; other bits are invalid.
+fn commit_parent(d: &TensorBlockDescriptor) -> Result<Option<u128>, DecodeError> {
+    match d.offset {
+        0 => Ok(None),
+        COMMIT_HAS_PARENT => Ok(Some(d.key())),
+        flags => Err(DecodeError::BadCommitFlags(flags)),
+    }
+}
+
 impl Request {
     /// A RESERVE, checked as [`decode`](Self::decode) checks a RESERVE frame:
     /// the length must fit in 64 bits and the page offset must be valid.
@@ -481,6 +510,7 @@ impl Request {
             Request::Ping => Op::Ping,
             Request::Reserve { .. } => Op::Reserve,
             Request::Commit { .. } => Op::Commit,
+            Request::CommitPin { .. } => Op::CommitPin,
             Request::Abort { .. } => Op::Abort,
             Request::Get { .. } => Op::Get,
             Request::Release { .. } => Op::Release,
@@ -504,11 +534,8 @@ impl Request {
                 let (dtype, shape) = checked_dims(d)?;
                 Request::reserve(key, dtype, shape, d.offset)?
             }
-            Op::Commit => match d.offset {
-                0 => Request::Commit { handle: d.handle, parent: None },
-                COMMIT_HAS_PARENT => Request::Commit { handle: d.handle, parent: Some(key) },
-                flags => return Err(DecodeError::BadCommitFlags(flags)),
-            },
+            Op::Commit => Request::Commit { handle: d.handle, parent: commit_parent(d)? },
+            Op::CommitPin => Request::CommitPin { handle: d.handle, parent: commit_parent(d)? },
             Op::Abort => Request::Abort { handle: d.handle },
             Op::Get => Request::Get { key },
             Op::Release => Request::Release { handle: d.handle },
@@ -532,7 +559,7 @@ impl Request {
                 d.set_shape(dtype, &shape);
                 d.offset = page_offset;
             }
-            Request::Commit { handle, parent } => {
+            Request::Commit { handle, parent } | Request::CommitPin { handle, parent } => {
                 d.handle = handle;
                 if let Some(parent) = parent {
                     d.set_key(parent);
@@ -563,7 +590,7 @@ pub struct Completion {
     pub handle: u64,
     /// Data offset from the region base (RESERVE, GET), bytes used (STATS).
     pub offset: u64,
-    /// Block element type and shape (GET, WAIT), when present.
+    /// Block element type and shape (GET, WAIT, COMMIT_PIN), when present.
     pub tensor: Option<(DType, Shape, u64)>,
 }
 
@@ -572,7 +599,7 @@ impl Completion {
     pub fn decode(d: &TensorBlockDescriptor) -> Result<Self, DecodeError> {
         let op = Op::from_code(d.op).ok_or(DecodeError::UnknownOp(d.op))?;
         let status = Status::from_code(d.status).ok_or(DecodeError::UnknownStatus(d.status))?;
-        let pins = matches!(op, Op::Get | Op::Wait);
+        let pins = op.pins();
         let tensor = if pins && status == Status::Ok { Some(checked_shape(d)?) } else { None };
         Ok(Self { request_id: d.request_id, op, status, handle: d.handle, offset: d.offset, tensor })
     }
@@ -653,6 +680,8 @@ mod tests {
         assert_eq!(Completion::decode(&c.encode()).unwrap(), c);
         let w = Completion { op: Op::Wait, ..c };
         assert_eq!(Completion::decode(&w.encode()).unwrap(), w);
+        let p = Completion { op: Op::CommitPin, ..c };
+        assert_eq!(Completion::decode(&p.encode()).unwrap(), p);
         let t = Completion { op: Op::Wait, status: Status::TimedOut, handle: 0, offset: 0, tensor: None, ..c };
         assert_eq!(Completion::decode(&t.encode()).unwrap(), t);
     }
@@ -667,6 +696,8 @@ mod tests {
             Request::Commit { handle: 1 << 62 | 7, parent: None },
             Request::Commit { handle: 1 << 62 | 8, parent: Some(0) },
             Request::Commit { handle: 1 << 62 | 9, parent: Some(u128::MAX) },
+            Request::CommitPin { handle: 1 << 62 | 10, parent: None },
+            Request::CommitPin { handle: 1 << 62 | 11, parent: Some(5) },
             Request::Abort { handle: u64::MAX },
             Request::Get { key },
             Request::Release { handle: 2 << 62 },

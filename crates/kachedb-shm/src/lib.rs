@@ -5,6 +5,7 @@
 //! * [`ring`] — the single-producer single-consumer ring with its 192-byte header;
 //! * [`descriptor`] — the 64-byte `TensorBlockDescriptor`, its encoders and checked decoders;
 //! * [`wait`] — the cross-process spin-then-park wait cell and wait policy;
+//! * [`fork`] — what a forked child may touch of its parent's regions (nothing);
 //! * [`control`] — the control socket's messages as types, and its line framing;
 //! * [`naming`] — the socket path and region name both sides agree on;
 //! * [`units`] — byte counts as people write them (`8GiB`), parsed and printed.
@@ -14,6 +15,7 @@
 
 pub mod control;
 pub mod descriptor;
+pub mod fork;
 pub mod naming;
 pub mod region;
 pub mod ring;

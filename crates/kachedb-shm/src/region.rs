@@ -286,6 +286,9 @@ pub struct CreateOptions {
 /// A mapped region. Shared (`Arc`) by every ring handle and view into it; it is
 /// unmapped when the last one goes.
 pub struct Region {
+    /// Attached regions only: recorded for forked children (see [`crate::fork`]);
+    /// declared before `map`, so it is forgotten before the mapping goes.
+    _fork: Option<crate::fork::Recorded>,
     map: memmap2::MmapRaw,
     fd: OwnedFd,
     layout: Layout,
@@ -366,7 +369,7 @@ impl Region {
         // SAFETY: the mapping is at least HEADER_LEN bytes, page aligned, and no
         // other process has the fd yet, so nothing else accesses it.
         unsafe { std::ptr::write(map.as_mut_ptr().cast::<RegionHeader>(), header) };
-        let region = Arc::new(Region { map, fd, layout, generation });
+        let region = Arc::new(Region { _fork: None, map, fd, layout, generation });
         for ch in 0..layout.channel_count {
             region.reset_channel(ch);
         }
@@ -399,7 +402,8 @@ impl Region {
         let layout = Layout::from_header(&header, fd_len)?;
         // Only now the whole region, pre-faulted (its size is the checked layout's).
         let map = map_fd(&fd, layout.region_len)?;
-        Ok(Arc::new(Region { map, fd, layout, generation: header.generation }))
+        let fork = crate::fork::record(map.as_mut_ptr(), map.len());
+        Ok(Arc::new(Region { _fork: Some(fork), map, fd, layout, generation: header.generation }))
     }
 
     /// Opens a region by path (`/proc/<pid>/fd/<n>` of another process); for

@@ -18,21 +18,42 @@ pub(crate) use loom::thread::yield_now;
 #[cfg(not(loom))]
 pub(crate) use std::thread::yield_now;
 
-/// A ring slot: a cell that the producer writes and the consumer reads, never at
-/// the same time (the cursors' Release/Acquire pairs order the accesses).
+/// Words in a ring slot: slots are 64 bytes, copied as eight `u64`s.
+#[cfg(not(loom))]
+const SLOT_WORDS: usize = 8;
+
+/// A ring slot: 64 bytes that the producer writes and the consumer reads,
+/// never at the same time by the protocol (the cursors' Release/Acquire pairs
+/// order the accesses) — but the peer is another process that may break the
+/// protocol, so every access is one that stays defined under a concurrent write.
 ///
-/// Without loom it is `UnsafeCell<T>` (`repr(transparent)`, so a slot is exactly
-/// 64 bytes in shared memory); under loom it is loom's cell, so the model checker
-/// sees every slot access and reports a race if the orderings allowed one.
+/// Without loom it is eight `AtomicU64` words, written and read with Relaxed
+/// word copies: a peer scribbling on a slot makes the copy garbage (which
+/// every reader validates), never undefined behaviour. Under loom it is loom's
+/// cell, so the model checker sees every slot access and reports a race if the
+/// cursors' orderings allowed one.
+#[cfg(not(loom))]
+#[derive(Debug, Default)]
+#[repr(C)]
+pub struct SlotCell<T> {
+    words: [AtomicU64; SLOT_WORDS],
+    frame: core::marker::PhantomData<T>,
+}
+
+/// A ring slot (see the non-loom definition); under loom, loom's cell.
+#[cfg(loom)]
 #[derive(Debug, Default)]
 #[repr(transparent)]
-pub struct SlotCell<T>(#[cfg(not(loom))] core::cell::UnsafeCell<T>, #[cfg(loom)] loom::cell::UnsafeCell<T>);
+pub struct SlotCell<T>(loom::cell::UnsafeCell<T>);
 
-impl<T: Copy> SlotCell<T> {
+impl<T: bytemuck::Pod> SlotCell<T> {
     /// A slot holding `value`.
     pub fn new(value: T) -> Self {
         #[cfg(not(loom))]
-        return Self(core::cell::UnsafeCell::new(value));
+        return Self {
+            words: bytemuck::cast::<T, [u64; SLOT_WORDS]>(value).map(AtomicU64::new),
+            frame: core::marker::PhantomData,
+        };
         #[cfg(loom)]
         return Self(loom::cell::UnsafeCell::new(value));
     }
@@ -40,23 +61,23 @@ impl<T: Copy> SlotCell<T> {
     /// Writes the slot.
     ///
     /// # Safety
-    /// The caller owns the slot: no other access to it runs concurrently (the
-    /// producer owns slots in `[tail, head + capacity)`).
+    /// The caller owns the slot: the consumer does not read it concurrently
+    /// (the producer owns slots in `[tail, head + capacity)`). Not needed for
+    /// memory safety without loom (the words are atomic); it is the protocol,
+    /// which loom checks.
     #[inline(always)]
     pub(crate) unsafe fn write(&self, value: T) {
-        // A plain store, not a volatile one: the slot is ours (the contract), and
-        // the Release store of `tail` that hands it over keeps the compiler from
-        // dropping or sinking this write, whether the reader is a thread or
-        // another process. A volatile store of a 64-byte struct is split into
-        // one store per field (12 here) instead of four 16-byte stores, so the
-        // store buffer holds fewer lines in flight: measured across two
-        // processes, batches moved at 34 M frames/s with it against 44 M/s
-        // without (with the plain `read` below as well: 118 M/s).
         #[cfg(not(loom))]
-        // SAFETY: exclusive access to the slot is the caller's contract.
-        unsafe {
-            self.0.get().write(value)
-        };
+        {
+            let words = bytemuck::cast::<T, [u64; SLOT_WORDS]>(value);
+            for (cell, word) in self.words.iter().zip(words) {
+                // Relaxed: the slot is handed to the consumer by the Release
+                // store of `tail` after these stores, which the consumer's
+                // Acquire load of `tail` pairs with; a word needs no ordering
+                // of its own.
+                cell.store(word, Ordering::Relaxed);
+            }
+        }
         #[cfg(loom)]
         // SAFETY: exclusive access is the caller's contract (loom checks it).
         self.0.with_mut(|p| unsafe { p.write(value) });
@@ -71,17 +92,15 @@ impl<T: Copy> SlotCell<T> {
     /// reader treats as untrusted input and validates.
     #[inline(always)]
     pub(crate) unsafe fn read(&self) -> T {
-        // A plain copy, not a volatile one. Volatile would not make a race with a
-        // hostile writer defined either (Rust's volatile accesses have no bearing
-        // on concurrency), and a volatile read of a 64-byte struct is split into
-        // one load per field (16 here): measured across two processes, batches
-        // moved at 44 M frames/s with it against 118 M/s with this copy (four
-        // 16-byte loads). The copy is what every caller validates and uses: the
-        // callers finish it before their Release store of `head`, which the
-        // compiler may not move it past nor re-read the slot after.
         #[cfg(not(loom))]
-        // SAFETY: see the function's contract; `T: Copy` is plain data.
-        return unsafe { self.0.get().read() };
+        {
+            // Relaxed: the slot was handed over by the producer's Release store
+            // of `tail`, which the caller's Acquire load of `tail` (before this
+            // copy) pairs with; the caller's Release store of `head` (after it)
+            // hands the slot back. A word needs no ordering of its own.
+            let words = core::array::from_fn::<u64, SLOT_WORDS, _>(|i| self.words[i].load(Ordering::Relaxed));
+            bytemuck::cast::<[u64; SLOT_WORDS], T>(words)
+        }
         #[cfg(loom)]
         // SAFETY: see the function's contract (loom checks it).
         return self.0.with(|p| unsafe { p.read() });

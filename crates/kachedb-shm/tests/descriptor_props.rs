@@ -101,8 +101,8 @@ fn check_request(f: &TensorBlockDescriptor) {
                     assert!(page_offset < 4096 && page_offset & 63 == 0);
                     assert_eq!(page_offset, f.offset);
                 }
-                Request::Commit { handle, parent } => {
-                    assert_eq!(op, Op::Commit);
+                Request::Commit { handle, parent } | Request::CommitPin { handle, parent } => {
+                    assert!(matches!(op, Op::Commit | Op::CommitPin));
                     assert_eq!(handle, f.handle);
                     assert_eq!(parent.is_some(), f.offset == kachedb_shm::COMMIT_HAS_PARENT);
                     if let Some(parent) = parent {
@@ -155,10 +155,10 @@ fn check_completion(f: &TensorBlockDescriptor) {
             assert_eq!((c.request_id, c.handle, c.offset), (f.request_id, f.handle, f.offset));
             match c.tensor {
                 Some((dtype, shape, len)) => {
-                    assert!(matches!(c.op, Op::Get | Op::Wait) && c.status == Status::Ok);
+                    assert!(matches!(c.op, Op::Get | Op::Wait | Op::CommitPin) && c.status == Status::Ok);
                     check_tensor(f, dtype, &shape, len);
                 }
-                None => assert!(!(matches!(c.op, Op::Get | Op::Wait) && c.status == Status::Ok)),
+                None => assert!(!(matches!(c.op, Op::Get | Op::Wait | Op::CommitPin) && c.status == Status::Ok)),
             }
             // What decodes re-encodes to a frame that decodes to the same.
             assert_eq!(Completion::decode(&c.encode()), Ok(c));
@@ -171,8 +171,8 @@ fn check_completion(f: &TensorBlockDescriptor) {
         }
         Err(_) => {
             assert!(
-                (f.op == Op::Get as u8 || f.op == Op::Wait as u8) && f.status == Status::Ok as u8,
-                "only a GET or WAIT OK completion checks its shape"
+                Op::from_code(f.op).is_some_and(Op::pins) && f.status == Status::Ok as u8,
+                "only a GET, WAIT or COMMIT_PIN OK completion checks its shape"
             )
         }
     }
@@ -251,6 +251,7 @@ proptest! {
                 r.unwrap()
             }
             Op::Commit => Request::Commit { handle, parent: (page % 2 == 1).then_some(key) },
+            Op::CommitPin => Request::CommitPin { handle, parent: (page % 2 == 1).then_some(key) },
             Op::Abort => Request::Abort { handle },
             Op::Get => Request::Get { key },
             Op::Release => Request::Release { handle },
@@ -283,7 +284,7 @@ proptest! {
         dtype in prop::sample::select(DType::ALL),
         dims in prop::collection::vec(0u64..=65_536, 0..=MAX_DIMS),
     ) {
-        let pins = matches!(op, Op::Get | Op::Wait);
+        let pins = op.pins();
         let tensor = if pins && status == Status::Ok {
             let shape = Shape::new(&dims).unwrap();
             shape.len_bytes(dtype).map(|len| (dtype, shape, len))

@@ -225,3 +225,60 @@ fn corrupt_cursors_at_attach_are_reported_not_panicked() {
         assert!(matches!(p.push_batch(&[frame(0)]), Err(RingError::Corrupt { .. })));
     }
 }
+
+/// A hostile peer that writes the slots while the consumer copies them out
+/// (issue 12, item 13): the slot copies are atomic word copies, so the
+/// consumer gets some mix of words — garbage it validates — and the program
+/// stays defined (under Miri, a plain slot copy racing these writes is
+/// reported as a data race). Here the scribbler rewrites every slot word with
+/// atomic stores while frames go through; every frame popped is either the
+/// one pushed or has scribbled words in it, and nothing panics.
+#[test]
+fn slots_scribbled_while_popping_give_garbage_not_undefined_behaviour() {
+    const SCRIBBLE: u64 = 0x5c5c_5c5c_5c5c_5c5c;
+    let n: u64 = if cfg!(miri) { 200 } else { 100_000 };
+    let (mem, base) = raw_ring();
+    // SAFETY: as in `attach_over_raw_memory`.
+    let (mut p, mut c) = unsafe { ring::attach(base, 4, mem.clone()) };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let scribbler = {
+        let (mem, stop) = (mem.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let words = mem.slots.get().cast::<AtomicU64>();
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                // SAFETY: the slots are 4 × 8 aligned u64 words owned by `mem`;
+                // the ring only ever accesses them as `AtomicU64`s, so these
+                // concurrent atomic stores are a (hostile) peer's, not a data race.
+                unsafe { (*words.add(i % 32)).store(SCRIBBLE, Ordering::Relaxed) };
+                i = i.wrapping_add(7);
+                if cfg!(miri) {
+                    std::thread::yield_now();
+                }
+            }
+        })
+    };
+    let producer = std::thread::spawn(move || {
+        for i in 0..n {
+            while !p.try_push(&frame(i)).unwrap() {
+                std::hint::spin_loop();
+            }
+        }
+    });
+    let (mut whole, mut scribbled) = (0u64, 0u64);
+    while whole + scribbled < n {
+        if let Some(f) = c.try_pop().unwrap() {
+            let words: [u64; 8] = bytemuck::cast(f);
+            if f == frame(whole + scribbled) {
+                whole += 1;
+            } else {
+                assert!(words.contains(&SCRIBBLE), "a frame neither pushed nor scribbled: {words:x?}");
+                scribbled += 1;
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    producer.join().unwrap();
+    scribbler.join().unwrap();
+    assert_eq!(whole + scribbled, n);
+}

@@ -2,7 +2,7 @@
 ``torch.Tensor`` / numpy views of shared memory.
 
 This module only re-exports; the pieces live in ``_keys``, ``_errors``,
-``_dtypes``, ``_views`` and the native ``_kachedb_rust``.
+``_dtypes``, ``_views``, ``_device`` and the native ``_kachedb_rust``.
 """
 
 from ._errors import (
@@ -16,6 +16,7 @@ from ._errors import (
     TooLarge,
 )
 from ._client import Client, Reservation, Reservations, connect, default_socket_path
+from ._device import to_device
 from ._kachedb_rust import __version__
 from ._keys import KeyLike, key_of
 
@@ -25,6 +26,7 @@ __all__ = [
     "Reservation",
     "Reservations",
     "default_socket_path",
+    "to_device",
     "__version__",
     "key_of",
     "KeyLike",

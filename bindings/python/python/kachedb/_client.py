@@ -178,10 +178,16 @@ def _is_ndarray(x: Any) -> bool:
 class _Pending:
     """What ``Reservation`` and ``Reservations`` share: one native handle,
     committed on normal exit of ``with``, aborted if the block raises or if the
-    object is collected unfinished."""
+    object is collected unfinished.
+
+    The tensors in ``out`` (and every tensor made from them) keep the reserved
+    extent out of reuse for as long as they live: after a commit the block
+    stays pinned until the last of them is gone, and an abort frees the extent
+    only then (at once if none is kept)."""
 
     _native: Any
     _done: bool
+    out: Any
 
     def commit(self) -> None:
         self._done = True
@@ -189,6 +195,9 @@ class _Pending:
 
     def abort(self) -> None:
         self._done = True
+        # ``out`` is meaningless once aborted: let go of it first, so that the
+        # extent is freed now unless the caller still holds a tensor of it.
+        self.out = self._no_out
         self._native.abort()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -210,7 +219,11 @@ class _Pending:
 class Reservation(_Pending):
     """A reserved block being written: ``out`` is a writable tensor (or numpy
     array) of the block. Committed on normal exit of ``with``, aborted if the
-    block raises. Do not write ``out`` after the ``with`` block."""
+    block raises. Do not write ``out`` after the ``with`` block: once committed
+    the block is visible to readers (``out`` keeps it pinned while it lives);
+    once aborted ``out`` is ``None``."""
+
+    _no_out: Any = None
 
     def __init__(self, native: Any, code: int, shape: tuple, as_numpy: bool) -> None:
         self._native = native
@@ -230,6 +243,8 @@ class Reservations(_Pending):
     of writable tensors, one per key. All committed (one batch) on normal exit of
     ``with``, all aborted if the block raises. Do not write them after the
     ``with`` block."""
+
+    _no_out: Any = ()
 
     def __init__(self, native: Any, code: int) -> None:
         self._native = native

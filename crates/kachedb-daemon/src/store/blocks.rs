@@ -85,6 +85,26 @@ impl Store {
         Ok(Reply::default())
     }
 
+    /// COMMIT, then a GET of the key by the same session within this one
+    /// request: the pin is on the block just committed (the key names it until
+    /// another request runs), so nothing can evict, replace-and-free or reuse
+    /// its extent in between. A pin slot is checked first, so an
+    /// OUT_OF_MEMORY answer leaves the reservation open.
+    pub(super) fn commit_pin(&mut self, s: SessionId, handle: u64, parent: Option<u128>) -> Result<Reply, Status> {
+        let index = self.own_reservation(s, handle)?;
+        if self.free_pin_slots.is_empty() && self.pin_slots.len() >= MAX_SLOTS {
+            return Err(Status::OutOfMemory);
+        }
+        let key = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Reserved { tensor, .. }) => tensor.key,
+            _ => return Err(Status::Internal),
+        };
+        self.commit(s, handle, parent)?;
+        // The reservation's bytes were held until the commit above; the pin
+        // holds the same extent, so the per-client limit cannot refuse it.
+        self.get(s, key)
+    }
+
     pub(super) fn abort(&mut self, s: SessionId, handle: u64) -> Result<Reply, Status> {
         let index = self.own_reservation(s, handle)?;
         if let Some(session) = self.sessions.get_mut(&s) {

@@ -176,7 +176,7 @@ impl Counters {
         st.replaced = self.replaced;
         st.pings = req(Op::Ping);
         st.reserves = req(Op::Reserve);
-        st.commits = req(Op::Commit);
+        st.commits = req(Op::Commit) + req(Op::CommitPin);
         st.aborts = req(Op::Abort);
         st.gets = req(Op::Get);
         st.get_hits = hits(Op::Get);

@@ -240,6 +240,7 @@ impl Store {
                     self.reserve(s, key, dtype, shape, len, page_offset)
                 }
                 Request::Commit { handle, parent } => self.commit(s, handle, parent),
+                Request::CommitPin { handle, parent } => self.commit_pin(s, handle, parent),
                 Request::Abort { handle } => self.abort(s, handle),
                 // A WAIT is a GET here; the serve loop parks it while NOT_FOUND.
                 Request::Get { key } | Request::Wait { key, .. } => self.get(s, key),

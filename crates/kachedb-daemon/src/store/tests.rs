@@ -520,3 +520,33 @@ fn handle_encoding_round_trips() {
     assert_eq!(decode_handle(u64::MAX), None);
     assert_eq!(next_generation(GEN_MASK), 0);
 }
+
+#[test]
+fn commit_pin_commits_and_pins_the_same_extent() {
+    let mut t = T::new(8);
+    let (a, b) = (t.st.open_session(), t.st.open_session());
+    let r = t.reserve(a, 7, 4 * PAGE_LEN);
+    assert_eq!(r.status, Status::Ok);
+    let c = t.req(a, Request::CommitPin { handle: r.handle, parent: None });
+    assert_eq!((c.op, c.status, c.offset), (Op::CommitPin, Status::Ok, r.offset));
+    assert_eq!(c.tensor.map(|(_, _, len)| len), Some(4 * PAGE_LEN));
+    assert_eq!(Completion::decode(&c.encode()).unwrap(), c);
+    let st = t.st.stats();
+    assert_eq!((st.reserved, st.pins, st.blocks, st.commits, st.evictable_bytes), (0, 1, 1, 1, 0));
+    // Pinned: neither eviction nor a replacing commit frees the extent.
+    assert_eq!(t.reserve(b, 8, 8 * PAGE_LEN).status, Status::OutOfMemory);
+    let r2 = t.reserve(b, 7, 4 * PAGE_LEN);
+    assert_eq!(r2.status, Status::Ok);
+    assert_ne!(r2.offset, r.offset);
+    assert_eq!(t.status(b, Request::Commit { handle: r2.handle, parent: None }), Status::Ok);
+    // The new block of key 7 pinned too: only the replaced block's release can make room.
+    let g = t.get(b, 7);
+    assert_eq!((g.status, g.offset), (Status::Ok, r2.offset));
+    assert_eq!(t.reserve(b, 9, 4 * PAGE_LEN).status, Status::OutOfMemory, "the replaced block is still pinned");
+    assert_eq!(t.status(a, Request::Release { handle: c.handle }), Status::Ok);
+    assert_eq!(t.reserve(b, 9, 4 * PAGE_LEN).status, Status::Ok, "freed by the last release");
+    // The handle is spent, and another session's COMMIT_PIN is refused.
+    assert_eq!(t.status(a, Request::CommitPin { handle: r.handle, parent: None }), Status::BadHandle);
+    let r3 = t.reserve(a, 10, PAGE_LEN);
+    assert_eq!(t.status(b, Request::CommitPin { handle: r3.handle, parent: None }), Status::BadHandle);
+}

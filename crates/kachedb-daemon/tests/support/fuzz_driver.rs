@@ -50,7 +50,10 @@ pub fn check_decode(bytes: &[u8]) -> Result<(), String> {
                     return Err(format!("non-zero unused dims accepted: {d:?}"));
                 }
             }
-            Request::Commit { handle, .. } | Request::Abort { handle } | Request::Release { handle }
+            Request::Commit { handle, .. }
+            | Request::CommitPin { handle, .. }
+            | Request::Abort { handle }
+            | Request::Release { handle }
                 if handle != d.handle =>
             {
                 return Err(format!("handle {handle} is not the frame's {}", d.handle));
@@ -63,7 +66,7 @@ pub fn check_decode(bytes: &[u8]) -> Result<(), String> {
     }
     if let Ok(c) = Completion::decode(&d) {
         if let Some((dtype, shape, len)) = c.tensor {
-            if c.op != Op::Get || c.status != Status::Ok || shape.len_bytes(dtype) != Some(len) {
+            if !c.op.pins() || c.status != Status::Ok || shape.len_bytes(dtype) != Some(len) {
                 return Err(format!("inconsistent completion tensor: {c:?}"));
             }
         }
@@ -114,6 +117,41 @@ fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < b.1 && b.0 < a.1 && a.0 < a.1 && b.0 < b.1
 }
 
+/// Live reservations: handle -> (session, range).
+type Reservations = HashMap<u64, (usize, (u64, u64))>;
+/// Pins: (session, handle) -> (range, count).
+type Pins = HashMap<(usize, u64), ((u64, u64), u64)>;
+
+/// Checks the pin an OK GET or COMMIT_PIN completion `c` of session `i`
+/// gave against the model, and records it.
+fn record_pin(
+    pins: &mut Pins,
+    reservations: &Reservations,
+    issued: &mut Vec<u64>,
+    i: usize,
+    c: &Completion,
+    slab: (u64, u64),
+) -> Result<(), String> {
+    let Some((dtype, shape, len)) = c.tensor else { return Err(format!("pin OK without a tensor: {c:?}")) };
+    let r = (c.offset, c.offset + len);
+    if shape.len_bytes(dtype) != Some(len) || c.offset < slab.0 || r.1 > slab.1 {
+        return Err(format!("pin answered {c:?} outside the slab {slab:?}"));
+    }
+    if let Some((h, (_, other))) = reservations.iter().find(|(_, (_, o))| overlaps(r, *o)) {
+        return Err(format!("pinned block {r:?} overlaps reservation {h:#x} at {other:?}"));
+    }
+    let e = pins.entry((i, c.handle)).or_insert((r, 0));
+    if e.0 != r {
+        return Err(format!("pin handle {:#x} names two blocks: {:?} and {r:?}", c.handle, e.0));
+    }
+    e.1 += 1;
+    if pins.iter().any(|((owner, h), (o, _))| *owner == i && *h != c.handle && *o == r) {
+        return Err(format!("session {i} holds two pin handles on one block {r:?}"));
+    }
+    issued.push(c.handle);
+    Ok(())
+}
+
 /// Runs the program in `data` (see the module docs).
 pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
     const SESSIONS: usize = 4;
@@ -124,8 +162,8 @@ pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
     let mut sessions: Vec<Option<SessionId>> = (0..SESSIONS).map(|i| (i < 3).then(|| st.open_session())).collect();
     let mut issued: Vec<u64> = Vec::new();
     // Live reservations: handle -> (session, range); pins: (session, handle) -> (range, count).
-    let mut reservations: HashMap<u64, (usize, (u64, u64))> = HashMap::new();
-    let mut pins: HashMap<(usize, u64), ((u64, u64), u64)> = HashMap::new();
+    let mut reservations: Reservations = HashMap::new();
+    let mut pins: Pins = HashMap::new();
     let mut fig = Figures::default();
     while let Some(tag) = bytes.u8() {
         if tag % 32 == 0 {
@@ -150,7 +188,11 @@ pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
         if (tag >> 5) & 3 != 0 {
             // Steer (3 in 4) towards well-formed requests on few keys, small shapes.
             d.status = 0;
-            d.op = 1 + d.op % 9;
+            // Ops 1..=9 and COMMIT_PIN (WAIT parks in the serve loop, not here).
+            d.op = 1 + d.op % 10;
+            if d.op == 10 {
+                d.op = Op::CommitPin as u8;
+            }
             d.key_hi = 0;
             d.key_lo %= 8;
             d.dtype = 1 + d.dtype % 12;
@@ -202,35 +244,28 @@ pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
                 }
                 issued.push(c.handle);
             }
-            Request::Commit { handle, .. } | Request::Abort { handle } => {
+            Request::Commit { handle, .. } | Request::Abort { handle } | Request::CommitPin { handle, .. } => {
                 let own = reservations.get(&handle).is_some_and(|(owner, _)| *owner == i);
                 match (own, c.status) {
                     (true, Status::Ok) => {
-                        reservations.remove(&handle);
+                        let (_, reserved) = reservations.remove(&handle).unwrap_or((i, (0, 0)));
+                        if matches!(req, Request::CommitPin { .. }) {
+                            let Some((_, _, len)) = c.tensor else {
+                                return Err(format!("COMMIT_PIN OK without a tensor: {c:?}"));
+                            };
+                            if (c.offset, c.offset + len) != reserved {
+                                return Err(format!("COMMIT_PIN pinned {c:?}, not the reservation at {reserved:?}"));
+                            }
+                            record_pin(&mut pins, &reservations, &mut issued, i, &c, slab)?;
+                        }
                     }
                     (false, Status::BadHandle) => {}
                     (true, st) => return Err(format!("{req:?} of session {i}'s own reservation: {st:?}")),
                     (false, st) => return Err(format!("{req:?} of a handle session {i} does not own: {st:?}")),
                 }
             }
-            Request::Get { .. } if ok => {
-                let Some((dtype, shape, len)) = c.tensor else { return Err(format!("GET OK without a tensor: {c:?}")) };
-                let r = (c.offset, c.offset + len);
-                if shape.len_bytes(dtype) != Some(len) || c.offset < slab.0 || r.1 > slab.1 {
-                    return Err(format!("GET answered {c:?} outside the slab {slab:?}"));
-                }
-                if let Some((h, (_, other))) = reservations.iter().find(|(_, (_, o))| overlaps(r, *o)) {
-                    return Err(format!("pinned block {r:?} overlaps reservation {h:#x} at {other:?}"));
-                }
-                let e = pins.entry((i, c.handle)).or_insert((r, 0));
-                if e.0 != r {
-                    return Err(format!("pin handle {:#x} names two blocks: {:?} and {r:?}", c.handle, e.0));
-                }
-                e.1 += 1;
-                if pins.iter().any(|((owner, h), (o, _))| *owner == i && *h != c.handle && *o == r) {
-                    return Err(format!("session {i} holds two pin handles on one block {r:?}"));
-                }
-                issued.push(c.handle);
+            Request::Get { .. } | Request::Wait { .. } if ok => {
+                record_pin(&mut pins, &reservations, &mut issued, i, &c, slab)?
             }
             Request::Release { handle } => match (pins.get_mut(&(i, handle)), c.status) {
                 (Some(p), Status::Ok) => {
