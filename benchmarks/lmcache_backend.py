@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "lmcache"))
+sys.path[:0] = [str(ROOT / "tests" / "lmcache"), str(ROOT / "tests")]  # lmcache_support, engine_support
 
 
 def _ms(xs):
@@ -64,7 +64,7 @@ def main():
     local_gib = max(0.25, 3 * prompt_bytes / 2**30)
     dims = dict(layers=a.layers, heads=a.kv_heads, head_size=a.head_size, chunk_tokens=a.chunk, local_cpu_gib=local_gib)
 
-    daemon = S.Daemon(a.daemon_size)
+    daemon = S.Daemon(size=a.daemon_size).start()
     try:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 

@@ -2,27 +2,21 @@
 installed (``make test-lmcache`` runs them in .venv-lmcache); elsewhere this
 folder is skipped."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))  # tests/: engine_support
 
-def _have_lmcache() -> bool:
-    # (this folder is itself named "lmcache": a namespace package of that name is not LMCache)
-    try:
-        spec = importlib.util.find_spec("lmcache")
-    except (ImportError, ValueError):
-        return False
-    here = str(Path(__file__).resolve().parent)
-    return bool(spec and spec.origin and spec.origin.endswith("__init__.py") and not spec.origin.startswith(here))
+from engine_support import engine_installed  # noqa: E402
 
-
-if not _have_lmcache():  # e.g. the project's main environment
+if not engine_installed("lmcache"):  # e.g. the project's main environment
     collect_ignore_glob = ["test_*.py"]
 else:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(HERE))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # lmcache_support, engine_support
 
 import lmcache_support as S  # noqa: E402
 
@@ -235,7 +236,7 @@ def scenario_daemon_restart(spec: Dict[str, Any]) -> Dict[str, Any]:
     tokens, kv = S.prompt_tokens(n, seed), S.prompt_kv(n, seed)
     tokens2, kv2 = S.prompt_tokens(n2, seed2), S.prompt_kv(n2, seed2)
     socket = spec["socket"]
-    daemon = S.Daemon("64MiB", socket=socket)
+    daemon = S.Daemon(socket, size="64MiB").start()
     out: Dict[str, Any] = {}
     try:
         engine = S.build_engine("restart", socket=socket, retry_seconds=spec["retry_seconds"])
@@ -255,7 +256,7 @@ def scenario_daemon_restart(spec: Dict[str, Any]) -> Dict[str, Any]:
         out["down_local_lookup"] = _local_lookup(engine, tokens2)  # the local tier still works
 
         # Back (empty): after retry_seconds the tier reconnects and stores again.
-        daemon = S.Daemon("64MiB", socket=socket)
+        daemon = S.Daemon(socket, size="64MiB").start()
         time.sleep(spec["retry_seconds"] * 2)
         S.clear_local(engine, tokens2)
         engine.store(tokens2, kv=kv2)

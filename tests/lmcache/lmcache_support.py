@@ -1,6 +1,6 @@
-"""Helpers of the LMCache integration tests and benchmark: the daemon binary, a
-CPU implementation of LMCache's GPU-connector interface, and an LMCache engine
-built around it.
+"""Helpers of the LMCache integration tests and benchmark: the daemon
+(``engine_support.Daemon``; tests/ on ``sys.path``), a CPU implementation of
+LMCache's GPU-connector interface, and an LMCache engine built around it.
 
 LMCache's engine copies KV between the serving engine's cache and its
 ``MemoryObj`` chunks through a GPU connector; its ``MockGPUConnector`` copies
@@ -12,19 +12,11 @@ product.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
+from engine_support import Daemon  # noqa: F401 (the tests' and the benchmark's S.Daemon)
 
 #: The plugin name the tests register (``kachedb.lmcache.config()``'s default).
 PLUGIN = "kachedb"
@@ -36,85 +28,6 @@ NUM_LAYERS = 4
 NUM_HEADS = 2
 HEAD_SIZE = 16
 CHUNK_TOKENS = 16
-
-
-def daemon_bin() -> str:
-    b = os.environ.get("KACHEDB_BIN") or str(ROOT / "target" / "release" / "kachedb")
-    if not os.path.exists(b):
-        raise FileNotFoundError(f"the daemon binary {b} is missing: run `cargo build --release -p kachedb-cli` (or `make build`)")
-    return b
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-class Daemon:
-    """The real daemon binary on a private socket; stopped by its PID."""
-
-    def __init__(self, size: str = "256MiB", socket: Optional[str] = None) -> None:
-        """``socket``: a path in a private directory (default: a new one)."""
-        self._own_dir = socket is None
-        self.dir = os.path.dirname(socket) if socket else tempfile.mkdtemp(prefix="kdb-lmc-", dir="/tmp")
-        self.socket = socket or os.path.join(self.dir, "d.sock")
-        self.log_path = os.path.join(self.dir, "daemon.log")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [daemon_bin(), "serve", "--socket", self.socket, "--size", size],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        self._observer: Any = None
-        deadline = time.monotonic() + 30
-        import kachedb
-
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the daemon did not start:\n{self.log()}")
-            if os.path.exists(self.socket):
-                try:
-                    self._observer = kachedb.connect(self.socket)
-                    break
-                except kachedb.Disconnected:
-                    pass
-            time.sleep(0.02)
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-3000:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
-
-    def client(self) -> Any:
-        """A client kept for observing the daemon (stats, lookups)."""
-        return self._observer
-
-    def stats(self) -> Dict[str, Any]:
-        return self._observer.stats()
-
-    def stop(self) -> int:
-        """SIGTERM (SIGKILL after 15 s); returns the exit code."""
-        if self._observer is not None:
-            self._observer.close()
-            self._observer = None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._own_dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
-        return self.proc.returncode
 
 
 # --- the engine side (imports LMCache and torch) ---------------------------

@@ -70,7 +70,7 @@ def assert_kachedb_serving(result: dict) -> None:
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = S.Daemon("256MiB")
+    d = S.Daemon(size="256MiB").start()
     try:
         yield d
     finally:

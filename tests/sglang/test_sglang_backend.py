@@ -16,7 +16,7 @@ import torch
 import kachedb
 import kachedb.sglang
 import pools
-from sglang_support import Daemon
+from engine_support import Daemon
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -5,7 +5,8 @@ other slots, byte-equal; both host-pool layouts; the real daemon binary."""
 
 import pytest
 
-from sglang_support import Daemon, run_pools
+from engine_support import Daemon
+from sglang_support import run_pools
 
 LAYOUTS = ["page_first", "layer_first"]
 PAGES = 8

@@ -1,28 +1,21 @@
 """Fixtures of the vLLM integration tests: they run only where vLLM is installed
 (``make test-vllm`` runs them in .venv-vllm); elsewhere this folder is skipped."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))  # tests/: engine_support
 
+from engine_support import engine_installed  # noqa: E402
 
-def _have_vllm() -> bool:
-    # (this folder is itself named "vllm": a namespace package of that name is not vLLM)
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return False
-    here = str(Path(__file__).resolve().parent)
-    return bool(spec and spec.origin and spec.origin.endswith("__init__.py") and not spec.origin.startswith(here))
-
-
-if not _have_vllm():  # e.g. the project's main environment
+if not engine_installed("vllm"):  # e.g. the project's main environment
     collect_ignore_glob = ["test_*.py"]
 else:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(HERE))
 
 
 @pytest.fixture(scope="session")

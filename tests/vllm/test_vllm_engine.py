@@ -22,7 +22,8 @@ import re
 
 import pytest
 
-from vllm_support import Daemon, daemon_bin, run_engine
+from engine_support import daemon_bin
+from vllm_support import Daemon, run_engine
 
 BLOCK = 32
 pytestmark = pytest.mark.timeout(900)

@@ -1,65 +1,22 @@
-"""Helpers of the vLLM integration tests: the daemon binary and engine processes."""
+"""Helpers of the vLLM integration tests: the daemon (``engine_support``) and engine processes."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Optional
 
-import pytest
+import engine_support
 
-ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
-def daemon_bin() -> str:
-    b = os.environ.get("KACHEDB_BIN") or str(ROOT / "target" / "release" / "kachedb")
-    if not os.path.exists(b):
-        pytest.fail(f"the daemon binary {b} is missing: run `cargo build --release -p kachedb-cli` (or `make build`)")
-    return b
+class Daemon(engine_support.Daemon):
+    """``engine_support.Daemon`` with the vLLM tests' region size by default."""
 
-
-class Daemon:
-    """The real daemon binary on its own socket; stopped by its PID."""
-
-    def __init__(self, socket: str, size: str = "512MiB") -> None:
-        self.socket = socket
-        self.size = size
-        self.proc = None
-
-    def start(self) -> "Daemon":
-        if os.path.exists(self.socket):
-            os.unlink(self.socket)
-        self.log = self.socket + ".log"
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [daemon_bin(), "serve", "--socket", self.socket, "--size", self.size],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            )
-        deadline = time.monotonic() + 30
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"daemon did not start: {open(self.log).read()[-2000:]}")
-            time.sleep(0.05)
-        return self
-
-    def stats(self) -> dict:
-        import kachedb
-
-        with kachedb.connect(self.socket) as kc:
-            return kc.stats()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+    def __init__(self, socket: Optional[str] = None, size: str = "512MiB") -> None:
+        super().__init__(socket, size)
 
 
 def run_engine(workdir: Path, name: str, spec: dict, timeout: float = 600, background: bool = False):

@@ -112,3 +112,23 @@ def test_sglang_integration_imports_without_sglang_or_torch():
                          capture_output=True, text=True)
     assert cli.returncode == 0 and json.loads(cli.stdout) == cfg, cli.stderr
     assert (PKG / "sglang" / "storage.py").exists()
+
+
+def test_daemon_link_ships_and_imports_without_engines_or_torch():
+    """The integrations' shared link (kachedb/_link.py) is in the package and needs
+    no engine nor torch; an absent daemon makes its client None, not an error."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'vllm', 'sglang', 'lmcache'): sys.modules[m] = None\n"
+        "import logging, kachedb._link, kachedb.vllm._link\n"
+        "link = kachedb._link.DaemonLink('/nonexistent/k.sock', logger=logging.getLogger('t'), label='t')\n"
+        "assert link.client() is None and link.outages == 1\n"
+        "assert kachedb.vllm._link.daemon_link('/nonexistent/k.sock', 'scheduler').label == 'vLLM'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert (PKG / "_link.py").exists()

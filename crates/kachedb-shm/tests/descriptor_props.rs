@@ -141,7 +141,11 @@ fn check_request(f: &TensorBlockDescriptor) {
             }
             DecodeError::BadPageOffset(o) => assert!(o >= 4096 || o & 63 != 0),
             DecodeError::BadCommitFlags(flags) => {
-                assert!(f.op == Op::Commit as u8 && flags == f.offset && flags & !kachedb_shm::COMMIT_HAS_PARENT != 0)
+                assert!(
+                    (f.op == Op::Commit as u8 || f.op == Op::CommitPin as u8)
+                        && flags == f.offset
+                        && flags & !kachedb_shm::COMMIT_HAS_PARENT != 0
+                )
             }
         },
     }
@@ -264,9 +268,11 @@ proptest! {
         prop_assert_eq!((f.op, f.status, f.request_id), (op as u8, 0, request_id));
         prop_assert_eq!(Request::decode(&f), Ok(r));
         if !matches!(op, Op::Reserve) {
-            // COMMIT's `offset` holds its flags: COMMIT_HAS_PARENT exactly when it names a parent.
+            // A COMMIT's or COMMIT_PIN's `offset` holds its flags: COMMIT_HAS_PARENT exactly when it names a parent.
             let flags = match r {
-                Request::Commit { parent: Some(_), .. } => kachedb_shm::COMMIT_HAS_PARENT,
+                Request::Commit { parent: Some(_), .. } | Request::CommitPin { parent: Some(_), .. } => {
+                    kachedb_shm::COMMIT_HAS_PARENT
+                }
                 _ => 0,
             };
             prop_assert_eq!((f.dtype, f.ndim, f.shape, f.offset), (0, 0, [0; MAX_DIMS], flags));

@@ -35,9 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
-import time
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -51,6 +48,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
+from .._link import DaemonLink
 from ._stats import COUNTERS
 from .config import PLUGIN_TYPE, option_key, resolve_socket
 from .keys import chunk_key, namespace_digest, namespace_fields
@@ -64,68 +62,6 @@ def _log_once(tag: str, msg: str, *args: Any) -> None:
     if COUNTERS[f"logged_{tag}"] == 0:
         logger.warning(msg, *args)
     COUNTERS[f"logged_{tag}"] += 1
-
-
-class _Link:
-    """The connection to the daemon; ``None`` from ``client()`` while it is down.
-    A failed connect or a ``Disconnected`` operation turns the tier off until the
-    next try, ``retry_s`` later."""
-
-    def __init__(self, socket: str, retry_s: float) -> None:
-        self.socket = socket
-        self.retry_s = retry_s
-        self._kc: Any = None
-        self._pid = os.getpid()
-        self._next_try = 0.0
-        self._lock = threading.Lock()
-
-    def connect(self) -> Any:
-        """Connects now; raises if the daemon does not answer."""
-        with self._lock:
-            self._kc = kachedb.connect(self.socket)
-            self._pid = os.getpid()
-            return self._kc
-
-    def client(self) -> Any:
-        kc = self._kc
-        if kc is not None and self._pid == os.getpid():
-            return kc
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        with self._lock:
-            if self._kc is not None and self._pid == os.getpid():
-                return self._kc
-            try:
-                self._kc = kachedb.connect(self.socket)
-                self._pid = os.getpid()
-            except Exception as e:
-                self._kc = None
-                self._next_try = now + self.retry_s
-                _log_once("tier_off", "KacheDB tier off: no daemon answers at %s (%s); retrying every %g s", self.socket, e, self.retry_s)
-                return None
-            COUNTERS["reconnects"] += 1
-            logger.warning("KacheDB tier back on: connected to %s", self.socket)
-            return self._kc
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            kc, self._kc = self._kc, None
-            self._next_try = time.monotonic() + self.retry_s
-        COUNTERS["tier_off"] += 1
-        logger.warning("KacheDB tier off: the daemon at %s went away (%s); retrying every %g s", self.socket, exc, self.retry_s)
-        if kc is not None:
-            try:
-                kc.close()
-            except Exception:
-                pass
-
-    def close(self) -> None:
-        with self._lock:
-            kc, self._kc = self._kc, None
-            self._next_try = float("inf")
-        if kc is not None:
-            kc.close()
 
 
 def _bytes_of(memory_obj: MemoryObj) -> Any:
@@ -180,7 +116,10 @@ class KacheDBConnector(RemoteConnector):
             salt=opt("namespace"),
         )
         self.namespace = namespace_digest(self.namespace_fields)
-        self._link = _Link(self.socket, float(opt("retry_seconds", 5.0)))
+        self._link = DaemonLink(
+            self.socket, logger=logger, label="LMCache", role=f"plugin {self.plugin_name}",
+            retry_s=float(opt("retry_seconds", 5.0)), counters=COUNTERS,
+        )
         # A daemon that does not answer now fails the build: LMCache logs it and
         # serves from its other tiers (and retries the connection later).
         self._link.connect()

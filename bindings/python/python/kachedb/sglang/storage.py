@@ -43,83 +43,12 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 import kachedb
 
+from .._link import DaemonLink
 from . import keys as _keys
 
 logger = logging.getLogger("kachedb.sglang")
 
 _DEFAULT_RETRY_S = 5.0
-
-
-class _Link:
-    """The client, or ``None`` while the daemon is unreachable: connects
-    lazily, at most every ``retry_s`` seconds, and once per outage warns."""
-
-    def __init__(self, socket: Optional[str], retry_s: float) -> None:
-        self.socket = socket
-        self.retry_s = float(retry_s)
-        self._kc: Any = None
-        self._pid = os.getpid()
-        self._next_try_s = 0.0
-        self._warned = False
-        self._lock = threading.Lock()
-        self.reconnects = 0
-        self.outages = 0
-
-    def client(self) -> Any:
-        kc = self._kc
-        if kc is not None and self._pid == os.getpid():
-            return kc
-        now = time.monotonic()
-        if now < self._next_try_s:
-            return None
-        with self._lock:
-            if self._kc is not None and self._pid == os.getpid():
-                return self._kc
-            self._kc = None
-            self._pid = os.getpid()
-            try:
-                self._kc = kachedb.connect(self.socket)
-            except Exception as e:  # Disconnected, an untrusted socket…: the tier is off
-                self._next_try_s = now + self.retry_s
-                self._off(f"no KacheDB daemon answers at {self.socket or kachedb.default_socket_path()} ({e})")
-                return None
-            if self._warned:
-                self._warned = False
-                self.reconnects += 1
-                logger.warning("KacheDB HiCache tier back on: connected to %s", self._kc.socket)
-            return self._kc
-
-    def failed(self, exc: BaseException) -> None:
-        """An operation raised ``Disconnected``: the tier goes off until a reconnect."""
-        with self._lock:
-            kc, self._kc = self._kc, None
-            self._next_try_s = time.monotonic() + self.retry_s
-        if kc is not None:
-            try:
-                kc.close()
-            except Exception:
-                pass
-        self._off(f"the KacheDB daemon went away ({exc})")
-
-    def _off(self, why: str) -> None:
-        self.outages += 1
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "KacheDB HiCache tier off: %s; SGLang keeps serving without it (misses, stores skipped) "
-                "and retries every %g s",
-                why,
-                self.retry_s,
-            )
-
-    def close(self) -> None:
-        with self._lock:
-            kc, self._kc = self._kc, None
-        if kc is not None:
-            try:
-                kc.close()
-            except Exception:
-                pass
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -246,7 +175,7 @@ class KacheDBStorage(HiCacheStorage):
         self._prefetch_gbps: List[float] = []
         self._backup_gbps: List[float] = []
         self._set_namespaces()
-        self._link = _Link(self.socket, self.retry_s)
+        self._link = DaemonLink(self.socket, logger=logger, label="SGLang", role="HiCache", retry_s=self.retry_s)
         self._link.client()  # connect now (or warn now); every call retries if it failed
 
     # -- setup -----------------------------------------------------------
@@ -565,7 +494,7 @@ class KacheDBStorage(HiCacheStorage):
         """This backend's counters, link state and namespace fields (for debugging a miss)."""
         return {
             **self.counters,
-            "tier_off": self._link._kc is None,
+            "tier_off": not self._link.is_on,
             "outages": self._link.outages,
             "reconnects": self._link.reconnects,
             "socket": self.socket,

@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from ._link import DaemonLink
+from ._link import daemon_link
 from ._state import COUNTERS
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def _set_chain_tail(req_context: ReqContext, key: bytes) -> None:
 class KacheDBOffloadingManager(OffloadingManager):
     def __init__(self, spec: "KacheDBOffloadingSpec") -> None:
         self.spec = spec
-        self.link = DaemonLink(spec.socket, "scheduler", spec.retry_s)
+        self.link = daemon_link(spec.socket, "scheduler", spec.retry_s)
         self._storing: Set[bytes] = set()
         self.link.client()  # connect (or warn once) at engine start
 

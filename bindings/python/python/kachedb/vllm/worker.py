@@ -38,7 +38,7 @@ import torch
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
-from ._link import DaemonLink
+from ._link import daemon_link
 from ._state import COUNTERS, LOADED_KEYS, STORED_KEYS, dump
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class _Pending:
 class KacheDBOffloadingWorker(OffloadingWorker):
     def __init__(self, spec: "KacheDBOffloadingSpec", kv_caches: CanonicalKVCaches) -> None:
         self.spec = spec
-        self.link = DaemonLink(spec.socket, f"worker rank {spec.rank}", spec.retry_s)
+        self.link = daemon_link(spec.socket, f"worker rank {spec.rank}", spec.retry_s)
         self.groups: List[_Group] = []
         for refs in kv_caches.group_data_refs:
             layers = []
