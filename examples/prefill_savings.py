@@ -418,6 +418,8 @@ def _producer(conn: Any, spec: Dict[str, Any], socket_path: str) -> None:
             for l in range(layers):
                 out[l, 0].copy_(ks[l][0, :, s:e])
                 out[l, 1].copy_(vs[l][0, :, s:e])
+    # A reservation's tensors keep their blocks pinned while they live.
+    outs = out = None
     store_s = now() - t0
     if kc.lookup(keys) != len(keys):
         raise RuntimeError("the KV blocks just committed are not all in the store")

@@ -37,6 +37,7 @@ def test_chain_head_survives_pressure_only_under_chain_eviction(make_daemon, pol
         with kc.reserve_many(CHAIN, (BLOCK,), torch.uint8, chain=True) as outs:
             for i, out in enumerate(outs):
                 out.fill_(i)
+        outs = out = None  # a reservation's tensors keep their blocks pinned while they live
         st = d.stats()
         assert (st["eviction_policy"], st["chained_blocks"], st["parents_missing"]) == (policy, 7, 0)
         fill_until_evicted(d, kc, 3)

@@ -287,6 +287,8 @@ class KacheDBStorage(HiCacheStorage):
                             off += s.numel()
                     _copy_all(dst, src)
                     del dst, src
+                # A reservation's tensors keep their blocks pinned while they live.
+                outs = out = None
         except Exception as e:
             self._add(set_pages_failed=n)
             self._failed("store", e)

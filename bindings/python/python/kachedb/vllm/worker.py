@@ -204,6 +204,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                     for b, k, p in zip(ids, dkeys, parents):
                         with kc.reserve(k, group.shape, torch.uint8, parent=p) as out:
                             group.copy_block_out(out, b)
+                        del out  # a reservation's tensor keeps its block pinned while it lives
                     nbytes += len(ids) * group.num_layers * group.page
                 elif hasattr(kc, "reserve_many"):
                     # One RESERVE batch, one copy per block straight into shared memory,
@@ -211,6 +212,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                     with kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True) as outs:
                         for out, b in zip(outs, ids):
                             group.copy_block_out(out, b)
+                    outs = out = None  # (see above)
                     nbytes += len(ids) * group.num_layers * group.page
                 else:  # a kachedb without reserve_many: gather, then put_many (two copies)
                     staged = group.gather(torch.tensor(ids, dtype=torch.long))
