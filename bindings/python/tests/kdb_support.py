@@ -247,3 +247,83 @@ def child_lookup(socket: str, key: str) -> int:
             found = 0
         assert kc.lookup([key]) == found
         return found
+
+
+def takeover_worker(socket: str, wid: int, stop_path: str, ready_path: str, result_path: str) -> None:
+    """Puts and gets verified blocks as fast as it can until ``stop_path``
+    exists, then reads every block it wrote once more; writes what it saw
+    (errors, operations, the longest single operation) to ``result_path`` as
+    JSON. Block ``slot`` of worker ``wid`` holds ``value(wid, n)`` for the
+    last ``n`` written there, so every read can be checked."""
+    import random
+
+    import torch
+
+    slots, elems = 64, 2048
+
+    def value(n: int) -> Any:
+        return torch.arange(elems, dtype=torch.int64) + (wid << 40) + (n << 12)
+
+    def key(slot: int) -> str:
+        return f"takeover/w{wid}/{slot}"
+
+    errors: List[str] = []
+    written: dict = {}
+    ops = 0
+    longest = 0.0
+    rng = random.Random(wid)
+    kc = kachedb.connect(socket)
+
+    def timed(f: Callable[[], Any]) -> Any:
+        nonlocal ops, longest
+        t0 = time.perf_counter()
+        try:
+            return f()
+        except Exception as e:  # every failure is counted and reported
+            if len(errors) < 20:
+                errors.append(repr(e))
+            else:
+                errors.append("…")
+            return None
+        finally:
+            ops += 1
+            longest = max(longest, time.perf_counter() - t0)
+
+    def check(slot: int) -> None:
+        got = kc.get(key(slot))
+        if not torch.equal(got, value(written[slot])):
+            raise AssertionError(f"worker {wid} slot {slot}: wrong bytes")
+
+    n = 0
+    while not os.path.exists(stop_path):
+        n += 1
+        slot = n % slots
+        timed(lambda: kc.put(key(slot), value(n)))
+        written[slot] = n
+        timed(lambda: check(rng.choice(list(written))))
+        if n == slots:
+            open(ready_path, "w").close()
+    final_bad = 0
+    for slot in written:
+        try:
+            check(slot)
+        except Exception as e:
+            final_bad += 1
+            errors.append(f"final read: {e!r}")
+    kc.close()
+    with open(result_path, "w") as f:
+        json.dump({"errors": errors, "ops": ops, "longest_s": longest, "final_bad": final_bad, "blocks": len(written)}, f)
+
+
+def wait_for_in_child(socket: str, key: str, conn: Any) -> None:
+    """Waits (in the daemon) for ``key``; sends back its first element or the error."""
+    import torch  # noqa: F401
+
+    kc = kachedb.connect(socket)
+    conn.send("waiting")
+    try:
+        t = kc.wait_for(key, timeout=60)
+        conn.send(int(t[0]))
+    except Exception as e:
+        conn.send(repr(e))
+    kc.close()

@@ -470,3 +470,35 @@ def test_standalone_redis_with_a_password_from_a_file_or_the_environment(standal
         a.stop()
         b.stop()
         c.stop()
+
+
+def test_a_takeover_keeps_the_cache_and_the_new_daemon_runs_the_tier(cluster):
+    """`serve --takeover` on a node with a remote tier: the local blocks stay,
+    the new daemon writes behind and fills like the old one did."""
+    from test_takeover import take_over
+
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    args = ("--remote", cluster.url, "--remote-namespace", ns, "--remote-chunk-bytes", CHUNK)
+    a = node(cluster.url, ns)
+    try:
+        blocks = chain(7)
+        keys = [f"tk/{i}" for i in range(len(blocks))]
+        with a.connect() as kc:
+            for k, t in zip(keys, blocks):
+                kc.put(k, t)
+        wait_written(a, len(keys))
+        take_over(a, 0, *args)
+        with a.connect() as kc:
+            s = kc.stats()
+            assert s["blocks"] == len(keys) and s["remote_enabled"], s
+            got = kc.get_many(keys)
+            assert all(same(g, w) for g, w in zip(got, blocks))
+            del got
+            kc.put("tk/after", torch.arange(1000))
+            wait_written(a, 1)
+            kc.delete(keys[3])
+            assert same(kc.get(keys[3]), blocks[3])
+            assert remote(a)["remote_fills"] == 1
+        assert_clean(a)
+    finally:
+        a.stop()

@@ -105,6 +105,14 @@ pub struct ServeArgs {
     /// 64KiB to 64MiB).
     #[arg(long, value_parser = parse_size, default_value = "1MiB", value_name = "SIZE")]
     pub remote_chunk_bytes: u64,
+    /// Take over from the daemon running on the same socket (an upgrade or a
+    /// restart without losing anything): it hands over its region, socket,
+    /// clients and store, then exits; clients notice a short pause. Its
+    /// region geometry is kept (--size, --channels, --ring-capacity and
+    /// --headroom are not used); the other options apply. If anything fails,
+    /// the running daemon keeps serving. docs/takeover.md.
+    #[arg(long)]
+    pub takeover: bool,
 }
 
 /// `kachedb serve --eviction`.
@@ -232,6 +240,25 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         },
         remote: remote_config(a)?,
     };
+    if a.takeover {
+        let (daemon, t) = Daemon::take_over(cfg, shutdown)?;
+        let l = *daemon.region().layout();
+        println!(
+            "kachedb: took over instance {} on {} from pid {} in {:.1} ms — {} block(s), {} connection(s); region {} (megaslab {}, {} channels x {} slots), pid {}",
+            a.instance,
+            daemon.socket_path().display(),
+            t.old_pid,
+            t.took.as_secs_f64() * 1e3,
+            t.blocks,
+            t.connections,
+            human_bytes(l.region_len),
+            human_bytes(l.slab_len),
+            l.channel_count,
+            l.ring_capacity,
+            std::process::id()
+        );
+        return finish(daemon, a, &say);
+    }
     say(format!(
         "reserving {} of shared memory for instance {}{}",
         human_bytes(size),
@@ -257,6 +284,11 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         l.ring_capacity,
         std::process::id()
     );
+    finish(daemon, a, &say)
+}
+
+/// Serves with a started daemon until it stops or hands over.
+fn finish(daemon: Daemon, a: &ServeArgs, say: &dyn Fn(String)) -> Result<(), Box<dyn std::error::Error>> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     if let Some(addr) = daemon.metrics_addr() {
@@ -265,8 +297,10 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(url) = &a.remote {
         say(format!("remote tier {url} (namespace {})", a.remote_namespace));
     }
-    daemon.run();
-    say("stopped".into());
+    match daemon.run() {
+        kachedb_daemon::Ended::Stopped => say("stopped".into()),
+        kachedb_daemon::Ended::HandedOver => say("handed over to the new daemon; exiting".into()),
+    }
     Ok(())
 }
 

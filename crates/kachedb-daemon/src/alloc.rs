@@ -23,7 +23,7 @@ pub use kachedb_shm::region::PAGE_LEN;
 const _: () = assert!(PAGE_LEN.is_power_of_two());
 
 /// A contiguous run of whole pages of the region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct Extent {
     /// Start, bytes from the region base; a multiple of [`PAGE_LEN`].
     pub offset: u64,
@@ -53,7 +53,7 @@ pub enum FreeError {
 }
 
 /// Best-fit allocator of page extents with coalescing on free.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct ExtentAllocator {
     /// Start of the managed range, bytes from the region base; page aligned.
     base_offset: u64,
@@ -221,6 +221,11 @@ impl ExtentAllocator {
         self.free_by_offset.remove(&offset);
         self.free_by_len.remove(&(len, offset));
         self.free_len -= len;
+    }
+
+    /// The managed range: (start, bytes).
+    pub fn range(&self) -> (u64, u64) {
+        (self.base_offset, self.total_len)
     }
 
     /// Checks every structural invariant; `Err` names the first one broken.

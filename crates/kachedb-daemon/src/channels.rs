@@ -114,6 +114,25 @@ impl Channels {
         }
     }
 
+    /// The free channels, and the quarantined ones with their process, for a
+    /// takeover (`crate::takeover`).
+    pub(crate) fn snapshot(&self) -> (Vec<u32>, Vec<(u32, i32)>) {
+        let free = self.free.lock().map(|f| f.clone()).unwrap_or_default();
+        let q = self.quarantine.lock().map(|q| q.iter().map(|x| (x.channel, x.pid)).collect()).unwrap_or_default();
+        (free, q)
+    }
+
+    /// The pool as [`snapshot`](Self::snapshot) gave it in the daemon taken
+    /// over: quarantined channels watch their process again (one that
+    /// exited meanwhile is freed at the next look).
+    pub(crate) fn restore(free: Vec<u32>, quarantine: &[(u32, i32)]) -> Self {
+        let c = Self { free: Mutex::new(free), quarantine: Mutex::new(Vec::new()) };
+        for &(ch, pid) in quarantine {
+            c.quarantine(ch, pid);
+        }
+        c
+    }
+
     /// Channels in quarantine.
     pub fn quarantined(&self) -> usize {
         self.quarantine.lock().map(|q| q.len()).unwrap_or(0)

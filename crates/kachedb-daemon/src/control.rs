@@ -9,6 +9,7 @@
 use crate::channels::Channels;
 use crate::events::{Event, EventSender};
 use crate::metrics::{Metrics, Refusal as Refused};
+use crate::takeover::{self, ConnState, ControlState, HandoverFds};
 use kachedb_shm::control::{
     self, ControlRequest, HelloReply, LineBuffer, Refusal, Reply, StatsReply, PROTOCOL_VERSION,
 };
@@ -18,7 +19,7 @@ use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use std::collections::HashMap;
 use std::io::{IoSlice, Read, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -72,7 +73,7 @@ impl AcceptState {
     }
 }
 
-struct Conn {
+pub(crate) struct Conn {
     stream: Arc<UnixStream>,
     lines: LineBuffer,
     /// Channel given to this connection, if it said hello.
@@ -86,23 +87,68 @@ struct Conn {
     refused: bool,
     /// When it was accepted, until its first complete request (then `None`).
     awaiting_first: Option<Instant>,
+    /// A new daemon asked to take over on this connection, reading these
+    /// state versions (`crate::takeover`).
+    takeover: Option<Vec<u32>>,
 }
 
-/// Runs the control loop until `shutdown` is set.
-pub fn run(
-    listener: UnixListener,
-    region: Arc<Region>,
-    access: Access,
-    channels: Arc<Channels>,
-    events: EventSender,
-    shutdown: Arc<AtomicBool>,
-    metrics: Arc<Metrics>,
-) {
+impl Conn {
+    /// A connection handed over by the daemon this one took over from.
+    pub(crate) fn taken_over(stream: Arc<UnixStream>, st: &ConnState) -> Conn {
+        let mut lines = LineBuffer::new();
+        let _ = lines.extend(&st.unread);
+        Conn {
+            stream,
+            lines,
+            channel: st.channel,
+            pid: st.pid,
+            uid: st.uid,
+            refusal: None,
+            refused: st.refused,
+            awaiting_first: st.awaiting_first.then(Instant::now),
+            takeover: None,
+        }
+    }
+
+    fn state(&self) -> ConnState {
+        ConnState {
+            channel: self.channel,
+            pid: self.pid,
+            uid: self.uid,
+            refused: self.refused,
+            awaiting_first: self.awaiting_first.is_some(),
+            unread: crate::takeover::unread_of(&self.lines),
+        }
+    }
+}
+
+/// What the control thread runs with.
+pub(crate) struct Control {
+    pub listener: UnixListener,
+    pub region: Arc<Region>,
+    pub access: Access,
+    pub channels: Arc<Channels>,
+    pub events: EventSender,
+    pub shutdown: Arc<AtomicBool>,
+    pub metrics: Arc<Metrics>,
+    /// The instance lock (the same open file as the daemon's) and the metrics
+    /// listener, for a takeover to hand over.
+    pub lock: OwnedFd,
+    pub metrics_listener: Option<OwnedFd>,
+    /// Connections taken over from the previous daemon.
+    pub conns: Vec<Conn>,
+}
+
+/// Runs the control loop until `shutdown` is set, or until a new daemon
+/// took over (then every connection is left open for it).
+pub(crate) fn run(ctl: Control) {
+    let Control { listener, region, access, channels, events, shutdown, metrics, lock, metrics_listener, conns: taken } =
+        ctl;
     if let Err(e) = listener.set_nonblocking(true) {
         tracing::error!("control socket: cannot make it non-blocking: {e}");
         return;
     }
-    let mut conns: HashMap<i32, Conn> = HashMap::new();
+    let mut conns: HashMap<i32, Conn> = taken.into_iter().map(|c| (c.stream.as_raw_fd(), c)).collect();
     let mut accepting = AcceptState::default();
     while !shutdown.load(Ordering::Relaxed) {
         // Connections that did not send a first request in time.
@@ -169,6 +215,21 @@ pub fn run(
                         );
                         events.send(Event::Detach { channel: ch, closed_by_daemon: c.refused });
                     }
+                }
+            }
+        }
+        if let Some(fd) = conns.iter().find(|(_, c)| c.takeover.is_some()).map(|(fd, _)| *fd) {
+            if let Some(t) = conns.remove(&fd) {
+                let fds = HandoverFds {
+                    region: region.fd(),
+                    listener: listener.as_fd(),
+                    lock: lock.as_fd(),
+                    metrics: metrics_listener.as_ref().map(|f| f.as_fd()),
+                };
+                if hand_over(t, &conns, &fds, &access, &channels, &events) {
+                    // Every connection now belongs to the new daemon: closed
+                    // here (our copies) without a shutdown.
+                    return;
                 }
             }
         }
@@ -243,6 +304,7 @@ fn accept_all(
                         refusal: None,
                         refused: false,
                         awaiting_first: Some(Instant::now()),
+                        takeover: None,
                     },
                 );
             }
@@ -361,6 +423,11 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
             tracing::info!(event = "client_connected", channel = ch, pid = c.pid, uid = c.uid, "client connected");
             false
         }
+        ControlRequest::Takeover { state_versions } => {
+            // Handled by the control loop once this read is done.
+            c.takeover = Some(state_versions);
+            false
+        }
         ControlRequest::Stats => {
             let (tx, rx) = mpsc::channel();
             events.send(Event::Stats(tx));
@@ -369,6 +436,81 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
                 Err(_) => Reply::Refused(Refusal::new("the serve loop did not answer within 5 s")),
             };
             let _ = write_reply(&c.stream, &reply);
+            false
+        }
+    }
+}
+
+/// Hands everything over to the new daemon on `t` (see `crate::takeover`);
+/// whether it took over (then this daemon stops). Otherwise the serve loop
+/// resumes and `t` is closed.
+fn hand_over(
+    t: Conn,
+    conns: &HashMap<i32, Conn>,
+    fds: &HandoverFds<'_>,
+    access: &Access,
+    channels: &Channels,
+    events: &EventSender,
+) -> bool {
+    let versions = t.takeover.clone().unwrap_or_default();
+    let refuse = |why: String| {
+        tracing::warn!(event = "takeover_refused", pid = t.pid, "refusing a takeover: {why}");
+        let _ = write_reply(&t.stream, &Reply::<()>::Refused(Refusal::new(why)));
+    };
+    if t.uid != access.uid || t.channel.is_some() {
+        refuse(format!(
+            "only a new daemon of the daemon's own user (uid {}) may take over, on a connection of its own",
+            access.uid
+        ));
+        return false;
+    }
+    if !versions.contains(&takeover::STATE_VERSION) {
+        refuse(format!(
+            "this daemon writes state format {}, the new one reads {versions:?}: use a kachedb build that reads it, or restart the daemon (the cache is lost)",
+            takeover::STATE_VERSION
+        ));
+        return false;
+    }
+    tracing::info!(event = "takeover_started", pid = t.pid, "a new daemon (pid {}) is taking over", t.pid);
+    let (state_tx, state_rx) = mpsc::channel();
+    let (outcome_tx, outcome_rx) = mpsc::channel();
+    events.send(Event::Takeover { state: state_tx, outcome: outcome_rx });
+    let serve = match state_rx.recv_timeout(takeover::STEP_TIMEOUT) {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(e)) => {
+            let _ = outcome_tx.send(false);
+            refuse(format!("the serve loop could not write its state: {e}"));
+            return false;
+        }
+        Err(_) => {
+            let _ = outcome_tx.send(false);
+            refuse("the serve loop did not stop in time".into());
+            return false;
+        }
+    };
+    let list: Vec<&Conn> = conns.values().collect();
+    let (free_channels, quarantine) = channels.snapshot();
+    let state = ControlState { free_channels, quarantine, conns: list.iter().map(|c| c.state()).collect() };
+    let conn_fds: Vec<_> = list.iter().map(|c| c.stream.as_fd()).collect();
+    let started = Instant::now();
+    match takeover::give(&t.stream, fds, &serve, &state, &conn_fds) {
+        Ok(()) => {
+            let _ = outcome_tx.send(true);
+            takeover::confirm_done(&t.stream);
+            tracing::info!(
+                event = "takeover_done",
+                pid = t.pid,
+                connections = list.len(),
+                state_bytes = serve.len(),
+                "handed over to pid {} in {:?}; stopping",
+                t.pid,
+                started.elapsed()
+            );
+            true
+        }
+        Err(why) => {
+            let _ = outcome_tx.send(false);
+            tracing::warn!(event = "takeover_failed", pid = t.pid, "takeover failed, serving on: {why}");
             false
         }
     }

@@ -94,6 +94,9 @@ pub enum ServeError {
     /// The remote tier could not start.
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
+    /// `--takeover` did not happen.
+    #[error(transparent)]
+    Takeover(#[from] crate::takeover::TakeoverError),
     /// A filesystem or socket operation failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -122,6 +125,38 @@ pub struct Daemon {
     http: Option<(std::thread::JoinHandle<()>, SocketAddr)>,
     _lock: crate::lock::InstanceLock,
     started: Instant,
+    /// What the daemon taken over was serving (`crate::takeover`).
+    restored: Option<Restored>,
+}
+
+/// The serve loop's part of a takeover, taken up by [`Daemon::run`].
+struct Restored {
+    channels: Vec<crate::takeover::ChannelState>,
+    waits: Vec<crate::takeover::ParkedWait>,
+    counters: kachedb_shm::control::ServeStats,
+    streams: std::collections::HashMap<u32, Arc<std::os::unix::net::UnixStream>>,
+}
+
+/// How [`Daemon::run`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// Shut down (SIGINT/SIGTERM): channels closed, socket removed.
+    Stopped,
+    /// A new daemon took over: it serves the region, the socket and every client now.
+    HandedOver,
+}
+
+/// What [`Daemon::take_over`] found.
+#[derive(Clone, Copy, Debug)]
+pub struct TakeoverSummary {
+    /// The old daemon's pid.
+    pub old_pid: u32,
+    /// Blocks in the store taken over.
+    pub blocks: u64,
+    /// Client connections taken over.
+    pub connections: usize,
+    /// From asking to serving.
+    pub took: std::time::Duration,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -213,14 +248,21 @@ impl Daemon {
             Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
             None => None,
         };
-        let control = {
-            let (region, channels, shutdown, metrics) =
-                (region.clone(), channels.clone(), shutdown.clone(), metrics.clone());
-            std::thread::Builder::new()
-                .name("kachedb-control".into())
-                .spawn(move || control::run(listener, region, access, channels, tx, shutdown, metrics))
-                .map_err(io_err("spawning the control thread for", &sock))?
-        };
+        let control = spawn_control(
+            control::Control {
+                listener,
+                region: region.clone(),
+                access,
+                channels: channels.clone(),
+                events: tx,
+                shutdown: shutdown.clone(),
+                metrics: metrics.clone(),
+                lock: lock.dup().map_err(io_err("duplicating the lock of", &lock_path))?,
+                metrics_listener: dup_listener(metrics_listener.as_ref()),
+                conns: Vec::new(),
+            },
+            &sock,
+        )?;
         let http = match (metrics_listener, cfg.metrics_addr) {
             (Some(l), Some(asked)) => {
                 let addr = l.local_addr().unwrap_or(asked);
@@ -246,7 +288,122 @@ impl Daemon {
             http,
             _lock: lock,
             started: Instant::now(),
+            restored: None,
         })
+    }
+
+    /// Takes over from the daemon serving `cfg.socket_path` (`kachedb serve
+    /// --takeover`, `crate::takeover`): its region, socket, lock, clients and
+    /// store. The region's geometry is the old daemon's; of `cfg`, the limits,
+    /// the eviction policy, the remote tier and the metrics address (when the
+    /// old daemon had no metrics listener) apply.
+    pub fn take_over(cfg: ServeConfig, shutdown: Arc<AtomicBool>) -> Result<(Daemon, TakeoverSummary), ServeError> {
+        let t0 = Instant::now();
+        let taken = crate::takeover::take(&cfg.socket_path)?;
+        let sock = cfg.socket_path.clone();
+        let region = Region::attach(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
+            .map_err(|e| taken.refuse(&format!("the region: {e}")))?;
+        if region.generation() != taken.serve.region_generation {
+            return Err(taken.refuse("the region is not the one the state describes").into());
+        }
+        let layout = *region.layout();
+        let mut store = taken
+            .serve
+            .store
+            .clone()
+            .restore_checked(layout.slab_offset, layout.slab_len)
+            .map_err(|e| taken.refuse(&format!("the store: {e}")))?;
+        store.set_max_session_bytes(cfg.max_client_bytes);
+        store.set_eviction_policy(cfg.eviction);
+        let listener = UnixListener::from(taken.listener.try_clone().map_err(io_err("duplicating the socket", &sock))?);
+        let metrics_listener = match (&taken.metrics, cfg.metrics_addr) {
+            (Some(fd), _) => Some(std::net::TcpListener::from(
+                fd.try_clone().map_err(io_err("duplicating the metrics listener of", &sock))?,
+            )),
+            (None, Some(addr)) => Some(crate::http::bind(addr).map_err(|source| ServeError::Metrics { addr, source })?),
+            (None, None) => None,
+        };
+        let mut conns = Vec::with_capacity(taken.conns.len());
+        let mut streams = std::collections::HashMap::new();
+        for (fd, st) in taken.conns.iter().zip(&taken.control.conns) {
+            let stream = Arc::new(std::os::unix::net::UnixStream::from(
+                fd.try_clone().map_err(io_err("duplicating a client connection of", &sock))?,
+            ));
+            if let Some(ch) = st.channel {
+                streams.insert(ch, stream.clone());
+            }
+            conns.push(control::Conn::taken_over(stream, st));
+        }
+        let channels = Arc::new(Channels::restore(taken.control.free_channels.clone(), &taken.control.quarantine));
+        let lock_path = PathBuf::from(format!("{}.lock", sock.display()));
+        let lock_fd = taken.lock.try_clone().map_err(io_err("duplicating the lock", &lock_path))?;
+        let blocks = store.stats().blocks;
+        // The old daemon stops only now; until this returns it may resume.
+        taken.confirm()?;
+        let lock = crate::lock::InstanceLock::taken_over(lock_fd, &lock_path);
+        let (tx, rx) = events::queue(region.clone());
+        let access = Access {
+            uid: rustix::process::geteuid().as_raw(),
+            allow_gids: cfg.allow_gids.clone(),
+            max_connections: cfg.max_connections.max(1) as usize,
+            hello_timeout: cfg.hello_timeout,
+        };
+        let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
+        let remote = match &cfg.remote {
+            Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
+            None => None,
+        };
+        let connections = conns.len();
+        let control = spawn_control(
+            control::Control {
+                listener,
+                region: region.clone(),
+                access,
+                channels: channels.clone(),
+                events: tx,
+                shutdown: shutdown.clone(),
+                metrics: metrics.clone(),
+                lock: lock.dup().map_err(io_err("duplicating the lock of", &lock_path))?,
+                metrics_listener: dup_listener(metrics_listener.as_ref()),
+                conns,
+            },
+            &sock,
+        )?;
+        let http = match metrics_listener {
+            Some(l) => {
+                let addr = l.local_addr().map_err(io_err("reading the metrics address of", &sock))?;
+                let t = crate::http::spawn(l, metrics.clone(), shutdown.clone())
+                    .map_err(|source| ServeError::Metrics { addr, source })?;
+                Some((t, addr))
+            }
+            None => None,
+        };
+        let serve = &taken.serve;
+        let started = Instant::now().checked_sub(std::time::Duration::from_millis(serve.uptime_ms)).unwrap_or(t0);
+        let summary = TakeoverSummary { old_pid: taken.old_pid, blocks, connections, took: t0.elapsed() };
+        Ok((
+            Daemon {
+                cfg,
+                region,
+                store,
+                events: rx,
+                channels,
+                shutdown,
+                control: Some(control),
+                metrics,
+                remote,
+                http,
+                _lock: lock,
+                started,
+                restored: Some(Restored {
+                    channels: serve.channels.clone(),
+                    waits: serve.waits.clone(),
+                    counters: serve.counters.clone(),
+                    streams,
+                }),
+            },
+            summary,
+        ))
     }
 
     /// The control socket path.
@@ -266,8 +423,9 @@ impl Daemon {
     }
 
     /// Serves until the shutdown flag is set; then closes every channel,
-    /// removes the socket and returns.
-    pub fn run(self) {
+    /// removes the socket and returns. Or until a new daemon took over: then
+    /// leaves the socket, the lock file, the channels and the connections to it.
+    pub fn run(self) -> Ended {
         let Daemon {
             cfg,
             region,
@@ -281,20 +439,57 @@ impl Daemon {
             http,
             _lock: lock,
             started,
+            restored,
         } = self;
-        Serve::new(region, store, events, channels, shutdown, cfg.wait, cfg.socket_path.clone(), started, metrics)
+        let mut serve = Serve::new(
+            region,
+            store,
+            events,
+            channels,
+            shutdown.clone(),
+            cfg.wait,
+            cfg.socket_path.clone(),
+            started,
+            metrics,
+        );
+        if let Some(r) = restored {
+            serve = serve.restore(r.channels, r.waits, r.counters, &r.streams);
+        }
+        let handed_over = serve
             .with_full_checks(cfg.check_invariants)
             .with_remote(remote)
             .with_stuck_client_timeout(cfg.stuck_client_timeout)
             .run();
+        if handed_over {
+            // The control thread has returned; this stops the metrics thread.
+            shutdown.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         if let Some(c) = control {
             let _ = c.join();
         }
         if let Some((h, _)) = http {
             let _ = h.join();
         }
+        if handed_over {
+            lock.hand_over();
+            return Ended::HandedOver;
+        }
         let _ = std::fs::remove_file(&cfg.socket_path);
         // Unlinks the lock file before letting go of the flock (see `lock`).
         lock.release();
+        Ended::Stopped
     }
+}
+
+/// Starts the control thread.
+fn spawn_control(ctl: control::Control, sock: &Path) -> Result<std::thread::JoinHandle<()>, ServeError> {
+    std::thread::Builder::new()
+        .name("kachedb-control".into())
+        .spawn(move || control::run(ctl))
+        .map_err(io_err("spawning the control thread for", sock))
+}
+
+/// A second fd of the metrics listener, for a takeover to hand over.
+fn dup_listener(l: Option<&std::net::TcpListener>) -> Option<std::os::fd::OwnedFd> {
+    l.and_then(|l| l.try_clone().ok()).map(Into::into)
 }

@@ -33,6 +33,15 @@ pub enum Event {
     Stats(Sender<Stats>),
     /// The remote tier's workers report (`crate::remote`).
     Remote(crate::remote::RemoteEvent),
+    /// A new daemon takes over (`crate::takeover`): the serve loop stops, sends
+    /// its serialized state (or why it cannot) on `state`, and waits for
+    /// `outcome`: `true`, stop for good; `false` (or the sender gone), resume.
+    Takeover {
+        /// Where the state goes.
+        state: Sender<Result<Vec<u8>, String>>,
+        /// What happens next.
+        outcome: Receiver<bool>,
+    },
 }
 
 /// The control thread's end of the queue.

@@ -21,7 +21,8 @@ pub mod metrics;
 pub mod remote;
 mod serve;
 pub mod store;
+pub mod takeover;
 mod waits;
 
-pub use daemon::{Daemon, ServeConfig, ServeError};
+pub use daemon::{Daemon, Ended, ServeConfig, ServeError, TakeoverSummary};
 pub use store::EvictionPolicy;

@@ -71,6 +71,30 @@ impl InstanceLock {
         Err(LockError::Held(None))
     }
 
+    /// A second fd of the lock's open file (the flock is shared by both),
+    /// for a takeover to hand over.
+    pub fn dup(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        self.file.try_clone().map(Into::into)
+    }
+
+    /// The lock a takeover handed over: `fd` is the old daemon's open file,
+    /// so the flock it took is held here too. Writes this process's pid in it.
+    pub fn taken_over(fd: std::os::fd::OwnedFd, path: &Path) -> InstanceLock {
+        use std::io::{Seek, Write};
+        let file = File::from(fd);
+        let mut l = &file;
+        let _ = l.set_len(0);
+        let _ = l.seek(std::io::SeekFrom::Start(0));
+        let _ = write!(l, "{}", std::process::id());
+        InstanceLock { file, path: path.to_path_buf() }
+    }
+
+    /// Lets go of this process's fd of the lock without unlinking the file:
+    /// the daemon that took over holds the same lock.
+    pub fn hand_over(self) {
+        drop(self.file);
+    }
+
     /// Removes the lock file, then lets go of the lock (in that order, see
     /// the module notes).
     pub fn release(self) {

@@ -13,6 +13,7 @@ use crate::events::Event;
 use crate::metrics::{Metrics, MetricsWriter, RemoteCells};
 use crate::remote::{FetchJob, RemoteEvent, RemoteTier, Reserved, WriteJob};
 use crate::store::{SessionId, Store};
+use crate::takeover::{ChannelState, ParkedWait, ServeState};
 use crate::waits::{Waiter, Waits};
 use kachedb_shm::control::ServeStats;
 use kachedb_shm::{
@@ -192,6 +193,9 @@ pub(crate) struct Serve {
     /// client is disconnected (`kachedb serve --stuck-client-timeout-ms`;
     /// `None`: never).
     stuck_timeout: Option<Duration>,
+    /// A new daemon took over: stop at once, leaving channels and
+    /// connections as they are.
+    handed_over: bool,
 }
 
 impl Serve {
@@ -230,6 +234,137 @@ impl Serve {
             remote: None,
             full_checks: false,
             stuck_timeout: None,
+            handed_over: false,
+        }
+    }
+
+    /// Takes up the sessions, parked WAITs and counters of the daemon taken
+    /// over (`crate::takeover`); `streams` are the channels' connections.
+    /// A session whose connection did not come along is closed.
+    pub(crate) fn restore(
+        mut self,
+        channels: Vec<ChannelState>,
+        waits: Vec<ParkedWait>,
+        counters: ServeStats,
+        streams: &HashMap<u32, Arc<UnixStream>>,
+    ) -> Serve {
+        let frames = |v: Vec<Vec<u8>>| -> Vec<TensorBlockDescriptor> {
+            v.iter()
+                .filter_map(|b| <&[u8; 64]>::try_from(b.as_slice()).ok().map(TensorBlockDescriptor::from_bytes))
+                .collect()
+        };
+        self.counters = counters;
+        for c in channels {
+            let (Some(slot), Some(stream), Some((sub, comp))) = (
+                self.sessions.get_mut(c.channel as usize),
+                streams.get(&c.channel),
+                self.region.daemon_channel(c.channel),
+            ) else {
+                self.store.close_session(c.session);
+                continue;
+            };
+            *slot = Some(Session {
+                session: c.session,
+                sub,
+                comp,
+                stream: stream.clone(),
+                pid: c.pid,
+                uid: c.uid,
+                backlog: frames(c.backlog),
+                kicked: c.kicked,
+                waiting: c.waiting,
+                held: frames(c.held),
+                fetch: None,
+                remote_asked: c.remote_asked,
+                stuck_since: None,
+            });
+        }
+        let now = Instant::now();
+        for w in waits {
+            if self.sessions.get(w.channel as usize).is_some_and(Option::is_some) {
+                let deadline = w.left_ms.map(|ms| now + Duration::from_millis(ms));
+                self.waits.park(w.channel, Waiter { key: w.key, request_id: w.request_id, deadline });
+            }
+        }
+        self
+    }
+
+    /// Stops for a takeover: stops the remote tier (dropping its session),
+    /// ends remote fetches channels are parked on, sends the serialized
+    /// state on `state` and waits for `outcome`. Resumes (restarting the
+    /// tier) unless told to stop for good.
+    fn hand_over(&mut self, state: Sender<Result<Vec<u8>, String>>, outcome: Receiver<bool>) {
+        let stopped = self.remote.take().map(|r| {
+            let tier = r.tier.stop();
+            self.store.close_session(r.session);
+            (tier, r.next_fetch)
+        });
+        for s in self.sessions.iter_mut().flatten() {
+            if s.fetch.is_some() {
+                unpark_fetch(s);
+            }
+        }
+        let bytes = serde_json::to_vec(&self.state()).map_err(|e| e.to_string());
+        let ok = bytes.is_ok();
+        let _ = state.send(bytes);
+        if ok && outcome.recv().unwrap_or(false) {
+            self.handed_over = true;
+            return;
+        }
+        tracing::info!("takeover did not happen; serving on");
+        if let Some((tier, next_fetch)) = stopped {
+            match tier.start() {
+                Ok(tier) => {
+                    self.remote = Some(RemoteSide {
+                        tier,
+                        session: self.store.open_session(),
+                        next_fetch,
+                        pending: HashMap::new(),
+                    })
+                }
+                Err(e) => tracing::error!("the remote tier did not restart after a failed takeover: {e}"),
+            }
+        }
+    }
+
+    /// The serve loop's state for a takeover.
+    fn state(&self) -> ServeState<&Store> {
+        let frames = |v: &[TensorBlockDescriptor]| v.iter().map(|d| d.as_bytes().to_vec()).collect();
+        let now = Instant::now();
+        ServeState {
+            region_generation: self.region.generation(),
+            store: &self.store,
+            channels: self
+                .sessions
+                .iter()
+                .enumerate()
+                .filter_map(|(ch, s)| {
+                    let s = s.as_ref()?;
+                    Some(ChannelState {
+                        channel: ch as u32,
+                        session: s.session,
+                        pid: s.pid,
+                        uid: s.uid,
+                        backlog: frames(&s.backlog),
+                        held: frames(&s.held),
+                        waiting: s.waiting,
+                        kicked: s.kicked,
+                        remote_asked: s.remote_asked.clone(),
+                    })
+                })
+                .collect(),
+            waits: self
+                .waits
+                .parked()
+                .map(|(channel, w)| ParkedWait {
+                    channel,
+                    key: w.key,
+                    request_id: w.request_id,
+                    left_ms: w.deadline.map(|d| d.saturating_duration_since(now).as_millis() as u64),
+                })
+                .collect(),
+            counters: self.counters.clone(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
         }
     }
 
@@ -290,14 +425,15 @@ impl Serve {
         self
     }
 
-    /// Serves until the shutdown flag is set, then closes every channel.
-    pub(crate) fn run(mut self) {
+    /// Serves until the shutdown flag is set, then closes every channel; or
+    /// until a new daemon took over (then returns `true`, touching nothing).
+    pub(crate) fn run(mut self) -> bool {
         let region = self.region.clone();
         let doorbell = region.doorbell();
         let mut passes: u64 = 0;
         self.metrics.publish_store(&self.store.gauges());
         self.metrics.set_serving(true);
-        while !self.shutdown.load(Ordering::Relaxed) {
+        while !self.shutdown.load(Ordering::Relaxed) && !self.handed_over {
             if self.pass() {
                 passes = passes.wrapping_add(1);
                 if passes.is_multiple_of(1024) {
@@ -353,6 +489,9 @@ impl Serve {
             }
         }
         self.metrics.set_serving(false);
+        if self.handed_over {
+            return true;
+        }
         tracing::info!("shutting down: closing {} client channel(s)", self.sessions.iter().flatten().count());
         for (ch, s) in self.sessions.iter_mut().enumerate() {
             if let Some(s) = s.take() {
@@ -361,6 +500,7 @@ impl Serve {
                 let _ = s.stream.shutdown(std::net::Shutdown::Both);
             }
         }
+        false
     }
 
     /// Control events, then every channel once; whether anything was done.
@@ -369,6 +509,9 @@ impl Serve {
         while let Ok(ev) = self.events.try_recv() {
             did_work = true;
             self.on_event(ev);
+            if self.handed_over {
+                return true;
+            }
         }
         did_work |= self.serve_all();
         if !self.waits.is_empty() {
@@ -566,6 +709,12 @@ impl Serve {
             }
             Event::Stats(reply) => self.stats_waiting.push(reply),
             Event::Remote(ev) => self.on_remote(ev),
+            Event::Takeover { state, outcome } => {
+                self.hand_over(state, outcome);
+                if self.handed_over {
+                    return;
+                }
+            }
         }
         // Sessions opened and closed change the gauges outside any batch.
         self.metrics.publish_store(&self.store.gauges());

@@ -92,6 +92,11 @@ impl Waits {
         expired.into_iter().filter_map(|ch| self.remove_channel(ch).map(|w| (ch, w))).collect()
     }
 
+    /// Every parked WAIT, by channel.
+    pub(crate) fn parked(&self) -> impl Iterator<Item = (u32, Waiter)> + '_ {
+        self.by_channel.iter().enumerate().filter_map(|(ch, w)| w.map(|w| (ch as u32, w)))
+    }
+
     /// The earliest deadline of a parked WAIT.
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         if self.count == 0 {

@@ -38,6 +38,66 @@ pub enum ControlRequest {
     /// `{"op":"stats"}`: asks for [`Stats`]; answered after every frame
     /// already published on the rings has been served.
     Stats,
+    /// `{"op":"takeover","state_versions":[1]}`: a new daemon of the same
+    /// user asks the running one to hand over everything (`kachedb serve
+    /// --takeover`; docs/takeover.md). `state_versions` are the state formats
+    /// the asker reads; the answer is a [`TakeoverOffer`] or a refusal.
+    Takeover {
+        /// State format versions the new daemon understands.
+        #[serde(default)]
+        state_versions: Vec<u32>,
+    },
+}
+
+/// The running daemon's answer to a takeover request. The region memfd, the
+/// listening socket, the instance lock and, if `metrics_listener`, the
+/// metrics listener travel with this line (`SCM_RIGHTS`, in that order); then
+/// `fd_batches` single bytes `F`, each with up to [`TAKEOVER_FDS_PER_BATCH`]
+/// client connections; then the serve loop's state (`serve_state_bytes` of
+/// JSON) and the control thread's (`control_state_bytes`). The new daemon
+/// answers with a [`TakeoverVerdict`] line; after `Ready` the old one stops
+/// serving and confirms with a [`TakeoverDone`] reply.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TakeoverOffer {
+    /// The format of the state that follows.
+    pub state_version: u32,
+    /// Bytes of the serve loop's state.
+    pub serve_state_bytes: u64,
+    /// Bytes of the control thread's state.
+    pub control_state_bytes: u64,
+    /// Single-byte messages carrying client connections.
+    pub fd_batches: u32,
+    /// Client connections handed over.
+    pub connections: u32,
+    /// Whether the metrics listener travels with the offer.
+    pub metrics_listener: bool,
+    /// The running daemon's pid.
+    pub daemon_pid: u32,
+}
+
+/// Most file descriptors in one takeover batch (the kernel takes up to 253
+/// in one `SCM_RIGHTS` message).
+pub const TAKEOVER_FDS_PER_BATCH: usize = 200;
+
+/// The new daemon's word once it has the offer: it serves from here on
+/// (`{"op":"ready"}`), or it refuses and the old daemon goes on serving.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum TakeoverVerdict {
+    /// Everything was received and understood.
+    Ready,
+    /// Something was not; the old daemon keeps serving.
+    Refuse {
+        /// Why.
+        error: String,
+    },
+}
+
+/// The old daemon's last line: it has stopped serving for good.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TakeoverDone {
+    /// The old daemon's pid (it exits next).
+    pub daemon_pid: u32,
 }
 
 impl ControlRequest {
@@ -427,6 +487,11 @@ impl LineBuffer {
     /// Whether a complete line is waiting.
     pub fn has_line(&self) -> bool {
         self.buf.contains(&b'\n')
+    }
+
+    /// The bytes read but not yet taken as lines.
+    pub fn pending(&self) -> &[u8] {
+        &self.buf
     }
 }
 

@@ -398,6 +398,49 @@ impl RemoteTier {
     }
 }
 
+/// A tier stopped for a takeover: what it needs to start again if the
+/// takeover fails.
+pub struct StoppedTier {
+    cfg: RemoteConfig,
+    region: Arc<Region>,
+    events: EventSender,
+    metrics: Arc<Metrics>,
+}
+
+impl RemoteTier {
+    /// Stops the tier's threads, waiting for a copy in progress to finish, so
+    /// nothing of the tier touches the megaslab afterwards. Queued writes are
+    /// dropped (counted in `remote_dropped_writes`); the caller drops their
+    /// pins and the fills' reservations by closing the tier's session.
+    pub fn stop(mut self) -> StoppedTier {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_timeout(Duration::from_secs(5));
+        }
+        let cells = self.ctx.cells();
+        RemoteCells::add(&cells.dropped_writes, cells.queue_blocks.swap(0, Relaxed));
+        cells.queue_bytes.store(0, Relaxed);
+        StoppedTier {
+            cfg: self.ctx.cfg.clone(),
+            region: self.ctx.region.clone(),
+            events: self.ctx.events.clone(),
+            metrics: self.ctx.metrics.clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for StoppedTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoppedTier").field("cfg", &self.cfg).finish()
+    }
+}
+
+impl StoppedTier {
+    /// Starts the tier again (a takeover that did not happen).
+    pub fn start(self) -> Result<RemoteTier, RemoteError> {
+        RemoteTier::start(self.cfg, self.region, self.events, self.metrics)
+    }
+}
+
 impl Drop for RemoteTier {
     fn drop(&mut self) {
         if let Some(rt) = self.rt.take() {

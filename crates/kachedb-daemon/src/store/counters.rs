@@ -10,7 +10,7 @@ const CODES: usize = 16;
 const _: () = assert!((Op::Stats as usize) < CODES && (Status::Internal as usize) < CODES);
 
 /// Counters of a [`Store`](super::Store), indexed by wire code.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(super) struct Counters {
     /// Requests by op code, any outcome.
     requests: [u64; CODES],

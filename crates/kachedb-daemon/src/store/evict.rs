@@ -9,7 +9,7 @@ use crate::alloc::Extent;
 use kachedb_shm::Status;
 
 /// Which linked unpinned blocks eviction may take (`kachedb serve --eviction`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum EvictionPolicy {
     /// Leaves first: only blocks that no linked block names as parent are on
     /// the eviction list, least recently used first; evicting a leaf may make

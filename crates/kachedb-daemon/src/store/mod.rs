@@ -78,7 +78,8 @@
 //! reservations and blocks; `evict` the eviction list, chain links and
 //! eviction; `slots` the
 //! slot tables behind handles, `handles` the handle encoding; `counters` what
-//! is counted; `check` the invariant check.
+//! is counted; `check` the invariant check; `state` the store's serialized
+//! form (handed to a new daemon by a takeover).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -98,6 +99,7 @@ mod handles;
 mod model_tests;
 mod session;
 mod slots;
+mod state;
 #[cfg(test)]
 mod tests;
 
@@ -111,7 +113,7 @@ use slots::{PinSlot, Slot, SlotState};
 
 /// Identifies a client session (one per control-socket connection). Ids are
 /// never reused within one [`Store`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct SessionId(u64);
 
 impl SessionId {
@@ -141,10 +143,12 @@ pub struct BlockInfo {
 }
 
 /// What a reservation or block holds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 struct Tensor {
     key: u128,
+    #[serde(with = "state::dtype_code")]
     dtype: DType,
+    #[serde(with = "state::shape_dims")]
     shape: Shape,
     /// Tensor bytes.
     len: u64,
@@ -163,7 +167,7 @@ struct Reply {
 }
 
 /// The block store. See the [module docs](self) for the semantics.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Store {
     alloc: ExtentAllocator,
     /// Megaslab bytes as given to `new` (before rounding to pages).

@@ -9,7 +9,7 @@ use kachedb_shm::Status;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What one session holds.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(super) struct Session {
     /// block slot index -> pin slot index.
     pub(super) pins: BTreeMap<u32, u32>,

@@ -10,7 +10,7 @@ use kachedb_shm::Status;
 /// Slot indexes are `u32`; at most this many slots of each table.
 pub(super) const MAX_SLOTS: usize = u32::MAX as usize;
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(super) enum SlotState {
     Free,
     Reserved {
@@ -38,14 +38,14 @@ pub(super) enum SlotState {
     },
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(super) struct Slot {
     /// Bumped each time the slot is freed.
     pub(super) generation: u32,
     pub(super) state: SlotState,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub(super) struct Pin {
     pub(super) session: SessionId,
     pub(super) block_index: u32,
@@ -53,7 +53,7 @@ pub(super) struct Pin {
     pub(super) count: u64,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(super) struct PinSlot {
     /// Bumped each time the slot is freed.
     pub(super) generation: u32,

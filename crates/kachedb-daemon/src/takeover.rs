@@ -1,0 +1,438 @@
+//! Hot takeover: a new daemon (`kachedb serve --takeover`) takes the running
+//! one's place on the same socket with the cache and every client intact.
+//!
+//! The new daemon connects to the control socket and asks
+//! ([`ControlRequest::Takeover`]). The old daemon's control thread stops
+//! accepting and reading, and asks its serve loop for its state: the serve
+//! loop stops its remote tier (a write or fill in flight is dropped; its pins
+//! and reservations go with the tier's session), answers nothing more and
+//! serializes the [`Store`] (every table, so the handles clients hold stay
+//! valid), each channel's session (pending completions, held frames, parked
+//! WAITs with the time they have left) and its counters. The control thread
+//! adds its part (each connection's channel, peer and unread bytes; free and
+//! quarantined channels) and sends a [`TakeoverOffer`] with the region memfd,
+//! the listening socket, the instance lock (the same open file: the flock
+//! stays held) and the metrics listener attached, then the client
+//! connections in batches, then the two states (`docs/takeover.md` has the
+//! wire sequence).
+//!
+//! The new daemon maps the region, rebuilds the store and checks it in full,
+//! and answers [`TakeoverVerdict::Ready`]; the old one then tells its serve
+//! loop to stop for good, answers [`TakeoverDone`] and exits, leaving the
+//! socket, the lock file, the channels and the connections as they are. The
+//! new daemon serves only after `TakeoverDone` — or once the old daemon's
+//! process is gone, if it died after `Ready`.
+//!
+//! Failures: a state version the new daemon does not read, a state it cannot
+//! rebuild, the new daemon dying or going silent (each step waits at most
+//! [`STEP_TIMEOUT`]) all leave the old daemon serving, its state untouched
+//! (only the remote tier restarts). The old daemon dying mid-handover gives
+//! the new one a clean error. Never do two daemons serve one region: the old
+//! one stops before `Ready` is asked for and resumes only if `Ready` never
+//! came, and the new one serves only after `TakeoverDone` or the old one's death.
+
+use crate::store::{SessionId, Store};
+use kachedb_shm::control::ServeStats;
+use kachedb_shm::control::{
+    self, ControlRequest, LineBuffer, Reply, TakeoverDone, TakeoverOffer, TakeoverVerdict, TAKEOVER_FDS_PER_BATCH,
+};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashSet, VecDeque};
+use std::io::{IoSlice, IoSliceMut, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+/// The state format this build writes and reads. Any change to a serialized
+/// type (the store's tables, [`ServeState`], [`ControlState`]) must bump it.
+pub const STATE_VERSION: u32 = 1;
+
+/// The longest one step of the handover may take (sending, receiving,
+/// rebuilding, confirming) before the side waiting gives up.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Why a takeover did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum TakeoverError {
+    /// No daemon answers on the socket.
+    #[error("no running daemon to take over at {socket}: {source}; start without --takeover")]
+    NoDaemon {
+        /// Socket path.
+        socket: String,
+        /// Error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The running daemon refused.
+    #[error("the running daemon refused the takeover: {0}")]
+    Refused(String),
+    /// Something failed on the way; the running daemon goes on serving.
+    #[error("takeover failed, the running daemon keeps serving: {0}")]
+    Failed(String),
+    /// The running daemon died during the handover: nobody serves.
+    #[error("the running daemon (pid {pid}) died during the takeover ({why}); nothing was taken over: start a daemon without --takeover")]
+    OldDied {
+        /// Its pid.
+        pid: u32,
+        /// What this side saw.
+        why: String,
+    },
+}
+
+/// One channel's session as the serve loop holds it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ChannelState {
+    pub channel: u32,
+    pub session: SessionId,
+    pub pid: i32,
+    pub uid: u32,
+    /// Completions not yet pushed (64-byte frames).
+    pub backlog: Vec<Vec<u8>>,
+    /// Request frames popped behind a parked WAIT.
+    pub held: Vec<Vec<u8>>,
+    pub waiting: bool,
+    pub kicked: bool,
+    /// Keys already asked of the remote tier for the held frames.
+    pub remote_asked: HashSet<u128>,
+}
+
+/// A parked WAIT.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ParkedWait {
+    pub channel: u32,
+    pub key: u128,
+    pub request_id: u32,
+    /// Milliseconds left before it times out; `None`: never.
+    pub left_ms: Option<u64>,
+}
+
+/// The serve loop's part of the state (written with `S = &Store`, read
+/// with `S = Store`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ServeState<S = Store> {
+    pub region_generation: u64,
+    pub store: S,
+    pub channels: Vec<ChannelState>,
+    pub waits: Vec<ParkedWait>,
+    pub counters: ServeStats,
+    pub uptime_ms: u64,
+}
+
+/// One control connection (its fd travels at the same index).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ConnState {
+    pub channel: Option<u32>,
+    pub pid: i32,
+    pub uid: u32,
+    pub refused: bool,
+    pub awaiting_first: bool,
+    /// Bytes read but not yet a whole line.
+    pub unread: Vec<u8>,
+}
+
+/// The control thread's part of the state.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct ControlState {
+    pub free_channels: Vec<u32>,
+    /// (channel, pid) held back until the process exits.
+    pub quarantine: Vec<(u32, i32)>,
+    pub conns: Vec<ConnState>,
+}
+
+/// The fds that travel with the offer besides the connections.
+pub(crate) struct HandoverFds<'a> {
+    pub region: BorrowedFd<'a>,
+    pub listener: BorrowedFd<'a>,
+    pub lock: BorrowedFd<'a>,
+    pub metrics: Option<BorrowedFd<'a>>,
+}
+
+fn io(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// Writes `bytes` with `fds` attached to its first byte.
+fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+    let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(TAKEOVER_FDS_PER_BATCH + 4))];
+    let mut cmsg = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(std::io::Error::other("too many fds for one message"));
+    }
+    let n = rustix::net::sendmsg(stream.as_fd(), &[IoSlice::new(bytes)], &mut cmsg, SendFlags::NOSIGNAL)
+        .map_err(std::io::Error::from)?;
+    // The fds went with the first byte; the rest is plain data.
+    let mut s = stream;
+    s.write_all(&bytes[n..])
+}
+
+/// Reads a stream whose bytes may carry fds: every read is a `recvmsg`, and
+/// the fds received are queued in order.
+struct FdReader<'a> {
+    stream: &'a UnixStream,
+    buf: Vec<u8>,
+    fds: VecDeque<OwnedFd>,
+}
+
+impl<'a> FdReader<'a> {
+    fn new(stream: &'a UnixStream) -> Self {
+        FdReader { stream, buf: Vec::new(), fds: VecDeque::new() }
+    }
+
+    fn fill(&mut self) -> Result<(), String> {
+        let mut tmp = vec![0u8; 1 << 16];
+        let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(253))];
+        let mut cmsg = RecvAncillaryBuffer::new(&mut space);
+        let r = rustix::net::recvmsg(
+            self.stream.as_fd(),
+            &mut [IoSliceMut::new(&mut tmp)],
+            &mut cmsg,
+            RecvFlags::CMSG_CLOEXEC,
+        )
+        .map_err(|e| format!("reading from the other daemon: {e}"))?;
+        for m in cmsg.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = m {
+                self.fds.extend(fds);
+            }
+        }
+        if r.bytes == 0 {
+            return Err("the other daemon closed the connection".into());
+        }
+        self.buf.extend_from_slice(&tmp[..r.bytes]);
+        Ok(())
+    }
+
+    /// The next line, without its `\n`.
+    fn line(&mut self) -> Result<Vec<u8>, String> {
+        loop {
+            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+                let mut line: Vec<u8> = self.buf.drain(..=end).collect();
+                line.pop();
+                return Ok(line);
+            }
+            if self.buf.len() > control::MAX_LINE_LEN {
+                return Err("a line longer than the control protocol allows".into());
+            }
+            self.fill()?;
+        }
+    }
+
+    /// The next `n` bytes.
+    fn exact(&mut self, n: usize) -> Result<Vec<u8>, String> {
+        while self.buf.len() < n {
+            self.fill()?;
+        }
+        Ok(self.buf.drain(..n).collect())
+    }
+}
+
+fn write_line<T: Serialize>(stream: &UnixStream, msg: &T) -> Result<(), String> {
+    let line = control::to_line(msg).map_err(io)?;
+    let mut s = stream;
+    s.write_all(&line).map_err(io)
+}
+
+fn set_timeouts(stream: &UnixStream) -> Result<(), String> {
+    stream.set_nonblocking(false).map_err(io)?;
+    stream.set_read_timeout(Some(STEP_TIMEOUT)).map_err(io)?;
+    stream.set_write_timeout(Some(STEP_TIMEOUT)).map_err(io)
+}
+
+/// The old daemon's side, on its control thread, once its serve loop has
+/// stopped and serialized `serve`: sends everything to the new daemon on
+/// `stream` and waits for its verdict. `Ok(())`: the new daemon took over
+/// (the caller tells its serve loop to stop for good, then calls
+/// [`confirm_done`]); `Err`: why not (the caller resumes serving).
+pub(crate) fn give(
+    stream: &UnixStream,
+    fds: &HandoverFds<'_>,
+    serve: &[u8],
+    control: &ControlState,
+    conns: &[BorrowedFd<'_>],
+) -> Result<(), String> {
+    set_timeouts(stream)?;
+    let control_bytes = serde_json::to_vec(control).map_err(io)?;
+    let batches: Vec<&[BorrowedFd<'_>]> = conns.chunks(TAKEOVER_FDS_PER_BATCH).collect();
+    let offer = TakeoverOffer {
+        state_version: STATE_VERSION,
+        serve_state_bytes: serve.len() as u64,
+        control_state_bytes: control_bytes.len() as u64,
+        fd_batches: batches.len() as u32,
+        connections: conns.len() as u32,
+        metrics_listener: fds.metrics.is_some(),
+        daemon_pid: std::process::id(),
+    };
+    let line = control::to_line(&Reply::Accepted(offer)).map_err(io)?;
+    let mut first = vec![fds.region, fds.listener, fds.lock];
+    first.extend(fds.metrics);
+    send_with_fds(stream, &line, &first).map_err(|e| format!("sending the offer: {e}"))?;
+    for b in batches {
+        send_with_fds(stream, b"F", b).map_err(|e| format!("sending connections: {e}"))?;
+    }
+    let mut s = stream;
+    s.write_all(serve).and_then(|()| s.write_all(&control_bytes)).map_err(|e| format!("sending the state: {e}"))?;
+    let mut r = FdReader::new(stream);
+    let line = r.line()?;
+    match control::from_line::<TakeoverVerdict>(&line).map_err(io)? {
+        TakeoverVerdict::Ready => Ok(()),
+        TakeoverVerdict::Refuse { error } => Err(format!("the new daemon refused: {error}")),
+    }
+}
+
+/// The old daemon's last word, once its serve loop has stopped for good.
+pub(crate) fn confirm_done(stream: &UnixStream) {
+    let _ = write_line(stream, &Reply::Accepted(TakeoverDone { daemon_pid: std::process::id() }));
+}
+
+/// What the new daemon received.
+pub(crate) struct Taken {
+    /// The connection to the old daemon.
+    pub stream: UnixStream,
+    pub old_pid: u32,
+    /// The old daemon's process (readable once it has exited); `None` where
+    /// pidfds are not available.
+    old_process: Option<OwnedFd>,
+    pub region: OwnedFd,
+    pub listener: OwnedFd,
+    pub lock: OwnedFd,
+    pub metrics: Option<OwnedFd>,
+    pub serve: ServeState,
+    pub control: ControlState,
+    /// In the order of `control.conns`.
+    pub conns: Vec<OwnedFd>,
+}
+
+/// The new daemon's side: asks the daemon serving `socket` for everything.
+/// On a state it cannot read it tells the old daemon, which goes on serving.
+pub(crate) fn take(socket: &std::path::Path) -> Result<Taken, TakeoverError> {
+    let stream = UnixStream::connect(socket)
+        .map_err(|source| TakeoverError::NoDaemon { socket: socket.display().to_string(), source })?;
+    let me = rustix::process::geteuid().as_raw();
+    let peer =
+        kachedb_shm::trust::peer_cred(&stream).map_err(|e| TakeoverError::Failed(format!("SO_PEERCRED: {e}")))?;
+    let old_pid = peer.pid.and_then(|p| i32::try_from(p).ok()).and_then(rustix::process::Pid::from_raw);
+    let old_process = old_pid.and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
+    if peer.uid != me {
+        return Err(TakeoverError::Refused(format!(
+            "the daemon on {} runs as uid {}, not as this process (uid {me})",
+            socket.display(),
+            peer.uid
+        )));
+    }
+    set_timeouts(&stream).map_err(TakeoverError::Failed)?;
+    write_line(&stream, &ControlRequest::Takeover { state_versions: vec![STATE_VERSION] })
+        .map_err(TakeoverError::Failed)?;
+    let old_pid = peer.pid.unwrap_or(0);
+    let failed = |why: String| match &old_process {
+        Some(fd) if exited_within(fd, 1) => TakeoverError::OldDied { pid: old_pid, why },
+        _ => TakeoverError::Failed(why),
+    };
+    let mut r = FdReader::new(&stream);
+    let line = r.line().map_err(failed)?;
+    let offer = match control::from_line::<Reply<TakeoverOffer>>(&line) {
+        Ok(Reply::Accepted(o)) => o,
+        Ok(Reply::Refused(why)) => return Err(TakeoverError::Refused(why.reason().to_string())),
+        Err(e) => return Err(TakeoverError::Failed(format!("the answer was not understood: {e}"))),
+    };
+    let refuse = |stream: &UnixStream, why: String| {
+        let _ = write_line(stream, &TakeoverVerdict::Refuse { error: why.clone() });
+        TakeoverError::Failed(why)
+    };
+    if offer.state_version != STATE_VERSION {
+        return Err(refuse(
+            &stream,
+            format!("state format {} is not the {STATE_VERSION} this build reads", offer.state_version),
+        ));
+    }
+    let received = (|| -> Result<_, String> {
+        let marks = r.exact(offer.fd_batches as usize)?;
+        if marks.iter().any(|&b| b != b'F') {
+            return Err("connection batches out of step".into());
+        }
+        let serve = r.exact(usize::try_from(offer.serve_state_bytes).map_err(io)?)?;
+        let control = r.exact(usize::try_from(offer.control_state_bytes).map_err(io)?)?;
+        let serve: ServeState = serde_json::from_slice(&serve).map_err(|e| format!("serve state: {e}"))?;
+        let control: ControlState = serde_json::from_slice(&control).map_err(|e| format!("control state: {e}"))?;
+        let want = 3 + usize::from(offer.metrics_listener) + offer.connections as usize;
+        if r.fds.len() != want || control.conns.len() != offer.connections as usize {
+            return Err(format!(
+                "{} fds and {} connections received, {want} and {} announced",
+                r.fds.len(),
+                control.conns.len(),
+                offer.connections
+            ));
+        }
+        Ok((serve, control))
+    })();
+    let (serve, control) = match received {
+        Ok(x) => x,
+        Err(why) if old_process.as_ref().is_some_and(|fd| exited_within(fd, 1)) => {
+            return Err(TakeoverError::OldDied { pid: old_pid, why })
+        }
+        Err(why) => return Err(refuse(&stream, why)),
+    };
+    let mut fds = std::mem::take(&mut r.fds);
+    let (Some(region), Some(listener), Some(lock)) = (fds.pop_front(), fds.pop_front(), fds.pop_front()) else {
+        return Err(refuse(&stream, "fds missing".into()));
+    };
+    let metrics = if offer.metrics_listener { fds.pop_front() } else { None };
+    Ok(Taken {
+        stream,
+        old_pid: offer.daemon_pid,
+        old_process,
+        region,
+        listener,
+        lock,
+        metrics,
+        serve,
+        control,
+        conns: fds.into_iter().collect(),
+    })
+}
+
+impl Taken {
+    /// Tells the old daemon this one cannot serve its state (it goes on serving).
+    pub(crate) fn refuse(&self, why: &str) -> TakeoverError {
+        let _ = write_line(&self.stream, &TakeoverVerdict::Refuse { error: why.to_string() });
+        TakeoverError::Failed(why.to_string())
+    }
+
+    /// Says `Ready` and waits for the old daemon to stop; `Ok` once it has
+    /// (or once its process is gone), then this daemon serves.
+    pub(crate) fn confirm(&self) -> Result<(), TakeoverError> {
+        write_line(&self.stream, &TakeoverVerdict::Ready).map_err(TakeoverError::Failed)?;
+        let mut r = FdReader::new(&self.stream);
+        let answer = r.line();
+        if let Ok(line) = &answer {
+            if let Ok(Reply::Accepted(TakeoverDone { .. })) = control::from_line::<Reply<TakeoverDone>>(line) {
+                return Ok(());
+            }
+        }
+        // No confirmation: serve only if the old daemon is gone for sure.
+        if self.old_process.as_ref().is_some_and(|fd| exited_within(fd, 1)) {
+            tracing::warn!(pid = self.old_pid, "the old daemon died after the handover; serving");
+            return Ok(());
+        }
+        Err(TakeoverError::Failed(format!(
+            "the running daemon (pid {}) did not confirm it stopped ({})",
+            self.old_pid,
+            answer.err().unwrap_or_else(|| "an answer not understood".into())
+        )))
+    }
+}
+
+/// Whether the process of `pidfd` has exited, or does within `secs` seconds.
+fn exited_within(pidfd: &OwnedFd, secs: i64) -> bool {
+    use rustix::event::{PollFd, PollFlags};
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let wait = rustix::time::Timespec { tv_sec: secs, tv_nsec: 0 };
+    matches!(rustix::event::poll(&mut fds, Some(&wait)), Ok(n) if n > 0)
+}
+
+/// The unread bytes of a [`LineBuffer`] as a [`ConnState`] carries them.
+pub(crate) fn unread_of(lines: &LineBuffer) -> Vec<u8> {
+    lines.pending().to_vec()
+}
