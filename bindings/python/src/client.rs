@@ -104,6 +104,50 @@ fn block_capsule(py: Python<'_>, v: BlockView) -> PyResult<Exported<'_>> {
     Ok((cap, code))
 }
 
+/// What turns an exported block into a `kachedb._views.KVView` without a
+/// Python frame: `kachedb._views._view_factory()`, read once.
+struct ViewFactory {
+    /// torch's DLPack import (`torch._C._from_dlpack`).
+    from_dlpack: Py<PyAny>,
+    /// `KVView`, assigned as the imported tensor's `__class__`.
+    view_class: Py<PyAny>,
+    /// `_as_torch_dtype(t, code)`: views an export that arrived as unsigned
+    /// ints as its dtype (float8).
+    convert: Py<PyAny>,
+    /// By dtype code: whether torch imports the export as the block's own dtype.
+    direct: Vec<bool>,
+}
+
+static VIEW_FACTORY: GILOnceCell<ViewFactory> = GILOnceCell::new();
+
+impl ViewFactory {
+    fn get(py: Python<'_>) -> PyResult<&ViewFactory> {
+        VIEW_FACTORY.get_or_try_init(py, || -> PyResult<ViewFactory> {
+            let (from_dlpack, view_class, convert, direct) =
+                py.import("kachedb._views")?.getattr("_view_factory")?.call0()?.extract()?;
+            Ok(ViewFactory { from_dlpack, view_class, convert, direct })
+        })
+    }
+
+    /// The pinned block `v` as a `KVView` (as `kachedb._views.block_tensor`
+    /// makes it): the import's deleter holds the pin.
+    fn view<'py>(&self, py: Python<'py>, v: BlockView) -> PyResult<Bound<'py, PyAny>> {
+        let (cap, code) = block_capsule(py, v)?;
+        let mut t = self.from_dlpack.bind(py).call1((cap,))?;
+        if !self.direct.get(usize::from(code)).copied().unwrap_or(false) {
+            t = self.convert.bind(py).call1((t, code))?;
+        }
+        let cls = self.view_class.bind(py);
+        // Re-typing the fresh tensor object costs ~0.2 us, a subclass alias
+        // (for a torch that refuses the re-typing) ~2 us; both share the
+        // import's storage, so its deleter still runs with the last view.
+        if t.setattr(pyo3::intern!(py, "__class__"), cls).is_err() {
+            t = cls.call_method1(pyo3::intern!(py, "_make_subclass"), (cls, t, false))?;
+        }
+        Ok(t)
+    }
+}
+
 /// A raw readable byte range handed in from Python (a tensor's or array's data).
 struct Src {
     address: usize,
@@ -385,6 +429,37 @@ impl NativeClient {
     fn get_dlpack<'py>(&self, py: Python<'py>, lo: u64, hi: u64) -> PyResult<Option<Exported<'py>>> {
         let v = py.allow_threads(|| self.inner.get(key(lo, hi))).map_err(client_err)?;
         v.map(|v| block_capsule(py, v)).transpose()
+    }
+
+    /// `kc.get(key)` in one call: maps `key` (as `key_of`), pins the block
+    /// (GIL released while waiting) and returns it as a `kachedb._views.KVView`
+    /// whose last view releases the pin; `None` if absent.
+    fn get_view<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let k = key_of(key)?;
+        let factory = ViewFactory::get(py)?;
+        let v = py.allow_threads(|| self.inner.get(k)).map_err(client_err)?;
+        v.map(|v| factory.view(py, v)).transpose()
+    }
+
+    /// `get_view` of many keys (any iterable of keys) in one batch: a list with
+    /// `None` for each absent key.
+    fn get_many_views<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+        let keys = keys_of(keys)?;
+        let factory = ViewFactory::get(py)?;
+        let v = py.allow_threads(|| self.inner.get_many(&keys)).map_err(client_err)?;
+        v.into_iter().map(|b| b.map(|v| factory.view(py, v)).transpose()).collect()
+    }
+
+    /// `get_prefix_dlpack` with each block made a `KVView` as `get_view` does.
+    fn get_prefix_views<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let keys = keys_of(keys)?;
+        let factory = ViewFactory::get(py)?;
+        let v = py.allow_threads(|| self.inner.get_prefix(&keys)).map_err(client_err)?;
+        v.into_iter().map(|v| factory.view(py, v)).collect()
     }
 
     /// `get_dlpack` of many keys (any iterable of keys) in one batch.

@@ -479,7 +479,10 @@ unsafe fn capsule_as<'py, M: ManagedTensor>(
             .map_err(|_| PyOverflowError::new_err(format!("dimension {d} does not fit a DLPack shape (i64)")))?;
         elems = elems.saturating_mul(u128::from(d));
     }
-    if elems.saturating_mul(u128::from(dtype.bits / 8)) != len_i64 as u128 || dtype.bits % 8 != 0 || dtype.bits == 0 {
+    if elems.saturating_mul(u128::from(dtype.bits / 8)) != len_i64 as u128
+        || !dtype.bits.is_multiple_of(8)
+        || dtype.bits == 0
+    {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
             "shape {dims:?} of {}-bit elements does not take exactly {len} bytes",
             dtype.bits

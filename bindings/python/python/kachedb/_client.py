@@ -463,6 +463,13 @@ class Client:
         of shared memory (no copy), pinned while it (or anything made from it)
         lives; usable as ``with kc.get(k) as t``. With ``device="cuda"`` the block
         is copied to the device and the pin dropped at once. Raises ``NotFound``."""
+        if device is None and not self._forked:
+            # One native call: the key mapped, the round trip, the view. (A
+            # fork that bypassed the at-fork handler is caught there too.)
+            t = self._native.get_view(key)
+            if t is None:
+                raise NotFound(f"no block with key {key!r}")
+            return t
         got = self._check().get_dlpack(*key_parts(key))
         if got is None:
             raise NotFound(f"no block with key {key!r}")
@@ -478,9 +485,9 @@ class Client:
 
     def get_many(self, keys: Sequence[KeyLike], *, device: Any = None) -> List[Any]:
         """``get`` of many keys in one batch; ``None`` for each missing key."""
+        if device is None and not self._forked:
+            return self._native.get_many_views(keys)
         got = self._check().get_many_dlpack(keys)
-        if device is None:
-            return [None if g is None else block_tensor(*g) for g in got]
         return [None if g is None else self._tensor_of(g, device) for g in got]
 
     def get_prefix(self, keys: Sequence[KeyLike], *, device: Any = None) -> List[Any]:
@@ -488,9 +495,9 @@ class Client:
         in one round trip: each key is looked up and pinned at once, so no block
         can be evicted in between. Stops at the first missing key (the pins
         taken past it are released). Each view keeps its pin as ``get``'s does."""
+        if device is None and not self._forked:
+            return self._native.get_prefix_views(keys)
         got = self._check().get_prefix_dlpack(keys)
-        if device is None:
-            return [block_tensor(*g) for g in got]
         return [self._tensor_of(g, device) for g in got]
 
     def wait_for(self, key: KeyLike, timeout: Optional[float] = None, *, device: Any = None) -> Any:

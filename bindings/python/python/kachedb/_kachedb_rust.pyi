@@ -93,6 +93,14 @@ class NativeClient:
         shape (float8 as uint8 of the same shape) whose deleter releases the pin:
         ``(capsule, dtype_code)``, or ``None`` if absent. ``Client.get``'s fast path."""
     def get_many(self, keys: Sequence[Tuple[int, int]]) -> List[Optional[NativeBlock]]: ...
+    def get_view(self, key: Any) -> Optional[Any]:
+        """``Client.get``'s fast path in one call: the key mapped here, the block
+        pinned and returned as a ``kachedb._views.KVView`` whose last view
+        releases the pin; ``None`` if absent."""
+    def get_many_views(self, keys: Iterable[Any]) -> List[Optional[Any]]:
+        """``get_view`` of many keys in one batch; ``None`` for each absent key."""
+    def get_prefix_views(self, keys: Iterable[Any]) -> List[Any]:
+        """``get_prefix_dlpack`` with each block a ``KVView`` as ``get_view`` makes it."""
     # The batch calls below take the keys themselves (bytes, str, int, or what
     # ``kachedb.key_of`` accepts), mapped in Rust.
     def get_many_dlpack(self, keys: Iterable[Any]) -> List[Optional[Tuple[Any, int]]]: ...

@@ -83,6 +83,16 @@ def _as_torch_dtype(t: Any, code: int) -> Any:
     return t.view(dt)
 
 
+def _view_factory() -> tuple:
+    """What ``NativeClient.get_view`` makes a ``KVView`` with, as
+    ``block_tensor`` does: ``(from_dlpack, KVView, _as_torch_dtype, direct)``,
+    ``direct[code]`` saying whether torch imports the code's export as its
+    own dtype."""
+    if _view_class is None:
+        _init_torch()
+    return _from_dlpack, _view_class, _as_torch_dtype, [dt is None for dt in _torch_views]
+
+
 def block_tensor(capsule: Any, code: int) -> Any:
     """A capsule of ``NativeClient.get_dlpack`` / ``get_many_dlpack`` (a block of
     dtype ``code``) as a ``KVView``."""
