@@ -301,7 +301,7 @@ impl Daemon {
         let t0 = Instant::now();
         let taken = crate::takeover::take(&cfg.socket_path)?;
         let sock = cfg.socket_path.clone();
-        let region = Region::attach(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
+        let region = Region::attach_lazily(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
             .map_err(|e| taken.refuse(&format!("the region: {e}")))?;
         if region.generation() != taken.serve.region_generation {
             return Err(taken.refuse("the region is not the one the state describes").into());

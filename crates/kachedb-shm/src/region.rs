@@ -345,7 +345,7 @@ impl Region {
         }
         fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .map_err(os("sealing the region memfd"))?;
-        let map = map_fd(&fd, layout.region_len)?;
+        let map = map_fd(&fd, layout.region_len, true)?;
         let generation = {
             let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
             (t.as_nanos() as u64) ^ (u64::from(std::process::id()) << 40) ^ (map.as_ptr() as u64)
@@ -376,8 +376,20 @@ impl Region {
         Ok(region)
     }
 
-    /// Maps a region received from the daemon and validates its header and seals.
+    /// Maps a region received from the daemon and validates its header and
+    /// seals; every page is mapped at once (no page fault on first touch).
     pub fn attach(fd: OwnedFd) -> Result<Arc<Region>, RegionError> {
+        Self::attach_with(fd, true)
+    }
+
+    /// [`attach`](Self::attach) without mapping the pages in advance: for a
+    /// daemon taking over a region (it touches the rings and headers only,
+    /// and mapping a multi-GiB megaslab up front would lengthen the pause).
+    pub fn attach_lazily(fd: OwnedFd) -> Result<Arc<Region>, RegionError> {
+        Self::attach_with(fd, false)
+    }
+
+    fn attach_with(fd: OwnedFd, populate: bool) -> Result<Arc<Region>, RegionError> {
         use rustix::fs::{fcntl_get_seals, fstat, SealFlags};
         let seals = fcntl_get_seals(&fd).map_err(os("reading the region's seals"))?;
         if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
@@ -400,8 +412,8 @@ impl Region {
             copy_header(&page)
         };
         let layout = Layout::from_header(&header, fd_len)?;
-        // Only now the whole region, pre-faulted (its size is the checked layout's).
-        let map = map_fd(&fd, layout.region_len)?;
+        // Only now the whole region (its size is the checked layout's).
+        let map = map_fd(&fd, layout.region_len, populate)?;
         let fork = crate::fork::record(map.as_mut_ptr(), map.len());
         Ok(Arc::new(Region { _fork: Some(fork), map, fd, layout, generation: header.generation }))
     }
@@ -563,13 +575,15 @@ fn copy_header(page: &memmap2::MmapRaw) -> RegionHeader {
     }
 }
 
-fn map_fd(fd: &OwnedFd, len: u64) -> Result<memmap2::MmapRaw, RegionError> {
+fn map_fd(fd: &OwnedFd, len: u64, populate: bool) -> Result<memmap2::MmapRaw, RegionError> {
     let len =
         usize::try_from(len).map_err(|_| RegionError::BadLayout("region larger than the address space".into()))?;
-    memmap2::MmapOptions::new()
-        .len(len)
-        .populate()
-        .map_raw(fd.as_raw_fd())
+    let mut opts = memmap2::MmapOptions::new();
+    opts.len(len);
+    if populate {
+        opts.populate();
+    }
+    opts.map_raw(fd.as_raw_fd())
         .map_err(|e| RegionError::Os { what: "mmap of the region", source: e })
 }
 
