@@ -235,61 +235,23 @@ impl Daemon {
             std::fs::Permissions::from_mode(if cfg.allow_gids.is_empty() { 0o600 } else { 0o660 }),
         )
         .map_err(io_err("setting permissions of", &sock))?;
-        let (tx, rx) = events::queue(region.clone());
-        let channels = Arc::new(Channels::new(cfg.channels));
-        let access = Access {
-            uid: rustix::process::geteuid().as_raw(),
-            allow_gids: cfg.allow_gids.clone(),
-            max_connections: cfg.max_connections.max(1) as usize,
-            hello_timeout: cfg.hello_timeout,
-        };
-        let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
-        let remote = match &cfg.remote {
-            Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
-            None => None,
-        };
-        let control = spawn_control(
-            control::Control {
-                listener,
-                region: region.clone(),
-                access,
-                channels: channels.clone(),
-                events: tx,
-                shutdown: shutdown.clone(),
-                metrics: metrics.clone(),
-                lock: lock.dup().map_err(io_err("duplicating the lock of", &lock_path))?,
-                metrics_listener: dup_listener(metrics_listener.as_ref()),
-                conns: Vec::new(),
-            },
-            &sock,
-        )?;
-        let http = match (metrics_listener, cfg.metrics_addr) {
-            (Some(l), Some(asked)) => {
-                let addr = l.local_addr().unwrap_or(asked);
-                let t = crate::http::spawn(l, metrics.clone(), shutdown.clone())
-                    .map_err(|source| ServeError::Metrics { addr, source })?;
-                Some((t, addr))
-            }
-            _ => None,
-        };
         let mut store = Store::new(layout.slab_offset, layout.slab_len);
         store.set_max_session_bytes(cfg.max_client_bytes);
         store.set_eviction_policy(cfg.eviction);
-        Ok(Daemon {
+        Parts {
+            channels: Arc::new(Channels::new(cfg.channels)),
             cfg,
             region,
             store,
-            events: rx,
-            channels,
+            listener,
+            lock,
+            metrics_listener,
+            conns: Vec::new(),
             shutdown,
-            control: Some(control),
-            metrics,
-            remote,
-            http,
-            _lock: lock,
             started: Instant::now(),
             restored: None,
-        })
+        }
+        .launch()
     }
 
     /// Takes over from the daemon serving `cfg.socket_path` (`kachedb serve
@@ -301,8 +263,9 @@ impl Daemon {
         let t0 = Instant::now();
         let taken = crate::takeover::take(&cfg.socket_path)?;
         let sock = cfg.socket_path.clone();
-        let region = Region::attach_lazily(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
-            .map_err(|e| taken.refuse(&format!("the region: {e}")))?;
+        let region =
+            Region::attach_lazily(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
+                .map_err(|e| taken.refuse(&format!("the region: {e}")))?;
         if region.generation() != taken.serve.region_generation {
             return Err(taken.refuse("the region is not the one the state describes").into());
         }
@@ -341,69 +304,29 @@ impl Daemon {
         // The old daemon stops only now; until this returns it may resume.
         taken.confirm()?;
         let lock = crate::lock::InstanceLock::taken_over(lock_fd, &lock_path);
-        let (tx, rx) = events::queue(region.clone());
-        let access = Access {
-            uid: rustix::process::geteuid().as_raw(),
-            allow_gids: cfg.allow_gids.clone(),
-            max_connections: cfg.max_connections.max(1) as usize,
-            hello_timeout: cfg.hello_timeout,
-        };
-        let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
-        let remote = match &cfg.remote {
-            Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
-            None => None,
-        };
-        let connections = conns.len();
-        let control = spawn_control(
-            control::Control {
-                listener,
-                region: region.clone(),
-                access,
-                channels: channels.clone(),
-                events: tx,
-                shutdown: shutdown.clone(),
-                metrics: metrics.clone(),
-                lock: lock.dup().map_err(io_err("duplicating the lock of", &lock_path))?,
-                metrics_listener: dup_listener(metrics_listener.as_ref()),
-                conns,
-            },
-            &sock,
-        )?;
-        let http = match metrics_listener {
-            Some(l) => {
-                let addr = l.local_addr().map_err(io_err("reading the metrics address of", &sock))?;
-                let t = crate::http::spawn(l, metrics.clone(), shutdown.clone())
-                    .map_err(|source| ServeError::Metrics { addr, source })?;
-                Some((t, addr))
-            }
-            None => None,
-        };
         let serve = &taken.serve;
         let started = Instant::now().checked_sub(std::time::Duration::from_millis(serve.uptime_ms)).unwrap_or(t0);
-        let summary = TakeoverSummary { old_pid: taken.old_pid, blocks, connections, took: t0.elapsed() };
-        Ok((
-            Daemon {
-                cfg,
-                region,
-                store,
-                events: rx,
-                channels,
-                shutdown,
-                control: Some(control),
-                metrics,
-                remote,
-                http,
-                _lock: lock,
-                started,
-                restored: Some(Restored {
-                    channels: serve.channels.clone(),
-                    waits: serve.waits.clone(),
-                    counters: serve.counters.clone(),
-                    streams,
-                }),
-            },
-            summary,
-        ))
+        let summary = TakeoverSummary { old_pid: taken.old_pid, blocks, connections: conns.len(), took: t0.elapsed() };
+        let restored = Restored {
+            channels: serve.channels.clone(),
+            waits: serve.waits.clone(),
+            counters: serve.counters.clone(),
+            streams,
+        };
+        let parts = Parts {
+            cfg,
+            region,
+            store,
+            listener,
+            lock,
+            channels,
+            metrics_listener,
+            conns,
+            shutdown,
+            started,
+            restored: Some(restored),
+        };
+        Ok((parts.launch()?, summary))
     }
 
     /// The control socket path.
@@ -478,6 +401,94 @@ impl Daemon {
         // Unlinks the lock file before letting go of the flock (see `lock`).
         lock.release();
         Ended::Stopped
+    }
+}
+
+/// A daemon's pieces before its threads start: made by [`Daemon::start`]
+/// (fresh) or [`Daemon::take_over`] (handed over).
+struct Parts {
+    cfg: ServeConfig,
+    region: Arc<Region>,
+    store: Store,
+    listener: UnixListener,
+    lock: crate::lock::InstanceLock,
+    channels: Arc<Channels>,
+    metrics_listener: Option<std::net::TcpListener>,
+    conns: Vec<control::Conn>,
+    shutdown: Arc<AtomicBool>,
+    started: Instant,
+    restored: Option<Restored>,
+}
+
+impl Parts {
+    /// Starts the remote tier, the control thread and the metrics endpoint.
+    fn launch(self) -> Result<Daemon, ServeError> {
+        let Parts {
+            cfg,
+            region,
+            store,
+            listener,
+            lock,
+            channels,
+            metrics_listener,
+            conns,
+            shutdown,
+            started,
+            restored,
+        } = self;
+        let sock = cfg.socket_path.clone();
+        let layout = *region.layout();
+        let (tx, rx) = events::queue(region.clone());
+        let access = Access {
+            uid: rustix::process::geteuid().as_raw(),
+            allow_gids: cfg.allow_gids.clone(),
+            max_connections: cfg.max_connections.max(1) as usize,
+            hello_timeout: cfg.hello_timeout,
+        };
+        let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
+        let remote = match &cfg.remote {
+            Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
+            None => None,
+        };
+        let control = spawn_control(
+            control::Control {
+                listener,
+                region: region.clone(),
+                access,
+                channels: channels.clone(),
+                events: tx,
+                shutdown: shutdown.clone(),
+                metrics: metrics.clone(),
+                lock: lock.dup().map_err(io_err("duplicating the instance lock for", &sock))?,
+                metrics_listener: dup_listener(metrics_listener.as_ref()),
+                conns,
+            },
+            &sock,
+        )?;
+        let http = match metrics_listener {
+            Some(l) => {
+                let addr = l.local_addr().map_err(io_err("reading the metrics address of", &sock))?;
+                let t = crate::http::spawn(l, metrics.clone(), shutdown.clone())
+                    .map_err(|source| ServeError::Metrics { addr, source })?;
+                Some((t, addr))
+            }
+            None => None,
+        };
+        Ok(Daemon {
+            cfg,
+            region,
+            store,
+            events: rx,
+            channels,
+            shutdown,
+            control: Some(control),
+            metrics,
+            remote,
+            http,
+            _lock: lock,
+            started,
+            restored,
+        })
     }
 }
 

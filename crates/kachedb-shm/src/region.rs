@@ -583,8 +583,7 @@ fn map_fd(fd: &OwnedFd, len: u64, populate: bool) -> Result<memmap2::MmapRaw, Re
     if populate {
         opts.populate();
     }
-    opts.map_raw(fd.as_raw_fd())
-        .map_err(|e| RegionError::Os { what: "mmap of the region", source: e })
+    opts.map_raw(fd.as_raw_fd()).map_err(|e| RegionError::Os { what: "mmap of the region", source: e })
 }
 
 #[cfg(all(test, not(loom)))]
