@@ -416,6 +416,49 @@ def test_a_full_write_queue_drops_and_counts(cluster):
         a.stop()
 
 
+def tier_thread_nices(pid: int) -> list[int]:
+    """Nice values of the threads of process `pid` named kachedb-remote."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() != "kachedb-remote":
+                    continue
+            out.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def test_the_tier_threads_run_at_the_worker_nice_and_bad_values_are_refused(cluster):
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    own = os.getpriority(os.PRIO_PROCESS, 0)  # the daemon inherits it
+    out = subprocess.run([sys.executable, "-m", "kachedb", "serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--remote-worker-nice" in out.stdout, out.stdout
+    cases = [
+        ((), min(own + 19, 19)),  # the default
+        (("--remote-worker-nice", "5"), min(own + 5, 19)),
+        (("--remote-worker-nice", "0"), own),
+    ]
+    for extra, want in cases:
+        d = node(cluster.url, ns, *extra)
+        try:
+            poll_until(lambda: (lambda n: len(n) >= 2 and all(v == want for v in n))(tier_thread_nices(d.proc.pid)),
+                       timeout=30, what=f"tier threads at nice {want} ({extra})")
+            # The serve loop (the main thread) keeps the daemon's own.
+            assert os.getpriority(os.PRIO_PROCESS, d.proc.pid) == own
+            # The tier still works at that priority: a put is written.
+            with d.connect() as k:
+                k.put(f"nice/{want}", np.arange(100, dtype=np.int32))
+            wait_written(d, 1)
+        finally:
+            d.stop()
+    for bad in ("20", "-1", "x"):
+        out = subprocess.run([sys.executable, "-m", "kachedb", "serve", "--size", "16MiB", "--socket", "/nonexistent/k.sock",
+                              "--remote", cluster.url, f"--remote-worker-nice={bad}"], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "--remote-worker-nice" in out.stderr, (bad, out.stderr)
+
+
 @pytest.fixture
 def standalone_redis(tmp_path):
     """One redis-server, not in cluster mode, with a password."""

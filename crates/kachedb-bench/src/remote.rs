@@ -9,7 +9,12 @@
 //! round fills again. In the same run a plain Redis client (redis-rs, cluster
 //! aware, every GET of a batch sent at once) reads the same values, the
 //! baseline the fill is compared with. Last, the GET round trip of a local
-//! block on B, idle and while fills run.
+//! block on B, in windows alternating idle and while another client keeps
+//! filling (medians over the windows); with `--nice-sweep`, for several nice
+//! values of B's tier threads and of the redis-servers.
+//!
+//! The redis-servers it starts run at `--redis-nice` (19 by default): they
+//! stand for other machines, and take only CPU the node leaves idle.
 
 use crate::spawn::{DaemonProcess, TempDir};
 use clap::Args;
@@ -18,7 +23,7 @@ use kachedb_daemon::remote::format;
 use serde_json::json;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Options of `kachedb bench remote`.
@@ -33,6 +38,18 @@ pub struct RemoteArgs {
     /// Use this Redis Cluster (any node) instead of starting one.
     #[arg(long, value_name = "URL")]
     pub remote: Option<String>,
+    /// Nice value of the redis-servers the benchmark starts. They stand in
+    /// for other machines: at 19 they take only CPU the node itself leaves
+    /// idle, as a cluster elsewhere would; the plain-client baseline reads
+    /// the same servers. 0: as any other process.
+    #[arg(long, default_value_t = 19, value_name = "N",
+          value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub redis_nice: i32,
+    /// Also time local GETs during fills with node B's tier threads and the
+    /// redis-servers at nice 0, 10 and 19 (set by the benchmark while it
+    /// runs; setting a nice value back to 0 needs root or CAP_SYS_NICE).
+    #[arg(long)]
+    pub nice_sweep: bool,
 }
 
 /// A cluster of redis-server processes in a temporary directory; stopped when dropped.
@@ -43,13 +60,23 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn start(masters: usize) -> Result<Cluster, Box<dyn std::error::Error>> {
+    fn start(masters: usize, nice: i32) -> Result<Cluster, Box<dyn std::error::Error>> {
         let dir = TempDir::new("kachedb-redis")?;
         let ports: Vec<u16> = (0..masters).map(|_| free_port()).collect::<Result<_, _>>()?;
         let mut c = Cluster { procs: Vec::new(), ports, _dir: dir };
         for &p in &c.ports {
-            let child = Command::new("redis-server")
-                .args(["--port", &p.to_string(), "--bind", "127.0.0.1", "--cluster-enabled", "yes"])
+            let child = Command::new("nice")
+                .args([
+                    "-n",
+                    &nice.to_string(),
+                    "redis-server",
+                    "--port",
+                    &p.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                ])
                 .args(["--cluster-config-file", &format!("nodes-{p}.conf"), "--cluster-require-full-coverage", "no"])
                 .args(["--save", "", "--appendonly", "no", "--daemonize", "no", "--dir"])
                 .arg(&c._dir.0)
@@ -163,7 +190,7 @@ fn plain_get(
 pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     let cluster = match &a.remote {
         Some(_) => None,
-        None => Some(Cluster::start(3)?),
+        None => Some(Cluster::start(3, a.redis_nice)?),
     };
     let url =
         a.remote.clone().unwrap_or_else(|| format!("redis://127.0.0.1:{}", cluster.as_ref().map_or(0, |c| c.ports[0])));
@@ -184,6 +211,12 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     };
     if !a.json {
         println!("kachedb bench remote — {url}, namespace {ns}; two daemons (node A writes, node B fills)");
+        if cluster.is_some() {
+            println!(
+                "  the 3 redis-servers started here run at nice {} (they stand for other machines; the plain-client baseline reads the same servers)",
+                a.redis_nice
+            );
+        }
     }
 
     // Write-behind: A puts, then waits until every block is written.
@@ -230,17 +263,27 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
         let chunks = format::chunk_count(len as u64, cb).unwrap_or(1);
         let batches: Vec<Vec<(u128, u32)>> =
             keys.chunks(batch).map(|c| c.iter().map(|k| (k.0, chunks)).collect()).collect();
-        let (mut fill_s, mut plain_s) = (Vec::new(), Vec::new());
+        // With --nice-sweep, rounds alternate node B's tier threads at nice 19
+        // and 0 (`None`: as started).
+        let tiers: Vec<Option<i32>> = if a.nice_sweep { vec![Some(19), Some(0)] } else { vec![None] };
+        let (mut fill_s, mut plain_s) = (vec![Vec::new(); tiers.len()], Vec::new());
         for _ in 0..rounds {
-            kb.delete_many(keys)?;
-            let t = Instant::now();
-            for c in keys.chunks(batch) {
-                let n = kb.lookup(c)?;
-                if n != c.len() {
-                    return Err(format!("node B found {n} of {} blocks", c.len()).into());
+            for (ti, &tier) in tiers.iter().enumerate() {
+                if let Some(n) = tier {
+                    if renice(node_b.pid(), Some(kachedb_daemon::remote::THREAD_NAME), n) == 0 {
+                        return Err(format!("--nice-sweep: could not set node B's tier threads to nice {n} (needs root or CAP_SYS_NICE)").into());
+                    }
                 }
+                kb.delete_many(keys)?;
+                let t = Instant::now();
+                for c in keys.chunks(batch) {
+                    let n = kb.lookup(c)?;
+                    if n != c.len() {
+                        return Err(format!("node B found {n} of {} blocks", c.len()).into());
+                    }
+                }
+                fill_s[ti].push(t.elapsed().as_secs_f64());
             }
-            fill_s.push(t.elapsed().as_secs_f64());
             let t = Instant::now();
             let got = plain_get(&rt, &conn, &ns, &batches)?;
             plain_s.push(t.elapsed().as_secs_f64());
@@ -248,27 +291,34 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
                 return Err("the plain client read fewer bytes than stored".into());
             }
         }
-        fill_s.sort_by(f64::total_cmp);
         plain_s.sort_by(f64::total_cmp);
-        let (f, p) = (fill_s[rounds / 2], plain_s[rounds / 2]);
-        let bytes = (keys.len() * len) as f64;
-        emit(
-            json!({"bench":"remote_fill","block":name,"blocks":keys.len(),"keys_per_lookup":batch,
-                   "fill_gb_per_s":bytes/f/1e9,"plain_get_gb_per_s":bytes/p/1e9,"fill_vs_plain":p/f,"rounds":rounds}),
-            format!(
-                "fill {name:>6} x {:>5}   {:>6.3} GB/s vs plain client GET {:>6.3} GB/s ({:.0} %), median of {rounds}",
-                keys.len(),
-                bytes / f / 1e9,
-                bytes / p / 1e9,
-                p / f * 100.0
-            ),
-        );
+        let p = plain_s[rounds / 2];
+        for (ti, &tier) in tiers.iter().enumerate() {
+            fill_s[ti].sort_by(f64::total_cmp);
+            let f = fill_s[ti][rounds / 2];
+            let bytes = (keys.len() * len) as f64;
+            let tier_label = tier.map(|n| format!(", tier nice {n}")).unwrap_or_default();
+            emit(
+                json!({"bench":"remote_fill","block":name,"blocks":keys.len(),"keys_per_lookup":batch,"tier_nice":tier,
+                       "fill_gb_per_s":bytes/f/1e9,"plain_get_gb_per_s":bytes/p/1e9,"fill_vs_plain":p/f,"rounds":rounds}),
+                format!(
+                    "fill {name:>6} x {:>5}   {:>6.3} GB/s vs plain client GET {:>6.3} GB/s ({:.0} %), median of {rounds}{tier_label}",
+                    keys.len(),
+                    bytes / f / 1e9,
+                    bytes / p / 1e9,
+                    p / f * 100.0
+                ),
+            );
+        }
     }
 
-    // Local GET round trip on B: idle, then while another client keeps filling.
+    // Local GET round trip on B: windows of idle and of fills (another client
+    // keeps filling), alternated, each condition's percentiles the median over
+    // its windows.
     let local = Key::from_bytes(b"rb/local");
     kb.put(local, &[1u8; 4096])?;
-    let iters = if a.quick { 5_000 } else { 50_000 };
+    let iters = if a.quick { 10_000 } else { 50_000 };
+    let windows = if a.quick { 3 } else { 5 };
     let time_gets = |n: usize| -> Result<Vec<u64>, Box<dyn std::error::Error>> {
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
@@ -280,38 +330,118 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
         v.sort_unstable();
         Ok(v)
     };
-    let idle = time_gets(iters)?;
-    let stop = Arc::new(AtomicBool::new(false));
+    // The filler: mode 0 paused (blocked on the condvar, `paused` set), 1 filling, 2 stop.
+    let control = Arc::new((Mutex::new(0u8), Condvar::new()));
+    let paused = Arc::new(AtomicBool::new(false));
+    let mode_is = |c: &(Mutex<u8>, Condvar)| *c.0.lock().unwrap_or_else(|e| e.into_inner());
+    let set_mode = |c: &(Mutex<u8>, Condvar), m: u8| {
+        *c.0.lock().unwrap_or_else(|e| e.into_inner()) = m;
+        c.1.notify_all();
+    };
     let filler = {
-        let (stop, sock, keys) = (stop.clone(), node_b.socket().to_path_buf(), small.clone());
-        std::thread::spawn(move || -> u64 {
-            let Ok(c) = Client::connect(&ConnectOptions { socket: Some(sock), ..Default::default() }) else { return 0 };
-            let mut fills = 0;
-            while !stop.load(Ordering::Relaxed) {
+        let (control, paused, sock, keys) =
+            (control.clone(), paused.clone(), node_b.socket().to_path_buf(), small.clone());
+        std::thread::spawn(move || {
+            let Ok(c) = Client::connect(&ConnectOptions { socket: Some(sock), ..Default::default() }) else { return };
+            loop {
+                {
+                    let mut m = control.0.lock().unwrap_or_else(|e| e.into_inner());
+                    while *m == 0 {
+                        paused.store(true, Ordering::Release);
+                        m = control.1.wait(m).unwrap_or_else(|e| e.into_inner());
+                    }
+                    if *m == 2 {
+                        return;
+                    }
+                }
+                paused.store(false, Ordering::Release);
                 for ch in keys.chunks(64) {
+                    if mode_is(&control) != 1 {
+                        break;
+                    }
                     let _ = c.delete_many(ch);
-                    fills += c.lookup(ch).unwrap_or(0) as u64;
+                    let _ = c.lookup(ch);
                 }
             }
-            fills
         })
     };
-    std::thread::sleep(Duration::from_millis(100));
-    let busy = time_gets(iters)?;
-    stop.store(true, Ordering::Relaxed);
-    let fills = filler.join().unwrap_or(0);
-    emit(
-        json!({"bench":"remote_local_get_during_fills","iters":iters,"idle_p50_ns":percentile(&idle,0.5),
-               "idle_p99_ns":percentile(&idle,0.99),"busy_p50_ns":percentile(&busy,0.5),"busy_p99_ns":percentile(&busy,0.99),
-               "fills_meanwhile":fills}),
-        format!(
-            "local GET on B          p50 {} ns / p99 {} ns idle; p50 {} ns / p99 {} ns while {fills} fills ran",
-            percentile(&idle, 0.5),
-            percentile(&idle, 0.99),
-            percentile(&busy, 0.5),
-            percentile(&busy, 0.99)
-        ),
-    );
+    // Conditions: (label, nice of B's tier threads, nice of the redis-servers);
+    // `None`: left as started.
+    let redis_pids: Vec<u32> = cluster.as_ref().map(|c| c.procs.iter().map(Child::id).collect()).unwrap_or_default();
+    let mut conditions: Vec<(&str, Option<i32>, Option<i32>)> = vec![("fills", None, None)];
+    if a.nice_sweep && redis_pids.is_empty() {
+        // A cluster it did not start (`--remote`): its servers are left alone.
+        conditions = vec![
+            ("fills, tier nice 0", Some(0), None),
+            ("fills, tier nice 10", Some(10), None),
+            ("fills, tier nice 19", Some(19), None),
+        ];
+    } else if a.nice_sweep {
+        conditions = vec![
+            ("fills, tier nice 0, redis nice 0", Some(0), Some(0)),
+            ("fills, tier nice 10, redis nice 0", Some(10), Some(0)),
+            ("fills, tier nice 19, redis nice 0", Some(19), Some(0)),
+            ("fills, tier nice 0, redis nice 19", Some(0), Some(19)),
+            ("fills, tier nice 10, redis nice 19", Some(10), Some(19)),
+            ("fills, tier nice 19, redis nice 19", Some(19), Some(19)),
+        ];
+    }
+    let mut idle_p: Vec<(u64, u64)> = Vec::new();
+    let mut busy_p: Vec<Vec<(u64, u64)>> = vec![Vec::new(); conditions.len()];
+    let mut fills = vec![0u64; conditions.len()];
+    for _ in 0..windows {
+        paused.store(false, Ordering::Release);
+        set_mode(&control, 0);
+        while !paused.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let v = time_gets(iters)?;
+        idle_p.push((percentile(&v, 0.5), percentile(&v, 0.99)));
+        for (i, &(_, tier_nice, redis_nice)) in conditions.iter().enumerate() {
+            if let Some(n) = tier_nice {
+                if renice(node_b.pid(), Some(kachedb_daemon::remote::THREAD_NAME), n) == 0 {
+                    return Err(format!(
+                        "--nice-sweep: could not set node B's tier threads to nice {n} (needs root or CAP_SYS_NICE)"
+                    )
+                    .into());
+                }
+            }
+            if let Some(n) = redis_nice {
+                for &p in &redis_pids {
+                    if renice(p, None, n) == 0 {
+                        return Err(format!("--nice-sweep: could not set redis-server {p} to nice {n}").into());
+                    }
+                }
+            }
+            set_mode(&control, 1);
+            std::thread::sleep(Duration::from_millis(100));
+            let before = stats(&node_b)?.remote.remote_fills;
+            let v = time_gets(iters)?;
+            fills[i] += stats(&node_b)?.remote.remote_fills - before;
+            busy_p[i].push((percentile(&v, 0.5), percentile(&v, 0.99)));
+        }
+    }
+    set_mode(&control, 2);
+    let _ = filler.join();
+    let med = |v: &[(u64, u64)]| {
+        let (mut a, mut b): (Vec<u64>, Vec<u64>) = v.iter().copied().unzip();
+        a.sort_unstable();
+        b.sort_unstable();
+        (a[a.len() / 2], b[b.len() / 2])
+    };
+    let (i50, i99) = med(&idle_p);
+    for (i, &(label, tier_nice, redis_nice)) in conditions.iter().enumerate() {
+        let (b50, b99) = med(&busy_p[i]);
+        emit(
+            json!({"bench":"remote_local_get_during_fills","condition":label,"tier_nice":tier_nice,"redis_nice":redis_nice,
+                   "iters":iters,"windows":windows,"idle_p50_ns":i50,"idle_p99_ns":i99,"busy_p50_ns":b50,"busy_p99_ns":b99,
+                   "busy_vs_idle_p50":b50 as f64/i50.max(1) as f64,"fills_meanwhile":fills[i]}),
+            format!(
+                "local GET on B          p50 {i50} ns / p99 {i99} ns idle; p50 {b50} ns / p99 {b99} ns during {label} ({} fills), median of {windows} windows of {iters}",
+                fills[i]
+            ),
+        );
+    }
     let rb = stats(&node_b)?.remote;
     emit(
         json!({"bench":"remote_counters","node_b":{"fills":rb.remote_fills,"fetches":rb.remote_fetches,
@@ -325,6 +455,28 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     drop((node_a, node_b));
     drop(cluster);
     Ok(())
+}
+
+/// Sets the nice value of the threads of process `pid` (those named `name`,
+/// or all); how many were set.
+fn renice(pid: u32, name: Option<&str>, nice: i32) -> usize {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    let mut n = 0;
+    for t in tasks.flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if name.is_some_and(|want| comm.trim_end() != want) {
+            continue;
+        }
+        let Some(tid) =
+            t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()).and_then(rustix::process::Pid::from_raw)
+        else {
+            continue;
+        };
+        if rustix::process::setpriority_process(Some(tid), nice).is_ok() {
+            n += 1;
+        }
+    }
+    n
 }
 
 fn wait_for_writes(d: &DaemonProcess) -> Result<(), Box<dyn std::error::Error>> {

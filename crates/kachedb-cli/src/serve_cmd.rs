@@ -105,6 +105,13 @@ pub struct ServeArgs {
     /// 64KiB to 64MiB).
     #[arg(long, value_parser = parse_size, default_value = "1MiB", value_name = "SIZE")]
     pub remote_chunk_bytes: u64,
+    /// How much nicer than the serve loop the remote tier's threads run
+    /// (0 to 19; 0: the same priority). When fills and local traffic want
+    /// the same cores, the serve loop gets them first, so fills do not slow
+    /// local GETs down; fills use whatever CPU is left (docs/remote.md).
+    #[arg(long, default_value_t = kachedb_daemon::remote::DEFAULT_WORKER_NICE, value_name = "N",
+          value_parser = clap::value_parser!(u8).range(0..=i64::from(kachedb_daemon::remote::MAX_WORKER_NICE)))]
+    pub remote_worker_nice: u8,
     /// Take over from the daemon running on the same socket (an upgrade or a
     /// restart without losing anything): it hands over its region, socket,
     /// clients and store, then exits; clients notice a short pause. Its
@@ -160,6 +167,7 @@ fn remote_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::remote::RemoteC
         ttl: a.remote_ttl_s.filter(|&s| s > 0).map(std::time::Duration::from_secs),
         queue_bytes: a.remote_queue_bytes,
         chunk_bytes,
+        worker_nice: a.remote_worker_nice,
     }))
 }
 

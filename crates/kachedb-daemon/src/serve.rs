@@ -3,7 +3,9 @@
 //! Each pass handles the control [`Event`]s queued, then pops a batch of
 //! submissions from each ring that has work (as many as the client's
 //! completion ring has room for), answers them from the [`Store`], publishes
-//! the completions once per batch and wakes the client only if it parked.
+//! the completions once per batch and wakes the client only if it parked;
+//! then it does one slice of the remote tier's queued fill work (reservations
+//! and commits, [`REMOTE_SLICE`] blocks), so a long fill never holds the rings.
 //! With no work it waits by the daemon's [`SpinThenPark`] policy on the region
 //! doorbell, which the clients ring after publishing and the control thread
 //! after queueing an event (idle CPU ~0 %).
@@ -11,7 +13,7 @@
 use crate::channels::Channels;
 use crate::events::Event;
 use crate::metrics::{Metrics, MetricsWriter, RemoteCells};
-use crate::remote::{FetchJob, RemoteEvent, RemoteTier, Reserved, WriteJob};
+use crate::remote::{FetchJob, FillSpec, RemoteEvent, RemoteTier, Reserved, WriteJob};
 use crate::store::{SessionId, Store};
 use crate::takeover::{ChannelState, ParkedWait, ServeState};
 use crate::waits::{Waiter, Waits};
@@ -20,7 +22,7 @@ use kachedb_shm::{
     Completion, Consumer, Op, Producer, Region, Request, RingError, SpinThenPark, Stats, Status, TensorBlockDescriptor,
     Tick, WaitState, WAIT_FOREVER,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +32,11 @@ use std::time::{Duration, Instant};
 
 /// Frames handled per channel per pass (bounds latency for the others).
 const BATCH: usize = 64;
+
+/// Remote-fill blocks reserved or committed per pass: the serve loop polls
+/// the rings between slices, so a fill of a long chain delays a ring
+/// request by at most one slice (about a microsecond per block).
+const REMOTE_SLICE: usize = 8;
 
 /// One connected client's channel, as the serve loop holds it.
 struct Session {
@@ -73,6 +80,22 @@ struct RemoteSide {
     next_fetch: u64,
     /// Fetches channels are parked on: id -> (channel, when to stop waiting).
     pending: HashMap<u64, (u32, Instant)>,
+    /// Fill work queued, done [`REMOTE_SLICE`] blocks per pass, in order.
+    work: VecDeque<RemoteWork>,
+}
+
+/// Fill work the serve loop does in slices between ring polls.
+enum RemoteWork {
+    /// Reservations asked for by a fetch: `answers` holds those made so far;
+    /// all of them go back on `reply` once the last is made.
+    Reserve {
+        blocks: Vec<FillSpec>,
+        answers: Vec<Option<Reserved>>,
+        reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
+    },
+    /// A fetch's filled reservations, committed from `next` on; once all
+    /// are, its channel is unparked and WAITs on `committed` answered.
+    Commit { fetch: u64, filled: Vec<(u64, u64)>, next: usize, committed: Vec<u128> },
 }
 
 impl RemoteSide {
@@ -320,6 +343,7 @@ impl Serve {
                         session: self.store.open_session(),
                         next_fetch,
                         pending: HashMap::new(),
+                        work: VecDeque::new(),
                     })
                 }
                 Err(e) => tracing::error!("the remote tier did not restart after a failed takeover: {e}"),
@@ -376,6 +400,7 @@ impl Serve {
             session: self.store.open_session(),
             next_fetch: 0,
             pending: HashMap::new(),
+            work: VecDeque::new(),
         });
         self
     }
@@ -520,6 +545,7 @@ impl Serve {
         if self.remote.as_ref().is_some_and(|r| !r.pending.is_empty()) {
             did_work |= self.expire_fetches();
         }
+        did_work |= self.remote_slice();
         did_work |= self.kick_stuck();
         if !self.stats_waiting.is_empty() {
             // Answer stats only after serving every frame published before
@@ -579,7 +605,9 @@ impl Serve {
         !expired.is_empty()
     }
 
-    /// What the remote tier's workers report.
+    /// What the remote tier's workers report. A write's pin is dropped at
+    /// once; reservations and commits of a fill are queued and done
+    /// [`REMOTE_SLICE`] blocks per pass ([`remote_slice`](Self::remote_slice)).
     fn on_remote(&mut self, ev: RemoteEvent) {
         let Some(r) = self.remote.as_mut() else { return };
         match ev {
@@ -587,66 +615,103 @@ impl Serve {
                 self.store.handle_internal(r.session, &Request::Release { handle: pin });
             }
             RemoteEvent::Reserve { fetch: _, blocks, reply } => {
-                let answers: Vec<Option<Reserved>> = blocks
-                    .iter()
-                    .map(|b| {
-                        // Committed by a client meanwhile: that block stands.
-                        if self.store.peek(b.key).is_some() {
-                            return None;
-                        }
-                        let c = self.store.handle_internal(
-                            r.session,
-                            &Request::Reserve {
-                                key: b.key,
-                                dtype: b.dtype,
-                                shape: b.shape,
-                                len: b.len,
-                                page_offset: 0,
-                            },
-                        );
-                        (c.status == Status::Ok).then_some(Reserved { handle: c.handle, data_offset: c.offset })
-                    })
-                    .collect();
-                if let Err(answers) = reply.send(answers) {
-                    for a in answers.into_iter().flatten() {
-                        self.store.handle_internal(r.session, &Request::Abort { handle: a.handle });
-                    }
-                }
+                let answers = Vec::with_capacity(blocks.len());
+                r.work.push_back(RemoteWork::Reserve { blocks, answers, reply });
             }
             RemoteEvent::Filled { fetch, filled } => {
-                let cells = &self.metrics.metrics().remote;
-                let mut committed = Vec::new();
-                for (handle, len) in filled {
-                    let key = self.store.reservation_key(r.session, handle);
-                    if self.store.handle_internal(r.session, &Request::Commit { handle, parent: None }).status
-                        == Status::Ok
-                    {
-                        RemoteCells::add(&cells.fills, 1);
-                        RemoteCells::add(&cells.fill_bytes, len);
-                        committed.extend(key);
+                r.work.push_back(RemoteWork::Commit { fetch, filled, next: 0, committed: Vec::new() });
+            }
+        }
+    }
+
+    /// Does up to [`REMOTE_SLICE`] blocks of the queued fill work (and
+    /// finishes the piece of work they end); whether any was done.
+    fn remote_slice(&mut self) -> bool {
+        let Some(r) = self.remote.as_mut() else { return false };
+        let mut budget = REMOTE_SLICE;
+        let mut did = false;
+        while budget > 0 {
+            let Some(work) = r.work.pop_front() else { break };
+            did = true;
+            match work {
+                RemoteWork::Reserve { blocks, mut answers, reply } => {
+                    let from = answers.len();
+                    let to = blocks.len().min(from + budget);
+                    budget -= to - from;
+                    for b in &blocks[from..to] {
+                        // Committed by a client meanwhile: that block stands.
+                        let answer = if self.store.peek(b.key).is_some() {
+                            None
+                        } else {
+                            let c = self.store.handle_internal(
+                                r.session,
+                                &Request::Reserve {
+                                    key: b.key,
+                                    dtype: b.dtype,
+                                    shape: b.shape,
+                                    len: b.len,
+                                    page_offset: 0,
+                                },
+                            );
+                            (c.status == Status::Ok).then_some(Reserved { handle: c.handle, data_offset: c.offset })
+                        };
+                        answers.push(answer);
+                    }
+                    if answers.len() < blocks.len() {
+                        r.work.push_front(RemoteWork::Reserve { blocks, answers, reply });
+                        break;
+                    }
+                    if let Err(answers) = reply.send(answers) {
+                        for a in answers.into_iter().flatten() {
+                            self.store.handle_internal(r.session, &Request::Abort { handle: a.handle });
+                        }
                     }
                 }
-                if let Some((ch, _)) = r.pending.remove(&fetch) {
-                    if let Some(s) = self.sessions.get_mut(ch as usize).and_then(Option::as_mut) {
-                        if s.fetch.as_ref().is_some_and(|f| f.id == fetch) {
-                            let started = unpark_fetch(s);
-                            if !committed.is_empty() {
-                                self.metrics.remote_fill(started.elapsed().as_micros() as u64);
+                RemoteWork::Commit { fetch, filled, mut next, mut committed } => {
+                    let cells = &self.metrics.metrics().remote;
+                    let to = filled.len().min(next + budget);
+                    budget -= to - next;
+                    for &(handle, len) in &filled[next..to] {
+                        let key = self.store.reservation_key(r.session, handle);
+                        if self.store.handle_internal(r.session, &Request::Commit { handle, parent: None }).status
+                            == Status::Ok
+                        {
+                            RemoteCells::add(&cells.fills, 1);
+                            RemoteCells::add(&cells.fill_bytes, len);
+                            committed.extend(key);
+                        }
+                    }
+                    next = to;
+                    if next < filled.len() {
+                        r.work.push_front(RemoteWork::Commit { fetch, filled, next, committed });
+                        break;
+                    }
+                    // Every block of the fetch is in: serve its channel's frames again.
+                    if let Some((ch, _)) = r.pending.remove(&fetch) {
+                        if let Some(s) = self.sessions.get_mut(ch as usize).and_then(Option::as_mut) {
+                            if s.fetch.as_ref().is_some_and(|f| f.id == fetch) {
+                                let started = unpark_fetch(s);
+                                if !committed.is_empty() {
+                                    self.metrics.remote_fill(started.elapsed().as_micros() as u64);
+                                }
                             }
                         }
                     }
-                }
-                if !committed.is_empty() && !self.waits.is_empty() {
-                    wake_waits(
-                        &mut self.store,
-                        &mut self.sessions,
-                        &mut self.waits,
-                        &mut committed,
-                        &mut self.counters,
-                    );
+                    if !committed.is_empty() && !self.waits.is_empty() {
+                        wake_waits(
+                            &mut self.store,
+                            &mut self.sessions,
+                            &mut self.waits,
+                            &mut committed,
+                            &mut self.counters,
+                        );
+                    }
+                    // An empty fetch still takes a turn: at most one per block of budget.
+                    budget = budget.saturating_sub(1);
                 }
             }
         }
+        did
     }
 
     /// Answers `TIMED_OUT` to the WAITs whose deadline passed; whether any.

@@ -3,7 +3,9 @@
 //!
 //! The serve loop never touches the network. It hands work to this module's
 //! [`RemoteTier`], whose tasks run on their own tokio runtime
-//! (`kachedb-remote` threads), and hears back through its ordinary event
+//! (`kachedb-remote` threads, nicer than the serve loop by
+//! [`RemoteConfig::worker_nice`], so that local traffic wins the CPU), and
+//! hears back through its ordinary event
 //! queue ([`RemoteEvent`] inside [`Event::Remote`]), which rings the doorbell:
 //!
 //! * **Write-behind** ([`writer`]): for each block a client commits, the serve
@@ -49,6 +51,12 @@ pub use format::DEFAULT_CHUNK_BYTES;
 pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
 /// Default bound of the write-behind queue, bytes.
 pub const DEFAULT_QUEUE_BYTES: u64 = 1 << 30;
+/// Default of how much nicer than the daemon the tier's threads run.
+pub const DEFAULT_WORKER_NICE: u8 = 19;
+/// Most the tier's threads can be made nicer by (Linux nice values run -20..=19).
+pub const MAX_WORKER_NICE: u8 = 19;
+/// Threads of the tier's runtime.
+const WORKER_THREADS: usize = 2;
 /// Blocks written at once.
 const WRITE_CONCURRENCY: usize = 4;
 /// Chunks of one block in flight at once (reads and writes).
@@ -73,6 +81,11 @@ pub struct RemoteConfig {
     pub queue_bytes: u64,
     /// Payload bytes per chunk.
     pub chunk_bytes: u32,
+    /// How much nicer (`setpriority`) than the thread that starts the tier
+    /// its threads run, capped at nice 19; 0: the same priority. The serve
+    /// loop then wins the CPU over the tier's copying and parsing when both
+    /// want it, so fills do not slow local traffic down.
+    pub worker_nice: u8,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -85,6 +98,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("ttl", &self.ttl)
             .field("queue_bytes", &self.queue_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
+            .field("worker_nice", &self.worker_nice)
             .finish()
     }
 }
@@ -264,6 +278,29 @@ async fn connect(cfg: &RemoteConfig) -> redis::RedisResult<Conn> {
     Ok(Conn::Cluster(cc.get_async_connection().await?))
 }
 
+/// The name of the tier's threads.
+pub const THREAD_NAME: &str = "kachedb-remote";
+
+/// The nice value the tier's threads get: the calling thread's raised by
+/// `by`, capped at 19; `None` when `by` is 0 (left as they are).
+fn worker_nice_value(by: u8) -> Option<i32> {
+    if by == 0 {
+        return None;
+    }
+    // `None`: the calling thread (on Linux a nice value is per thread).
+    let own = rustix::process::getpriority_process(None).unwrap_or(0);
+    Some((own + i32::from(by)).min(19))
+}
+
+/// Sets the calling thread's nice value (on Linux, `setpriority(PRIO_PROCESS,
+/// 0)` applies to the calling thread only, not to the whole process). Raising
+/// it needs no privilege; a failure leaves the thread as it was.
+fn lower_priority(nice: i32) {
+    if let Err(e) = rustix::process::setpriority_process(None, nice) {
+        tracing::warn!("remote tier: setting its threads' nice value to {nice}: {e}");
+    }
+}
+
 /// What the workers share.
 struct Ctx {
     cfg: RemoteConfig,
@@ -326,11 +363,20 @@ impl RemoteTier {
         if cfg.timeout.is_zero() {
             return Err(RemoteError::Config("the timeout must be above zero".into()));
         }
+        if cfg.worker_nice > MAX_WORKER_NICE {
+            return Err(RemoteError::Config(format!("worker nice {} above {MAX_WORKER_NICE}", cfg.worker_nice)));
+        }
+        let worker_nice = worker_nice_value(cfg.worker_nice);
         // TLS: the process-wide rustls provider (a second install is refused, harmlessly).
         let _ = rustls::crypto::ring::default_provider().install_default();
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kachedb-remote")
+            .worker_threads(WORKER_THREADS)
+            .thread_name(THREAD_NAME)
+            .on_thread_start(move || {
+                if let Some(nice) = worker_nice {
+                    lower_priority(nice);
+                }
+            })
             .enable_io()
             .enable_time()
             .build()?;
@@ -446,5 +492,89 @@ impl Drop for RemoteTier {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(Duration::from_millis(500));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kachedb_shm::{CreateOptions, Layout};
+
+    fn config(worker_nice: u8) -> RemoteConfig {
+        RemoteConfig {
+            // Nothing listens there: the background connect fails, which
+            // these tests do not look at.
+            url: "redis://127.0.0.1:1".into(),
+            password: None,
+            namespace: "t".into(),
+            timeout: Duration::from_millis(100),
+            ttl: None,
+            queue_bytes: DEFAULT_QUEUE_BYTES,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            worker_nice,
+        }
+    }
+
+    fn start(worker_nice: u8) -> Result<RemoteTier, RemoteError> {
+        let layout = Layout::new(2, 16, 1 << 20).unwrap();
+        let region =
+            Region::create(&CreateOptions { name: "kachedb_remote_test".into(), layout, headroom_bytes: 0 }, |_, _| {})
+                .unwrap();
+        let (tx, _rx) = crate::events::queue(region.clone());
+        RemoteTier::start(config(worker_nice), region, tx, Metrics::new(2, 16))
+    }
+
+    /// The nice values of this process's threads named [`THREAD_NAME`].
+    fn tier_thread_nices() -> Vec<i32> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+            let tid = entry.file_name().to_str().and_then(|t| t.parse::<i32>().ok());
+            let Some(tid) = tid.and_then(rustix::process::Pid::from_raw) else { continue };
+            if comm.trim_end() == THREAD_NAME {
+                if let Ok(nice) = rustix::process::getpriority_process(Some(tid)) {
+                    out.push(nice);
+                }
+            }
+        }
+        out
+    }
+
+    /// Polls until `ok` holds for the tier's threads' nice values (a thread
+    /// sets its own when it starts); panics after 30 s.
+    fn until(what: &str, ok: impl Fn(&[i32]) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let nices = tier_thread_nices();
+            if ok(&nices) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: the tier's threads have nice values {nices:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    // One test for every case: each looks at all threads of the process by name.
+    #[test]
+    fn the_tiers_threads_run_nicer_than_the_daemon_by_worker_nice() {
+        let own = rustix::process::getpriority_process(None).unwrap();
+        until("no tier yet", <[i32]>::is_empty);
+
+        let tier = start(0).unwrap();
+        until("worker nice 0", |n| n.len() >= WORKER_THREADS && n.iter().all(|&v| v == own));
+        drop(tier);
+        until("tier stopped", <[i32]>::is_empty);
+
+        let want = (own + 7).min(19);
+        let tier = start(7).unwrap();
+        until("worker nice 7", |n| n.len() >= WORKER_THREADS && n.iter().all(|&v| v == want));
+        // The thread that started the tier (the serve loop's) keeps its own.
+        assert_eq!(rustix::process::getpriority_process(None).unwrap(), own);
+        drop(tier);
+        until("tier stopped", <[i32]>::is_empty);
+
+        let err = start(MAX_WORKER_NICE + 1).unwrap_err();
+        assert!(err.to_string().contains("worker nice"), "{err}");
+        assert!(tier_thread_nices().is_empty(), "a refused config starts no threads");
     }
 }
