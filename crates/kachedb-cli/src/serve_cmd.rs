@@ -252,11 +252,13 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         let (daemon, t) = Daemon::take_over(cfg, shutdown)?;
         let l = *daemon.region().layout();
         println!(
-            "kachedb: took over instance {} on {} from pid {} in {:.1} ms — {} block(s), {} connection(s); region {} (megaslab {}, {} channels x {} slots), pid {}",
+            "kachedb: took over instance {} on {} from pid {} in {:.1} ms (state received {:.1} ms, store rebuilt {:.1} ms) — {} block(s), {} connection(s); region {} (megaslab {}, {} channels x {} slots), pid {}",
             a.instance,
             daemon.socket_path().display(),
             t.old_pid,
             t.took.as_secs_f64() * 1e3,
+            t.received.as_secs_f64() * 1e3,
+            t.rebuilt.as_secs_f64() * 1e3,
             t.blocks,
             t.connections,
             human_bytes(l.region_len),

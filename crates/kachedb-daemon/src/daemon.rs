@@ -157,6 +157,10 @@ pub struct TakeoverSummary {
     pub connections: usize,
     /// From asking to serving.
     pub took: std::time::Duration,
+    /// Of which: asking and receiving the state and the fds.
+    pub received: std::time::Duration,
+    /// Of which: mapping the region and rebuilding and checking the store.
+    pub rebuilt: std::time::Duration,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -262,6 +266,7 @@ impl Daemon {
     pub fn take_over(cfg: ServeConfig, shutdown: Arc<AtomicBool>) -> Result<(Daemon, TakeoverSummary), ServeError> {
         let t0 = Instant::now();
         let taken = crate::takeover::take(&cfg.socket_path)?;
+        let received = t0.elapsed();
         let sock = cfg.socket_path.clone();
         let region =
             Region::attach_lazily(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
@@ -301,12 +306,13 @@ impl Daemon {
         let lock_path = PathBuf::from(format!("{}.lock", sock.display()));
         let lock_fd = taken.lock.try_clone().map_err(io_err("duplicating the lock", &lock_path))?;
         let blocks = store.stats().blocks;
+        let rebuilt = t0.elapsed() - received;
         // The old daemon stops only now; until this returns it may resume.
         taken.confirm()?;
         let lock = crate::lock::InstanceLock::taken_over(lock_fd, &lock_path);
         let serve = &taken.serve;
         let started = Instant::now().checked_sub(std::time::Duration::from_millis(serve.uptime_ms)).unwrap_or(t0);
-        let summary = TakeoverSummary { old_pid: taken.old_pid, blocks, connections: conns.len(), took: t0.elapsed() };
+        let summary = TakeoverSummary { old_pid: taken.old_pid, blocks, connections: conns.len(), took: t0.elapsed(), received, rebuilt };
         let restored = Restored {
             channels: serve.channels.clone(),
             waits: serve.waits.clone(),
