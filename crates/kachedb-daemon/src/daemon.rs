@@ -265,7 +265,7 @@ impl Daemon {
     /// old daemon had no metrics listener) apply.
     pub fn take_over(cfg: ServeConfig, shutdown: Arc<AtomicBool>) -> Result<(Daemon, TakeoverSummary), ServeError> {
         let t0 = Instant::now();
-        let taken = crate::takeover::take(&cfg.socket_path)?;
+        let mut taken = crate::takeover::take(&cfg.socket_path)?;
         let received = t0.elapsed();
         let sock = cfg.socket_path.clone();
         let region =
@@ -275,10 +275,8 @@ impl Daemon {
             return Err(taken.refuse("the region is not the one the state describes").into());
         }
         let layout = *region.layout();
-        let mut store = taken
-            .serve
-            .store
-            .clone()
+        let received_store = std::mem::replace(&mut taken.serve.store, Store::new(0, 0));
+        let mut store = received_store
             .restore_checked(layout.slab_offset, layout.slab_len)
             .map_err(|e| taken.refuse(&format!("the store: {e}")))?;
         store.set_max_session_bytes(cfg.max_client_bytes);
@@ -312,7 +310,14 @@ impl Daemon {
         let lock = crate::lock::InstanceLock::taken_over(lock_fd, &lock_path);
         let serve = &taken.serve;
         let started = Instant::now().checked_sub(std::time::Duration::from_millis(serve.uptime_ms)).unwrap_or(t0);
-        let summary = TakeoverSummary { old_pid: taken.old_pid, blocks, connections: conns.len(), took: t0.elapsed(), received, rebuilt };
+        let summary = TakeoverSummary {
+            old_pid: taken.old_pid,
+            blocks,
+            connections: conns.len(),
+            took: t0.elapsed(),
+            received,
+            rebuilt,
+        };
         let restored = Restored {
             channels: serve.channels.clone(),
             waits: serve.waits.clone(),

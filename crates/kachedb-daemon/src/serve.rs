@@ -327,7 +327,7 @@ impl Serve {
                 unpark_fetch(s);
             }
         }
-        let bytes = serde_json::to_vec(&self.state()).map_err(|e| e.to_string());
+        let bytes = crate::takeover::encode(&self.state());
         let ok = bytes.is_ok();
         let _ = state.send(bytes);
         if ok && outcome.recv().unwrap_or(false) {

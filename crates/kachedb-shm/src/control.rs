@@ -38,7 +38,7 @@ pub enum ControlRequest {
     /// `{"op":"stats"}`: asks for [`Stats`]; answered after every frame
     /// already published on the rings has been served.
     Stats,
-    /// `{"op":"takeover","state_versions":[1]}`: a new daemon of the same
+    /// `{"op":"takeover","state_versions":[2]}`: a new daemon of the same
     /// user asks the running one to hand over everything (`kachedb serve
     /// --takeover`; docs/takeover.md). `state_versions` are the state formats
     /// the asker reads; the answer is a [`TakeoverOffer`] or a refusal.
@@ -54,7 +54,7 @@ pub enum ControlRequest {
 /// metrics listener travel with this line (`SCM_RIGHTS`, in that order); then
 /// `fd_batches` single bytes `F`, each with up to [`TAKEOVER_FDS_PER_BATCH`]
 /// client connections; then the serve loop's state (`serve_state_bytes` of
-/// JSON) and the control thread's (`control_state_bytes`). The new daemon
+/// bytes) and the control thread's (`control_state_bytes`). The new daemon
 /// answers with a [`TakeoverVerdict`] line; after `Ready` the old one stops
 /// serving and confirms with a [`TakeoverDone`] reply.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
