@@ -69,6 +69,10 @@ pub(crate) struct Channel {
     io: Mutex<Io>,
     /// Pins dropped while `io` was busy; released by the next holder.
     pending_release: Mutex<Vec<u64>>,
+    /// Whether `pending_release` may be non-empty: set (Release) after a push
+    /// under its lock, cleared under its lock when taken; read (Acquire)
+    /// before taking the lock, so the common case takes no second lock.
+    release_pending: AtomicBool,
     pub(crate) closed: AtomicBool,
     /// Set in a process that inherited this client through `fork()`: the rings
     /// and the connection belong to the parent; touch neither.
@@ -110,6 +114,7 @@ impl Channel {
             region,
             io: Mutex::new(Io { sub, comp, next_request_id: 1, next_expected_id: 1, unacked: 0, frames: Vec::new() }),
             pending_release: Mutex::new(Vec::new()),
+            release_pending: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             forked: AtomicBool::new(false),
             fork_generation: kachedb_shm::fork::generation(),
@@ -318,9 +323,13 @@ impl Channel {
         if self.inherited() || self.gone.load(Ordering::Acquire) {
             return Ok(()); // nothing to release: the parent's, or a dead daemon's
         }
-        // Discard acknowledgements that are already there (no waiting).
+        // Discard acknowledgements that are already there (no waiting), once
+        // a quarter of the completion ring is owed: reading the ring's cursor
+        // after every RELEASE would pull the cache line the daemon is writing.
+        // The next exchange discards the rest before its own completions.
         let mut buf = [TensorBlockDescriptor::default(); 64];
-        while io.unacked > 0 {
+        let drain_at = (self.region.layout().ring_capacity as usize / 4).max(1);
+        while io.unacked >= drain_at {
             let want = io.unacked.min(buf.len());
             let n = io.comp.pop_batch(&mut buf[..want]).map_err(|e| self.ring_err(e))?;
             if n == 0 {
@@ -409,6 +418,7 @@ impl Channel {
             Err(_) => {
                 if let Ok(mut p) = self.pending_release.lock() {
                     p.push(handle);
+                    self.release_pending.store(true, Ordering::Release);
                 }
                 self.after_unlock();
             }
@@ -416,8 +426,14 @@ impl Channel {
     }
 
     fn flush_releases(&self, io: &mut Io) {
+        if !self.release_pending.load(Ordering::Acquire) {
+            return;
+        }
         let handles = match self.pending_release.lock() {
-            Ok(mut p) if !p.is_empty() => std::mem::take(&mut *p),
+            Ok(mut p) if !p.is_empty() => {
+                self.release_pending.store(false, Ordering::Relaxed);
+                std::mem::take(&mut *p)
+            }
             _ => return,
         };
         let reqs: Vec<Request> = handles.iter().map(|&handle| Request::Release { handle }).collect();
@@ -430,8 +446,13 @@ impl Channel {
     /// next operation: take the lock again if it is free and flush.
     fn after_unlock(&self) {
         loop {
-            let pending = self.pending_release.lock().map(|p| !p.is_empty()).unwrap_or(false);
-            if !pending {
+            // SYNC POINT: a release that found `io` taken pushed its handle and
+            // then set the flag; we dropped `io` before this load (SeqCst
+            // fence: the store-load pair below, as in `WaitCell`): either we
+            // see the flag, or the pusher's try_lock sees `io` free and it
+            // flushes itself.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if !self.release_pending.load(Ordering::Acquire) {
                 return;
             }
             match self.io.try_lock() {
