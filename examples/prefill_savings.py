@@ -38,7 +38,7 @@ a config with a fixed seed, so nothing is downloaded) runs in two processes:
 
     python examples/prefill_savings.py            # full size: 106 M params, 2048-token prompt
     python examples/prefill_savings.py --small    # CI size: 2 layers, hidden 64, 128 tokens
-    python examples/prefill_savings.py --demo     # make demo: 4 layers, hidden 512, 1536 tokens
+    python examples/prefill_savings.py --demo     # make demo: 4 layers, hidden 512, 2048 tokens
     python examples/prefill_savings.py --json     # one JSON object per line
     python examples/prefill_savings.py --model /path/to/local/llama   # a local model directory
 
@@ -83,7 +83,7 @@ SMALL = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=1
 #: `make demo`'s size: a prefill long enough (~0.5 s cold on a 2-core CPU) for reuse
 #: to show, a run of well under a minute.
 DEMO = dict(layers=4, hidden=512, heads=8, kv_heads=8, intermediate=1024, vocab=8000,
-            prompt_len=1536, suffix_len=16, block_size=64, new_tokens=8, repeat=3)
+            prompt_len=2048, suffix_len=16, block_size=64, new_tokens=8, repeat=3)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: allclose tolerances of the first-step logits, warm path vs cold, per dtype.
@@ -638,7 +638,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--small", action="store_true",
                    help="CI size: 2 layers, hidden 64, a 128-token prompt, 16-token blocks")
     p.add_argument("--demo", action="store_true",
-                   help="make demo's size: 4 layers, hidden 512, a 1536-token prompt in blocks of 64 (~0.4 s cold prefill)")
+                   help="make demo's size: 4 layers, hidden 512, a 2048-token prompt in blocks of 64 (~0.35-0.5 s cold prefill)")
     p.add_argument("--model", metavar="PATH",
                    help="a local model directory (from_pretrained, no download) instead of the random Llama")
     p.add_argument("--layers", type=int, help=f"decoder layers (default {FULL['layers']})")

@@ -59,12 +59,16 @@ def machine_description() -> dict:
 
 
 def _git_revision() -> Optional[str]:
-    """The commit of the source tree the package was imported from (editable
-    installs), with ``+dirty`` for uncommitted changes; None outside git."""
+    """The commit of the KacheDB checkout this benchmark runs from, with
+    ``+dirty`` for uncommitted changes; None outside one (the installed
+    package's directory is no guide: site-packages may sit inside another
+    git repository, pyenv's for one)."""
     try:
-        import kachedb
-
-        where = os.path.dirname(os.path.abspath(kachedb.__file__))
+        where = os.path.dirname(os.path.abspath(__file__))
+        top = subprocess.run(["git", "-C", where, "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10)
+        if top.returncode != 0 or not os.path.isdir(os.path.join(top.stdout.strip(), "crates", "kachedb-shm")):
+            return None
         rev = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)
         if rev.returncode != 0:
