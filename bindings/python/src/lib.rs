@@ -4,7 +4,7 @@
 //! private API: the client classes (`client`), the one typed DLPack export of
 //! blocks (`dlpack`), the client's errors as the
 //! Python exception classes (`errors`), the dtype table and block limits (module
-//! attributes), the in-process CLI, and test hooks (`_test_*`, `_raise_*`).
+//! attributes), the default socket path, and test hooks (`_test_*`, `_raise_*`).
 
 mod client;
 mod dlpack;
@@ -33,7 +33,6 @@ fn _kachedb_rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::NativeBlock>()?;
     m.add_class::<client::NativeReservation>()?;
     m.add_class::<client::NativeReservations>()?;
-    m.add_function(wrap_pyfunction!(client::cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(client::default_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(testing::_test_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(testing::_live_test_buffers, m)?)?;

@@ -242,7 +242,7 @@ def test_package_imports_without_torch():
         try:
             _dtypes.torch_dtype(5)
         except ImportError as e:
-            assert "kachedb[torch]" in str(e), e
+            assert "kachedb-shm[torch]" in str(e), e
         else:
             raise AssertionError("torch_dtype worked without torch")
         print("ok")

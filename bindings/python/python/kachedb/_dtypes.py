@@ -125,7 +125,7 @@ def _torch() -> Any:
         import torch
     except ImportError:
         raise ImportError(
-            "this needs torch, which is not installed: `pip install 'kachedb[torch]'` "
+            "this needs torch, which is not installed: `pip install 'kachedb-shm[torch]'` "
             "(or use the numpy API, e.g. get_numpy)"
         ) from None
     return torch
@@ -195,7 +195,7 @@ def numpy_dtype(code: int) -> "numpy.dtype":
         except ImportError:
             raise TypeError(
                 f"numpy has no {name} dtype: use torch for this block "
-                f"(`pip install 'kachedb[torch]'`, then kc.get(key)), or install ml_dtypes"
+                f"(`pip install 'kachedb-shm[torch]'`, then kc.get(key)), or install ml_dtypes"
             ) from None
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)

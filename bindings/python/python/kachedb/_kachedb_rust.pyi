@@ -178,9 +178,6 @@ class NativeReservations:
     def abort(self) -> None:
         """Aborts all of them in one batch (at most once)."""
 
-def cli_main(argv: Sequence[str]) -> int:
-    """Runs the ``kachedb`` command line in this process (program name first)."""
-
 def default_socket_path(instance: int = 0) -> str:
     """The default control socket path of ``instance`` (``$KACHEDB_SOCKET`` for 0)."""
 

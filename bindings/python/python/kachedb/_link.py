@@ -22,6 +22,12 @@ from typing import Any, MutableMapping, Optional, Tuple
 from ._client import connect, default_socket_path
 
 
+def resolve_socket(socket: Optional[str] = None) -> str:
+    """``socket``, else the default path: ``$KACHEDB_SOCKET``, else the native
+    default (as ``kachedb.connect``)."""
+    return os.fspath(socket) if socket else default_socket_path()
+
+
 class WarnScope:
     """The outages warned about by the links that share this scope: one warning
     per outage across all of them (e.g. a vLLM scheduler's and worker's links in

@@ -1,6 +1,6 @@
 """KacheDB for LMCache: every LMCache engine on a node shares its KV chunks
 through the KacheDB daemon, a remote storage tier behind LMCache's own
-per-process CPU tier (``pip install kachedb[lmcache]``; see docs/lmcache.md).
+per-process CPU tier (``pip install "kachedb-shm[lmcache]"``; see docs/lmcache.md).
 
 * ``config(socket=None, **options)``: the LMCache config entries
   (``remote_storage_plugins`` and ``extra_config``) that add the tier in one step

@@ -8,7 +8,8 @@ import json
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from ..vllm.config import resolve_socket
+from .._daemon_bin import warn_if_no_daemon
+from .._link import resolve_socket
 
 #: The plugin name ``config()`` registers. LMCache hands the adapter a URL
 #: ``plugin://<name>``; the adapter claims names of type ``kachedb`` (``kachedb``
@@ -81,6 +82,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb lmcache-conf
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(cfg, indent=a.indent))
+    warn_if_no_daemon(cfg["extra_config"][option_key(a.name, "socket")], prog)
     return 0
 
 

@@ -8,7 +8,8 @@ import json
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from ..vllm.config import resolve_socket
+from .._daemon_bin import warn_if_no_daemon
+from .._link import resolve_socket
 
 #: ``--hicache-storage-backend-extra-config`` options the backend reads (SGLang's own
 #: options, e.g. ``tp_lcm_size``, pass through to SGLang).
@@ -60,6 +61,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb sglang-confi
     a = p.parse_args(list(argv) if argv is not None else None)
     cfg = hicache_config(a.socket, namespace=a.namespace, retry_seconds=a.retry_seconds)
     print(json.dumps(cfg, indent=a.indent))
+    warn_if_no_daemon(cfg["socket"], prog)
     return 0
 
 

@@ -20,7 +20,8 @@ import hashlib
 import json
 from typing import Any, Dict, Mapping, Optional
 
-from ..vllm.keys import _canonical, config_file_digest, model_identity, weights_fingerprint
+from .._identity import canonical as _canonical
+from .._identity import config_file_digest, model_identity, weights_fingerprint
 
 #: Version of the byte layout of a stored page (v1: the byte ranges
 #: ``get_page_buffer_meta`` returns for the page, concatenated in its order;

@@ -5,24 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
+
+from .._daemon_bin import warn_if_no_daemon
+from .._link import resolve_socket
 
 #: ``kv_connector_extra_config`` options this integration reads (others pass through to vLLM).
 KNOWN_OPTIONS = ("namespace", "store_mode", "retry_seconds", "stats_file")
-
-
-def resolve_socket(socket: Optional[str] = None) -> str:
-    """``socket``, else ``$KACHEDB_SOCKET``, else the default path (as ``kachedb.connect``)."""
-    if socket:
-        return os.fspath(socket)
-    env = os.environ.get("KACHEDB_SOCKET")
-    if env:
-        return env
-    import kachedb
-
-    return kachedb.default_socket_path()
 
 
 def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str, Any]:
@@ -75,6 +65,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb vllm-config"
         a.socket, namespace=a.namespace, store_mode=a.store_mode, retry_seconds=a.retry_seconds, stats_file=a.stats_file
     )
     print(json.dumps(cfg, indent=a.indent))
+    warn_if_no_daemon(cfg["kv_connector_extra_config"]["socket"], prog)
     return 0
 
 

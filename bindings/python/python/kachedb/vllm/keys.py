@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional
+
+from .._identity import canonical as _canonical
+from .._identity import model_identity, weights_fingerprint
 
 #: Version of the byte layout of a stored block (``(num_layers, page_bytes)``
 #: raw bytes of the worker's KV pages, layers in vLLM's order). Bump when it
@@ -27,50 +29,6 @@ LAYOUT_VERSION = 1
 #: Prefix mixed into every namespace, so that a KacheDB key of a vLLM block can
 #: never equal a key some other user of the daemon chose.
 _DOMAIN = b"kachedb.vllm.block/"
-
-
-def _canonical(obj: Any) -> Any:
-    """``obj`` with mappings sorted and unknown objects turned into strings, so
-    its JSON is stable across processes."""
-    if isinstance(obj, Mapping):
-        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(obj, (list, tuple)):
-        return [_canonical(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    return str(obj)
-
-
-def weights_fingerprint(model: str) -> List[Any]:
-    """Names and sizes of the weight files of a local model directory (cheap:
-    no file is read). Empty for a hub id or a directory without weights."""
-    if not os.path.isdir(model):
-        return []
-    out = []
-    for name in sorted(os.listdir(model)):
-        if name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")):
-            try:
-                out.append([name, os.path.getsize(os.path.join(model, name))])
-            except OSError:
-                pass
-    return out
-
-
-def config_file_digest(model: str) -> Optional[str]:
-    """sha256 of a local model directory's config.json, else ``None``."""
-    path = os.path.join(model, "config.json")
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
-
-
-def model_identity(model: str, revision: Optional[str] = None) -> str:
-    """A local directory's real path, else the hub id with its revision."""
-    if os.path.isdir(model):
-        return "dir:" + os.path.realpath(model)
-    return f"hub:{model}@{revision or 'main'}"
 
 
 def namespace_fields(

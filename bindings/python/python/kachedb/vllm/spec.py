@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from .. import _identity
 from . import keys as _keys
 from ._state import NAMESPACES
 
@@ -93,7 +94,7 @@ class KacheDBOffloadingSpec(OffloadingSpec):
                 model=model,
                 revision=revision,
                 hf_config=_hf_config_dict(vc, model),
-                config_file_sha256=_keys.config_file_digest(model),
+                config_file_sha256=_identity.config_file_digest(model),
                 load_format=load_format,
                 seed=seed,
                 quantization=quantization,
