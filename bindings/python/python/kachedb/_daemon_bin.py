@@ -8,7 +8,6 @@ another version). Only the standard library is used here."""
 from __future__ import annotations
 
 import os
-import socket as _socket
 import sys
 from typing import Optional
 
@@ -36,7 +35,9 @@ def daemon_binary() -> str:
 def daemon_listening(path: str) -> Optional[str]:
     """``None`` if something accepts connections on the Unix socket ``path``,
     else why not (for a warning: the config commands print a config anyway)."""
-    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    import socket  # here: `import kachedb` should not pay for it
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(2.0)
         s.connect(path)
