@@ -9,12 +9,18 @@ PIP := $(PYTHON) -m pip
 PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2" \
 	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17" "auditwheel>=6"
 
-.PHONY: setup system-deps build package-bin wheel python demo test test-steps test-rust test-python test-loom \
+.PHONY: setup system-deps build build-tests package-bin wheel python demo test test-steps test-rust test-python test-loom \
 	test-miri test-engines test-all bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang \
 	lmcache-env test-lmcache bench-lmcache
 
-## setup: install the Python tools and build everything (idempotent)
-setup: build python
+## setup: install the Python tools and build everything, test binaries included (idempotent)
+setup: build python build-tests
+
+## build-tests: compile the cargo and loom test binaries without running them
+LOOM := RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom
+build-tests:
+	$(CARGO) test --release --locked --no-run
+	$(LOOM) $(CARGO) test --release --locked -p kachedb-shm --test loom_ring --no-run
 
 ## system-deps: redis-server for the side-by-side benchmark (Debian package; needs root)
 system-deps:
@@ -51,7 +57,7 @@ python: system-deps wheel
 
 ## demo: the daemon plus demo clients — a tensor put by one process, read zero-copy by
 ## another; then a transformer's prompt KV cache reused across processes (a ~0.5 s prefill)
-demo: setup
+demo: build python
 	$(PYTHON) examples/quickstart.py
 	$(PYTHON) examples/prefill_savings.py --demo
 
@@ -73,7 +79,7 @@ test-rust:
 	$(CARGO) test --release --locked
 
 test-loom:
-	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test --release --locked -p kachedb-shm --test loom_ring
+	$(LOOM) $(CARGO) test --release --locked -p kachedb-shm --test loom_ring
 
 test-python:
 	$(PYTHON) -m pytest -q bindings/python/tests tests
@@ -150,7 +156,7 @@ test-miri:
 	$(CARGO) +nightly miri test -p kachedb-shm --test heap_ring
 
 ## bench: every benchmark, printing figures against their same-run baselines
-bench: setup
+bench: build python
 	./target/release/kachedb bench ring
 	./target/release/kachedb bench ops
 	$(PYTHON) benchmarks/python_ops.py
