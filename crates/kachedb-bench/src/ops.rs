@@ -28,6 +28,14 @@ pub struct OpsArgs {
     /// and without a scraper reading /metrics this many times a second (0: skip).
     #[arg(long, default_value_t = 50.0, value_name = "HZ")]
     pub scrape_hz: f64,
+    /// Also time GET round trips (paced every 200 µs) against a daemon holding
+    /// `--stats-blocks` blocks, with and without `kachedb stats` polled this many
+    /// times a second (0: skip).
+    #[arg(long, default_value_t = 20.0, value_name = "HZ")]
+    pub stats_hz: f64,
+    /// Blocks in the store for the stats comparison.
+    #[arg(long, default_value_t = 100_000, value_name = "N")]
+    pub stats_blocks: usize,
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
@@ -113,7 +121,15 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
     // The GET round trip with and without a Prometheus scraper (fresh daemon).
     if a.socket.is_none() && a.scrape_hz > 0.0 {
         let (round, rounds) = if a.quick { (Duration::from_millis(300), 3) } else { (Duration::from_secs(1), 5) };
-        match crate::scrape::compare(a.scrape_hz, round, rounds) {
+        let setup = crate::scrape::Setup {
+            watcher: crate::scrape::Watcher::Scrape,
+            hz: a.scrape_hz,
+            round,
+            rounds,
+            blocks: 1,
+            pace: None,
+        };
+        match crate::scrape::compare(setup) {
             Ok(c) => {
                 let p = |v: &[u64]| (percentile(v, 0.5), percentile(v, 0.99));
                 let ((b50, b99), (w50, w99)) = (p(&c.without), p(&c.with));
@@ -129,6 +145,42 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
                 );
             }
             Err(e) => eprintln!("GET round trip while scraping /metrics: skipped ({e})"),
+        }
+    }
+
+    // The GET round trip with and without `kachedb stats` polled, many blocks stored (fresh daemon).
+    if a.socket.is_none() && a.stats_hz > 0.0 {
+        let (round, rounds, blocks) = if a.quick {
+            (Duration::from_millis(500), 3, a.stats_blocks.min(10_000))
+        } else {
+            (Duration::from_secs(3), 5, a.stats_blocks)
+        };
+        let setup = crate::scrape::Setup {
+            watcher: crate::scrape::Watcher::Stats,
+            hz: a.stats_hz,
+            round,
+            rounds,
+            blocks,
+            pace: Some(Duration::from_micros(200)),
+        };
+        match crate::scrape::compare(setup) {
+            Ok(c) => {
+                let p = |v: &[u64]| (percentile(v, 0.5), percentile(v, 0.99), v.last().copied().unwrap_or(0));
+                let ((b50, b99, bmax), (w50, w99, wmax)) = (p(&c.without), p(&c.with));
+                out.emit(
+                    json!({"bench":"get_rtt_stats_polled","blocks":blocks,"stats_hz":c.hz,"achieved_hz":c.achieved_hz,
+                           "stats_calls":c.scrapes,"slowest_stats_ns":c.slowest_watch_ns,"p50_ns_without":b50,
+                           "p99_ns_without":b99,"max_ns_without":bmax,"p50_ns_with":w50,"p99_ns_with":w99,
+                           "max_ns_with":wmax,"iters_each":c.without.len()}),
+                    format!(
+                        "GET round trip, stats    p99 {b99:>7} ns quiet / {w99:>7} ns with {:.0} stats/s ({:.2}x), {blocks} blocks, GETs every 200 us; p50 {b50} / {w50} ns, max {bmax} / {wmax} ns; slowest stats call {:.2} ms",
+                        c.achieved_hz,
+                        w99 as f64 / b99.max(1) as f64,
+                        c.slowest_watch_ns as f64 / 1e6
+                    ),
+                );
+            }
+            Err(e) => eprintln!("GET round trip while polling stats: skipped ({e})"),
         }
     }
 

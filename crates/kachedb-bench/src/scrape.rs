@@ -1,12 +1,14 @@
-//! The cost of being watched: GET-hit round trips against a daemon serving
-//! `--metrics-addr`, with and without a scraper reading `GET /metrics` at a
-//! given rate, in the same run (`kachedb bench ops --scrape-hz 50`).
+//! The cost of being watched: GET-hit round trips against a daemon, with and
+//! without a watcher at a given rate, in the same run: a scraper reading
+//! `GET /metrics` (`kachedb bench ops --scrape-hz 50`), or a poller asking for
+//! `kachedb stats` over the control socket with a store of many blocks
+//! (`--stats-hz 20 --stats-blocks 100000`).
 //!
 //! The two conditions alternate in rounds (off, on, off, on, …) so that drift
 //! in a shared machine's load falls on both; each condition's round trips are
-//! pooled and their percentiles compared. The scraper is a thread of this
-//! process doing what Prometheus does: a fresh connection, one request, the
-//! whole body read.
+//! pooled and their percentiles compared. The watcher is a thread of this
+//! process doing what Prometheus or `kachedb stats` does: a fresh connection,
+//! one request, the whole answer read.
 
 use crate::spawn::DaemonProcess;
 use kachedb_client::{Client, ConnectOptions, Key};
@@ -16,48 +18,96 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Who watches the daemon.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Watcher {
+    /// `GET /metrics` on the daemon's `--metrics-addr`.
+    Scrape,
+    /// `kachedb stats` (the control socket's stats request).
+    Stats,
+}
+
 /// What [`compare`] measured.
 #[derive(Debug)]
 pub struct Comparison {
-    /// Scrapes per second asked for.
+    /// Watches (scrapes or stats calls) per second asked for.
     pub hz: f64,
     /// GET round trips without scrapes, ns, sorted.
     pub without: Vec<u64>,
     /// GET round trips while scraping, ns, sorted.
     pub with: Vec<u64>,
-    /// Scrapes made, and their rate over the scraping rounds.
+    /// Watches made, and their rate over the watched rounds.
     pub scrapes: u64,
-    /// Scrapes per second achieved while scraping.
+    /// Watches per second achieved while watching.
     pub achieved_hz: f64,
-    /// Bytes of the last scrape's response.
+    /// Bytes of the last answer.
     pub scrape_bytes: u64,
+    /// Slowest single watch (the whole call), ns.
+    pub slowest_watch_ns: u64,
+}
+
+/// How [`compare`] runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Setup {
+    /// Who watches, how often.
+    pub watcher: Watcher,
+    /// Watches per second while watching.
+    pub hz: f64,
+    /// Length of one round of each condition.
+    pub round: Duration,
+    /// Rounds of each condition.
+    pub rounds: usize,
+    /// Blocks stored before timing (4 KiB each; the GETs read one of them).
+    pub blocks: usize,
+    /// Pause between GETs (`None`: back to back).
+    pub pace: Option<Duration>,
 }
 
 /// GET round trips for `rounds` alternating rounds of `round` each per
-/// condition (rounds long enough to hold many scrapes: at 50/s, 50 a second).
-pub fn compare(hz: f64, round: Duration, rounds: usize) -> Result<Comparison, Box<dyn std::error::Error>> {
+/// condition (rounds long enough to hold many watches: at 50/s, 50 a second).
+pub fn compare(setup: Setup) -> Result<Comparison, Box<dyn std::error::Error>> {
+    let Setup { watcher, hz, round, rounds, blocks, pace } = setup;
     // A free port: bind one, let it go, give it to the daemon.
     let addr: SocketAddr = TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let daemon = DaemonProcess::spawn(64 << 20, &["--metrics-addr", &addr.to_string()])?;
-    let kc = Client::connect(&ConnectOptions { socket: Some(daemon.socket().to_path_buf()), ..Default::default() })?;
-    let key = Key::from_bytes(b"bench/scrape");
-    kc.put(key, &[7u8; 4096])?;
+    let region = (blocks.max(1) as u64 * 4096 + (64 << 20)).next_multiple_of(1 << 20);
+    let daemon = DaemonProcess::spawn(region, &["--metrics-addr", &addr.to_string()])?;
+    let opts = ConnectOptions { socket: Some(daemon.socket().to_path_buf()), ..Default::default() };
+    let kc = Client::connect(&opts)?;
+    let page = [7u8; 4096];
+    let keys: Vec<Key> = (0..blocks.max(1) as u64).map(|i| Key::from_parts(i, 0x5ca1e)).collect();
+    for batch in keys.chunks(1000) {
+        let items: Vec<(Key, &[u8])> = batch.iter().map(|&k| (k, &page[..])).collect();
+        kc.put_many(&items)?;
+    }
+    let key = keys[keys.len() / 2];
     for _ in 0..2000 {
         drop(kc.get(key)?);
     }
-    scrape_once(addr)?; // the endpoint answers before anything is timed
+    let watch = move || -> std::io::Result<u64> {
+        match watcher {
+            Watcher::Scrape => scrape_once(addr),
+            Watcher::Stats => kachedb_client::daemon_stats(&opts)
+                .map(|s| s.to_json().len() as u64)
+                .map_err(|e| std::io::Error::other(e.to_string())),
+        }
+    };
+    watch()?; // the watcher is answered before anything is timed
 
     let on = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
-    let (count, bytes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (count, bytes, slowest) =
+        (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let scraper = {
-        let (on, stop, count, bytes) = (on.clone(), stop.clone(), count.clone(), bytes.clone());
+        let (on, stop, count, bytes, slowest) =
+            (on.clone(), stop.clone(), count.clone(), bytes.clone(), slowest.clone());
         let period = Duration::from_secs_f64(1.0 / hz);
         std::thread::spawn(move || {
             let mut next = Instant::now();
             while !stop.load(Ordering::Relaxed) {
                 if on.load(Ordering::Relaxed) {
-                    if let Ok(n) = scrape_once(addr) {
+                    let t = Instant::now();
+                    if let Ok(n) = watch() {
+                        slowest.fetch_max(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                         count.fetch_add(1, Ordering::Relaxed);
                         bytes.store(n, Ordering::Relaxed);
                     }
@@ -85,6 +135,9 @@ pub fn compare(hz: f64, round: Duration, rounds: usize) -> Result<Comparison, Bo
                 let view = kc.get(key)?;
                 v.push(t.elapsed().as_nanos() as u64);
                 drop(view);
+                if let Some(p) = pace {
+                    std::thread::sleep(p);
+                }
             }
         }
         Ok(())
@@ -113,6 +166,7 @@ pub fn compare(hz: f64, round: Duration, rounds: usize) -> Result<Comparison, Bo
         scrapes,
         achieved_hz: scrapes as f64 / scraping_time.as_secs_f64().max(1e-9),
         scrape_bytes: bytes.load(Ordering::Relaxed),
+        slowest_watch_ns: slowest.load(Ordering::Relaxed),
     })
 }
 
