@@ -673,6 +673,12 @@ impl Serve {
                     budget -= to - next;
                     for &(handle, len) in &filled[next..to] {
                         let key = self.store.reservation_key(r.session, handle);
+                        // Committed by a client while the fill ran: that block is newer
+                        // (and may have chain links); the fill's copy is dropped.
+                        if key.is_some_and(|k| self.store.peek(k).is_some()) {
+                            self.store.handle_internal(r.session, &Request::Abort { handle });
+                            continue;
+                        }
                         if self.store.handle_internal(r.session, &Request::Commit { handle, parent: None }).status
                             == Status::Ok
                         {
