@@ -60,8 +60,9 @@ pub struct ServeArgs {
     /// yet past hello); more are closed at once.
     #[arg(long, default_value_t = 1024)]
     pub max_connections: u32,
-    /// Milliseconds a new connection may take to send its first request
-    /// before it is closed.
+    /// Milliseconds a control connection that is not a client's (no hello
+    /// yet, a `kachedb stats`) may go without sending a request, from its
+    /// accept and then from its last request, before it is closed.
     #[arg(long, default_value_t = 5000)]
     pub hello_timeout_ms: u64,
     /// Milliseconds a client may leave requests unanswerable because it does

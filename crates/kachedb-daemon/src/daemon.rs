@@ -45,7 +45,8 @@ pub struct ServeConfig {
     pub max_client_bytes: Option<u64>,
     /// Most control connections open at once.
     pub max_connections: u32,
-    /// How long a new connection may take to send its first request.
+    /// How long a connection that is not a client's (no hello yet, a stats
+    /// asker) may go without sending a request before it is closed.
     pub hello_timeout: std::time::Duration,
     /// How long a client may leave its completion ring full with requests
     /// waiting before it is disconnected (`None`: never).

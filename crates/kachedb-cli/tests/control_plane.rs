@@ -1,0 +1,130 @@
+//! The control socket, the takeover handshake and the metrics endpoint
+//! against peers that misbehave without breaking any rule of the wire
+//! (issue 25, items 10, 13, 14 and 15): real `kachedb serve` processes,
+//! peers written here as raw `UnixStream`s and `TcpStream`s.
+//!
+//! Time bounds are generous bounds of liveness ("answers within 5 s"), never
+//! measurements.
+
+mod common;
+
+use common::{num, poll_stats_fast, stats_fast, Daemon, TempDir};
+use kachedb_client::{Client, Key};
+use kachedb_shm::control::{self, ControlRequest};
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+/// Whether the daemon closed `s` (EOF) within `limit`.
+fn closed_within(s: &UnixStream, limit: Duration) -> bool {
+    s.set_read_timeout(Some(limit)).unwrap();
+    let deadline = Instant::now() + limit;
+    loop {
+        match (&*s).read(&mut [0u8; 4096]) {
+            Ok(0) => return true,
+            // Lines the daemon wrote before closing.
+            Ok(_) if Instant::now() < deadline => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            _ => return false,
+        }
+    }
+}
+
+/// Sends one control request on `s`.
+fn send(s: &UnixStream, req: &ControlRequest) {
+    let line = control::to_line(req).expect("encode");
+    (&*s).write_all(&line).expect("write a control request");
+}
+
+/// The next control line on `r`, parsed (within `r`'s read timeout).
+fn answer(r: &mut BufReader<&UnixStream>) -> Value {
+    let mut line = String::new();
+    r.read_line(&mut line).expect("read a control answer");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("not a control answer ({e}): {line:?}"))
+}
+
+/// Item 10: a peer that says hello and then asks for a takeover on the same
+/// connection (or asks for a takeover and says hello in the same write) is
+/// refused and closed, and the session and channel it got go with the
+/// connection: five such peers in a row on a daemon of 4 channels leave no
+/// client behind, and a real client still gets a channel.
+#[test]
+fn takeover_asked_on_a_client_connection_is_refused_and_the_session_goes() {
+    let dir = TempDir::new("hello-takeover");
+    let mut d = Daemon::spawn_with(&dir.socket(), "8MiB", &["--channels", "4"]);
+    d.wait_ready();
+    let takeover = |versions: Vec<u32>| ControlRequest::Takeover { state_versions: versions };
+    let mut peers = Vec::new();
+    for round in 0..5 {
+        let s = UnixStream::connect(&d.socket).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut r = BufReader::new(&s);
+        if round % 2 == 0 {
+            send(&s, &ControlRequest::hello());
+            let hello = answer(&mut r);
+            assert_eq!(hello["ok"], true, "round {round}: hello refused: {hello}");
+            send(&s, &takeover(vec![kachedb_daemon::takeover::STATE_VERSION]));
+        } else {
+            // One write: the takeover (a format nobody writes) and a hello.
+            let mut both = control::to_line(&takeover(vec![999])).unwrap();
+            both.extend(control::to_line(&ControlRequest::hello()).unwrap());
+            (&s).write_all(&both).expect("write");
+        }
+        let refusal = answer(&mut r);
+        assert_eq!(refusal["ok"], false, "round {round}: the takeover was not refused: {refusal}");
+        drop(r);
+        // The daemon closes the connection (the peer itself keeps it open).
+        assert!(closed_within(&s, Duration::from_secs(10)), "round {round}: the refused connection stays open");
+        peers.push(s);
+    }
+    let (s, _) = poll_stats_fast(&d.socket, Duration::from_secs(10), "the refused peers' sessions to go", |s| {
+        num(s, "clients_connected") == 0
+    });
+    assert_eq!((num(&s, "pins"), num(&s, "reserved")), (0, 0), "{s}");
+    let kc = Client::connect(&d.opts()).expect("a real client after the refused takeovers");
+    kc.put(Key::from_bytes(b"after"), &[1u8; 64]).expect("put");
+    assert_eq!(num(&stats_fast(&d.socket), "clients_connected"), 1);
+    drop(peers);
+}
+
+/// Item 14: control connections that are not clients' are closed once they
+/// have sent no request for `--hello-timeout-ms` (1 s here), after a request
+/// as before one: 15 connections that asked for stats once and stay open,
+/// beside one client, fill `--max-connections 16`; once they are closed new
+/// clients and stats get in, and the client's own connection, idle all
+/// along, stays.
+#[test]
+fn idle_stats_connections_time_out_and_do_not_lock_clients_out() {
+    let dir = TempDir::new("idle-stats");
+    let mut d = Daemon::spawn_with(&dir.socket(), "8MiB", &["--max-connections", "16", "--hello-timeout-ms", "1000"]);
+    d.wait_ready();
+    std::thread::sleep(Duration::from_millis(1100)); // wait_ready's probes time out first
+    let kc = Client::connect(&d.opts()).expect("connect");
+    kc.put(Key::from_bytes(b"k"), &[3u8; 4096]).expect("put");
+    let idle: Vec<UnixStream> = (0..15)
+        .map(|_| {
+            let s = UnixStream::connect(&d.socket).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            send(&s, &ControlRequest::Stats);
+            let a = answer(&mut BufReader::new(&s));
+            assert_eq!(a["ok"], true, "{a}");
+            s
+        })
+        .collect();
+    // Full: one more is closed at once.
+    let extra = UnixStream::connect(&d.socket).expect("connect");
+    assert!(closed_within(&extra, Duration::from_millis(500)), "a connection past --max-connections was kept");
+    let t = Instant::now();
+    let by = t + Duration::from_secs(10);
+    let closed = idle
+        .iter()
+        .filter(|s| closed_within(s, by.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+        .count();
+    assert_eq!(closed, 15, "idle stats connections kept open ({:?} after the last answer)", t.elapsed());
+    // The client, idle meanwhile, is still served; a new client and stats get in.
+    assert_eq!(&*kc.get(Key::from_bytes(b"k")).expect("get").expect("present"), &[3u8; 4096][..]);
+    let kc2 = Client::connect(&d.opts()).expect("a new client after the idle connections");
+    kc2.put(Key::from_bytes(b"k2"), &[4u8; 64]).expect("put");
+    assert_eq!(num(&stats_fast(&d.socket), "clients_connected"), 2);
+}
