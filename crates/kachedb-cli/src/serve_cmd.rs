@@ -65,6 +65,12 @@ pub struct ServeArgs {
     /// accept and then from its last request, before it is closed.
     #[arg(long, default_value_t = 5000)]
     pub hello_timeout_ms: u64,
+    /// Milliseconds one step of a takeover may take as a whole (the serve loop
+    /// stopping, the state sent, the new daemon's answer, the confirmation),
+    /// on either side, before that side gives up (the running daemon then
+    /// serves on). docs/takeover.md.
+    #[arg(long, default_value_t = kachedb_daemon::takeover::STEP_TIMEOUT.as_millis() as u64, value_name = "MS")]
+    pub takeover_timeout_ms: u64,
     /// Milliseconds a client may leave requests unanswerable because it does
     /// not drain its completion ring (stopped, in a debugger, throttled)
     /// before it is disconnected and its pins and reservations dropped.
@@ -267,6 +273,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         max_client_bytes: a.max_client_bytes,
         max_connections: a.max_connections,
         hello_timeout: std::time::Duration::from_millis(a.hello_timeout_ms),
+        takeover_timeout: std::time::Duration::from_millis(a.takeover_timeout_ms.max(1)),
         stuck_client_timeout: (a.stuck_client_timeout_ms > 0)
             .then(|| std::time::Duration::from_millis(a.stuck_client_timeout_ms)),
         check_invariants: a.check_invariants,

@@ -14,6 +14,8 @@ use kachedb_shm::control::{self, ControlRequest};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Whether the daemon closed `s` (EOF) within `limit`.
@@ -86,6 +88,72 @@ fn takeover_asked_on_a_client_connection_is_refused_and_the_session_goes() {
     kc.put(Key::from_bytes(b"after"), &[1u8; 64]).expect("put");
     assert_eq!(num(&stats_fast(&d.socket), "clients_connected"), 1);
     drop(peers);
+}
+
+/// Item 13: a peer of the daemon's uid that asks for a takeover, takes the
+/// offer and then trickles its verdict one byte every 300 ms (so that no
+/// single read waits long) holds the running daemon for one step as a whole
+/// (`--takeover-timeout-ms 1500`), not for as long as it trickles: a client
+/// blocked in a GET meanwhile is answered while the peer still trickles, by
+/// the same daemon.
+#[test]
+fn a_trickling_takeover_peer_holds_the_daemon_one_step_at_most() {
+    let dir = TempDir::new("trickle-takeover");
+    let mut d = Daemon::spawn_with(&dir.socket(), "8MiB", &["--takeover-timeout-ms", "1500"]);
+    d.wait_ready();
+    let kc = Client::connect(&d.opts()).expect("connect");
+    kc.put(Key::from_bytes(b"held"), &[7u8; 4096]).expect("put");
+    let peer = UnixStream::connect(&d.socket).expect("connect");
+    peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    send(&peer, &ControlRequest::Takeover { state_versions: vec![kachedb_daemon::takeover::STATE_VERSION] });
+    let mut r = BufReader::new(&peer);
+    let offer = answer(&mut r);
+    assert_eq!(offer["ok"], true, "no offer: {offer}");
+    drop(r);
+    // From here the daemon waits for a verdict line that never ends.
+    let stop = Arc::new(AtomicBool::new(false));
+    let trickled = Arc::new(Mutex::new(0u32));
+    let trickler = {
+        let (stop, trickled, peer) = (stop.clone(), trickled.clone(), peer.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            while !stop.load(Ordering::Relaxed) && t.elapsed() < Duration::from_secs(30) {
+                if (&peer).write_all(b" ").is_err() {
+                    break;
+                }
+                *trickled.lock().unwrap() += 1;
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    let (tx, rx) = mpsc::channel();
+    let t = Instant::now();
+    let getter = std::thread::spawn(move || {
+        let got = kc.get(Key::from_bytes(b"held")).map(|v| v.map(|v| v.to_vec()));
+        let _ = tx.send(got);
+        kc
+    });
+    let got = rx.recv_timeout(Duration::from_secs(10));
+    let waited = t.elapsed();
+    let bytes = *trickled.lock().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let got = got.unwrap_or_else(|_| {
+        panic!("a GET was not answered within 10 s while a takeover peer trickled ({bytes} bytes):\n{}", d.log())
+    });
+    assert_eq!(got.expect("get").expect("present"), vec![7u8; 4096]);
+    println!(
+        "figures: {}",
+        serde_json::json!({"test": "trickling_takeover_peer", "get_waited_ms": waited.as_millis(), "bytes_trickled": bytes})
+    );
+    trickler.join().unwrap();
+    let kc = getter.join().unwrap();
+    let log = d.log();
+    assert!(log.contains("takeover failed, serving on"), "{log}");
+    assert!(log.contains("did not finish this step"), "{log}");
+    // The same daemon serves on.
+    let s = stats_fast(&d.socket);
+    assert_eq!(num(&s, "daemon_pid"), u64::from(d.pid()), "{s}");
+    kc.put(Key::from_bytes(b"after"), &[1u8; 64]).expect("put after");
 }
 
 /// Item 14: control connections that are not clients' are closed once they

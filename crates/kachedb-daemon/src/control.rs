@@ -46,6 +46,9 @@ pub struct Access {
     /// complete request (from its accept, then from its last request) before
     /// it is closed.
     pub hello_timeout: Duration,
+    /// How long one step of a takeover may take as a whole
+    /// ([`takeover::STEP_TIMEOUT`] by default).
+    pub takeover_timeout: Duration,
 }
 
 /// How long the control thread stops accepting after `accept` failed for
@@ -526,7 +529,7 @@ fn hand_over(
     let (state_tx, state_rx) = mpsc::channel();
     let (outcome_tx, outcome_rx) = mpsc::channel();
     events.send(Event::Takeover { state: state_tx, outcome: outcome_rx });
-    let serve = match state_rx.recv_timeout(takeover::STEP_TIMEOUT) {
+    let serve = match state_rx.recv_timeout(access.takeover_timeout) {
         Ok(Ok(bytes)) => bytes,
         Ok(Err(e)) => {
             let _ = outcome_tx.send(false);
@@ -544,10 +547,10 @@ fn hand_over(
     let state = ControlState { free_channels, quarantine, conns: list.iter().map(|c| c.state()).collect() };
     let conn_fds: Vec<_> = list.iter().map(|c| c.stream.as_fd()).collect();
     let started = Instant::now();
-    match takeover::give(&t.stream, fds, &serve, &state, &conn_fds) {
+    match takeover::give(&t.stream, fds, &serve, &state, &conn_fds, access.takeover_timeout) {
         Ok(()) => {
             let _ = outcome_tx.send(true);
-            takeover::confirm_done(&t.stream);
+            takeover::confirm_done(&t.stream, access.takeover_timeout);
             tracing::info!(
                 event = "takeover_done",
                 pid = t.pid,

@@ -48,6 +48,9 @@ pub struct ServeConfig {
     /// How long a connection that is not a client's (no hello yet, a stats
     /// asker) may go without sending a request before it is closed.
     pub hello_timeout: std::time::Duration,
+    /// How long one step of a takeover may take as a whole, on either side
+    /// (`crate::takeover::STEP_TIMEOUT` by default).
+    pub takeover_timeout: std::time::Duration,
     /// How long a client may leave its completion ring full with requests
     /// waiting before it is disconnected (`None`: never).
     pub stuck_client_timeout: Option<std::time::Duration>,
@@ -270,7 +273,7 @@ impl Daemon {
     /// old daemon had no metrics listener) apply.
     pub fn take_over(cfg: ServeConfig, shutdown: Arc<AtomicBool>) -> Result<(Daemon, TakeoverSummary), ServeError> {
         let t0 = Instant::now();
-        let mut taken = crate::takeover::take(&cfg.socket_path)?;
+        let mut taken = crate::takeover::take(&cfg.socket_path, cfg.takeover_timeout)?;
         let received = t0.elapsed();
         let sock = cfg.socket_path.clone();
         let region =
@@ -458,6 +461,7 @@ impl Parts {
             allow_gids: cfg.allow_gids.clone(),
             max_connections: cfg.max_connections.max(1) as usize,
             hello_timeout: cfg.hello_timeout,
+            takeover_timeout: cfg.takeover_timeout,
         };
         let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
         let remote = match &cfg.remote {
