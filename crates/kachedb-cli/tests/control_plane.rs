@@ -13,6 +13,7 @@ use kachedb_client::{Client, Key};
 use kachedb_shm::control::{self, ControlRequest};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -195,4 +196,135 @@ fn idle_stats_connections_time_out_and_do_not_lock_clients_out() {
     let kc2 = Client::connect(&d.opts()).expect("a new client after the idle connections");
     kc2.put(Key::from_bytes(b"k2"), &[4u8; 64]).expect("put");
     assert_eq!(num(&stats_fast(&d.socket), "clients_connected"), 2);
+}
+
+/// The metrics address a daemon prints (`metrics at http://ADDR/metrics`).
+fn metrics_addr(d: &Daemon) -> SocketAddr {
+    let t = Instant::now();
+    loop {
+        let log = d.log();
+        if let Some(rest) = log.split("metrics at http://").nth(1) {
+            let addr = rest.split('/').next().unwrap_or_default();
+            return addr.parse().unwrap_or_else(|e| panic!("metrics address {addr:?}: {e}"));
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no metrics address in the log:\n{log}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `GET path` on a fresh connection; the whole answer, or why none came within `limit`.
+fn http_get(addr: SocketAddr, path: &str, limit: Duration) -> Result<String, String> {
+    let mut c = TcpStream::connect_timeout(&addr, limit).map_err(|e| format!("connect: {e}"))?;
+    c.set_read_timeout(Some(limit)).unwrap();
+    c.write_all(format!("GET {path} HTTP/1.1\r\nHost: t\r\n\r\n").as_bytes()).map_err(|e| format!("write: {e}"))?;
+    let mut out = String::new();
+    c.read_to_string(&mut out).map_err(|e| format!("read: {e} (got {out:?})"))?;
+    Ok(out)
+}
+
+/// Item 15: four peers (one per metrics worker) that send a whole request,
+/// read the answer and then trickle a byte every 90 ms hold a worker for a
+/// bounded time per connection, not per read: `/healthz` answers within
+/// 5 s while they trickle.
+#[test]
+fn healthz_answers_while_four_peers_trickle_bytes() {
+    let dir = TempDir::new("http-trickle");
+    let mut d = Daemon::spawn_with(&dir.socket(), "8MiB", &["--metrics-addr", "127.0.0.1:0"]);
+    d.wait_ready();
+    let addr = metrics_addr(&d);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let tricklers: Vec<_> = (0..4)
+        .map(|_| {
+            let (stop, ready) = (stop.clone(), ready_tx.clone());
+            std::thread::spawn(move || {
+                let mut c = TcpStream::connect(addr).expect("connect");
+                c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                c.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n").expect("write");
+                // The answer, up to the server's half close: it drains now.
+                let mut out = Vec::new();
+                let _ = c.read_to_end(&mut out);
+                let _ = ready.send(out.starts_with(b"HTTP/1.1 200 "));
+                let t = Instant::now();
+                while !stop.load(Ordering::Relaxed) && t.elapsed() < Duration::from_secs(60) {
+                    if c.write_all(b"x").is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(90));
+                }
+            })
+        })
+        .collect();
+    for _ in 0..4 {
+        let ok = ready_rx.recv_timeout(Duration::from_secs(10)).expect("a trickler's answer");
+        assert!(ok, "a trickler's /metrics was not answered 200");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for i in 0..3 {
+        let r = http_get(addr, "/healthz", Duration::from_secs(5));
+        stop.store(i == 2, Ordering::Relaxed);
+        let r = r.unwrap_or_else(|e| {
+            stop.store(true, Ordering::Relaxed);
+            panic!("/healthz did not answer within 5 s while 4 peers trickled: {e}")
+        });
+        assert!(r.starts_with("HTTP/1.1 200 "), "{r}");
+    }
+    for t in tricklers {
+        t.join().unwrap();
+    }
+}
+
+/// Item 15: `/healthz` never says the node is unhealthy during a takeover:
+/// polled without pause on fresh connections while the daemon is taken over
+/// six times (the metrics listener moving to each new daemon), every answer
+/// is 200 and a client's block stays readable.
+#[test]
+fn healthz_stays_healthy_through_takeovers() {
+    let dir = TempDir::new("http-takeover");
+    let sock = dir.socket();
+    let mut cur = Daemon::spawn_with(&sock, "8MiB", &["--metrics-addr", "127.0.0.1:0"]);
+    cur.wait_ready();
+    let addr = metrics_addr(&cur);
+    let kc = Client::connect(&cur.opts()).expect("connect");
+    kc.put(Key::from_bytes(b"kept"), &[9u8; 4096]).expect("put");
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let (mut answers, mut bad) = (0u64, Vec::new());
+            while !stop.load(Ordering::Relaxed) {
+                match http_get(addr, "/healthz", Duration::from_secs(10)) {
+                    Ok(r) if r.starts_with("HTTP/1.1 200 ") => answers += 1,
+                    Ok(r) => bad.push(r),
+                    Err(e) => bad.push(e),
+                }
+            }
+            (answers, bad)
+        })
+    };
+    for round in 0..6 {
+        let mut next = Daemon::spawn_with(&sock, "8MiB", &["--takeover"]);
+        let t = Instant::now();
+        while !next.log().contains("took over") {
+            if let Ok(Some(s)) = next.child.try_wait() {
+                next.wait_exit(Duration::from_secs(5));
+                panic!("round {round}: the new daemon exited ({s}):\n{}", next.log());
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "round {round}: no takeover:\n{}", next.log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let s = cur.wait_exit(Duration::from_secs(30)).expect("the old daemon exits");
+        assert!(s.success(), "round {round}: the old daemon exited {s}:\n{}", cur.log());
+        cur = next;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (answers, bad) = poller.join().unwrap();
+    println!(
+        "figures: {}",
+        serde_json::json!({"test": "healthz_through_takeovers", "answers": answers, "bad": bad.len()})
+    );
+    assert!(bad.is_empty(), "{} of {} /healthz answers were not 200; first: {:?}", bad.len(), answers, bad.first());
+    assert!(answers > 0);
+    assert_eq!(&*kc.get(Key::from_bytes(b"kept")).expect("get").expect("present"), &[9u8; 4096][..]);
 }

@@ -464,6 +464,11 @@ impl Parts {
             takeover_timeout: cfg.takeover_timeout,
         };
         let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
+        if restored.is_some() {
+            // The old daemon has stopped for good and this one serves next:
+            // the node is healthy from the first scrape on.
+            metrics.set_health(crate::metrics::Health::HandingOver);
+        }
         let remote = match &cfg.remote {
             Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
             None => None,

@@ -10,14 +10,23 @@
 //!   [`QUEUE`]; when the queue is full the connection gets `503` at once and
 //!   is closed. At most `WORKERS + QUEUE` connections are held.
 //! * A request head must arrive whole within [`HEAD_TIMEOUT`] of the accept
-//!   (a deadline over all reads, so a client trickling a byte a second gets no
-//!   more time than a silent one: `408` and closed) and fit in
-//!   [`MAX_HEAD_LEN`] bytes (else `431`). A malformed request line or header
-//!   gets `400`, another method on a known path `405`, an unknown path `404`.
+//!   and fit in [`MAX_HEAD_LEN`] bytes (else `431`). A malformed request line
+//!   or header gets `400`, another method on a known path `405`, an unknown
+//!   path `404`.
+//! * Every phase of a connection has a deadline over all its socket calls,
+//!   never a timeout per call, so a client trickling a byte at a time gets no
+//!   more time than a silent one: the head [`HEAD_TIMEOUT`] (then `408` and
+//!   closed), the answer [`WRITE_TIMEOUT`], and reading what the client still
+//!   sends after it (so that our close is not a reset that could discard the
+//!   answer) [`DRAIN_TIMEOUT`]. A connection holds a worker for at most
+//!   [`CONN_TIMEOUT`], whatever its client does.
 //! * One request per connection (`Connection: close`): a scraper reconnects,
 //!   which costs it a round trip and nothing here.
+//! * `/healthz` answers from the daemon's [`Health`]: 200 while it serves and
+//!   throughout a takeover (on both daemons), 503 before it serves and once it
+//!   stopped.
 
-use crate::metrics::Metrics;
+use crate::metrics::{Health, Metrics};
 use prometheus_client::registry::Registry;
 use rustix::event::{PollFd, PollFlags};
 use std::io::{Read, Write};
@@ -34,8 +43,16 @@ pub const MAX_HEAD_LEN: usize = 8 * 1024;
 pub const MAX_HEADERS: usize = 64;
 /// Time from accept for a whole request head to arrive.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
-/// Time for a response to be written (a client that does not read).
+/// Time for a response to be written, all of it (a client that does not read).
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time, all reads together, for reading what a client still sends after its
+/// answer, before the connection is closed.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_millis(100);
+/// Most bytes read from a client after its answer.
+pub const MAX_DRAIN: usize = 256 * 1024;
+/// The longest a connection holds a worker, from its accept.
+pub const CONN_TIMEOUT: Duration =
+    Duration::from_millis((HEAD_TIMEOUT.as_millis() + WRITE_TIMEOUT.as_millis() + DRAIN_TIMEOUT.as_millis()) as u64);
 /// Connections served at once.
 pub const WORKERS: usize = 4;
 /// Connections accepted and waiting for a worker.
@@ -96,8 +113,7 @@ fn accept_loop(listener: &TcpListener, tx: SyncSender<(TcpStream, Instant)>, shu
                         Ok(()) => {}
                         Err(TrySendError::Full((conn, _))) => {
                             let busy = Response::text(503, "Service Unavailable", "busy: too many connections\n");
-                            let _ = conn.set_write_timeout(Some(Duration::from_millis(100)));
-                            let _ = busy.write_to(&conn, false);
+                            let _ = busy.write_to(&conn, false, Instant::now() + Duration::from_millis(100));
                         }
                         Err(TrySendError::Disconnected(_)) => return,
                     }
@@ -122,18 +138,28 @@ fn worker(rx: &Mutex<Receiver<(TcpStream, Instant)>>, registry: &Registry, metri
         };
         let Ok((conn, accepted)) = next else { return };
         serve_conn(&conn, accepted, registry, metrics);
-        // Whatever the client still sends is not read: shut our side, give its
-        // close a moment so that unread bytes do not turn ours into a reset
-        // that could discard the response, then drop.
+        // Whatever the client still sends is not answered: shut our side, give
+        // its close a moment so that unread bytes do not turn ours into a
+        // reset that could discard the response, then drop.
         let _ = conn.shutdown(std::net::Shutdown::Write);
-        let _ = conn.set_read_timeout(Some(Duration::from_millis(100)));
-        let mut sink = [0u8; 4096];
-        let mut drained = 0;
-        while drained < 256 * 1024 {
-            match (&conn).read(&mut sink) {
-                Ok(n) if n > 0 => drained += n,
-                _ => break,
-            }
+        drain(&conn, Instant::now() + DRAIN_TIMEOUT);
+    }
+}
+
+/// Reads and drops what `conn` sends until EOF, [`MAX_DRAIN`] bytes or
+/// `deadline`, whichever comes first.
+fn drain(conn: &TcpStream, deadline: Instant) {
+    let mut sink = [0u8; 4096];
+    let mut drained = 0;
+    while drained < MAX_DRAIN {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || conn.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match (&*conn).read(&mut sink) {
+            Ok(n) if n > 0 => drained += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            _ => return,
         }
     }
 }
@@ -148,13 +174,13 @@ fn serve_conn(conn: &TcpStream, accepted: Instant, registry: &Registry, metrics:
             Ok(Some(head)) => break head,
             Ok(None) => {}
             Err(reject) => {
-                let _ = reject.response().write_to(conn, false);
+                let _ = reject.response().write_to(conn, false, Instant::now() + WRITE_TIMEOUT);
                 return;
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() || conn.set_read_timeout(Some(left)).is_err() {
-            let _ = Response::text(408, "Request Timeout", "request head not received in time\n").write_to(conn, false);
+            let _ = timed_out().write_to(conn, false, Instant::now() + WRITE_TIMEOUT);
             return;
         }
         // Never read past what the cap allows (plus one byte to notice).
@@ -163,16 +189,19 @@ fn serve_conn(conn: &TcpStream, accepted: Instant, registry: &Registry, metrics:
             Ok(0) => return,
             Ok(n) => buf.extend_from_slice(&tmp[..n]),
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                let _ =
-                    Response::text(408, "Request Timeout", "request head not received in time\n").write_to(conn, false);
+                let _ = timed_out().write_to(conn, false, Instant::now() + WRITE_TIMEOUT);
                 return;
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(_) => return,
         }
     };
-    let resp = route(&head, || Metrics::render(registry), metrics.serving());
-    let _ = resp.write_to(conn, head.method == "HEAD");
+    let resp = route(&head, || Metrics::render(registry), metrics.health());
+    let _ = resp.write_to(conn, head.method == "HEAD", Instant::now() + WRITE_TIMEOUT);
+}
+
+fn timed_out() -> Response {
+    Response::text(408, "Request Timeout", "request head not received in time\n")
 }
 
 /// A parsed request head: what routing needs.
@@ -271,9 +300,9 @@ impl Response {
         Self { status, reason, content_type: "text/plain; charset=utf-8", allow: false, body: body.to_string() }
     }
 
-    /// Writes the whole response (head only for `HEAD`).
-    fn write_to(&self, mut conn: &TcpStream, head_only: bool) -> std::io::Result<()> {
-        conn.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    /// Writes the whole response (head only for `HEAD`) by `deadline`, however
+    /// many writes it takes.
+    fn write_to(&self, mut conn: &TcpStream, head_only: bool, deadline: Instant) -> std::io::Result<()> {
         let mut out = format!(
             "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\nCache-Control: no-store\r\n{}\r\n",
             self.status,
@@ -285,14 +314,27 @@ impl Response {
         if !head_only {
             out.push_str(&self.body);
         }
-        conn.write_all(out.as_bytes())?;
-        conn.flush()
+        let mut bytes = out.as_bytes();
+        while !bytes.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            conn.set_write_timeout(Some(left))?;
+            match conn.write(bytes) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => bytes = &bytes[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 }
 
-/// The answer to `head`; `render` makes the metrics text, `serving` is
-/// whether the serve loop runs.
-pub(crate) fn route(head: &Head, render: impl FnOnce() -> String, serving: bool) -> Response {
+/// The answer to `head`; `render` makes the metrics text, `health` is where
+/// the daemon is in its life.
+pub(crate) fn route(head: &Head, render: impl FnOnce() -> String, health: Health) -> Response {
     let known = matches!(head.path.as_str(), "/" | "/metrics" | "/healthz");
     if !known {
         return Response::text(404, "Not Found", "not found: try /metrics or /healthz\n");
@@ -306,7 +348,11 @@ pub(crate) fn route(head: &Head, render: impl FnOnce() -> String, serving: bool)
         "/metrics" => {
             Response { status: 200, reason: "OK", content_type: METRICS_CONTENT_TYPE, allow: false, body: render() }
         }
-        "/healthz" if serving => Response::text(200, "OK", "ok\n"),
+        // One body for every healthy state: probes and scripts match "ok".
+        "/healthz" if health.healthy() => Response::text(200, "OK", "ok\n"),
+        "/healthz" if health == Health::Starting => {
+            Response::text(503, "Service Unavailable", "starting: not serving yet\n")
+        }
         "/healthz" => Response::text(503, "Service Unavailable", "the serve loop is not running\n"),
         _ => Response::text(200, "OK", "kachedb metrics: GET /metrics (Prometheus text format), GET /healthz\n"),
     }
@@ -361,15 +407,24 @@ mod tests {
     #[test]
     fn routes() {
         let render = || "kachedb_blocks 1\n".to_string();
-        let r = route(&head("GET", "/metrics"), render, true);
+        let r = route(&head("GET", "/metrics"), render, Health::Serving);
         assert_eq!((r.status, r.body.as_str(), r.content_type), (200, "kachedb_blocks 1\n", METRICS_CONTENT_TYPE));
-        assert_eq!(route(&head("HEAD", "/metrics"), render, true).status, 200);
-        assert_eq!(route(&head("GET", "/healthz"), render, true).status, 200);
-        assert_eq!(route(&head("GET", "/healthz"), render, false).status, 503);
-        assert_eq!(route(&head("GET", "/"), render, true).status, 200);
-        assert_eq!(route(&head("GET", "/metricz"), render, true).status, 404);
-        assert_eq!(route(&head("DELETE", "/nope"), render, true).status, 404);
-        let r = route(&head("POST", "/metrics"), render, true);
+        let ok = Health::Serving;
+        assert_eq!(route(&head("HEAD", "/metrics"), render, ok).status, 200);
+        for (h, status) in [
+            (Health::Starting, 503),
+            (Health::Serving, 200),
+            (Health::HandingOver, 200),
+            (Health::HandedOver, 200),
+            (Health::Stopped, 503),
+        ] {
+            assert_eq!(route(&head("GET", "/healthz"), render, h).status, status, "{h:?}");
+            assert_eq!(h.healthy(), status == 200, "{h:?}");
+        }
+        assert_eq!(route(&head("GET", "/"), render, ok).status, 200);
+        assert_eq!(route(&head("GET", "/metricz"), render, ok).status, 404);
+        assert_eq!(route(&head("DELETE", "/nope"), render, ok).status, 404);
+        let r = route(&head("POST", "/metrics"), render, ok);
         assert_eq!((r.status, r.allow), (405, true));
     }
 
