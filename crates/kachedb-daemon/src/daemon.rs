@@ -41,8 +41,12 @@ pub struct ServeConfig {
     pub wait: SpinThenPark,
     /// Where to serve `GET /metrics` and `GET /healthz` over HTTP, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
-    /// Most bytes one client may hold reserved and pinned (`None`: no limit).
+    /// Most bytes one client (one connection) may hold reserved and pinned
+    /// (`None`: no limit).
     pub max_client_bytes: Option<u64>,
+    /// Most bytes the clients of one uid may hold reserved and pinned
+    /// together, however many connections they open (`None`: no limit).
+    pub max_uid_bytes: Option<u64>,
     /// Most control connections open at once.
     pub max_connections: u32,
     /// How long a connection that is not a client's (no hello yet, a stats
@@ -249,6 +253,7 @@ impl Daemon {
         .map_err(io_err("setting permissions of", &sock))?;
         let mut store = Store::new(layout.slab_offset, layout.slab_len);
         store.set_max_session_bytes(cfg.max_client_bytes);
+        store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
         Parts {
             channels: Arc::new(Channels::new(cfg.channels)),
@@ -288,6 +293,7 @@ impl Daemon {
             .restore_checked(layout.slab_offset, layout.slab_len)
             .map_err(|e| taken.refuse(&format!("the store: {e}")))?;
         store.set_max_session_bytes(cfg.max_client_bytes);
+        store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
         let listener = UnixListener::from(taken.listener.try_clone().map_err(io_err("duplicating the socket", &sock))?);
         let metrics_listener = match (&taken.metrics, cfg.metrics_addr) {

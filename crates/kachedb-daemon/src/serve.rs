@@ -286,6 +286,7 @@ impl Serve {
                 self.store.close_session(c.session);
                 continue;
             };
+            self.store.set_session_uid(c.session, c.uid);
             *slot = Some(Session {
                 session: c.session,
                 sub,
@@ -741,6 +742,7 @@ impl Serve {
                 let Some(slot) = self.sessions.get_mut(channel as usize) else { return };
                 let Some((sub, comp)) = self.region.daemon_channel(channel) else { return };
                 let session = self.store.open_session();
+                self.store.set_session_uid(session, uid);
                 *slot = Some(Session {
                     session,
                     sub,
