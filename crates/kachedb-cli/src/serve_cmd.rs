@@ -51,19 +51,33 @@ pub struct ServeArgs {
     /// Log format on stderr: `text`, or `json` (one object per line, for log shippers).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
-    /// Most bytes one client may hold reserved and pinned at once, e.g. `1GiB`
-    /// (beyond it its reserves and gets answer OUT_OF_MEMORY; others are not
-    /// affected). Default: no limit.
+    /// Most bytes one client (one connection) may hold reserved and pinned
+    /// at once, e.g. `1GiB` (beyond it its reserves and gets answer
+    /// OUT_OF_MEMORY; others are not affected). Committed blocks nobody pins
+    /// count against no client: they are the cache's, and eviction takes
+    /// them. Default: no limit.
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub max_client_bytes: Option<u64>,
+    /// Most bytes the clients of one uid (`SO_PEERCRED`) may hold reserved and
+    /// pinned together, however many connections they open, e.g. `4GiB`.
+    /// Default: no limit.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub max_uid_bytes: Option<u64>,
     /// Most control connections open at once (connected clients and those not
     /// yet past hello); more are closed at once.
     #[arg(long, default_value_t = 1024)]
     pub max_connections: u32,
-    /// Milliseconds a new connection may take to send its first request
-    /// before it is closed.
+    /// Milliseconds a control connection that is not a client's (no hello
+    /// yet, a `kachedb stats`) may go without sending a request, from its
+    /// accept and then from its last request, before it is closed.
     #[arg(long, default_value_t = 5000)]
     pub hello_timeout_ms: u64,
+    /// Milliseconds one step of a takeover may take as a whole (the serve loop
+    /// stopping, the state sent, the new daemon's answer, the confirmation),
+    /// on either side, before that side gives up (the running daemon then
+    /// serves on). docs/takeover.md.
+    #[arg(long, default_value_t = kachedb_daemon::takeover::STEP_TIMEOUT.as_millis() as u64, value_name = "MS")]
+    pub takeover_timeout_ms: u64,
     /// Milliseconds a client may leave requests unanswerable because it does
     /// not drain its completion ring (stopped, in a debugger, throttled)
     /// before it is disconnected and its pins and reservations dropped.
@@ -264,8 +278,10 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         wait: SpinThenPark { park_after: std::time::Duration::from_micros(a.park_after_us), ..SpinThenPark::default() },
         metrics_addr: a.metrics_addr,
         max_client_bytes: a.max_client_bytes,
+        max_uid_bytes: a.max_uid_bytes,
         max_connections: a.max_connections,
         hello_timeout: std::time::Duration::from_millis(a.hello_timeout_ms),
+        takeover_timeout: std::time::Duration::from_millis(a.takeover_timeout_ms.max(1)),
         stuck_client_timeout: (a.stuck_client_timeout_ms > 0)
             .then(|| std::time::Duration::from_millis(a.stuck_client_timeout_ms)),
         check_invariants: a.check_invariants,

@@ -369,3 +369,47 @@ fn client_stuck_past_the_timeout_is_disconnected_and_loses_its_pins() {
     assert!(matches!(stuck.ping(), Err(ClientError::Disconnected(_))), "{:?}", stuck.ping());
     assert_eq!(&*other.get(Key::from_bytes(b"held")).expect("get").expect("present"), &[7u8; 4096][..]);
 }
+
+/// Issue 25, item 16: `--max-uid-bytes` bounds what the clients of one uid
+/// hold together, so that opening more connections does not multiply
+/// `--max-client-bytes`: with 1 MiB per client and 2 MiB per uid, two
+/// clients of this process hold ten 100 KiB reservations each, a third
+/// connection gets none (the limit named in the error); once the first lets
+/// go, the third reserves.
+#[test]
+fn max_uid_bytes_bounds_the_clients_of_one_uid_together() {
+    use kachedb_client::{ClientError, DType, Shape};
+    const UID_LIMIT: u64 = 2 << 20;
+    let dir = TempDir::new("uidlimit");
+    let mut d = Daemon::spawn_with(&dir.socket(), "32MiB", &["--max-client-bytes", "1MiB", "--max-uid-bytes", "2MiB"]);
+    d.wait_ready();
+    let shape = Shape::new(&[100 * 1024]).expect("shape");
+    let clients: Vec<Client> = (0..3).map(|_| Client::connect(&d.opts()).expect("connect")).collect();
+    let fill = |kc: &Client, tag: &str| {
+        let mut held = Vec::new();
+        let err = loop {
+            match kc.reserve(Key::from_bytes(format!("{tag}{}", held.len()).as_bytes()), DType::U8, &shape, 0) {
+                Ok(r) => held.push(r),
+                Err(e) => break e,
+            }
+            assert!(held.len() <= 32, "no limit applied");
+        };
+        (held, err)
+    };
+    let (a, _) = fill(&clients[0], "a");
+    let (b, _) = fill(&clients[1], "b");
+    assert_eq!((a.len(), b.len()), (10, 10), "each client holds up to --max-client-bytes");
+    let (c, err) = fill(&clients[2], "c");
+    assert_eq!(c.len(), 0, "a third connection of the uid got room past --max-uid-bytes");
+    assert!(matches!(err, ClientError::ClientLimit(UID_LIMIT)), "{err:?}");
+    assert!(err.to_string().contains("--max-uid-bytes"), "{err}");
+    let v = stats_fast(&d.socket);
+    assert!(v["invariants_ok"] == true && num(&v, "reserved") == 20, "{v}");
+    for r in a {
+        r.abort().expect("abort");
+    }
+    let (c, _) = fill(&clients[2], "c");
+    assert_eq!(c.len(), 10, "room for the third once the first let go");
+    drop((b, c));
+    assert!(stats_fast(&d.socket)["invariants_ok"] == true);
+}

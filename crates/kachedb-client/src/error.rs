@@ -12,9 +12,10 @@ pub enum ClientError {
     /// The store is full of pinned blocks and reservations.
     #[error("out of memory: the store cannot make room (everything left is pinned or reserved); release views or start the daemon with a larger --size")]
     OutOfMemory,
-    /// This client holds as many bytes (reserved and pinned) as the daemon's
-    /// per-client limit allows; other clients are not affected.
-    #[error("out of memory: this client already holds up to the daemon's per-client limit of {0} bytes reserved and pinned (kachedb serve --max-client-bytes); release views and commit or abort reservations, or ask for a larger limit")]
+    /// This client, or the clients of its uid together, hold as many bytes
+    /// (reserved and pinned) as the daemon's per-client or per-uid limit
+    /// allows; other clients are not affected.
+    #[error("out of memory: this client (or all clients of its user together) already holds up to the daemon's limit of {0} bytes reserved and pinned (kachedb serve --max-client-bytes, --max-uid-bytes); release views and commit or abort reservations, or ask for a larger limit")]
     ClientLimit(u64),
     /// The block is larger than the whole megaslab.
     #[error("the block ({0} bytes) is larger than the daemon's megaslab: start the daemon with a larger --size")]

@@ -2,6 +2,13 @@
 //! `SO_PEERCRED`, hands over the region fd (`SCM_RIGHTS`) and a channel, answers
 //! `stats`, and notices at once (EOF) when a client goes away.
 //!
+//! A connection is a client's from its `hello` on and stays open for the
+//! client's life; any other connection (one that has not said hello yet, a
+//! `stats` asker) is closed once it has sent no complete request for
+//! [`Access::hello_timeout`], so idle ones cannot use up `max_connections`.
+//! Every connection the daemon closes goes through [`close`], which tells the
+//! serve loop to drop a client's session (pins, reservations, channel).
+//!
 //! Runs on its own thread; tells the serve loop about clients through the
 //! [`events`](crate::events) queue and takes channels from the
 //! [`channels`](crate::channels) pool. Messages are `kachedb_shm::control`'s types.
@@ -35,9 +42,13 @@ pub struct Access {
     pub allow_gids: Vec<u32>,
     /// Most connections open at once; one more is closed at accept.
     pub max_connections: usize,
-    /// How long a new connection may take to send its first complete request
-    /// before it is closed.
+    /// How long a connection that is not a client's may go without sending a
+    /// complete request (from its accept, then from its last request) before
+    /// it is closed.
     pub hello_timeout: Duration,
+    /// How long one step of a takeover may take as a whole
+    /// ([`takeover::STEP_TIMEOUT`] by default).
+    pub takeover_timeout: Duration,
 }
 
 /// How long the control thread stops accepting after `accept` failed for
@@ -85,8 +96,12 @@ pub(crate) struct Conn {
     /// The daemon closes this connection for a protocol error (the client
     /// did not hang up: its process may still write its rings).
     refused: bool,
-    /// When it was accepted, until its first complete request (then `None`).
-    awaiting_first: Option<Instant>,
+    /// For a connection that is not a client's: since when it has sent no
+    /// complete request (its accept, then its last request). `None` for a
+    /// client.
+    idle_since: Option<Instant>,
+    /// It has sent at least one complete request.
+    asked: bool,
     /// A new daemon asked to take over on this connection, reading these
     /// state versions (`crate::takeover`).
     takeover: Option<Vec<u32>>,
@@ -105,7 +120,9 @@ impl Conn {
             uid: st.uid,
             refusal: None,
             refused: st.refused,
-            awaiting_first: st.awaiting_first.then(Instant::now),
+            // The idle time starts again in this daemon.
+            idle_since: st.channel.is_none().then(Instant::now),
+            asked: !st.awaiting_first,
             takeover: None,
         }
     }
@@ -116,7 +133,7 @@ impl Conn {
             pid: self.pid,
             uid: self.uid,
             refused: self.refused,
-            awaiting_first: self.awaiting_first.is_some(),
+            awaiting_first: !self.asked,
             unread: crate::takeover::unread_of(&self.lines),
         }
     }
@@ -152,21 +169,30 @@ pub(crate) fn run(ctl: Control) -> Option<i32> {
     let mut conns: HashMap<i32, Conn> = taken.into_iter().map(|c| (c.stream.as_raw_fd(), c)).collect();
     let mut accepting = AcceptState::default();
     while !shutdown.load(Ordering::Relaxed) {
-        // Connections that did not send a first request in time.
+        // Connections, not clients', that sent no request in time.
         let now = Instant::now();
         let late: Vec<i32> = conns
             .iter()
-            .filter(|(_, c)| c.awaiting_first.is_some_and(|t| now.duration_since(t) > access.hello_timeout))
+            .filter(|(_, c)| c.idle_since.is_some_and(|t| now.duration_since(t) > access.hello_timeout))
             .map(|(fd, _)| *fd)
             .collect();
         for fd in late {
-            if let Some(c) = conns.remove(&fd) {
-                metrics.client_refused(Refused::Protocol);
-                accepting.log(format_args!(
-                    "closing a connection (pid {}, uid {}) that sent no request within {:?}",
-                    c.pid, c.uid, access.hello_timeout
-                ));
-                let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            if let Some(mut c) = conns.remove(&fd) {
+                if c.asked {
+                    tracing::debug!(
+                        pid = c.pid,
+                        uid = c.uid,
+                        "closing a control connection idle for {:?}",
+                        access.hello_timeout
+                    );
+                } else {
+                    c.refusal = Some(Refused::Protocol);
+                    accepting.log(format_args!(
+                        "closing a connection (pid {}, uid {}) that sent no request within {:?}",
+                        c.pid, c.uid, access.hello_timeout
+                    ));
+                }
+                close(c, &metrics, &events);
             }
         }
         if accepting.paused_until.is_some_and(|t| now >= t) {
@@ -195,32 +221,18 @@ pub(crate) fn run(ctl: Control) -> Option<i32> {
             accept_all(&listener, &access, &mut conns, &metrics, &mut accepting);
         }
         for fd in ready {
-            let close = match conns.get_mut(&fd) {
+            let close_it = match conns.get_mut(&fd) {
                 Some(c) => service(c, &region, &channels, &events),
                 None => false,
             };
-            if close {
+            if close_it {
                 if let Some(c) = conns.remove(&fd) {
-                    let _ = c.stream.shutdown(std::net::Shutdown::Both);
-                    if let Some(why) = c.refusal {
-                        metrics.client_refused(why);
-                    }
-                    if let Some(ch) = c.channel {
-                        tracing::info!(
-                            event = "client_disconnected",
-                            channel = ch,
-                            pid = c.pid,
-                            uid = c.uid,
-                            closed_by_daemon = c.refused,
-                            "client disconnected"
-                        );
-                        events.send(Event::Detach { channel: ch, closed_by_daemon: c.refused });
-                    }
+                    close(c, &metrics, &events);
                 }
             }
         }
         if let Some(fd) = conns.iter().find(|(_, c)| c.takeover.is_some()).map(|(fd, _)| *fd) {
-            if let Some(t) = conns.remove(&fd) {
+            if let Some(mut t) = conns.remove(&fd) {
                 let successor = t.pid;
                 let fds = HandoverFds {
                     region: region.fd(),
@@ -228,11 +240,12 @@ pub(crate) fn run(ctl: Control) -> Option<i32> {
                     lock: lock.as_fd(),
                     metrics: metrics_listener.as_ref().map(|f| f.as_fd()),
                 };
-                if hand_over(t, &conns, &fds, &access, &channels, &events) {
+                if hand_over(&mut t, &conns, &fds, &access, &channels, &events) {
                     // Every connection now belongs to the new daemon: closed
                     // here (our copies) without a shutdown.
                     return Some(successor);
                 }
+                close(t, &metrics, &events);
             }
         }
     }
@@ -306,7 +319,8 @@ fn accept_all(
                         uid,
                         refusal: None,
                         refused: false,
-                        awaiting_first: Some(Instant::now()),
+                        idle_since: Some(Instant::now()),
+                        asked: false,
                         takeover: None,
                     },
                 );
@@ -326,7 +340,29 @@ fn accept_all(
     }
 }
 
-/// Reads what is there; handles complete lines. Returns true to close.
+/// Closes `c` for good: shuts its socket down, counts its refusal if it was
+/// refused, and for a client tells the serve loop to drop its session (pins,
+/// reservations) and take its channel back.
+fn close(c: Conn, metrics: &Metrics, events: &EventSender) {
+    let _ = c.stream.shutdown(std::net::Shutdown::Both);
+    if let Some(why) = c.refusal {
+        metrics.client_refused(why);
+    }
+    if let Some(ch) = c.channel {
+        tracing::info!(
+            event = "client_disconnected",
+            channel = ch,
+            pid = c.pid,
+            uid = c.uid,
+            closed_by_daemon = c.refused,
+            "client disconnected"
+        );
+        events.send(Event::Detach { channel: ch, closed_by_daemon: c.refused });
+    }
+}
+
+/// Reads what is there; handles complete lines up to a takeover request (the
+/// last thing read on its connection). Returns true to close.
 fn service(c: &mut Conn, region: &Arc<Region>, channels: &Channels, events: &EventSender) -> bool {
     let mut tmp = [0u8; 4096];
     loop {
@@ -343,11 +379,15 @@ fn service(c: &mut Conn, region: &Arc<Region>, channels: &Channels, events: &Eve
             Err(_) => return true,
         }
     }
-    while let Some(line) = c.lines.next_line() {
-        c.awaiting_first = None;
+    while c.takeover.is_none() {
+        let Some(line) = c.lines.next_line() else { break };
+        c.asked = true;
         if handle_line(c, &line, region, channels, events) {
             return true;
         }
+        // A client's connection stays open for its life; any other is idle
+        // from its last request on.
+        c.idle_since = c.channel.is_none().then(Instant::now);
     }
     false
 }
@@ -427,6 +467,14 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
             false
         }
         ControlRequest::Takeover { state_versions } => {
+            if c.channel.is_some() {
+                reply_err(
+                    c,
+                    Refused::Protocol,
+                    "a takeover is asked for on a connection of its own, not on a client's (this one said hello)",
+                );
+                return true;
+            }
             // Handled by the control loop once this read is done.
             c.takeover = Some(state_versions);
             false
@@ -446,9 +494,9 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
 
 /// Hands everything over to the new daemon on `t` (see `crate::takeover`);
 /// whether it took over (then this daemon stops). Otherwise the serve loop
-/// resumes and `t` is closed.
+/// resumes and the caller closes `t`.
 fn hand_over(
-    t: Conn,
+    t: &mut Conn,
     conns: &HashMap<i32, Conn>,
     fds: &HandoverFds<'_>,
     access: &Access,
@@ -461,6 +509,9 @@ fn hand_over(
         let _ = write_reply(&t.stream, &Reply::<()>::Refused(Refusal::new(why)));
     };
     if t.uid != access.uid || t.channel.is_some() {
+        // Counted, and a client's session dropped, when the caller closes `t`.
+        t.refused = true;
+        t.refusal = Some(if t.uid != access.uid { Refused::Permission } else { Refused::Protocol });
         refuse(format!(
             "only a new daemon of the daemon's own user (uid {}) may take over, on a connection of its own",
             access.uid
@@ -478,7 +529,7 @@ fn hand_over(
     let (state_tx, state_rx) = mpsc::channel();
     let (outcome_tx, outcome_rx) = mpsc::channel();
     events.send(Event::Takeover { state: state_tx, outcome: outcome_rx });
-    let serve = match state_rx.recv_timeout(takeover::STEP_TIMEOUT) {
+    let serve = match state_rx.recv_timeout(access.takeover_timeout) {
         Ok(Ok(bytes)) => bytes,
         Ok(Err(e)) => {
             let _ = outcome_tx.send(false);
@@ -496,10 +547,10 @@ fn hand_over(
     let state = ControlState { free_channels, quarantine, conns: list.iter().map(|c| c.state()).collect() };
     let conn_fds: Vec<_> = list.iter().map(|c| c.stream.as_fd()).collect();
     let started = Instant::now();
-    match takeover::give(&t.stream, fds, &serve, &state, &conn_fds) {
+    match takeover::give(&t.stream, fds, &serve, &state, &conn_fds, access.takeover_timeout) {
         Ok(()) => {
             let _ = outcome_tx.send(true);
-            takeover::confirm_done(&t.stream);
+            takeover::confirm_done(&t.stream, access.takeover_timeout);
             tracing::info!(
                 event = "takeover_done",
                 pid = t.pid,

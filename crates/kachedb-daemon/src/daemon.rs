@@ -41,12 +41,20 @@ pub struct ServeConfig {
     pub wait: SpinThenPark,
     /// Where to serve `GET /metrics` and `GET /healthz` over HTTP, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
-    /// Most bytes one client may hold reserved and pinned (`None`: no limit).
+    /// Most bytes one client (one connection) may hold reserved and pinned
+    /// (`None`: no limit).
     pub max_client_bytes: Option<u64>,
+    /// Most bytes the clients of one uid may hold reserved and pinned
+    /// together, however many connections they open (`None`: no limit).
+    pub max_uid_bytes: Option<u64>,
     /// Most control connections open at once.
     pub max_connections: u32,
-    /// How long a new connection may take to send its first request.
+    /// How long a connection that is not a client's (no hello yet, a stats
+    /// asker) may go without sending a request before it is closed.
     pub hello_timeout: std::time::Duration,
+    /// How long one step of a takeover may take as a whole, on either side
+    /// (`crate::takeover::STEP_TIMEOUT` by default).
+    pub takeover_timeout: std::time::Duration,
     /// How long a client may leave its completion ring full with requests
     /// waiting before it is disconnected (`None`: never).
     pub stuck_client_timeout: Option<std::time::Duration>,
@@ -245,6 +253,7 @@ impl Daemon {
         .map_err(io_err("setting permissions of", &sock))?;
         let mut store = Store::new(layout.slab_offset, layout.slab_len);
         store.set_max_session_bytes(cfg.max_client_bytes);
+        store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
         Parts {
             channels: Arc::new(Channels::new(cfg.channels)),
@@ -269,7 +278,7 @@ impl Daemon {
     /// old daemon had no metrics listener) apply.
     pub fn take_over(cfg: ServeConfig, shutdown: Arc<AtomicBool>) -> Result<(Daemon, TakeoverSummary), ServeError> {
         let t0 = Instant::now();
-        let mut taken = crate::takeover::take(&cfg.socket_path)?;
+        let mut taken = crate::takeover::take(&cfg.socket_path, cfg.takeover_timeout)?;
         let received = t0.elapsed();
         let sock = cfg.socket_path.clone();
         let region =
@@ -284,6 +293,7 @@ impl Daemon {
             .restore_checked(layout.slab_offset, layout.slab_len)
             .map_err(|e| taken.refuse(&format!("the store: {e}")))?;
         store.set_max_session_bytes(cfg.max_client_bytes);
+        store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
         let listener = UnixListener::from(taken.listener.try_clone().map_err(io_err("duplicating the socket", &sock))?);
         let metrics_listener = match (&taken.metrics, cfg.metrics_addr) {
@@ -457,8 +467,14 @@ impl Parts {
             allow_gids: cfg.allow_gids.clone(),
             max_connections: cfg.max_connections.max(1) as usize,
             hello_timeout: cfg.hello_timeout,
+            takeover_timeout: cfg.takeover_timeout,
         };
         let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
+        if restored.is_some() {
+            // The old daemon has stopped for good and this one serves next:
+            // the node is healthy from the first scrape on.
+            metrics.set_health(crate::metrics::Health::HandingOver);
+        }
         let remote = match &cfg.remote {
             Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
             None => None,

@@ -14,6 +14,9 @@
 //!   second: nothing).
 //! * The control thread counts refused clients ([`Metrics::client_refused`],
 //!   `fetch_add`: a slow path).
+//! * The daemon's [`Health`] (what `/healthz` answers) is set by the serve
+//!   loop as it starts, hands over and stops, and by a daemon that took over
+//!   before its metrics endpoint starts.
 //! * A scrape loads every value relaxed and encodes the text with
 //!   `prometheus-client`'s [`Collector`]. Each value is exact as of a recent
 //!   moment; a scrape is not a snapshot across values (one counter may be a
@@ -49,7 +52,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -301,6 +304,42 @@ struct ServeSide {
     remote_fill_us: Histogram,
 }
 
+/// Where the daemon is in its life, as `/healthz` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Health {
+    /// Not serving yet (the serve loop has not started).
+    Starting = 0,
+    /// The serve loop runs.
+    Serving = 1,
+    /// A takeover is under way: the old daemon has stopped answering for the
+    /// handover (it resumes if the takeover fails), or the new one is about
+    /// to start its serve loop. Healthy: clients wait, nothing is lost.
+    HandingOver = 2,
+    /// A new daemon took over and serves the node; this process exits.
+    HandedOver = 3,
+    /// The serve loop stopped (shutdown).
+    Stopped = 4,
+}
+
+impl Health {
+    fn from_code(code: u8) -> Health {
+        match code {
+            1 => Health::Serving,
+            2 => Health::HandingOver,
+            3 => Health::HandedOver,
+            4 => Health::Stopped,
+            _ => Health::Starting,
+        }
+    }
+
+    /// Whether the node serves its cache (now, or again within a takeover):
+    /// `/healthz` answers 200.
+    pub fn healthy(self) -> bool {
+        matches!(self, Health::Serving | Health::HandingOver | Health::HandedOver)
+    }
+}
+
 /// Every metric of the daemon; shared (`Arc`) by the serve loop's
 /// [`MetricsWriter`], the control thread and the HTTP threads.
 #[derive(Debug)]
@@ -310,8 +349,8 @@ pub struct Metrics {
     pub remote: RemoteCells,
     /// Clients refused, by [`Refusal`]; written by the control thread.
     refused: [AtomicU64; 3],
-    /// The serve loop is running (for `/healthz`).
-    serving: AtomicBool,
+    /// A [`Health`] code (for `/healthz`).
+    health: AtomicU8,
     channels: u32,
     ring_capacity: u32,
     start_time_s: f64,
@@ -336,7 +375,7 @@ impl Metrics {
             },
             remote: RemoteCells::default(),
             refused: Default::default(),
-            serving: AtomicBool::new(false),
+            health: AtomicU8::new(Health::Starting as u8),
             channels,
             ring_capacity,
             start_time_s,
@@ -356,9 +395,16 @@ impl Metrics {
         self.refused[why as usize].fetch_add(1, Relaxed);
     }
 
-    /// Whether the serve loop is running.
-    pub fn serving(&self) -> bool {
-        self.serving.load(Relaxed)
+    /// Where the daemon is in its life (`/healthz`).
+    pub fn health(&self) -> Health {
+        // Relaxed: one value on its own; nothing else is read in its light.
+        Health::from_code(self.health.load(Relaxed))
+    }
+
+    /// Sets what `/healthz` reports.
+    pub fn set_health(&self, h: Health) {
+        // Relaxed: see `health`.
+        self.health.store(h as u8, Relaxed);
     }
 
     /// Frames with op `op` answered `status` so far.
@@ -411,9 +457,9 @@ impl MetricsWriter {
         &self.m
     }
 
-    /// Sets whether the serve loop runs (`/healthz`).
-    pub fn set_serving(&self, on: bool) {
-        self.m.serving.store(on, Relaxed);
+    /// Sets what `/healthz` reports.
+    pub fn set_health(&self, h: Health) {
+        self.m.set_health(h);
     }
 
     /// One frame of op code `op_code` was answered `status`.

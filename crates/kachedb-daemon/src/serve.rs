@@ -12,7 +12,7 @@
 
 use crate::channels::Channels;
 use crate::events::Event;
-use crate::metrics::{Metrics, MetricsWriter, RemoteCells};
+use crate::metrics::{Health, Metrics, MetricsWriter, RemoteCells};
 use crate::remote::{FetchJob, FillSpec, RemoteEvent, RemoteTier, Reserved, WriteJob};
 use crate::store::{SessionId, Store};
 use crate::takeover::{ChannelState, ParkedWait, ServeState};
@@ -286,6 +286,7 @@ impl Serve {
                 self.store.close_session(c.session);
                 continue;
             };
+            self.store.set_session_uid(c.session, c.uid);
             *slot = Some(Session {
                 session: c.session,
                 sub,
@@ -317,6 +318,7 @@ impl Serve {
     /// state on `state` and waits for `outcome`. Resumes (restarting the
     /// tier) unless told to stop for good.
     fn hand_over(&mut self, state: Sender<Result<Vec<u8>, String>>, outcome: Receiver<bool>) {
+        self.metrics.set_health(Health::HandingOver);
         let stopped = self.remote.take().map(|r| {
             let tier = r.tier.stop();
             self.store.close_session(r.session);
@@ -332,9 +334,11 @@ impl Serve {
         let _ = state.send(bytes);
         if ok && outcome.recv().unwrap_or(false) {
             self.handed_over = true;
+            self.metrics.set_health(Health::HandedOver);
             return;
         }
         tracing::info!("takeover did not happen; serving on");
+        self.metrics.set_health(Health::Serving);
         if let Some((tier, next_fetch)) = stopped {
             match tier.start() {
                 Ok(tier) => {
@@ -457,7 +461,7 @@ impl Serve {
         let doorbell = region.doorbell();
         let mut passes: u64 = 0;
         self.metrics.publish_store(&self.store.gauges());
-        self.metrics.set_serving(true);
+        self.metrics.set_health(Health::Serving);
         while !self.shutdown.load(Ordering::Relaxed) && !self.handed_over {
             if self.pass() {
                 passes = passes.wrapping_add(1);
@@ -513,10 +517,10 @@ impl Serve {
                 Err(()) => break,
             }
         }
-        self.metrics.set_serving(false);
         if self.handed_over {
             return true;
         }
+        self.metrics.set_health(Health::Stopped);
         tracing::info!("shutting down: closing {} client channel(s)", self.sessions.iter().flatten().count());
         for (ch, s) in self.sessions.iter_mut().enumerate() {
             if let Some(s) = s.take() {
@@ -744,6 +748,7 @@ impl Serve {
                 let Some(slot) = self.sessions.get_mut(channel as usize) else { return };
                 let Some((sub, comp)) = self.region.daemon_channel(channel) else { return };
                 let session = self.store.open_session();
+                self.store.set_session_uid(session, uid);
                 *slot = Some(Session {
                     session,
                     sub,

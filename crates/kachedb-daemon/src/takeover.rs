@@ -24,8 +24,10 @@
 //! process is gone, if it died after `Ready`.
 //!
 //! Failures: a state version the new daemon does not read, a state it cannot
-//! rebuild, the new daemon dying or going silent (each step waits at most
-//! [`STEP_TIMEOUT`]) all leave the old daemon serving, its state untouched
+//! rebuild, the new daemon dying, going silent or trickling bytes (each step
+//! as a whole, however many socket calls it takes, waits at most the step
+//! timeout, [`STEP_TIMEOUT`] by default: see [`Deadline`]) all leave the old
+//! daemon serving, its state untouched
 //! (only the remote tier restarts). The old daemon dying mid-handover gives
 //! the new one a clean error. Never do two daemons serve one region: the old
 //! one stops before `Ready` is asked for and resumes only if `Ready` never
@@ -45,7 +47,7 @@ use std::io::{IoSlice, IoSliceMut, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The state format this build writes and reads: the serde data model of
 /// [`ServeState`] and [`ControlState`] (the store's tables included), encoded
@@ -64,9 +66,50 @@ pub(crate) fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, Strin
     postcard::from_bytes(bytes).map_err(|e| e.to_string())
 }
 
-/// The longest one step of the handover may take (sending, receiving,
-/// rebuilding, confirming) before the side waiting gives up.
+/// The longest one step of the handover may take as a whole (the serve loop
+/// stopping, sending everything, receiving everything, rebuilding and
+/// answering `Ready`, confirming) before the side waiting gives up, unless
+/// `kachedb serve --takeover-timeout-ms` says otherwise.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A time limit over one whole step of the handover, however many socket
+/// calls the step takes: before each call the socket's timeouts are set to
+/// the time left, so a peer that trickles bytes (each call making progress)
+/// gets no more time than a silent one.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadline {
+    at: Instant,
+    /// The step's length, for messages.
+    step: Duration,
+}
+
+impl Deadline {
+    /// A step of `step` starting now.
+    pub(crate) fn after(step: Duration) -> Deadline {
+        Deadline { at: Instant::now() + step, step }
+    }
+
+    fn expired(&self) -> String {
+        format!("the other daemon did not finish this step of the takeover within {:?}", self.step)
+    }
+
+    /// Sets `stream`'s read and write timeouts to the time left; an error once none is left.
+    fn arm(&self, stream: &UnixStream) -> Result<(), String> {
+        let left = self.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(self.expired());
+        }
+        stream.set_read_timeout(Some(left)).and_then(|()| stream.set_write_timeout(Some(left))).map_err(io)
+    }
+
+    /// Turns a socket call's error into text: a timeout says the step ran out.
+    fn error(&self, what: &str, e: std::io::Error) -> String {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!("{what}: {}", self.expired()),
+            _ => format!("{what}: {e}"),
+        }
+    }
+}
 
 /// Why a takeover did not happen.
 #[derive(Debug, thiserror::Error)]
@@ -168,44 +211,71 @@ fn io(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
-/// Writes `bytes` with `fds` attached to its first byte.
-fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+/// Writes `bytes` with `fds` attached to its first byte, by `by`.
+fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>], by: Deadline) -> Result<(), String> {
     let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(TAKEOVER_FDS_PER_BATCH + 4))];
     let mut cmsg = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
-        return Err(std::io::Error::other("too many fds for one message"));
+        return Err("too many fds for one message".into());
     }
-    let n = rustix::net::sendmsg(stream.as_fd(), &[IoSlice::new(bytes)], &mut cmsg, SendFlags::NOSIGNAL)
-        .map_err(std::io::Error::from)?;
+    let n = loop {
+        by.arm(stream)?;
+        match rustix::net::sendmsg(stream.as_fd(), &[IoSlice::new(bytes)], &mut cmsg, SendFlags::NOSIGNAL) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(by.error("sending", e.into())),
+        }
+    };
     // The fds went with the first byte; the rest is plain data.
+    write_all_by(stream, &bytes[n..], by)
+}
+
+/// Writes all of `bytes` by `by`, however many writes it takes.
+fn write_all_by(stream: &UnixStream, mut bytes: &[u8], by: Deadline) -> Result<(), String> {
     let mut s = stream;
-    s.write_all(&bytes[n..])
+    while !bytes.is_empty() {
+        by.arm(stream)?;
+        match s.write(bytes) {
+            Ok(0) => return Err("the other daemon closed the connection".into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(by.error("sending", e)),
+        }
+    }
+    Ok(())
 }
 
 /// Reads a stream whose bytes may carry fds: every read is a `recvmsg`, and
-/// the fds received are queued in order.
+/// the fds received are queued in order. Every read ends by one deadline.
 struct FdReader<'a> {
     stream: &'a UnixStream,
     buf: Vec<u8>,
     fds: VecDeque<OwnedFd>,
+    by: Deadline,
 }
 
 impl<'a> FdReader<'a> {
-    fn new(stream: &'a UnixStream) -> Self {
-        FdReader { stream, buf: Vec::new(), fds: VecDeque::new() }
+    fn new(stream: &'a UnixStream, by: Deadline) -> Self {
+        FdReader { stream, buf: Vec::new(), fds: VecDeque::new(), by }
     }
 
     fn fill(&mut self) -> Result<(), String> {
         let mut tmp = vec![0u8; 1 << 16];
         let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(253))];
         let mut cmsg = RecvAncillaryBuffer::new(&mut space);
-        let r = rustix::net::recvmsg(
-            self.stream.as_fd(),
-            &mut [IoSliceMut::new(&mut tmp)],
-            &mut cmsg,
-            RecvFlags::CMSG_CLOEXEC,
-        )
-        .map_err(|e| format!("reading from the other daemon: {e}"))?;
+        let r = loop {
+            self.by.arm(self.stream)?;
+            match rustix::net::recvmsg(
+                self.stream.as_fd(),
+                &mut [IoSliceMut::new(&mut tmp)],
+                &mut cmsg,
+                RecvFlags::CMSG_CLOEXEC,
+            ) {
+                Ok(r) => break r,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(self.by.error("reading from the other daemon", e.into())),
+            }
+        };
         for m in cmsg.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = m {
                 self.fds.extend(fds);
@@ -242,31 +312,27 @@ impl<'a> FdReader<'a> {
     }
 }
 
-fn write_line<T: Serialize>(stream: &UnixStream, msg: &T) -> Result<(), String> {
+fn write_line<T: Serialize>(stream: &UnixStream, msg: &T, by: Deadline) -> Result<(), String> {
     let line = control::to_line(msg).map_err(io)?;
-    let mut s = stream;
-    s.write_all(&line).map_err(io)
-}
-
-fn set_timeouts(stream: &UnixStream) -> Result<(), String> {
-    stream.set_nonblocking(false).map_err(io)?;
-    stream.set_read_timeout(Some(STEP_TIMEOUT)).map_err(io)?;
-    stream.set_write_timeout(Some(STEP_TIMEOUT)).map_err(io)
+    write_all_by(stream, &line, by)
 }
 
 /// The old daemon's side, on its control thread, once its serve loop has
 /// stopped and serialized `serve`: sends everything to the new daemon on
-/// `stream` and waits for its verdict. `Ok(())`: the new daemon took over
-/// (the caller tells its serve loop to stop for good, then calls
-/// [`confirm_done`]); `Err`: why not (the caller resumes serving).
+/// `stream` (one step of `step`) and waits for its verdict (another).
+/// `Ok(())`: the new daemon took over (the caller tells its serve loop to
+/// stop for good, then calls [`confirm_done`]); `Err`: why not (the caller
+/// resumes serving).
 pub(crate) fn give(
     stream: &UnixStream,
     fds: &HandoverFds<'_>,
     serve: &[u8],
     control: &ControlState,
     conns: &[BorrowedFd<'_>],
+    step: Duration,
 ) -> Result<(), String> {
-    set_timeouts(stream)?;
+    stream.set_nonblocking(false).map_err(io)?;
+    let sending = Deadline::after(step);
     let control_bytes = encode(control)?;
     let batches: Vec<&[BorrowedFd<'_>]> = conns.chunks(TAKEOVER_FDS_PER_BATCH).collect();
     let offer = TakeoverOffer {
@@ -281,14 +347,15 @@ pub(crate) fn give(
     let line = control::to_line(&Reply::Accepted(offer)).map_err(io)?;
     let mut first = vec![fds.region, fds.listener, fds.lock];
     first.extend(fds.metrics);
-    send_with_fds(stream, &line, &first).map_err(|e| format!("sending the offer: {e}"))?;
+    send_with_fds(stream, &line, &first, sending).map_err(|e| format!("the offer: {e}"))?;
     for b in batches {
-        send_with_fds(stream, b"F", b).map_err(|e| format!("sending connections: {e}"))?;
+        send_with_fds(stream, b"F", b, sending).map_err(|e| format!("the connections: {e}"))?;
     }
-    let mut s = stream;
-    s.write_all(serve).and_then(|()| s.write_all(&control_bytes)).map_err(|e| format!("sending the state: {e}"))?;
-    let mut r = FdReader::new(stream);
-    let line = r.line()?;
+    write_all_by(stream, serve, sending)
+        .and_then(|()| write_all_by(stream, &control_bytes, sending))
+        .map_err(|e| format!("the state: {e}"))?;
+    let mut r = FdReader::new(stream, Deadline::after(step));
+    let line = r.line().map_err(|e| format!("waiting for the verdict: {e}"))?;
     match control::from_line::<TakeoverVerdict>(&line).map_err(io)? {
         TakeoverVerdict::Ready => Ok(()),
         TakeoverVerdict::Refuse { error } => Err(format!("the new daemon refused: {error}")),
@@ -296,8 +363,9 @@ pub(crate) fn give(
 }
 
 /// The old daemon's last word, once its serve loop has stopped for good.
-pub(crate) fn confirm_done(stream: &UnixStream) {
-    let _ = write_line(stream, &Reply::Accepted(TakeoverDone { daemon_pid: std::process::id() }));
+pub(crate) fn confirm_done(stream: &UnixStream, step: Duration) {
+    let _ =
+        write_line(stream, &Reply::Accepted(TakeoverDone { daemon_pid: std::process::id() }), Deadline::after(step));
 }
 
 /// What the new daemon received.
@@ -316,11 +384,14 @@ pub(crate) struct Taken {
     pub control: ControlState,
     /// In the order of `control.conns`.
     pub conns: Vec<OwnedFd>,
+    /// How long each remaining step may take.
+    step: Duration,
 }
 
-/// The new daemon's side: asks the daemon serving `socket` for everything.
+/// The new daemon's side: asks the daemon serving `socket` for everything
+/// (two steps of `step`: the old daemon's serve loop stops, then it sends).
 /// On a state it cannot read it tells the old daemon, which goes on serving.
-pub(crate) fn take(socket: &std::path::Path) -> Result<Taken, TakeoverError> {
+pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, TakeoverError> {
     let stream = UnixStream::connect(socket)
         .map_err(|source| TakeoverError::NoDaemon { socket: socket.display().to_string(), source })?;
     let me = rustix::process::geteuid().as_raw();
@@ -335,15 +406,15 @@ pub(crate) fn take(socket: &std::path::Path) -> Result<Taken, TakeoverError> {
             peer.uid
         )));
     }
-    set_timeouts(&stream).map_err(TakeoverError::Failed)?;
-    write_line(&stream, &ControlRequest::Takeover { state_versions: vec![STATE_VERSION] })
+    let receiving = Deadline::after(step * 2);
+    write_line(&stream, &ControlRequest::Takeover { state_versions: vec![STATE_VERSION] }, receiving)
         .map_err(TakeoverError::Failed)?;
     let old_pid = peer.pid.unwrap_or(0);
     let failed = |why: String| match &old_process {
         Some(fd) if exited_within(fd, 1) => TakeoverError::OldDied { pid: old_pid, why },
         _ => TakeoverError::Failed(why),
     };
-    let mut r = FdReader::new(&stream);
+    let mut r = FdReader::new(&stream, receiving);
     let line = r.line().map_err(failed)?;
     let offer = match control::from_line::<Reply<TakeoverOffer>>(&line) {
         Ok(Reply::Accepted(o)) => o,
@@ -351,7 +422,7 @@ pub(crate) fn take(socket: &std::path::Path) -> Result<Taken, TakeoverError> {
         Err(e) => return Err(TakeoverError::Failed(format!("the answer was not understood: {e}"))),
     };
     let refuse = |stream: &UnixStream, why: String| {
-        let _ = write_line(stream, &TakeoverVerdict::Refuse { error: why.clone() });
+        let _ = write_line(stream, &TakeoverVerdict::Refuse { error: why.clone() }, Deadline::after(step));
         TakeoverError::Failed(why)
     };
     if offer.state_version != STATE_VERSION {
@@ -403,21 +474,24 @@ pub(crate) fn take(socket: &std::path::Path) -> Result<Taken, TakeoverError> {
         serve,
         control,
         conns: fds.into_iter().collect(),
+        step,
     })
 }
 
 impl Taken {
     /// Tells the old daemon this one cannot serve its state (it goes on serving).
     pub(crate) fn refuse(&self, why: &str) -> TakeoverError {
-        let _ = write_line(&self.stream, &TakeoverVerdict::Refuse { error: why.to_string() });
+        let _ =
+            write_line(&self.stream, &TakeoverVerdict::Refuse { error: why.to_string() }, Deadline::after(self.step));
         TakeoverError::Failed(why.to_string())
     }
 
     /// Says `Ready` and waits for the old daemon to stop; `Ok` once it has
     /// (or once its process is gone), then this daemon serves.
     pub(crate) fn confirm(&self) -> Result<(), TakeoverError> {
-        write_line(&self.stream, &TakeoverVerdict::Ready).map_err(TakeoverError::Failed)?;
-        let mut r = FdReader::new(&self.stream);
+        let by = Deadline::after(self.step);
+        write_line(&self.stream, &TakeoverVerdict::Ready, by).map_err(TakeoverError::Failed)?;
+        let mut r = FdReader::new(&self.stream, by);
         let answer = r.line();
         if let Ok(line) = &answer {
             if let Ok(Reply::Accepted(TakeoverDone { .. })) = control::from_line::<Reply<TakeoverDone>>(line) {

@@ -334,7 +334,8 @@ pub struct StoreStats {
     pub not_found: u64,
     /// Completions with status `OUT_OF_MEMORY`.
     pub out_of_memory: u64,
-    /// Of those, the ones refused by the per-client limit (`--max-client-bytes`).
+    /// Of those, the ones refused by the per-client or per-uid limit
+    /// (`--max-client-bytes`, `--max-uid-bytes`).
     pub client_limit_hits: u64,
     /// Completions with status `INVALID`.
     pub invalid: u64,

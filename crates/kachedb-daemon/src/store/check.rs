@@ -223,6 +223,16 @@ impl Store {
                 return Err(format!("session {id:?} holds {held} bytes but counts {}", session.held_bytes));
             }
         }
+        // What the per-uid limit counts: the sum over the uid's sessions.
+        let mut by_uid: BTreeMap<u32, u64> = BTreeMap::new();
+        for session in self.sessions.values() {
+            if let Some(uid) = session.uid.filter(|_| session.held_bytes > 0) {
+                *by_uid.entry(uid).or_insert(0) += session.held_bytes;
+            }
+        }
+        if by_uid != self.uid_held {
+            return Err(format!("uids hold {by_uid:?} in their sessions but count {:?}", self.uid_held));
+        }
 
         // The O(1) gauges and stats agree with what the tables hold.
         let g = self.gauges();

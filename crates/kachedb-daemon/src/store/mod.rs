@@ -200,6 +200,14 @@ pub struct Store {
     counters: Counters,
     /// Most extent bytes one session may hold (`None`: no limit).
     max_session_bytes: Option<u64>,
+    /// Most extent bytes the sessions of one uid may hold together (`None`:
+    /// no limit). Set from the command line, also after a takeover.
+    #[serde(skip)]
+    max_uid_bytes: Option<u64>,
+    /// Extent bytes held by the sessions of each uid (entries above 0 only);
+    /// the sum of their `held_bytes`. Rebuilt by `set_session_uid`.
+    #[serde(skip)]
+    uid_held: BTreeMap<u32, u64>,
     /// Set when the request being handled was refused by that limit: its
     /// OUT_OF_MEMORY answer then carries the limit in `offset`.
     limit_hit: Option<u64>,
@@ -227,6 +235,8 @@ impl Store {
             next_session: 1,
             counters: Counters::default(),
             max_session_bytes: None,
+            max_uid_bytes: None,
+            uid_held: BTreeMap::new(),
             limit_hit: None,
         }
     }

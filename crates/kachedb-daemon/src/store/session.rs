@@ -19,6 +19,11 @@ pub(super) struct Session {
     /// extents of the blocks it pins (each block once, however many pins),
     /// what `--max-client-bytes` limits.
     pub(super) held_bytes: u64,
+    /// The uid of the client (`SO_PEERCRED`), whose sessions together
+    /// `--max-uid-bytes` limits; `None` for the daemon's own sessions. Not in
+    /// the handed-over state: the serve loop sets it again from its channels.
+    #[serde(skip)]
+    pub(super) uid: Option<u32>,
 }
 
 impl Store {
@@ -35,6 +40,17 @@ impl Store {
         self.sessions.contains_key(&s)
     }
 
+    /// Says that session `s` is a client of `uid`: its held bytes count
+    /// toward that uid's total (`--max-uid-bytes`).
+    pub fn set_session_uid(&mut self, s: SessionId, uid: u32) {
+        let Some(session) = self.sessions.get_mut(&s) else { return };
+        let held = session.held_bytes;
+        if let Some(old) = session.uid.replace(uid) {
+            self.uid_take(old, held, false);
+        }
+        self.uid_take(uid, held, true);
+    }
+
     /// Closes `s`: drops all its pins and aborts all its reservations at once
     /// (the client is gone). Blocks left unpinned become evictable again, or are
     /// freed if they were deleted or replaced meanwhile. Closing an unknown or
@@ -43,6 +59,9 @@ impl Store {
         let Some(session) = self.sessions.remove(&s) else {
             return;
         };
+        if let Some(uid) = session.uid {
+            self.uid_take(uid, session.held_bytes, false);
+        }
         let mut pins = 0;
         for (&block_index, &pin_index) in &session.pins {
             let r = self.take_pin_slot(pin_index).and_then(|count| {
@@ -75,11 +94,14 @@ impl Store {
     }
 
     /// Whether session `s` may take `more` extent bytes under the per-client
-    /// limit; if not, remembers the limit for the OUT_OF_MEMORY answer.
+    /// limit and its uid's; if not, remembers the limit for the OUT_OF_MEMORY
+    /// answer.
     pub(super) fn within_limit(&mut self, s: SessionId, more: u64) -> Result<(), Status> {
-        let Some(max) = self.max_session_bytes else { return Ok(()) };
-        let held = self.sessions.get(&s).map_or(0, |x| x.held_bytes);
-        if held.saturating_add(more) > max {
+        let (held, uid) = self.sessions.get(&s).map_or((0, None), |x| (x.held_bytes, x.uid));
+        let over = |max: Option<u64>, held: u64| max.filter(|&max| held.saturating_add(more) > max);
+        let uid_held = uid.and_then(|u| self.uid_held.get(&u).copied()).unwrap_or(0);
+        let hit = over(self.max_session_bytes, held).or_else(|| uid.and_then(|_| over(self.max_uid_bytes, uid_held)));
+        if let Some(max) = hit {
             self.limit_hit = Some(max);
             self.counters.client_limit_hit();
             return Err(Status::OutOfMemory);
@@ -87,10 +109,22 @@ impl Store {
         Ok(())
     }
 
-    /// Adds `delta` (or takes `-delta`) to session `s`'s held bytes.
+    /// Adds `delta` (or takes `-delta`) to session `s`'s held bytes, and to
+    /// its uid's.
     pub(super) fn hold(&mut self, s: SessionId, bytes: u64, taken: bool) {
-        if let Some(x) = self.sessions.get_mut(&s) {
-            x.held_bytes = if taken { x.held_bytes.saturating_add(bytes) } else { x.held_bytes.saturating_sub(bytes) };
+        let Some(x) = self.sessions.get_mut(&s) else { return };
+        x.held_bytes = if taken { x.held_bytes.saturating_add(bytes) } else { x.held_bytes.saturating_sub(bytes) };
+        if let Some(uid) = x.uid {
+            self.uid_take(uid, bytes, taken);
+        }
+    }
+
+    /// Adds (or takes) `bytes` to what the sessions of `uid` hold together.
+    fn uid_take(&mut self, uid: u32, bytes: u64, taken: bool) {
+        let held = self.uid_held.entry(uid).or_insert(0);
+        *held = if taken { held.saturating_add(bytes) } else { held.saturating_sub(bytes) };
+        if *held == 0 {
+            self.uid_held.remove(&uid);
         }
     }
 
@@ -98,5 +132,11 @@ impl Store {
     /// (`kachedb serve --max-client-bytes`); `None`: no limit.
     pub fn set_max_session_bytes(&mut self, max: Option<u64>) {
         self.max_session_bytes = max;
+    }
+
+    /// Sets the most extent bytes the sessions of one uid may hold reserved
+    /// and pinned together (`kachedb serve --max-uid-bytes`); `None`: no limit.
+    pub fn set_max_uid_bytes(&mut self, max: Option<u64>) {
+        self.max_uid_bytes = max;
     }
 }
