@@ -171,6 +171,37 @@ def test_a_get_miss_fills_and_a_restarted_daemon_is_warm_again(cluster):
         a2.stop()
 
 
+def test_the_tiers_own_session_is_not_bound_by_the_client_limit(cluster):
+    """With `--max-client-bytes` smaller than what the tier holds at once (its
+    write-behind pins, a chain's fill reservations), every block is still
+    written and filled: the limit is the clients', the tier's session is the
+    daemon's own. Each client stays within the limit (one 1 MiB block at a time)."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    limit = ("--max-client-bytes", "1536KiB")
+    a, b = node(cluster.url, ns, *limit), node(cluster.url, ns, *limit)
+    keys = [f"limit/{i}" for i in range(6)]
+    blocks = [torch.from_numpy(np.frombuffer(pattern(1 << 20, 40 + i), dtype=np.uint8).copy()) for i in range(6)]
+    try:
+        with a.connect() as ka:
+            for i, (k, t) in enumerate(zip(keys, blocks)):
+                ka.put(k, t, parent=keys[i - 1] if i else None)
+        wait_written(a, len(keys))  # 6 MiB pinned by the tier at once, over the client limit
+        assert remote(a)["remote_dropped_writes"] == 0 and remote(a)["remote_errors"] == 0
+        with b.connect() as kb:
+            assert kb.lookup(keys) == len(keys)  # one fetch: 6 MiB of fill reservations at once
+            st = remote(b)
+            assert st["remote_fills"] == len(keys), st
+            for k, want in zip(keys, blocks):
+                got = kb.get(k)
+                assert same(got, want), k
+                del got
+        assert b.stats()["client_limit_hits"] == 0
+        assert_clean(a, b)
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_namespaces_do_not_share_and_values_expire_with_a_ttl(cluster):
     ns = f"t-{uuid.uuid4().hex[:8]}"
     a = node(cluster.url, ns, "--remote-ttl-s", "3600")

@@ -344,7 +344,7 @@ impl Serve {
                 Ok(tier) => {
                     self.remote = Some(RemoteSide {
                         tier,
-                        session: self.store.open_session(),
+                        session: self.store.open_internal_session(),
                         next_fetch,
                         pending: HashMap::new(),
                         work: VecDeque::new(),
@@ -401,7 +401,7 @@ impl Serve {
     pub(crate) fn with_remote(mut self, tier: Option<RemoteTier>) -> Serve {
         self.remote = tier.map(|tier| RemoteSide {
             tier,
-            session: self.store.open_session(),
+            session: self.store.open_internal_session(),
             next_fetch: 0,
             pending: HashMap::new(),
             work: VecDeque::new(),

@@ -24,6 +24,13 @@ pub(super) struct Session {
     /// the handed-over state: the serve loop sets it again from its channels.
     #[serde(skip)]
     pub(super) uid: Option<u32>,
+    /// A session of the daemon's own (the remote tier's write-behind pins
+    /// and fill reservations): `--max-client-bytes` does not limit it; the
+    /// tier bounds what it holds itself (`--remote-queue-bytes`, the fills of
+    /// a fetch). Not in the handed-over state: the tier's session is closed
+    /// before a handover and opened anew after it.
+    #[serde(skip)]
+    pub(super) internal: bool,
 }
 
 impl Store {
@@ -32,6 +39,16 @@ impl Store {
         let id = SessionId(self.next_session);
         self.next_session = self.next_session.wrapping_add(1);
         self.sessions.insert(id, Session::default());
+        id
+    }
+
+    /// Opens a session of the daemon's own, which no client limit applies to
+    /// (see [`Session::internal`]).
+    pub fn open_internal_session(&mut self) -> SessionId {
+        let id = self.open_session();
+        if let Some(x) = self.sessions.get_mut(&id) {
+            x.internal = true;
+        }
         id
     }
 
@@ -97,7 +114,11 @@ impl Store {
     /// limit and its uid's; if not, remembers the limit for the OUT_OF_MEMORY
     /// answer.
     pub(super) fn within_limit(&mut self, s: SessionId, more: u64) -> Result<(), Status> {
-        let (held, uid) = self.sessions.get(&s).map_or((0, None), |x| (x.held_bytes, x.uid));
+        let (held, uid, internal) =
+            self.sessions.get(&s).map_or((0, None, false), |x| (x.held_bytes, x.uid, x.internal));
+        if internal {
+            return Ok(());
+        }
         let over = |max: Option<u64>, held: u64| max.filter(|&max| held.saturating_add(more) > max);
         let uid_held = uid.and_then(|u| self.uid_held.get(&u).copied()).unwrap_or(0);
         let hit = over(self.max_session_bytes, held).or_else(|| uid.and_then(|_| over(self.max_uid_bytes, uid_held)));
