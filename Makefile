@@ -50,10 +50,16 @@ wheel: package-bin
 	rm -rf $(WHEELS)
 	cd bindings/python && $(PYTHON) -m maturin build --release -q -o ../../$(WHEELS)
 
+## python: the Python dependencies, and into this environment the wheel built with the test
+## hooks (the `testing` feature, target/wheel-testing) that the Python suite needs; the shipped
+## wheel (target/wheel, no test hooks) is what tests/test_wheel.py and the engine environments install
+WHEELS_TESTING := target/wheel-testing
 python: system-deps wheel
 	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout, transformers, ray, redis, matplotlib, prometheus_client, auditwheel" 2>/dev/null \
 	  || { echo "== installing Python dependencies (torch is ~5 GB; first time only)"; $(PIP) install -q $(PY_DEPS); }
-	$(PIP) install -q --no-deps --force-reinstall "$(WHEEL)"
+	rm -rf $(WHEELS_TESTING)
+	cd bindings/python && $(PYTHON) -m maturin build --release -q --features testing -o ../../$(WHEELS_TESTING)
+	$(PIP) install -q --no-deps --force-reinstall $$(ls -t $(WHEELS_TESTING)/kachedb_shm-*.whl | head -1)
 
 ## demo: the daemon plus demo clients — a tensor put by one process, read zero-copy by
 ## another; then a transformer's prompt KV cache reused across processes (a ~0.5 s prefill)

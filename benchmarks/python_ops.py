@@ -5,8 +5,6 @@ Python-side figures of the installed ``kachedb`` package.
 * ``py_get_rtt``: ``kc.get(key)`` of a small block (4 KiB), p50/p99, beside
   ``py_get_rtt_native`` (the bare ``NativeClient.get`` underneath) and
   ``py_ping_rtt`` (an empty round trip): the differences are the Python cost.
-* ``py_get_overhead``: the Python cost alone, without the round trip (hashing
-  the key and turning the exported block into a ``torch.Tensor`` view).
 * ``py_get_view``: ``kc.get`` of 1 MiB .. 2 GiB blocks to a usable tensor (a
   view: the time should not depend on the size).
 * ``py_put``: ``kc.put`` of a 512 MiB CPU tensor against ``dst.copy_(src)`` into
@@ -208,8 +206,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import kachedb
-    from kachedb._keys import key_parts
-    from kachedb._views import block_tensor
 
     out = _Out(args.json)
     quick = args.quick
@@ -259,12 +255,11 @@ def run(args: argparse.Namespace) -> int:
         # --- round trips -------------------------------------------------------------------
         key = b"bench/py/small"
         kc.put(key, torch.zeros(2048, dtype=torch.float16))  # 4 KiB
-        lo, hi = key_parts(key)
         warm = min(2_000, rtt_iters)
         p50, p99 = _latency(native.ping, rtt_iters, reps, warm)
         out.emit({"bench": "py_ping_rtt", "p50_ns": p50, "p99_ns": p99},
                  f"PING round trip (NativeClient.ping)      p50 {p50:9.0f} ns   p99 {p99:10.0f} ns")
-        p50n, p99n = _latency(lambda: native.get(lo, hi), rtt_iters, reps, warm)
+        p50n, p99n = _latency(lambda: native.get(key), rtt_iters, reps, warm)
         out.emit({"bench": "py_get_rtt_native", "call": "NativeClient.get", "bytes": 4096, "p50_ns": p50n, "p99_ns": p99n},
                  f"GET-hit round trip (NativeClient.get)    p50 {p50n:9.0f} ns   p99 {p99n:10.0f} ns")
         p50, p99 = _latency(lambda: kc.get(key), rtt_iters, reps, warm)
@@ -283,21 +278,6 @@ def run(args: argparse.Namespace) -> int:
                          f"GET-hit round trip, {name:<14}     p50 {p50:9.0f} ns   p99 {p99:10.0f} ns   "
                          f"target p50 <= {target} ns: {_met(p50 <= target)} (daemon CPU {dcpu}, client CPU {ccpu})")
 
-        # The Python cost alone: key hashing + capsule -> KVView, on blocks fetched beforehand.
-        batch = 1_000
-        samples: List[float] = []
-        for _ in range(reps * 3):
-            caps = [native.get_dlpack(lo, hi) for _ in range(batch)]
-            t0 = time.perf_counter_ns()
-            views = [block_tensor(*c) for c in caps]
-            for _ in range(batch):
-                key_parts(key)
-            t2 = time.perf_counter_ns()
-            samples.append((t2 - t0) / batch)
-            del views, caps
-        over = _median(samples[reps:])  # the first runs are warm-up
-        out.emit({"bench": "py_get_overhead", "mean_ns": over, "what": "key hash + DLPack capsule -> torch view, no round trip"},
-                 f"Python cost of a get, no round trip      mean {over:8.0f} ns   (key hash + capsule -> torch view)")
 
         # --- get of big blocks as views -----------------------------------------------------
         view_p50s = []

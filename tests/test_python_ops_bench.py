@@ -67,7 +67,6 @@ def test_bench_quick_json_smoke():
         (rec,) = by[name]
         assert rec["p50_ns"] > 0 and rec["p99_ns"] >= rec["p50_ns"]
     assert by["py_get_rtt_native"][0]["call"] == "NativeClient.get"
-    assert by["py_get_overhead"][0]["mean_ns"] > 0
     views = by["py_get_view"]
     assert [v["bytes"] for v in views] == [1 << 20, 64 << 20]
     for v in views:

@@ -145,6 +145,19 @@ def test_engine_extra_error_names_the_extra(venv):
     assert 'pip install "kachedb-shm[vllm]"' in out.stderr, out.stderr
 
 
+def test_the_shipped_extension_has_no_test_hooks(venv):
+    """The test hooks are in the `testing` build only (make python); the shipped
+    extension has the key mapping and the client classes, nothing of the tests."""
+    probe = (
+        "import kachedb._kachedb_rust as r; "
+        "print(sorted(n for n in dir(r) if n.startswith('_') and not n.startswith('__'))); "
+        "print(r.key_of(b'') == 0x2CCE3AD782E0344A1613FDE51073C736)"
+    )
+    out = run(venv, "python", "-c", probe)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout
+
+
 def test_manylinux_tag(wheel):
     """auditwheel finds the wheel consistent with a manylinux tag (glibc only:
     no library outside the manylinux policy is linked, by the extension or the binary)."""

@@ -5,43 +5,71 @@
 use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat, Reader};
 use crate::errors::{client_err, InvalidArgument, KacheDBError};
 use kachedb_client::{BlockView, ConnectOptions, DType, Key, Reservation, Shape};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyMemoryView, PyString};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// `kachedb._keys.key_parts`, the reference mapping of keys.
-static KEY_PARTS: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+/// `2**128`, for Python ints outside `i128` (`key % 2**128`).
+static KEY_MODULUS: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 
-/// The 128-bit key of a Python key (`docs/PROTOCOL.md`, "Keys"): `bytes`, `str`
-/// and `int` here, without a Python call; anything else (bytearray,
-/// memoryview, a str that is not UTF-8, a wrong type and its error) through
-/// `kachedb._keys.key_parts`.
+/// The 128-bit key of a Python key (`docs/PROTOCOL.md`, "Keys"; the reference
+/// is `kachedb._keys.key_of`, tested against this on the same vectors): `bytes`
+/// and `bytearray` hashed in place, a `memoryview` by its raw bytes (C order),
+/// a `str` by its UTF-8 bytes, an `int` (not `bool`) modulo 2**128. Anything
+/// else is a `TypeError`, a `str` with lone surrogates a `ValueError`.
 fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
-    if let Ok(b) = obj.downcast_exact::<PyBytes>() {
+    if let Ok(b) = obj.downcast::<PyBytes>() {
         return Ok(Key::from_bytes(b.as_bytes()));
     }
-    if let Ok(st) = obj.downcast_exact::<PyString>() {
-        if let Ok(st) = st.to_cow() {
-            return Ok(Key::from_str(&st));
-        }
-    } else if obj.is_exact_instance_of::<PyInt>() {
+    if let Ok(st) = obj.downcast::<PyString>() {
+        return match st.to_cow() {
+            Ok(st) => Ok(Key::from_str(&st)),
+            Err(e) => Err(PyValueError::new_err(format!(
+                "a str key must be encodable as UTF-8 (lone surrogates are not): {e}"
+            ))),
+        };
+    }
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
         if let Ok(v) = obj.extract::<u128>() {
             return Ok(Key(v));
         }
         if let Ok(v) = obj.extract::<i128>() {
             return Ok(Key::from_i128_wrapping(v));
         }
+        let py = obj.py();
+        let m = KEY_MODULUS
+            .get_or_try_init(py, || -> PyResult<Py<PyAny>> { Ok(PyInt::new(py, 1u8).lshift(128)?.unbind()) })?;
+        // Python's % with a positive modulus is in [0, 2**128).
+        return Ok(Key(obj.rem(m.bind(py))?.extract::<u128>()?));
     }
-    let py = obj.py();
-    let f = KEY_PARTS.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-        Ok(py.import("kachedb._keys")?.getattr("key_parts")?.unbind())
-    })?;
-    let (lo, hi): (u64, u64) = f.bind(py).call1((obj,))?.extract()?;
-    Ok(Key::from_parts(lo, hi))
+    if let Ok(b) = obj.downcast::<PyByteArray>() {
+        // SAFETY: the GIL is held and no Python code runs while the bytes are
+        // hashed, so nothing can resize or free the bytearray's buffer meanwhile.
+        return Ok(Key::from_bytes(unsafe { b.as_bytes() }));
+    }
+    if obj.is_instance_of::<PyMemoryView>() {
+        // The limited API has no buffer protocol: `tobytes()` gives the raw
+        // bytes in C order, whatever the view's format and strides.
+        let raw = obj.call_method0(pyo3::intern!(obj.py(), "tobytes"))?;
+        return Ok(Key::from_bytes(raw.downcast::<PyBytes>()?.as_bytes()));
+    }
+    Err(PyTypeError::new_err(format!(
+        "a KacheDB key must be bytes, bytearray, memoryview, str or int, not {} (hash other objects to bytes first)",
+        obj.get_type().name()?
+    )))
+}
+
+/// [`key_of`] of an optional key (`None`: none).
+fn opt_key_of(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Key>> {
+    match obj {
+        Some(k) if !k.is_none() => key_of(k).map(Some),
+        _ => Ok(None),
+    }
 }
 
 /// [`key_of`] of every key of an iterable.
@@ -69,10 +97,6 @@ struct SrcBlock {
     dtype: DType,
     shape: Shape,
     src: Src,
-}
-
-fn key(lo: u64, hi: u64) -> Key {
-    Key::from_parts(lo, hi)
 }
 
 fn dtype(code: u8) -> PyResult<DType> {
@@ -194,12 +218,6 @@ impl NativeClient {
         &self.socket
     }
 
-    /// The channel this client holds.
-    #[getter]
-    fn channel(&self) -> u32 {
-        self.inner.channel()
-    }
-
     /// Whether `close()` was called.
     #[getter]
     fn closed(&self) -> bool {
@@ -219,44 +237,26 @@ impl NativeClient {
     /// by several threads for large blocks (`kachedb_client::copy`).
     ///
     /// The caller must keep the source object alive and unmodified during the call.
-    /// `parent`: `(lo, hi)` of the block this one follows in a chain, or `None`.
+    /// `parent`: the key of the block this one follows in a chain, or `None`.
     #[allow(clippy::too_many_arguments)] // the Python signature
-    #[pyo3(signature = (lo, hi, code, dims, address, nbytes, parent=None))]
+    #[pyo3(signature = (key, code, dims, address, nbytes, parent=None))]
     fn put_raw(
         &self,
         py: Python<'_>,
-        lo: u64,
-        hi: u64,
+        key: &Bound<'_, PyAny>,
         code: u8,
         dims: Vec<u64>,
         address: usize,
         nbytes: usize,
-        parent: Option<(u64, u64)>,
+        parent: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let (k, parent) = (key_of(key)?, opt_key_of(parent)?);
         let (dt, sh) = (dtype(code)?, shape(&dims)?);
         let src = Src { address, nbytes };
-        let parent = parent.map(|(lo, hi)| key(lo, hi));
         py.allow_threads(|| {
             // SAFETY: the Python caller holds the source for the whole call.
             let bytes = unsafe { src.slice() };
-            self.inner.put_tensor_with_parent(key(lo, hi), parent, dt, &sh, bytes)
-        })
-        .map_err(client_err)
-    }
-
-    /// Many `put_raw`s with one RESERVE batch and one COMMIT batch.
-    fn put_many_raw(&self, py: Python<'_>, items: Vec<(u64, u64, u8, Vec<u64>, usize, usize)>) -> PyResult<()> {
-        let mut parsed = Vec::with_capacity(items.len());
-        for (lo, hi, code, dims, address, nbytes) in &items {
-            parsed.push((key(*lo, *hi), dtype(*code)?, shape(dims)?, Src { address: *address, nbytes: *nbytes }));
-        }
-        py.allow_threads(|| {
-            let tensors: Vec<_> = parsed
-                .iter()
-                // SAFETY: the Python caller holds every source for the whole call.
-                .map(|(k, d, s, src)| (*k, *d, *s, unsafe { src.slice() }))
-                .collect();
-            self.inner.put_many_tensors(&tensors)
+            self.inner.put_tensor_with_parent(k, parent, dt, &sh, bytes)
         })
         .map_err(client_err)
     }
@@ -356,24 +356,16 @@ impl NativeClient {
         Ok(NativeReservations { extents: std::mem::ManuallyDrop::new(ReservedExtents::new(rs)), code, dims })
     }
 
-    /// Pins the leading present keys in one round trip and exports each as
-    /// `get_dlpack` does: `[(capsule, dtype_code), ...]`.
-    fn get_prefix_dlpack<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Vec<Exported<'py>>> {
-        let keys = keys_of(keys)?;
-        let v = py.allow_threads(|| self.inner.get_prefix(&keys)).map_err(client_err)?;
-        v.into_iter().map(|v| block_capsule(py, v)).collect()
-    }
-
-    /// Waits (GIL released) until `key` is committed, then exports it as
-    /// `get_dlpack` does. `timeout` in seconds (`None`: no deadline);
+    /// Waits (GIL released) until `key` is committed, then returns it as
+    /// `get_view` does. `timeout` in seconds (`None`: no deadline);
     /// `TimedOut` when it passes.
     #[pyo3(signature = (key, timeout=None))]
-    fn wait_for_dlpack<'py>(
+    fn wait_for_view<'py>(
         &self,
         py: Python<'py>,
         key: &Bound<'py, PyAny>,
         timeout: Option<f64>,
-    ) -> PyResult<Exported<'py>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let k = key_of(key)?;
         let timeout = match timeout {
             None => None,
@@ -381,8 +373,9 @@ impl NativeClient {
             Some(t) if t == f64::INFINITY => None,
             Some(t) => return Err(InvalidArgument::new_err(format!("timeout must be >= 0 seconds or None, got {t}"))),
         };
+        let factory = ViewFactory::get(py)?;
         let v = py.allow_threads(|| self.inner.wait_for(k, timeout)).map_err(client_err)?;
-        block_capsule(py, v)
+        factory.view(py, v)
     }
 
     /// Unlinks many keys in one batch; how many were present.
@@ -392,21 +385,20 @@ impl NativeClient {
     }
 
     /// Reserves a block; returns a `NativeReservation` to write and commit
-    /// (naming `parent`, `(lo, hi)` or `None`, as the block it follows).
-    #[pyo3(signature = (lo, hi, code, dims, parent=None))]
+    /// (naming `parent`, a key or `None`, as the block it follows).
+    #[pyo3(signature = (key, code, dims, parent=None))]
     fn reserve(
         &self,
         py: Python<'_>,
-        lo: u64,
-        hi: u64,
+        key: &Bound<'_, PyAny>,
         code: u8,
         dims: Vec<u64>,
-        parent: Option<(u64, u64)>,
+        parent: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<NativeReservation> {
+        let (k, parent) = (key_of(key)?, opt_key_of(parent)?);
         let (dt, sh) = (dtype(code)?, shape(&dims)?);
-        let r = py.allow_threads(|| self.inner.reserve(key(lo, hi), dt, &sh, 0)).map_err(client_err)?;
-        let mut r = r;
-        r.set_parent(parent.map(|(lo, hi)| key(lo, hi)));
+        let mut r = py.allow_threads(|| self.inner.reserve(k, dt, &sh, 0)).map_err(client_err)?;
+        r.set_parent(parent);
         let ptr = NonNull::new(r.as_mut_ptr()).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
         let len = r.len();
         Ok(NativeReservation {
@@ -416,19 +408,12 @@ impl NativeClient {
         })
     }
 
-    /// Pins `key`; `None` if absent.
-    fn get(&self, py: Python<'_>, lo: u64, hi: u64) -> PyResult<Option<NativeBlock>> {
-        let v = py.allow_threads(|| self.inner.get(key(lo, hi))).map_err(client_err)?;
+    /// Pins `key`; `None` if absent. (`get_numpy`'s path: the block's bytes
+    /// without torch.)
+    fn get(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<NativeBlock>> {
+        let k = key_of(key)?;
+        let v = py.allow_threads(|| self.inner.get(k)).map_err(client_err)?;
         Ok(v.map(NativeBlock::new))
-    }
-
-    /// Pins `key` and exports it as a DLPack capsule (legacy `"dltensor"`, as
-    /// torch reads it) of the block's dtype and shape, whose deleter releases the
-    /// pin: `(capsule, dtype_code)`, or `None` if absent. float8 blocks come as
-    /// `uint8` of the same shape (`kachedb._views` views them as their dtype).
-    fn get_dlpack<'py>(&self, py: Python<'py>, lo: u64, hi: u64) -> PyResult<Option<Exported<'py>>> {
-        let v = py.allow_threads(|| self.inner.get(key(lo, hi))).map_err(client_err)?;
-        v.map(|v| block_capsule(py, v)).transpose()
     }
 
     /// `kc.get(key)` in one call: maps `key` (as `key_of`), pins the block
@@ -454,26 +439,13 @@ impl NativeClient {
         v.into_iter().map(|b| b.map(|v| factory.view(py, v)).transpose()).collect()
     }
 
-    /// `get_prefix_dlpack` with each block made a `KVView` as `get_view` does.
+    /// Pins the leading present keys of `keys` in one round trip; each a
+    /// `KVView` as `get_view` makes it.
     fn get_prefix_views<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let keys = keys_of(keys)?;
         let factory = ViewFactory::get(py)?;
         let v = py.allow_threads(|| self.inner.get_prefix(&keys)).map_err(client_err)?;
         v.into_iter().map(|v| factory.view(py, v)).collect()
-    }
-
-    /// `get_dlpack` of many keys (any iterable of keys) in one batch.
-    fn get_many_dlpack<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Vec<Option<Exported<'py>>>> {
-        let keys = keys_of(keys)?;
-        let v = py.allow_threads(|| self.inner.get_many(&keys)).map_err(client_err)?;
-        v.into_iter().map(|b| b.map(|v| block_capsule(py, v)).transpose()).collect()
-    }
-
-    /// Pins many keys in one batch.
-    fn get_many(&self, py: Python<'_>, keys: Vec<(u64, u64)>) -> PyResult<Vec<Option<NativeBlock>>> {
-        let keys: Vec<Key> = keys.iter().map(|&(lo, hi)| key(lo, hi)).collect();
-        let v = py.allow_threads(|| self.inner.get_many(&keys)).map_err(client_err)?;
-        Ok(v.into_iter().map(|b| b.map(NativeBlock::new)).collect())
     }
 
     /// How many leading keys (any iterable of keys) are present.
@@ -482,8 +454,10 @@ impl NativeClient {
         py.allow_threads(|| self.inner.lookup(&keys)).map_err(client_err)
     }
 
-    fn delete(&self, py: Python<'_>, lo: u64, hi: u64) -> PyResult<bool> {
-        py.allow_threads(|| self.inner.delete(key(lo, hi))).map_err(client_err)
+    /// Unlinks `key`; whether it was present.
+    fn delete(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let k = key_of(key)?;
+        py.allow_threads(|| self.inner.delete(k)).map_err(client_err)
     }
 
     /// The daemon's stats as a JSON string.
@@ -785,6 +759,25 @@ impl NativeReservations {
 }
 
 /// The default control socket path of `instance`.
+/// key_of(key)
+/// --
+///
+/// The 128-bit key (an int in ``[0, 2**128)``) that ``key`` is stored under
+/// (docs/PROTOCOL.md, "Keys"), as every operation maps it:
+///
+/// * ``bytes``, ``bytearray``, ``memoryview`` (of any format, by its raw bytes in
+///   C order): BLAKE2b with a 16-byte digest and personalisation
+///   ``b"kachedb-key-v1\0\0"``, the digest read as a little-endian integer.
+/// * ``str``: its UTF-8 bytes, as above (``ValueError`` for lone surrogates).
+/// * ``int`` (``bool`` excluded): taken modulo 2**128, so negative values
+///   (Python's ``hash()``) are valid keys.
+///
+/// Anything else raises ``TypeError``.
+#[pyfunction(name = "key_of")]
+pub fn key_of_py(key: &Bound<'_, PyAny>) -> PyResult<u128> {
+    key_of(key).map(|k| k.0)
+}
+
 #[pyfunction]
 #[pyo3(signature = (instance=0))]
 pub fn default_socket_path(instance: u32) -> String {

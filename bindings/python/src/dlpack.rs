@@ -189,7 +189,9 @@ pub enum DlOwner {
     /// and should not block (while it runs with the GIL, every Python thread waits).
     Rust(Box<dyn Any + Send>),
     /// A Python object. Its reference is dropped with the GIL taken (the deleter
-    /// may run on a thread that does not hold it).
+    /// may run on a thread that does not hold it). Only the test hooks export
+    /// with one.
+    #[cfg(feature = "testing")]
     Py(Py<PyAny>),
 }
 
@@ -197,6 +199,7 @@ impl fmt::Debug for DlOwner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DlOwner::Rust(_) => f.write_str("DlOwner::Rust(..)"),
+            #[cfg(feature = "testing")]
             DlOwner::Py(obj) => write!(f, "DlOwner::Py({:p})", obj.as_ptr()),
         }
     }
@@ -210,6 +213,7 @@ impl DlOwner {
                 // A panicking Drop must not unwind into the consumer's C frames.
                 let _ = catch_unwind(AssertUnwindSafe(move || drop_without_gil(owner)));
             }
+            #[cfg(feature = "testing")]
             DlOwner::Py(obj) => {
                 // SAFETY: Py_IsInitialized may be called at any time, with or
                 // without the GIL.
@@ -540,7 +544,8 @@ enum OwnerMode {
     /// Each capsule holds a clone of the buffer's `Arc` owner (no GIL to drop it).
     Shared,
     /// Each capsule holds a reference to the buffer object itself (a Python owner,
-    /// dropped with the GIL); used to test that path.
+    /// dropped with the GIL): the test hooks' path.
+    #[cfg(feature = "testing")]
     PyObject,
 }
 
@@ -590,6 +595,7 @@ impl DLPackBuffer {
     }
 
     /// Like [`DLPackBuffer::new`], but capsules hold the Python buffer object itself.
+    #[cfg(feature = "testing")]
     ///
     /// # Safety
     /// As for [`DLPackBuffer::new`].
@@ -667,6 +673,7 @@ impl DLPackBuffer {
         }
         let owner = match this.mode {
             OwnerMode::Shared => DlOwner::Rust(Box::new(Arc::clone(&this.owner))),
+            #[cfg(feature = "testing")]
             OwnerMode::PyObject => DlOwner::Py(slf.clone().into_any().unbind()),
         };
         // SAFETY: `this.owner` keeps the range valid (DLPackBuffer::new's contract),

@@ -4,11 +4,12 @@
 //! private API: the client classes (`client`), the one typed DLPack export of
 //! blocks (`dlpack`), the client's errors as the
 //! Python exception classes (`errors`), the dtype table and block limits (module
-//! attributes), the default socket path, and test hooks (`_test_*`, `_raise_*`).
+//! attributes), the default socket path, the key mapping (`key_of`), and, with the `testing` feature, test hooks (`_test_*`, `_raise_*`).
 
 mod client;
 mod dlpack;
 mod errors;
+#[cfg(feature = "testing")]
 mod testing;
 
 use dlpack::Reader;
@@ -34,9 +35,13 @@ fn _kachedb_rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::NativeReservation>()?;
     m.add_class::<client::NativeReservations>()?;
     m.add_function(wrap_pyfunction!(client::default_socket_path, m)?)?;
-    m.add_function(wrap_pyfunction!(testing::_test_buffer, m)?)?;
-    m.add_function(wrap_pyfunction!(testing::_live_test_buffers, m)?)?;
-    m.add_function(wrap_pyfunction!(testing::_raise_error, m)?)?;
-    m.add_function(wrap_pyfunction!(testing::_raise_status, m)?)?;
+    m.add_function(wrap_pyfunction!(client::key_of_py, m)?)?;
+    #[cfg(feature = "testing")]
+    {
+        m.add_function(wrap_pyfunction!(testing::_test_buffer, m)?)?;
+        m.add_function(wrap_pyfunction!(testing::_live_test_buffers, m)?)?;
+        m.add_function(wrap_pyfunction!(testing::_raise_error, m)?)?;
+        m.add_function(wrap_pyfunction!(testing::_raise_status, m)?)?;
+    }
     Ok(())
 }

@@ -31,7 +31,7 @@ def test_dropping_a_reservation_of_a_stopped_daemon_keeps_the_gil_free():
         # which releases the GIL itself; a native reservation dropped
         # uncommitted (e.g. freed by the cycle collector) aborts in its `Drop`.
         kc = rust.NativeClient.connect(d.socket)
-        holder = {"r": kc.reserve(1, 0, dtype_code(torch.uint8), [1024])}
+        holder = {"r": kc.reserve(1, dtype_code(torch.uint8), [1024])}
         started, done = threading.Event(), threading.Event()
 
         def drop():

@@ -1,11 +1,25 @@
-"""kachedb.key_of: fixed vectors shared with crates/kachedb-client/src/key.rs."""
+"""kachedb.key_of (the native mapping every operation uses): fixed vectors
+shared with crates/kachedb-client/src/key.rs, and a hashlib reference."""
 
 import hashlib
 
 import pytest
 
 import kachedb
-from kachedb._keys import KEY_PERSONALIZATION, key_parts
+
+#: BLAKE2b personalisation of key hashing, version 1 (docs/PROTOCOL.md, "Keys").
+KEY_PERSONALIZATION = b"kachedb-key-v1\0\0"
+
+
+def reference_key_of(key):
+    """docs/PROTOCOL.md's mapping written with hashlib: what the native one must give."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key % 2**128
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    if isinstance(key, memoryview):
+        key = key.tobytes()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=16, person=KEY_PERSONALIZATION).digest(), "little")
 
 # The same vectors are in the Rust unit tests of kachedb_client::Key; they were
 # produced once with
@@ -30,11 +44,6 @@ INT_VECTORS = [
     (2**64, 2**64),
     (-(2**200) - 3, (-(2**200) - 3) % 2**128),
 ]
-
-
-def test_personalization_is_16_bytes():
-    assert KEY_PERSONALIZATION == b"kachedb-key-v1\x00\x00"
-    assert len(KEY_PERSONALIZATION) == 16  # BLAKE2b's maximum
 
 
 @pytest.mark.parametrize("data,want", BYTE_VECTORS)
@@ -67,14 +76,26 @@ def test_ints_are_not_hashed():
     assert kachedb.key_of(hash("x")) == hash("x") % 2**128
 
 
-def test_digest_halves_are_little_endian():
+def test_digest_is_read_little_endian():
     # hashlib digest of b"" is 36c77310e5fd1316 4a34e082d73ace2c in byte order.
-    lo, hi = key_parts(b"")
-    assert lo == int.from_bytes(bytes.fromhex("36c77310e5fd1316"), "little")
-    assert hi == int.from_bytes(bytes.fromhex("4a34e082d73ace2c"), "little")
-    assert (hi << 64) | lo == kachedb.key_of(b"")
-    assert key_parts(2**64 + 7) == (7, 1)
-    assert key_parts(-1) == (2**64 - 1, 2**64 - 1)
+    k = kachedb.key_of(b"")
+    assert k & (2**64 - 1) == int.from_bytes(bytes.fromhex("36c77310e5fd1316"), "little")
+    assert k >> 64 == int.from_bytes(bytes.fromhex("4a34e082d73ace2c"), "little")
+
+
+def test_subclasses_map_as_their_base_type():
+    class S(str):
+        pass
+
+    class B(bytes):
+        pass
+
+    class I(int):
+        pass
+
+    assert kachedb.key_of(S("abc")) == kachedb.key_of("abc")
+    assert kachedb.key_of(B(b"abc")) == kachedb.key_of(b"abc")
+    assert kachedb.key_of(I(-5)) == 2**128 - 5
 
 
 def test_memoryview_of_any_format_hashes_its_bytes():
@@ -111,29 +132,22 @@ def test_keys_are_in_range():
     check()
 
 
-def test_key_parts_agrees_with_key_of():
-    """key_parts has fast paths for str/bytes/int: they must give key_of's halves."""
+def test_native_mapping_agrees_with_the_reference():
     hypothesis = pytest.importorskip("hypothesis")
     st = pytest.importorskip("hypothesis.strategies")
 
-    @hypothesis.given(st.one_of(st.binary(), st.text(), st.integers(), st.binary().map(bytearray), st.binary().map(memoryview)))
+    @hypothesis.given(
+        st.one_of(
+            st.binary(),
+            st.text(),
+            st.integers(),
+            st.integers(min_value=-(2**300), max_value=2**300),
+            st.binary().map(bytearray),
+            st.binary().map(memoryview),
+            st.binary(min_size=1).map(lambda b: memoryview(b)[::2]),
+        )
+    )
     def check(key):
-        k = kachedb.key_of(key)
-        assert key_parts(key) == (k & (2**64 - 1), k >> 64)
+        assert kachedb.key_of(key) == reference_key_of(key)
 
     check()
-    for data, want in BYTE_VECTORS:
-        assert key_parts(data) == (want & (2**64 - 1), want >> 64)
-    for value, want in INT_VECTORS:
-        assert key_parts(value) == (want & (2**64 - 1), want >> 64)
-
-
-@pytest.mark.parametrize("bad", [None, 1.5, True, [1, 2], object()])
-def test_key_parts_rejects_what_key_of_rejects(bad):
-    with pytest.raises(TypeError, match="bytes, bytearray, memoryview, str or int"):
-        key_parts(bad)
-
-
-def test_key_parts_of_unencodable_str_is_value_error():
-    with pytest.raises(ValueError, match="UTF-8"):
-        key_parts("\ud800")

@@ -376,29 +376,6 @@ def test_reserve_replacing_a_key_is_atomic_for_readers(kc):
 # --- the native fast path and copies out of a view -------------------------------------------
 
 
-def test_native_capsules_hold_and_release_their_pin(kc):
-    from kachedb._keys import key_parts
-
-    kc.put("cap", torch.arange(6, dtype=torch.int16).view(2, 3))
-    lo, hi = key_parts("cap")
-    cap, code = kc._native.get_dlpack(lo, hi)
-    assert code == 12 and collected_pins(kc) == 1
-    del cap  # never consumed: the capsule's destructor releases the pin
-    assert collected_pins(kc) == 0
-    cap, code = kc._native.get_dlpack(lo, hi)
-    t = torch.from_dlpack(cap)
-    del cap
-    assert t.dtype == torch.int16 and tuple(t.shape) == (2, 3) and t.tolist() == [[0, 1, 2], [3, 4, 5]]
-    assert collected_pins(kc) == 1  # now the tensor holds it
-    del t
-    assert collected_pins(kc) == 0
-    assert kc._native.get_dlpack(*key_parts("no-such-key")) is None
-    many = kc._native.get_many_dlpack(["cap", "no-such-key", "cap"])
-    assert many[1] is None and collected_pins(kc) == 2
-    del many
-    assert collected_pins(kc) == 0
-
-
 def test_pickle_save_and_deepcopy_of_a_view_copy_the_data(kc):
     import copy
     import io

@@ -27,8 +27,8 @@ from . import _kachedb_rust as _native
 from ._daemon_bin import daemon_binary
 from ._dtypes import ShapeLike, _np, _torch, _torch_table, check_shape, dtype_code, is_torch_dtype
 from ._errors import Disconnected, InvalidArgument, KacheDBError, NotFound
-from ._keys import KeyLike, key_parts
-from ._views import block_tensor, numpy_from_dlpack, torch_from_dlpack, writable_tensors
+from ._keys import KeyLike
+from ._views import numpy_from_dlpack, torch_from_dlpack, writable_tensors
 
 __all__ = ["connect", "Client", "Reservation", "Reservations", "default_socket_path"]
 
@@ -382,7 +382,6 @@ class Client:
         block this one follows in a prefix chain (it must be stored first; one
         that is not there is ignored)."""
         native = self._check()
-        lo, hi = key_parts(key)
         if _is_tensor(value) and (value.device.type != "cpu" or not value.is_contiguous()):
             # torch's copy straight into the block: device->shm for CUDA, and a
             # strided CPU source without a contiguous temporary (still one copy).
@@ -391,7 +390,7 @@ class Client:
             return
         code, shape, addr, nbytes, keep = self._source(value)
         check_shape(shape)
-        native.put_raw(lo, hi, code, list(shape), addr, nbytes, None if parent is None else key_parts(parent))
+        native.put_raw(key, code, list(shape), addr, nbytes, parent)
         del keep
 
     def put_many(
@@ -423,8 +422,7 @@ class Client:
         dims = check_shape(shape)
         code = dtype_code(dtype)
         as_numpy = not is_torch_dtype(dtype) and not isinstance(dtype, str)
-        lo, hi = key_parts(key)
-        r = native.reserve(lo, hi, code, list(dims), None if parent is None else key_parts(parent))
+        r = native.reserve(key, code, list(dims), parent)
         return Reservation(r, code, dims, as_numpy)
 
     def reserve_many(
@@ -455,55 +453,45 @@ class Client:
 
     # -- reads -------------------------------------------------------------
     @staticmethod
-    def _tensor_of(got: Any, device: Any) -> Any:
-        """A ``(capsule, code)`` from ``get_dlpack`` as a view, or copied to ``device``."""
-        t = block_tensor(*got)
+    def _on(view: Any, device: Any) -> Any:
+        """``view`` (a ``KVView``), or a copy of it on ``device``."""
         if device is not None and str(device) != "cpu":
-            # The copy holds no pin: drop the view's as soon as it is made.
-            return t.as_subclass(_torch().Tensor).to(device)
-        return t
+            # The copy holds no pin: the view's goes with it, as soon as it is made.
+            return view.as_subclass(_torch().Tensor).to(device)
+        return view
 
     def get(self, key: KeyLike, *, device: Any = None) -> Any:
         """The block under ``key`` as a read-only-by-contract ``torch.Tensor`` view
         of shared memory (no copy), pinned while it (or anything made from it)
         lives; usable as ``with kc.get(k) as t``. With ``device="cuda"`` the block
         is copied to the device and the pin dropped at once. Raises ``NotFound``."""
-        if device is None and not self._forked:
-            # One native call: the key mapped, the round trip, the view. (A
-            # fork that bypassed the at-fork handler is caught there too.)
-            t = self._native.get_view(key)
-            if t is None:
-                raise NotFound(f"no block with key {key!r}")
-            return t
-        got = self._check().get_dlpack(*key_parts(key))
-        if got is None:
+        # One native call: the key mapped, the round trip, the view. (A fork
+        # that bypassed the at-fork handler is caught natively too.)
+        t = (self._check() if self._forked else self._native).get_view(key)
+        if t is None:
             raise NotFound(f"no block with key {key!r}")
-        return self._tensor_of(got, device)
+        return self._on(t, device)
 
     def get_numpy(self, key: KeyLike) -> Any:
         """The block as a read-only numpy array view (no copy); the array holds the
         pin. bfloat16/float8 blocks need torch (``get``). Raises ``NotFound``."""
-        block = self._check().get(*key_parts(key))
+        block = self._check().get(key)
         if block is None:
             raise NotFound(f"no block with key {key!r}")
         return numpy_from_dlpack(block.buffer(), block.dtype_code, block.shape)
 
     def get_many(self, keys: Sequence[KeyLike], *, device: Any = None) -> List[Any]:
         """``get`` of many keys in one batch; ``None`` for each missing key."""
-        if device is None and not self._forked:
-            return self._native.get_many_views(keys)
-        got = self._check().get_many_dlpack(keys)
-        return [None if g is None else self._tensor_of(g, device) for g in got]
+        views = (self._check() if self._forked else self._native).get_many_views(keys)
+        return views if device is None else [None if v is None else self._on(v, device) for v in views]
 
     def get_prefix(self, keys: Sequence[KeyLike], *, device: Any = None) -> List[Any]:
         """Views of the leading present keys of ``keys`` (a prefix hash chain),
         in one round trip: each key is looked up and pinned at once, so no block
         can be evicted in between. Stops at the first missing key (the pins
         taken past it are released). Each view keeps its pin as ``get``'s does."""
-        if device is None and not self._forked:
-            return self._native.get_prefix_views(keys)
-        got = self._check().get_prefix_dlpack(keys)
-        return [self._tensor_of(g, device) for g in got]
+        views = (self._check() if self._forked else self._native).get_prefix_views(keys)
+        return views if device is None else [self._on(v, device) for v in views]
 
     def wait_for(self, key: KeyLike, timeout: Optional[float] = None, *, device: Any = None) -> Any:
         """The block under ``key`` as ``get`` returns it, once it is committed
@@ -518,8 +506,8 @@ class Client:
                 raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
             if not timeout >= 0:
                 raise InvalidArgument(f"timeout must be >= 0 seconds or None, got {timeout}")
-        got = self._check().wait_for_dlpack(key, None if timeout is None else float(timeout))
-        return self._tensor_of(got, device)
+        view = self._check().wait_for_view(key, None if timeout is None else float(timeout))
+        return self._on(view, device)
 
     def lookup(self, keys: Sequence[KeyLike]) -> int:
         """How many leading keys of ``keys`` are present (a prefix hash chain)."""
@@ -534,7 +522,7 @@ class Client:
     def delete(self, key: KeyLike) -> bool:
         """Unlinks ``key``; returns whether it was present. Live views of it stay
         valid; its memory is freed when the last goes."""
-        return self._check().delete(*key_parts(key))
+        return self._check().delete(key)
 
     def delete_many(self, keys: Sequence[KeyLike]) -> int:
         """``delete`` of many keys in one batch; returns how many were present."""

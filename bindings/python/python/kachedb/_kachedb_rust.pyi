@@ -46,7 +46,8 @@ class DLPackBuffer:
 class NativeClient:
     """A connection to the daemon: one channel (a pair of rings). Thread-safe
     (operations are serialised); the GIL is released while waiting on the ring.
-    Keys are passed as their two 64-bit halves (``kachedb._keys.key_parts``).
+    Keys are what ``key_of`` takes (bytes, bytearray, memoryview, str, int),
+    mapped natively.
     Not constructible from Python: use ``NativeClient.connect``."""
 
     @staticmethod
@@ -60,39 +61,26 @@ class NativeClient:
     @property
     def socket(self) -> str: ...
     @property
-    def channel(self) -> int: ...
-    @property
     def closed(self) -> bool: ...
     def region_span(self) -> Tuple[int, int]:
         """(address, bytes) of the whole mapped region in this process."""
     def ping(self) -> None: ...
     def put_raw(
         self,
-        lo: int,
-        hi: int,
+        key: Any,
         code: int,
         dims: Sequence[int],
         address: int,
         nbytes: int,
-        parent: Optional[Tuple[int, int]] = None,
+        parent: Optional[Any] = None,
     ) -> None:
         """Copies ``nbytes`` at ``address`` into a new block (by several threads for
-        large blocks), naming ``parent`` ``(lo, hi)`` as the block it follows. The
+        large blocks), naming the key ``parent`` as the block it follows. The
         caller keeps the source alive and unmodified during the call."""
-    def put_many_raw(self, items: Sequence[Tuple[int, int, int, Sequence[int], int, int]]) -> None:
-        """Many ``put_raw`` ``(lo, hi, code, dims, address, nbytes)`` items: one
-        RESERVE batch, one COMMIT batch; all or nothing."""
-    def reserve(
-        self, lo: int, hi: int, code: int, dims: Sequence[int], parent: Optional[Tuple[int, int]] = None
-    ) -> NativeReservation:
-        """Reserves a block; ``parent`` ``(lo, hi)`` is named at its COMMIT."""
-    def get(self, lo: int, hi: int) -> Optional[NativeBlock]:
-        """Pins the block; ``None`` if absent."""
-    def get_dlpack(self, lo: int, hi: int) -> Optional[Tuple[Any, int]]:
-        """Pins the block and exports it as a legacy DLPack capsule of its dtype and
-        shape (float8 as uint8 of the same shape) whose deleter releases the pin:
-        ``(capsule, dtype_code)``, or ``None`` if absent. ``Client.get``'s fast path."""
-    def get_many(self, keys: Sequence[Tuple[int, int]]) -> List[Optional[NativeBlock]]: ...
+    def reserve(self, key: Any, code: int, dims: Sequence[int], parent: Optional[Any] = None) -> NativeReservation:
+        """Reserves a block; the key ``parent`` is named at its COMMIT."""
+    def get(self, key: Any) -> Optional[NativeBlock]:
+        """Pins the block; ``None`` if absent (``Client.get_numpy``'s path)."""
     def get_view(self, key: Any) -> Optional[Any]:
         """``Client.get``'s fast path in one call: the key mapped here, the block
         pinned and returned as a ``kachedb._views.KVView`` whose last view
@@ -100,15 +88,11 @@ class NativeClient:
     def get_many_views(self, keys: Iterable[Any]) -> List[Optional[Any]]:
         """``get_view`` of many keys in one batch; ``None`` for each absent key."""
     def get_prefix_views(self, keys: Iterable[Any]) -> List[Any]:
-        """``get_prefix_dlpack`` with each block a ``KVView`` as ``get_view`` makes it."""
-    # The batch calls below take the keys themselves (bytes, str, int, or what
-    # ``kachedb.key_of`` accepts), mapped in Rust.
-    def get_many_dlpack(self, keys: Iterable[Any]) -> List[Optional[Tuple[Any, int]]]: ...
-    def get_prefix_dlpack(self, keys: Iterable[Any]) -> List[Tuple[Any, int]]:
-        """Pins the leading present keys in one round trip; exported as ``get_dlpack``."""
-    def wait_for_dlpack(self, key: Any, timeout: Optional[float] = None) -> Tuple[Any, int]:
-        """Waits (GIL released) until ``key`` is committed; ``TimedOut`` after
-        ``timeout`` seconds (``None``: never)."""
+        """Pins the leading present keys in one round trip; each a ``KVView`` as
+        ``get_view`` makes it."""
+    def wait_for_view(self, key: Any, timeout: Optional[float] = None) -> Any:
+        """Waits (GIL released) until ``key`` is committed, then returns it as
+        ``get_view`` does; ``TimedOut`` after ``timeout`` seconds (``None``: never)."""
     def put_many_values(
         self,
         keys: Iterable[Any],
@@ -130,7 +114,8 @@ class NativeClient:
         """Unlinks the keys in one batch; how many were present."""
     def lookup(self, keys: Iterable[Any]) -> int:
         """How many leading keys are present."""
-    def delete(self, lo: int, hi: int) -> bool: ...
+    def delete(self, key: Any) -> bool:
+        """Unlinks the key; whether it was present."""
     def stats_json(self) -> str:
         """The daemon's stats, as a JSON object."""
     def close(self) -> None:
@@ -181,7 +166,10 @@ class NativeReservations:
 def default_socket_path(instance: int = 0) -> str:
     """The default control socket path of ``instance`` (``$KACHEDB_SOCKET`` for 0)."""
 
-# Test hooks.
+def key_of(key: Union[bytes, bytearray, memoryview, str, int]) -> int:
+    """The 128-bit key ``key`` is stored under (docs/PROTOCOL.md, "Keys")."""
+
+# Test hooks: only in a build with the `testing` feature (`make python`; not the shipped wheel).
 def _test_buffer(n: int, fill: int = 0, *, py_owner: bool = False, readonly: bool = False) -> DLPackBuffer: ...
 def _live_test_buffers() -> int: ...
 def _raise_error(kind: str, msg: str) -> NoReturn:

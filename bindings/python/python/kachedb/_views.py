@@ -2,7 +2,7 @@
 sharing memory.
 
 The native module exports every block as a DLPack tensor of its dtype and shape
-(``NativeClient.get_dlpack``, ``DLPackBuffer.typed``). A dtype the reader cannot
+(the views of ``NativeClient.get_view`` and its batch forms, ``DLPackBuffer.typed``). A dtype the reader cannot
 import arrives as the unsigned integer of the same width (float8 for torch;
 bfloat16 and float8 for numpy): these functions view it as its dtype, same
 shape, no copy. Every view made from the result keeps the DLPack owner (the
@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 from . import _kachedb_rust as _native
 from ._dtypes import ITEMSIZES, ShapeLike, _np, _torch, check_shape, dtype_name, numpy_dtype, torch_dtype
 
-__all__ = ["block_tensor", "writable_tensors", "torch_from_dlpack", "numpy_from_dlpack"]
+__all__ = ["writable_tensors", "torch_from_dlpack", "numpy_from_dlpack"]
 
 
 def _make_view_class() -> Any:
@@ -84,27 +84,13 @@ def _as_torch_dtype(t: Any, code: int) -> Any:
 
 
 def _view_factory() -> tuple:
-    """What ``NativeClient.get_view`` makes a ``KVView`` with, as
-    ``block_tensor`` does: ``(from_dlpack, KVView, _as_torch_dtype, direct)``,
-    ``direct[code]`` saying whether torch imports the code's export as its
-    own dtype."""
+    """What ``NativeClient.get_view`` makes a ``KVView`` with: torch's DLPack
+    import, re-typed as ``KVView``, viewed as its dtype by ``_as_torch_dtype``
+    unless ``direct[code]`` (torch imports the code's export as its own
+    dtype): ``(from_dlpack, KVView, _as_torch_dtype, direct)``."""
     if _view_class is None:
         _init_torch()
     return _from_dlpack, _view_class, _as_torch_dtype, [dt is None for dt in _torch_views]
-
-
-def block_tensor(capsule: Any, code: int) -> Any:
-    """A capsule of ``NativeClient.get_dlpack`` / ``get_many_dlpack`` (a block of
-    dtype ``code``) as a ``KVView``."""
-    if _view_class is None:
-        _init_torch()
-    t = _as_torch_dtype(_from_dlpack(capsule), code)
-    try:
-        # Re-typing the fresh Python object costs ~0.1 us, a subclass alias ~2 us.
-        t.__class__ = _view_class
-        return t
-    except TypeError:  # a torch that forbids it: make an alias
-        return _view_class._make_subclass(_view_class, t, False)
 
 
 def writable_tensors(capsules: List[Any], code: int) -> List[Any]:
