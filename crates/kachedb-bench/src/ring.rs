@@ -348,21 +348,21 @@ impl Bench {
         expect_control(&mut comp, &mut child, READY)?;
         let t0 = Instant::now();
         match imp {
-            Impl::Kachedb if batch <= 1 => produce_per_message(&mut sub, msgs, &mut child)?,
-            Impl::Kachedb => produce_batched(&mut sub, batch, msgs, &mut child)?,
+            Impl::Kachedb if batch <= 1 => produce(&mut PushEach(&mut sub), 1, msgs, &mut child)?,
+            Impl::Kachedb => produce(&mut PushBatch(&mut sub), batch, msgs, &mut child)?,
             Impl::Naive => {
                 // SAFETY: channel 0's submission ring lies inside the region
                 // (trusted layout) and was just reset; `sub` is not used while
                 // the naive producer runs, and the child is its only consumer.
                 let mut naive = unsafe { NaiveRing::submission(&self.region)? };
-                naive.produce(msgs, &mut child)?;
+                produce(&mut naive, 1, msgs, &mut child)?;
             }
             Impl::PlainCopy => {
                 // SAFETY: as for the naive ring: channel 0's submission ring
                 // was just reset, `sub` is unused meanwhile, and the child is
                 // the only consumer.
                 let mut plain = unsafe { PlainCopyRing::submission(&self.region)? };
-                plain.produce(batch, msgs, &mut child)?;
+                produce(&mut plain, batch, msgs, &mut child)?;
             }
         }
         let done = expect_control(&mut comp, &mut child, DONE)?;
@@ -478,45 +478,72 @@ fn expected_sum(n: u64) -> u64 {
     a.wrapping_mul(b)
 }
 
-#[inline(never)] // a separate symbol, so its code can be inspected with objdump
-fn produce_per_message(p: &mut Producer, n: u64, child: &mut ChildProc) -> Result<(), BoxError> {
-    let mut f = frame(0);
-    let mut i = 0;
-    let mut full = 0u32;
-    while i < n {
-        f.offset = i;
-        if p.try_push(&f)? {
-            i += 1;
-        } else {
-            full = full.wrapping_add(1);
-            if full & (CHECK_EVERY - 1) == 0 {
-                child.check()?;
-            }
-            std::hint::spin_loop();
-        }
-    }
-    Ok(())
+/// A ring as the parent's producer loop sees it: pushes what fits of
+/// `frames` and says how many.
+trait PushFrom {
+    fn push_from(&mut self, frames: &[TensorBlockDescriptor]) -> Result<usize, BoxError>;
 }
 
-#[inline(never)] // a separate symbol, so its code can be inspected with objdump
-fn produce_batched(p: &mut Producer, batch: usize, n: u64, child: &mut ChildProc) -> Result<(), BoxError> {
-    let mut buf = vec![frame(0); batch];
-    let mut i = 0;
-    let mut full = 0u32;
+/// The real ring, one `try_push` per frame.
+struct PushEach<'a>(&'a mut Producer);
+
+impl PushFrom for PushEach<'_> {
+    #[inline(always)]
+    fn push_from(&mut self, frames: &[TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        Ok(usize::from(self.0.try_push(&frames[0])?))
+    }
+}
+
+/// The real ring, one `push_batch` per call.
+struct PushBatch<'a>(&'a mut Producer);
+
+impl PushFrom for PushBatch<'_> {
+    #[inline(always)]
+    fn push_from(&mut self, frames: &[TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        Ok(self.0.push_batch(frames)?)
+    }
+}
+
+impl PushFrom for NaiveRing {
+    #[inline(always)]
+    fn push_from(&mut self, frames: &[TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        Ok(usize::from(self.try_push(&frames[0])))
+    }
+}
+
+impl PushFrom for PlainCopyRing {
+    #[inline(always)]
+    fn push_from(&mut self, frames: &[TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        self.push_batch(frames)
+    }
+}
+
+/// The parent's producer loop, one per ring kind (monomorphised): frames
+/// numbered 0..n, up to `batch` a call; spins while the ring is full,
+/// checking the child every [`CHECK_EVERY`] full polls.
+#[inline(never)] // a separate symbol per ring kind, so its code can be inspected with objdump
+fn produce<R: PushFrom>(r: &mut R, batch: usize, n: u64, child: &mut ChildProc) -> Result<(), BoxError> {
+    let batch = batch.max(1);
+    let mut buf: Vec<TensorBlockDescriptor> = (0..batch as u64).map(frame).collect();
+    let (mut i, mut full) = (0u64, 0u32);
     while i < n {
-        let k = batch.min((n - i) as usize);
+        let k = (n - i).min(batch as u64) as usize;
         for (j, f) in buf[..k].iter_mut().enumerate() {
             f.offset = i + j as u64;
         }
-        let pushed = p.push_batch(&buf[..k])?;
-        i += pushed as u64;
-        if pushed == 0 {
-            full = full.wrapping_add(1);
-            if full & (CHECK_EVERY - 1) == 0 {
-                child.check()?;
+        let mut sent = 0;
+        while sent < k {
+            let m = r.push_from(&buf[sent..k])?;
+            if m == 0 {
+                full = full.wrapping_add(1);
+                if full & (CHECK_EVERY - 1) == 0 {
+                    child.check()?;
+                }
+                std::hint::spin_loop();
             }
-            std::hint::spin_loop();
+            sent += m;
         }
+        i += k as u64;
     }
     Ok(())
 }
@@ -653,26 +680,6 @@ impl NaiveRing {
         self.head().store(self.own, Ordering::Release);
         Some(f)
     }
-
-    #[inline(never)] // a separate symbol, so its code can be inspected with objdump
-    fn produce(&mut self, n: u64, child: &mut ChildProc) -> Result<(), BoxError> {
-        let mut f = frame(0);
-        let mut i = 0;
-        let mut full = 0u32;
-        while i < n {
-            f.offset = i;
-            if self.try_push(&f) {
-                i += 1;
-            } else {
-                full = full.wrapping_add(1);
-                if full & (CHECK_EVERY - 1) == 0 {
-                    child.check()?;
-                }
-                std::hint::spin_loop();
-            }
-        }
-        Ok(())
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -757,63 +764,6 @@ impl PlainCopyRing {
         }
         Ok(n)
     }
-
-    #[inline(never)] // a separate symbol, so its code can be inspected with objdump
-    fn produce(&mut self, batch: usize, n: u64, child: &mut ChildProc) -> Result<(), BoxError> {
-        let batch = batch.max(1);
-        let mut buf: Vec<TensorBlockDescriptor> = (0..batch as u64).map(frame).collect();
-        let (mut i, mut full) = (0u64, 0u32);
-        while i < n {
-            let k = (n - i).min(batch as u64) as usize;
-            for (j, f) in buf[..k].iter_mut().enumerate() {
-                f.offset = i + j as u64;
-            }
-            let mut sent = 0;
-            while sent < k {
-                let m = self.push_batch(&buf[sent..k])?;
-                if m == 0 {
-                    full = full.wrapping_add(1);
-                    if full & (CHECK_EVERY - 1) == 0 {
-                        child.check()?;
-                    }
-                    std::hint::spin_loop();
-                }
-                sent += m;
-            }
-            i += k as u64;
-        }
-        Ok(())
-    }
-}
-
-#[inline(never)] // a separate symbol, so its code can be inspected with objdump
-fn consume_plain_copy(
-    r: &mut PlainCopyRing,
-    batch: usize,
-    n: u64,
-    alive: &impl Fn() -> Result<(), BoxError>,
-) -> Result<u64, BoxError> {
-    let mut buf = vec![TensorBlockDescriptor::default(); batch.max(1)];
-    let (mut i, mut sum, mut empty) = (0u64, 0u64, 0u32);
-    while i < n {
-        let k = r.pop_batch(&mut buf)?;
-        if k == 0 {
-            empty = empty.wrapping_add(1);
-            if empty & (CHECK_EVERY - 1) == 0 {
-                alive()?;
-            }
-            std::hint::spin_loop();
-            continue;
-        }
-        for f in &buf[..k] {
-            if f.offset != i {
-                return Err(out_of_order(i, f.offset));
-            }
-            sum = sum.wrapping_add(f.offset);
-            i += 1;
-        }
-    }
-    Ok(sum)
 }
 
 // ---------------------------------------------------------------------------
@@ -842,15 +792,15 @@ pub fn child(args: &ChildArgs) -> Result<(), BoxError> {
                         // SAFETY: the parent reset channel 0 before spawning us and
                         // runs the naive producer; we are the only consumer.
                         let mut naive = unsafe { NaiveRing::submission(&region)? };
-                        consume_naive(&mut naive, args.msgs, &alive)?
+                        consume(&mut naive, 1, args.msgs, &alive)?
                     }
                     ChildMode::PlainCopy => {
                         // SAFETY: as for the naive ring.
                         let mut plain = unsafe { PlainCopyRing::submission(&region)? };
-                        consume_plain_copy(&mut plain, args.batch, args.msgs, &alive)?
+                        consume(&mut plain, args.batch, args.msgs, &alive)?
                     }
-                    _ if args.batch <= 1 => consume_per_message(&mut sub, args.msgs, &alive)?,
-                    _ => consume_batched(&mut sub, args.batch, args.msgs, &alive)?,
+                    _ if args.batch <= 1 => consume(&mut PerMessage(&mut sub), 1, args.msgs, &alive)?,
+                    _ => consume(&mut Batched(&mut sub), args.batch, args.msgs, &alive)?,
                 };
                 control(&mut comp, DONE, args.msgs, sum)?;
             }
@@ -926,41 +876,73 @@ fn out_of_order(i: u64, got: u64) -> BoxError {
     format!("frame {i} arrived with sequence number {got}").into()
 }
 
-#[inline(never)] // a separate symbol, so its code can be inspected with objdump
-fn consume_per_message(c: &mut Consumer, n: u64, alive: &impl Fn() -> Result<(), BoxError>) -> Result<u64, BoxError> {
-    let (mut i, mut sum, mut empty) = (0u64, 0u64, 0u32);
-    while i < n {
-        match c.try_pop()? {
-            Some(f) => {
-                if f.offset != i {
-                    return Err(out_of_order(i, f.offset));
-                }
-                sum = sum.wrapping_add(f.offset);
-                i += 1;
-            }
-            None => {
-                empty = empty.wrapping_add(1);
-                if empty & (CHECK_EVERY - 1) == 0 {
-                    alive()?;
-                }
-                std::hint::spin_loop();
-            }
-        }
-    }
-    Ok(sum)
+/// A ring as the child's consumer loop sees it: pops what is there, up to
+/// `buf.len()` frames, into `buf`; 0 when it is empty.
+trait PopInto {
+    fn pop_into(&mut self, buf: &mut [TensorBlockDescriptor]) -> Result<usize, BoxError>;
 }
 
-#[inline(never)] // a separate symbol, so its code can be inspected with objdump
-fn consume_batched(
-    c: &mut Consumer,
+/// The real ring, one `try_pop` per frame.
+struct PerMessage<'a>(&'a mut Consumer);
+
+impl PopInto for PerMessage<'_> {
+    #[inline(always)]
+    fn pop_into(&mut self, buf: &mut [TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        Ok(match self.0.try_pop()? {
+            Some(f) => {
+                buf[0] = f;
+                1
+            }
+            None => 0,
+        })
+    }
+}
+
+/// The real ring, one `pop_batch` per call.
+struct Batched<'a>(&'a mut Consumer);
+
+impl PopInto for Batched<'_> {
+    #[inline(always)]
+    fn pop_into(&mut self, buf: &mut [TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        Ok(self.0.pop_batch(buf)?)
+    }
+}
+
+impl PopInto for NaiveRing {
+    #[inline(always)]
+    fn pop_into(&mut self, buf: &mut [TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        Ok(match self.try_pop() {
+            Some(f) => {
+                buf[0] = f;
+                1
+            }
+            None => 0,
+        })
+    }
+}
+
+impl PopInto for PlainCopyRing {
+    #[inline(always)]
+    fn pop_into(&mut self, buf: &mut [TensorBlockDescriptor]) -> Result<usize, BoxError> {
+        self.pop_batch(buf)
+    }
+}
+
+/// The child's consumer loop, one per ring kind (monomorphised): pops `n`
+/// frames (up to `batch` a call), checks their sequence numbers and returns
+/// their sum; spins while the ring is empty, checking the parent every
+/// [`CHECK_EVERY`] empty polls.
+#[inline(never)] // a separate symbol per ring kind, so its code can be inspected with objdump
+fn consume<R: PopInto>(
+    r: &mut R,
     batch: usize,
     n: u64,
     alive: &impl Fn() -> Result<(), BoxError>,
 ) -> Result<u64, BoxError> {
-    let mut buf = vec![TensorBlockDescriptor::default(); batch];
+    let mut buf = vec![TensorBlockDescriptor::default(); batch.max(1)];
     let (mut i, mut sum, mut empty) = (0u64, 0u64, 0u32);
     while i < n {
-        let k = c.pop_batch(&mut buf)?;
+        let k = r.pop_into(&mut buf)?;
         if k == 0 {
             empty = empty.wrapping_add(1);
             if empty & (CHECK_EVERY - 1) == 0 {
@@ -975,30 +957,6 @@ fn consume_batched(
             }
             sum = sum.wrapping_add(f.offset);
             i += 1;
-        }
-    }
-    Ok(sum)
-}
-
-#[inline(never)] // a separate symbol, so its code can be inspected with objdump
-fn consume_naive(r: &mut NaiveRing, n: u64, alive: &impl Fn() -> Result<(), BoxError>) -> Result<u64, BoxError> {
-    let (mut i, mut sum, mut empty) = (0u64, 0u64, 0u32);
-    while i < n {
-        match r.try_pop() {
-            Some(f) => {
-                if f.offset != i {
-                    return Err(out_of_order(i, f.offset));
-                }
-                sum = sum.wrapping_add(f.offset);
-                i += 1;
-            }
-            None => {
-                empty = empty.wrapping_add(1);
-                if empty & (CHECK_EVERY - 1) == 0 {
-                    alive()?;
-                }
-                std::hint::spin_loop();
-            }
         }
     }
     Ok(sum)
