@@ -68,14 +68,14 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: harness/
+from harness.daemon import Daemon  # noqa: E402
 
 BLOCK_BYTES = 4096  # one page: capacity in blocks is exact
 POLICIES = ("lru", "chain")
@@ -188,52 +188,6 @@ def ideal_served(trace: Trace) -> List[int]:
 
 
 # --- the daemon ----------------------------------------------------------------
-
-
-class Daemon:
-    """``kachedb serve`` for one run, on a private socket; stopped by its PID."""
-
-    def __init__(self, binary: str, size_bytes: int, policy: str) -> None:
-        import kachedb
-
-        self.dir = tempfile.mkdtemp(prefix="kachedb-evict-")
-        self.socket = os.path.join(self.dir, "d.sock")
-        self.log = os.path.join(self.dir, "daemon.log")
-        argv = [binary, "serve", "--socket", self.socket, "--size", str(size_bytes), "--eviction", policy,
-                "--headroom", "0"]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {self.proc.returncode}: {self._tail()}")
-            if os.path.exists(self.socket):
-                try:
-                    kachedb.connect(self.socket).close()
-                    return
-                except kachedb.Disconnected:
-                    pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the daemon did not come up: {self._tail()}")
-            time.sleep(0.02)
-
-    def _tail(self) -> str:
-        try:
-            with open(self.log, "rb") as f:
-                return f.read()[-2000:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # --- one run -------------------------------------------------------------------
@@ -489,7 +443,8 @@ def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: 
     import kachedb
 
     blocks = max(1, round(capacity * working_set))
-    d = Daemon(binary, blocks * BLOCK_BYTES, policy)
+    d = Daemon(size=blocks * BLOCK_BYTES, extra=["--eviction", policy, "--headroom", "0"], binary=binary,
+               ready_timeout_s=60).start()
     try:
         with kachedb.connect(d.socket) as kc:
             st = kc.stats()

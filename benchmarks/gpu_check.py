@@ -25,11 +25,13 @@ saying so, without it)::
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: harness/
+from harness.daemon import Daemon  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,16 +166,9 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="kachedb-gpu-")
     sock = os.path.join(tmp, "k.sock")
-    log = open(os.path.join(tmp, "daemon.log"), "wb")
-    d = subprocess.Popen([a.bin, "serve", "--socket", sock, "--size", a.size], stdout=log, stderr=log,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
+    d = Daemon(sock, a.size, binary=a.bin, ready_timeout_s=120).start()
     out = {"gpu": torch.cuda.get_device_name(0), "region": a.size}
     try:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(sock):
-            if d.poll() is not None or time.monotonic() > deadline:
-                sys.exit("daemon did not start: " + open(os.path.join(tmp, "daemon.log")).read())
-            time.sleep(0.05)
         with kachedb.connect(sock) as kc:
             t = time.perf_counter()
             kc.register_cuda()
@@ -185,8 +180,7 @@ def main():
             st = kc.stats()
         out["daemon_after"] = {k: st[k] for k in ("pins", "reserved", "blocks")}
     finally:
-        d.terminate()
-        d.wait()
+        d.stop()
     if a.json:
         print(json.dumps(out, indent=1))
     else:

@@ -28,13 +28,13 @@ import argparse
 import gc
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: harness/
+from harness.daemon import Daemon  # noqa: E402
 
 __all__ = ["main"]
 
@@ -110,7 +110,7 @@ def _pinned_get_rtt(daemon_cpu: int, client_cpu: int, iters: int, reps: int) -> 
     daemon = None
     try:
         os.sched_setaffinity(0, {daemon_cpu})
-        daemon = _Daemon(64 * MiB)
+        daemon = Daemon(size=64 * MiB).start()
         os.sched_setaffinity(0, {client_cpu})
         with kachedb.connect(daemon.socket) as kc:
             kc.put(b"pinned", torch.zeros(2048, dtype=torch.float16))
@@ -119,48 +119,6 @@ def _pinned_get_rtt(daemon_cpu: int, client_cpu: int, iters: int, reps: int) -> 
         os.sched_setaffinity(0, original)
         if daemon is not None:
             daemon.stop()
-
-
-class _Daemon:
-    """A private ``kachedb serve`` for the run, on a temporary socket."""
-
-    def __init__(self, size: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kachedb-bench-")
-        self.socket = os.path.join(self.dir, "bench.sock")
-        self.log = os.path.join(self.dir, "daemon.log")
-        argv = [sys.executable, "-m", "kachedb", "serve", "--socket", self.socket, "--size", str(size)]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        from kachedb import Disconnected
-        from kachedb import _kachedb_rust as native
-
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                with open(self.log, "rb") as f:
-                    tail = f.read()[-2000:].decode(errors="replace")
-                self.stop()
-                raise RuntimeError(f"the benchmark's daemon exited with code {self.proc.returncode}:\n{tail}")
-            if os.path.exists(self.socket):
-                try:
-                    native.NativeClient.connect(self.socket)
-                    return
-                except Disconnected:
-                    pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the benchmark's daemon did not come up on {self.socket}")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _Out:
@@ -232,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
     daemon = None
     if args.socket is None:
-        daemon = _Daemon(max([put_bytes * 2 if put_ok else 0] + fitting) + 64 * MiB)
+        daemon = Daemon(size=max([put_bytes * 2 if put_ok else 0] + fitting) + 64 * MiB, ready_timeout_s=60).start()
         socket = daemon.socket
     else:
         socket = args.socket

@@ -34,40 +34,15 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def start_daemon(sock: str, size: str) -> subprocess.Popen:
-    binary = os.environ.get("KACHEDB_BIN") or str(ROOT / "target" / "release" / "kachedb")
-    if not os.path.exists(binary):
-        sys.exit(f"{binary} is missing: cargo build --release -p kachedb-cli (or make build)")
-    log = open(sock + ".log", "wb")
-    p = subprocess.Popen([binary, "serve", "--socket", sock, "--size", size], stdout=log, stderr=log,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(sock):
-        if p.poll() is not None or time.monotonic() > deadline:
-            sys.exit(f"the daemon did not start: {open(sock + '.log').read()[-2000:]}")
-        time.sleep(0.05)
-    return p
-
-
-def stop_daemon(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+sys.path.insert(0, str(ROOT))  # harness/
+from harness.daemon import Daemon, built_binary  # noqa: E402
 
 
 def main() -> int:
@@ -100,7 +75,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kachedb-sglang-bench-")
     file_dir = a.file_dir or os.path.join(tmp, "hicache-files")
     sock = os.path.join(tmp, "kachedb.sock")
-    daemon = start_daemon(sock, a.daemon_size)
+    daemon = Daemon(sock, a.daemon_size, binary=built_binary()).start()
     rng = random.Random(0)
     results = {}
     try:
@@ -209,7 +184,7 @@ def main() -> int:
             results[layout] = res
             kdb.close()
     finally:
-        stop_daemon(daemon)
+        daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
     out = {

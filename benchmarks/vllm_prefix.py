@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: harness/
+from harness.daemon import Daemon  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -117,22 +120,14 @@ def main():
     prompts = [[rng.randrange(8192) for _ in range(a.tokens)] for _ in range(a.reps)]
     max_len = max(4096, a.tokens + 64)
     sock = os.path.join(tmp, "kachedb.sock")
-    log = open(os.path.join(tmp, "daemon.log"), "wb")
-    daemon = subprocess.Popen([a.bin, "serve", "--socket", sock, "--size", "2GiB"], stdout=log, stderr=log,
-                              stdin=subprocess.DEVNULL, start_new_session=True)
+    daemon = Daemon(sock, "2GiB", binary=a.bin).start()
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(sock):
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                sys.exit("the daemon did not start: " + open(os.path.join(tmp, "daemon.log")).read())
-            time.sleep(0.05)
         common = dict(model=model, max_model_len=max_len, prompts=prompts, options={"store_mode": a.store_mode})
         base = run_engine(tmp, "baseline", dict(common, socket=None, repeat=True))
         writer = run_engine(tmp, "writer", dict(common, socket=sock, repeat=True))
         reader = run_engine(tmp, "reader", dict(common, socket=sock))
     finally:
-        daemon.terminate()
-        daemon.wait()
+        daemon.stop()
 
     med = lambda xs: statistics.median(xs)
     cold_plain = med([r["first"][0] for r in base["runs"]])

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
 
-import kachedb
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # harness/
+from harness.daemon import Daemon  # noqa: E402
+
+import kachedb  # noqa: E402
 
 pytest.importorskip("torch")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "python_ops.py")
 
 
@@ -29,30 +28,8 @@ def run_bench(*args, timeout=280):
 @pytest.fixture
 def daemon():
     """A 16 MiB daemon on a private socket, stopped afterwards."""
-    d = tempfile.mkdtemp(prefix="kdbops-", dir="/tmp")
-    sock = os.path.join(d, "d.sock")
-    with open(os.path.join(d, "daemon.log"), "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kachedb", "serve", "--socket", sock, "--size", "16MiB"],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"the test daemon exited with {proc.returncode}"
-            try:
-                kachedb.connect(sock).close()
-                break
-            except kachedb.Disconnected:
-                assert time.monotonic() < deadline, "the test daemon did not come up within 30 s"
-                time.sleep(0.01)
-        yield sock
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(d, ignore_errors=True)
+    with Daemon(size="16MiB") as d:
+        yield d.socket
 
 
 @pytest.mark.timeout(300, method="thread")

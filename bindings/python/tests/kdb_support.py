@@ -5,112 +5,34 @@ torch is imported only inside the functions that need it)."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, List
 
 import kachedb
 
-PR_SET_PDEATHSIG = 1
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: harness/
+from harness import daemon as _harness  # noqa: E402
+
+_die_with_parent = _harness._die_with_parent
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    # If the test process dies (a hard timeout, a crash), its daemons follow it
-    # instead of lingering with a socket in /tmp.
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except Exception:
-        pass
-
-
-class Daemon:
-    """A `python -m kachedb serve` process on a private temporary socket."""
+class Daemon(_harness.Daemon):
+    """``python -m kachedb serve`` (the installed package; ``$KACHEDB_BIN`` when
+    set) on a private temporary socket, started at once; ``stop()`` checks that
+    it stopped cleanly unless told otherwise."""
 
     def __init__(self, size: str = "64MiB", *extra: str) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kdbpy-", dir="/tmp")
-        self.socket = os.path.join(self.dir, "d.sock")
-        self.log_path = os.path.join(self.dir, "daemon.log")
-        self.size = size
-        log = open(self.log_path, "wb")
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kachedb", "serve", "--socket", self.socket, "--size", size, *extra],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        finally:
-            log.close()
-        self._wait_ready(30.0)
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-4000:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the test daemon exited with {self.proc.returncode}:\n{self.log()}")
-            if os.path.exists(self.socket):
-                try:
-                    kachedb._kachedb_rust.NativeClient.connect(self.socket)
-                    return
-                except kachedb.Disconnected:
-                    pass
-            time.sleep(0.01)
-        self.stop(check=False)
-        raise RuntimeError(f"the test daemon did not come up within {timeout} s:\n{self.log()}")
-
-    def connect(self) -> kachedb.Client:
-        return kachedb.connect(self.socket)
-
-    def stats(self) -> dict:
-        """The daemon's stats, through one observer client kept for the purpose."""
-        if getattr(self, "_observer", None) is None:
-            self._observer = self.connect()
-        return self._observer.stats()
+        super().__init__(size=size, extra=extra)
+        self.dir = self._own_dir
+        self.start()
 
     def stop(self, check: bool = True) -> None:
-        """SIGTERM, then SIGKILL after 15 s. With ``check``: the daemon must have
-        stopped cleanly (exit 0 on SIGTERM) and removed its socket and lock file."""
-        problems: List[str] = []
-        observer, self._observer = getattr(self, "_observer", None), None
-        if observer is not None:
-            observer.close()
-            del observer
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                problems.append("the daemon ignored SIGTERM for 15 s and was killed")
-                self.proc.kill()
-                self.proc.wait()
-        elif check:
-            problems.append(f"the daemon died during the tests (exit code {self.proc.returncode})")
-        if self.proc.returncode != 0 and not problems:
-            problems.append(f"the daemon exited with code {self.proc.returncode} on SIGTERM")
-        for leftover in (self.socket, self.socket + ".lock"):
-            if os.path.exists(leftover):
-                problems.append(f"{leftover} was left behind")
-        log = self.log()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if check and problems:
-            raise AssertionError("; ".join(problems) + "\n--- daemon log ---\n" + log)
+        super().stop(check=check)
 
 
 def poll_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
