@@ -10,6 +10,7 @@ use crate::metrics::Metrics;
 use crate::remote::RemoteTier;
 use crate::serve::{Serve, ServeState};
 use crate::store::Store;
+use crate::tier::Tier;
 use kachedb_shm::region::{CreateOptions, Layout};
 use kachedb_shm::{Region, RegionError, SpinThenPark};
 use std::net::SocketAddr;
@@ -128,7 +129,8 @@ pub struct Daemon {
     shutdown: Arc<AtomicBool>,
     control: Option<std::thread::JoinHandle<Option<i32>>>,
     metrics: Arc<Metrics>,
-    remote: Option<RemoteTier>,
+    /// The tiers behind the megaslab, in order.
+    tiers: Vec<Box<dyn Tier>>,
     /// The metrics endpoint's thread and bound address.
     http: Option<(std::thread::JoinHandle<()>, SocketAddr)>,
     _lock: crate::lock::InstanceLock,
@@ -383,7 +385,7 @@ impl Daemon {
             shutdown,
             control,
             metrics,
-            remote,
+            tiers,
             http,
             _lock: lock,
             started,
@@ -405,7 +407,7 @@ impl Daemon {
         }
         let handed_over = serve
             .with_full_checks(cfg.check_invariants)
-            .with_remote(remote)
+            .with_tiers(tiers)
             .with_stuck_client_timeout(cfg.stuck_client_timeout)
             .run();
         if handed_over {
@@ -475,10 +477,11 @@ impl Parts {
             // the node is healthy from the first scrape on.
             metrics.set_health(crate::metrics::Health::HandingOver);
         }
-        let remote = match &cfg.remote {
-            Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
-            None => None,
-        };
+        let mut tiers: Vec<Box<dyn Tier>> = Vec::new();
+        if let Some(rc) = &cfg.remote {
+            let events = tx.tier_events(tiers.len());
+            tiers.push(Box::new(RemoteTier::start(rc.clone(), region.clone(), events, metrics.clone())?));
+        }
         let control = spawn_control(
             control::Control {
                 listener,
@@ -512,7 +515,7 @@ impl Parts {
             shutdown,
             control: Some(control),
             metrics,
-            remote,
+            tiers,
             http,
             _lock: lock,
             started,

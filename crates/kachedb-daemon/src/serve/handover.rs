@@ -5,7 +5,6 @@
 //! state handed over ([`Serve::restore`]).
 
 use super::session::{unpark_fetch, Session};
-use super::tiers::RemoteSide;
 use super::Serve;
 use crate::metrics::Health;
 use crate::store::{SessionId, Store};
@@ -13,7 +12,7 @@ use crate::waits::Waiter;
 use kachedb_shm::control::ServeStats;
 use kachedb_shm::TensorBlockDescriptor;
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
@@ -32,7 +31,7 @@ pub(crate) struct ChannelState {
     pub held: Vec<Vec<u8>>,
     pub waiting: bool,
     pub kicked: bool,
-    /// Keys already asked of the remote tier for the held frames.
+    /// Keys already asked of a tier for the held frames.
     pub remote_asked: HashSet<u128>,
 }
 
@@ -119,17 +118,13 @@ impl Serve {
         self
     }
 
-    /// Stops for a takeover: stops the remote tier (dropping its session),
-    /// ends remote fetches channels are parked on, sends the serialized
-    /// state on `state` and waits for `outcome`. Resumes (restarting the
-    /// tier) unless told to stop for good.
+    /// Stops for a takeover: stops the tiers (dropping their sessions),
+    /// ends the fetches channels are parked on, sends the serialized state
+    /// on `state` and waits for `outcome`. Resumes (restarting the tiers)
+    /// unless told to stop for good.
     pub(super) fn hand_over(&mut self, state: Sender<Result<Vec<u8>, String>>, outcome: Receiver<bool>) {
         self.metrics.set_health(Health::HandingOver);
-        let stopped = self.remote.take().map(|r| {
-            let tier = r.tier.stop();
-            self.store.close_session(r.session);
-            (tier, r.next_fetch)
-        });
+        let stopped = self.tiers.stop(&mut self.store);
         for s in self.sessions.iter_mut().flatten() {
             if s.fetch.is_some() {
                 unpark_fetch(s);
@@ -145,20 +140,7 @@ impl Serve {
         }
         tracing::info!("takeover did not happen; serving on");
         self.metrics.set_health(Health::Serving);
-        if let Some((tier, next_fetch)) = stopped {
-            match tier.start() {
-                Ok(tier) => {
-                    self.remote = Some(RemoteSide {
-                        tier,
-                        session: self.store.open_internal_session(),
-                        next_fetch,
-                        pending: HashMap::new(),
-                        work: VecDeque::new(),
-                    })
-                }
-                Err(e) => tracing::error!("the remote tier did not restart after a failed takeover: {e}"),
-            }
-        }
+        self.tiers.resume(stopped, &mut self.store);
     }
 
     /// The serve loop's state for a takeover.

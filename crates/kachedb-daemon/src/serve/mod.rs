@@ -4,8 +4,8 @@
 //! submissions from each ring that has work (as many as the client's
 //! completion ring has room for), answers them from the [`Store`], publishes
 //! the completions once per batch and wakes the client only if it parked;
-//! then it does one slice of the remote tier's queued fill work (reservations
-//! and commits, `tiers::REMOTE_SLICE` blocks), so a long fill never holds the
+//! then it does one slice of the tiers' queued fill work (reservations and
+//! commits, [`tiers::TIER_SLICE`] blocks), so a long fill never holds the
 //! rings. With no work it waits by the daemon's [`SpinThenPark`] policy on the
 //! region doorbell, which the clients ring after publishing and the control
 //! thread after queueing an event (idle CPU ~0 %).
@@ -28,14 +28,14 @@ use crate::store::Store;
 use crate::waits::Waits;
 use kachedb_shm::control::ServeStats;
 use kachedb_shm::{Completion, Op, Region, SpinThenPark, Stats, Status, TensorBlockDescriptor, Tick, WaitState};
-use session::{answer_wait, Session};
+use session::{answer_wait, unpark_fetch, wake_waits, Session};
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tiers::RemoteSide;
+use tiers::{FetchDone, Tiers};
 
 /// Frames handled per channel per pass (bounds latency for the others).
 const BATCH: usize = 64;
@@ -73,8 +73,8 @@ pub(crate) struct Serve {
     /// The spin budget learnt from the idle waits (yield at once when clients
     /// share the daemon's core).
     wait_state: WaitState,
-    /// The remote tier, if the daemon has one.
-    remote: Option<RemoteSide>,
+    /// The tiers behind the megaslab (`crate::tier`), if any.
+    tiers: Tiers,
     /// Run the store's full `O(n log n)` invariant check for every stats
     /// answer (`kachedb serve --check-invariants`, tests); otherwise stats
     /// make only the `O(1)` cross-checks of [`Store::check_counters`], so a
@@ -122,7 +122,7 @@ impl Serve {
             out: Vec::with_capacity(BATCH),
             waits,
             wait_state: WaitState::new(),
-            remote: None,
+            tiers: Tiers::default(),
             full_checks: false,
             stuck_timeout: None,
             handed_over: false,
@@ -174,6 +174,12 @@ impl Serve {
         self
     }
 
+    /// Serves with `tiers` behind the store, in order (`crate::tier`).
+    pub(crate) fn with_tiers(mut self, tiers: Vec<Box<dyn crate::tier::Tier>>) -> Serve {
+        self.tiers = Tiers::new(tiers, &mut self.store);
+        self
+    }
+
     /// Serves until the shutdown flag is set, then closes every channel; or
     /// until a new daemon took over (then returns `true`, touching nothing).
     pub(crate) fn run(mut self) -> bool {
@@ -194,7 +200,7 @@ impl Serve {
             // Idle: wait by the policy on the doorbell, parking no later than
             // the next WAIT deadline.
             let ops = self.counters.ops;
-            let deadline = [self.waits.next_deadline(), self.next_fetch_deadline(), self.next_stuck_deadline()]
+            let deadline = [self.waits.next_deadline(), self.tiers.next_fetch_deadline(), self.next_stuck_deadline()]
                 .into_iter()
                 .flatten()
                 .min();
@@ -266,10 +272,10 @@ impl Serve {
         if !self.waits.is_empty() {
             did_work |= self.expire_waits();
         }
-        if self.remote.as_ref().is_some_and(|r| !r.pending.is_empty()) {
+        if self.tiers.fetching() {
             did_work |= self.expire_fetches();
         }
-        did_work |= self.remote_slice();
+        did_work |= self.tier_slice();
         did_work |= self.kick_stuck();
         if !self.stats_waiting.is_empty() {
             // Answer stats only after serving every frame published before
@@ -302,8 +308,44 @@ impl Serve {
             &mut self.counters,
             &mut self.metrics,
             &mut self.waits,
-            &mut self.remote,
+            &mut self.tiers,
         )
+    }
+
+    /// Unparks the channels whose fetch never came back in time (their held
+    /// frames are then answered from what is local); whether any.
+    fn expire_fetches(&mut self) -> bool {
+        let expired = self.tiers.expire(Instant::now());
+        let any = !expired.is_empty();
+        self.fetches_done(expired);
+        any
+    }
+
+    /// Does a slice of the tiers' fill work and serves the channels of the
+    /// fetches it completes; whether any work was done.
+    fn tier_slice(&mut self) -> bool {
+        let mut done = Vec::new();
+        let did = self.tiers.slice(&mut self.store, &mut done);
+        self.fetches_done(done);
+        did
+    }
+
+    /// Unparks the channels of fetches that are over (their held frames are
+    /// served again from the next pass on) and answers the WAITs on the keys
+    /// they committed.
+    fn fetches_done(&mut self, done: Vec<FetchDone>) {
+        for FetchDone { fetch, channel, mut committed } in done {
+            let s = channel.and_then(|ch| self.sessions.get_mut(ch as usize)).and_then(Option::as_mut);
+            if let Some(s) = s.filter(|s| s.fetch.as_ref().is_some_and(|f| f.id == fetch)) {
+                let started = unpark_fetch(s);
+                if !committed.is_empty() {
+                    self.metrics.remote_fill(started.elapsed().as_micros() as u64);
+                }
+            }
+            if !committed.is_empty() && !self.waits.is_empty() {
+                wake_waits(&mut self.store, &mut self.sessions, &mut self.waits, &mut committed, &mut self.counters);
+            }
+        }
     }
 
     /// Answers `TIMED_OUT` to the WAITs whose deadline passed; whether any.
@@ -366,7 +408,7 @@ impl Serve {
                 }
             }
             Event::Stats(reply) => self.stats_waiting.push(reply),
-            Event::Remote(ev) => self.on_remote(ev),
+            Event::Tier { tier, event } => self.tiers.on_event(&mut self.store, tier, event),
             Event::Takeover { state, outcome } => {
                 self.hand_over(state, outcome);
                 if self.handed_over {

@@ -1,9 +1,9 @@
 //! One channel's session as the serve loop holds it ([`Session`]) and the
 //! serving of it: a pass over every channel ([`serve_all`]) answers each
 //! one's batch of requests from the store ([`serve_channel`]), parks WAITs
-//! and remote misses, and answers the WAITs that commits wake.
+//! and local misses, and answers the WAITs that commits wake.
 
-use super::tiers::RemoteSide;
+use super::tiers::Tiers;
 use super::BATCH;
 use crate::metrics::MetricsWriter;
 use crate::store::{SessionId, Store};
@@ -34,9 +34,9 @@ pub(super) struct Session {
     /// Request frames popped after a WAIT that parked, served (before any
     /// newer frame) once it is answered.
     pub(super) held: Vec<TensorBlockDescriptor>,
-    /// The remote fetch this channel is parked on (`waiting` is set too).
+    /// The fetch this channel is parked on (`waiting` is set too).
     pub(super) fetch: Option<PendingFetch>,
-    /// Keys the remote tier was asked for while this channel's held frames
+    /// Keys a tier was asked for while this channel's held frames
     /// are served: a local miss of one of them is answered, not fetched again.
     pub(super) remote_asked: HashSet<u128>,
     /// Since when requests of this channel wait for room in its completion
@@ -44,7 +44,7 @@ pub(super) struct Session {
     pub(super) stuck_since: Option<Instant>,
 }
 
-/// A remote fetch a channel is parked on.
+/// A fetch (from a tier) a channel is parked on.
 pub(super) struct PendingFetch {
     pub(super) id: u64,
     pub(super) keys: Vec<u128>,
@@ -102,7 +102,7 @@ pub(super) fn serve_all(
     counters: &mut ServeStats,
     metrics: &mut MetricsWriter,
     waits: &mut Waits,
-    remote: &mut Option<RemoteSide>,
+    tiers: &mut Tiers,
 ) -> bool {
     let mut did_work = false;
     let mut committed = Vec::new();
@@ -111,7 +111,7 @@ pub(super) fn serve_all(
         if s.kicked {
             continue;
         }
-        let served = serve_channel(store, s, ch as u32, req, out, counters, metrics, waits, remote, &mut committed);
+        let served = serve_channel(store, s, ch as u32, req, out, counters, metrics, waits, tiers, &mut committed);
         if !committed.is_empty() {
             wake_waits(store, sessions, waits, &mut committed, counters);
         }
@@ -158,7 +158,7 @@ pub(super) fn wake_waits(
     }
 }
 
-/// Ends the remote fetch `s` is parked on: its held frames are served again
+/// Ends the fetch `s` is parked on: its held frames are served again
 /// from the next pass on, answering the keys it asked for from what is local
 /// now. When it started.
 pub(super) fn unpark_fetch(s: &mut Session) -> Instant {
@@ -190,9 +190,10 @@ pub(super) fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeSt
 /// Handles what one channel has, bounded by room in its completion ring.
 /// A WAIT for an absent key parks (in `waits`; the frames after it are held),
 /// and the keys of the COMMITs served are added to `committed` while any WAIT
-/// is parked. With a remote tier, each block committed is queued for writing,
-/// and a GET or LOOKUP that misses locally parks the channel the same way
-/// while the remote tier fetches the batch's local-miss tail.
+/// is parked. With tiers behind the megaslab, each block committed is offered
+/// to them for writing behind, and a GET or LOOKUP that misses locally parks
+/// the channel the same way while the first tier fetches the batch's
+/// local-miss tail.
 #[allow(clippy::too_many_arguments)] // the serve loop's parts
 pub(super) fn serve_channel(
     store: &mut Store,
@@ -203,7 +204,7 @@ pub(super) fn serve_channel(
     counters: &mut ServeStats,
     metrics: &mut MetricsWriter,
     waits: &mut Waits,
-    remote: &mut Option<RemoteSide>,
+    tiers: &mut Tiers,
     committed: &mut Vec<u128>,
 ) -> Result<usize, RingError> {
     // First flush completions that did not fit last time.
@@ -244,8 +245,8 @@ pub(super) fn serve_channel(
     for (i, frame) in req[..n].iter().enumerate() {
         counters.ops += 1;
         let c = match Request::decode(frame) {
-            Ok(r @ (Request::Commit { handle, .. } | Request::CommitPin { handle, .. }))
-                if !waits.is_empty() || remote.is_some() =>
+            Ok(r @ (Request::Commit { handle, parent } | Request::CommitPin { handle, parent }))
+                if !waits.is_empty() || !tiers.is_empty() =>
             {
                 let key = store.reservation_key(s.session, handle);
                 let c = store.handle(s.session, frame.request_id, &r);
@@ -253,16 +254,16 @@ pub(super) fn serve_channel(
                     if !waits.is_empty() {
                         committed.push(key);
                     }
-                    if let Some(tier) = remote.as_mut() {
-                        tier.queue_write(store, key);
+                    if !tiers.is_empty() {
+                        tiers.write_behind(store, key, parent);
                     }
                 }
                 c
             }
             Ok(r @ (Request::Get { key } | Request::Lookup { key }))
-                if remote.is_some() && !s.remote_asked.contains(&key) && store.peek(key).is_none() =>
+                if !tiers.is_empty() && !s.remote_asked.contains(&key) && store.peek(key).is_none() =>
             {
-                // A local miss: ask the remote tier for it and for every
+                // A local miss: ask the first tier for it and for every
                 // other local miss of this batch after it (a chain's tail,
                 // read in one round), and serve this frame and the rest of
                 // the batch again once the fill is in.
@@ -274,8 +275,7 @@ pub(super) fn serve_channel(
                         }
                     }
                 }
-                if let Some(rs) = remote.as_mut() {
-                    let id = rs.start_fetch(channel, keys.clone());
+                if let Some(id) = tiers.start_fetch(channel, keys.clone()) {
                     s.fetch = Some(PendingFetch { id, keys, started: Instant::now() });
                     s.waiting = true;
                     s.held.splice(0..0, req[i..n].iter().copied());
