@@ -36,14 +36,10 @@
 use kachedb_shm::control::{
     self, ControlRequest, LineBuffer, Reply, TakeoverDone, TakeoverOffer, TakeoverVerdict, TAKEOVER_FDS_PER_BATCH,
 };
-use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
-};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
-use std::io::{IoSlice, IoSliceMut, Write};
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::io::Write;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -172,17 +168,12 @@ fn io(e: impl std::fmt::Display) -> String {
 
 /// Writes `bytes` with `fds` attached to its first byte, by `by`.
 fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>], by: Deadline) -> Result<(), String> {
-    let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(TAKEOVER_FDS_PER_BATCH + 4))];
-    let mut cmsg = SendAncillaryBuffer::new(&mut space);
-    if !fds.is_empty() && !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
-        return Err("too many fds for one message".into());
-    }
     let n = loop {
         by.arm(stream)?;
-        match rustix::net::sendmsg(stream.as_fd(), &[IoSlice::new(bytes)], &mut cmsg, SendFlags::NOSIGNAL) {
+        match kachedb_shm::fdpass::send_with_fds(stream, bytes, fds) {
             Ok(n) => break n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(by.error("sending", e.into())),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(by.error("sending", e)),
         }
     };
     // The fds went with the first byte; the rest is plain data.
@@ -220,30 +211,23 @@ impl<'a> FdReader<'a> {
 
     fn fill(&mut self) -> Result<(), String> {
         let mut tmp = vec![0u8; 1 << 16];
-        let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(253))];
-        let mut cmsg = RecvAncillaryBuffer::new(&mut space);
-        let r = loop {
+        let n = loop {
             self.by.arm(self.stream)?;
-            match rustix::net::recvmsg(
-                self.stream.as_fd(),
-                &mut [IoSliceMut::new(&mut tmp)],
-                &mut cmsg,
-                RecvFlags::CMSG_CLOEXEC,
+            match kachedb_shm::fdpass::recv_with_fds(
+                self.stream,
+                &mut tmp,
+                kachedb_shm::fdpass::MAX_FDS_PER_MESSAGE,
+                &mut self.fds,
             ) {
-                Ok(r) => break r,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(self.by.error("reading from the other daemon", e.into())),
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.by.error("reading from the other daemon", e)),
             }
         };
-        for m in cmsg.drain() {
-            if let RecvAncillaryMessage::ScmRights(fds) = m {
-                self.fds.extend(fds);
-            }
-        }
-        if r.bytes == 0 {
+        if n == 0 {
             return Err("the other daemon closed the connection".into());
         }
-        self.buf.extend_from_slice(&tmp[..r.bytes]);
+        self.buf.extend_from_slice(&tmp[..n]);
         Ok(())
     }
 
