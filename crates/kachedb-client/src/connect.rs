@@ -5,9 +5,8 @@
 use crate::error::{ClientError, Result};
 use kachedb_shm::control::{self, ControlRequest, HelloReply, LineBuffer, Reply, StatsReply};
 use kachedb_shm::{SpinThenPark, Stats};
-use std::io::{BufReader, IoSliceMut, Write};
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
+use std::io::{BufReader, Write};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -174,36 +173,27 @@ pub(crate) fn hello(stream: &UnixStream) -> Result<(HelloReply, OwnedFd)> {
 
 /// Reads one line, keeping the first fd passed with it.
 fn recv_with_fd(stream: &UnixStream) -> Result<(Vec<u8>, Option<OwnedFd>)> {
-    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
     let mut lines = LineBuffer::new();
-    let mut fd = None;
+    let mut fds = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
         if let Some(line) = lines.next_line() {
-            return Ok((line, fd));
+            return Ok((line, fds.into_iter().next()));
         }
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-        let mut cmsg = RecvAncillaryBuffer::new(&mut space);
-        let r =
-            rustix::net::recvmsg(stream.as_fd(), &mut [IoSliceMut::new(&mut buf)], &mut cmsg, RecvFlags::CMSG_CLOEXEC)
-                .map_err(|e| match e {
-                    rustix::io::Errno::AGAIN => ClientError::Untrusted(format!(
-                        "the daemon accepted the connection but did not answer hello within {:?}: it is stuck, or the socket is not a KacheDB daemon's",
-                        stream.read_timeout().ok().flatten().unwrap_or_default()
-                    )),
-                    e => ClientError::Disconnected(format!("reading the daemon's hello reply: {e}")),
-                })?;
-        for msg in cmsg.drain() {
-            if let RecvAncillaryMessage::ScmRights(fds) = msg {
-                for f in fds {
-                    fd.get_or_insert(f);
-                }
+        let n = kachedb_shm::fdpass::recv_with_fds(stream, &mut buf, 1, &mut fds).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                ClientError::Untrusted(format!(
+                    "the daemon accepted the connection but did not answer hello within {:?}: it is stuck, or the socket is not a KacheDB daemon's",
+                    stream.read_timeout().ok().flatten().unwrap_or_default()
+                ))
+            } else {
+                ClientError::Disconnected(format!("reading the daemon's hello reply: {e}"))
             }
-        }
-        if r.bytes == 0 {
+        })?;
+        if n == 0 {
             return Err(ClientError::Disconnected("the daemon closed the connection during hello".into()));
         }
-        lines.extend(&buf[..r.bytes]).map_err(|e| ClientError::Protocol(format!("hello reply: {e}")))?;
+        lines.extend(&buf[..n]).map_err(|e| ClientError::Protocol(format!("hello reply: {e}")))?;
     }
 }
 

@@ -22,10 +22,8 @@ use kachedb_shm::control::{
 };
 use kachedb_shm::Region;
 use rustix::event::{PollFd, PollFlags};
-use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use std::collections::HashMap;
-use std::io::{IoSlice, Read, Write};
-use std::mem::MaybeUninit;
+use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -274,9 +272,6 @@ fn accept_all(
                 ));
             }
             Ok((stream, _)) => {
-                // Not rustix's `socket_peercred`: its `UCred` holds a non-zero
-                // `Pid`, and the kernel reports pid 0 for a peer in a PID
-                // namespace we cannot see (another container).
                 let cred = match kachedb_shm::trust::peer_cred(&stream) {
                     Ok(c) => c,
                     Err(e) => {
@@ -573,12 +568,7 @@ fn hand_over(
 /// Writes `reply` with the region fd attached (`SCM_RIGHTS`).
 fn send_with_fd(stream: &UnixStream, reply: &Reply<HelloReply>, region: &Region) -> Result<(), control::LineError> {
     let bytes = control::to_line(reply)?;
-    let fds = [region.fd()];
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
-    let mut cmsg = SendAncillaryBuffer::new(&mut space);
-    cmsg.push(SendAncillaryMessage::ScmRights(&fds));
-    let n = rustix::net::sendmsg(stream.as_fd(), &[IoSlice::new(&bytes)], &mut cmsg, SendFlags::NOSIGNAL)
-        .map_err(std::io::Error::from)?;
+    let n = kachedb_shm::fdpass::send_with_fds(stream, &bytes, &[region.fd()])?;
     if n != bytes.len() {
         // The fd went with the first byte; the rest is plain data.
         let mut s = stream;

@@ -8,8 +8,9 @@ use crate::control::{self, Access};
 use crate::events::{self, Event};
 use crate::metrics::Metrics;
 use crate::remote::RemoteTier;
-use crate::serve::Serve;
+use crate::serve::{Serve, ServeState};
 use crate::store::Store;
+use crate::tier::Tier;
 use kachedb_shm::region::{CreateOptions, Layout};
 use kachedb_shm::{Region, RegionError, SpinThenPark};
 use std::net::SocketAddr;
@@ -128,7 +129,8 @@ pub struct Daemon {
     shutdown: Arc<AtomicBool>,
     control: Option<std::thread::JoinHandle<Option<i32>>>,
     metrics: Arc<Metrics>,
-    remote: Option<RemoteTier>,
+    /// The tiers behind the megaslab, in order.
+    tiers: Vec<Box<dyn Tier>>,
     /// The metrics endpoint's thread and bound address.
     http: Option<(std::thread::JoinHandle<()>, SocketAddr)>,
     _lock: crate::lock::InstanceLock,
@@ -139,8 +141,8 @@ pub struct Daemon {
 
 /// The serve loop's part of a takeover, taken up by [`Daemon::run`].
 struct Restored {
-    channels: Vec<crate::takeover::ChannelState>,
-    waits: Vec<crate::takeover::ParkedWait>,
+    channels: Vec<crate::serve::ChannelState>,
+    waits: Vec<crate::serve::ParkedWait>,
     counters: kachedb_shm::control::ServeStats,
     streams: std::collections::HashMap<u32, Arc<std::os::unix::net::UnixStream>>,
 }
@@ -278,17 +280,18 @@ impl Daemon {
     /// old daemon had no metrics listener) apply.
     pub fn take_over(cfg: ServeConfig, shutdown: Arc<AtomicBool>) -> Result<(Daemon, TakeoverSummary), ServeError> {
         let t0 = Instant::now();
-        let mut taken = crate::takeover::take(&cfg.socket_path, cfg.takeover_timeout)?;
+        let taken = crate::takeover::take(&cfg.socket_path, cfg.takeover_timeout)?;
         let received = t0.elapsed();
         let sock = cfg.socket_path.clone();
+        let mut serve = ServeState::decode(&taken.serve).map_err(|e| taken.refuse(&format!("serve state: {e}")))?;
         let region =
             Region::attach_lazily(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
                 .map_err(|e| taken.refuse(&format!("the region: {e}")))?;
-        if region.generation() != taken.serve.region_generation {
+        if region.generation() != serve.region_generation {
             return Err(taken.refuse("the region is not the one the state describes").into());
         }
         let layout = *region.layout();
-        let received_store = std::mem::replace(&mut taken.serve.store, Store::new(0, 0));
+        let received_store = std::mem::replace(&mut serve.store, Store::new(0, 0));
         let mut store = received_store
             .restore_checked(layout.slab_offset, layout.slab_len)
             .map_err(|e| taken.refuse(&format!("the store: {e}")))?;
@@ -322,7 +325,6 @@ impl Daemon {
         // The old daemon stops only now; until this returns it may resume.
         taken.confirm()?;
         let lock = crate::lock::InstanceLock::taken_over(lock_fd, &lock_path);
-        let serve = &taken.serve;
         let started = Instant::now().checked_sub(std::time::Duration::from_millis(serve.uptime_ms)).unwrap_or(t0);
         let summary = TakeoverSummary {
             old_pid: taken.old_pid,
@@ -383,7 +385,7 @@ impl Daemon {
             shutdown,
             control,
             metrics,
-            remote,
+            tiers,
             http,
             _lock: lock,
             started,
@@ -405,7 +407,7 @@ impl Daemon {
         }
         let handed_over = serve
             .with_full_checks(cfg.check_invariants)
-            .with_remote(remote)
+            .with_tiers(tiers)
             .with_stuck_client_timeout(cfg.stuck_client_timeout)
             .run();
         if handed_over {
@@ -475,10 +477,11 @@ impl Parts {
             // the node is healthy from the first scrape on.
             metrics.set_health(crate::metrics::Health::HandingOver);
         }
-        let remote = match &cfg.remote {
-            Some(rc) => Some(RemoteTier::start(rc.clone(), region.clone(), tx.clone(), metrics.clone())?),
-            None => None,
-        };
+        let mut tiers: Vec<Box<dyn Tier>> = Vec::new();
+        if let Some(rc) = &cfg.remote {
+            let events = tx.tier_events(tiers.len());
+            tiers.push(Box::new(RemoteTier::start(rc.clone(), region.clone(), events, metrics.clone())?));
+        }
         let control = spawn_control(
             control::Control {
                 listener,
@@ -512,7 +515,7 @@ impl Parts {
             shutdown,
             control: Some(control),
             metrics,
-            remote,
+            tiers,
             http,
             _lock: lock,
             started,

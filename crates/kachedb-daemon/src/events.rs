@@ -2,6 +2,7 @@
 //! an [`EventSender`] that rings the region doorbell after each one so a
 //! parked serve loop wakes and sees it.
 
+use crate::tier::{TierEvent, TierEvents, TierId};
 use kachedb_shm::{Region, Stats};
 use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -31,8 +32,13 @@ pub enum Event {
     /// Someone asked for stats; the answer goes back on this sender once
     /// every frame published before the question has been served.
     Stats(Sender<Stats>),
-    /// The remote tier's workers report (`crate::remote`).
-    Remote(crate::remote::RemoteEvent),
+    /// A tier behind the megaslab reports (`crate::tier`).
+    Tier {
+        /// Which tier.
+        tier: TierId,
+        /// What it reports.
+        event: TierEvent,
+    },
     /// A new daemon takes over (`crate::takeover`): the serve loop stops, sends
     /// its serialized state (or why it cannot) on `state`, and waits for
     /// `outcome`: `true`, stop for good; `false` (or the sender gone), resume.
@@ -60,6 +66,12 @@ impl EventSender {
         // serve loop's park, whose ready check looks at the queue: either the
         // loop sees the event there, or this sees PARKED and wakes it.
         self.region.doorbell().notify();
+    }
+
+    /// Where tier `tier` reports: this queue, as [`Event::Tier`].
+    pub fn tier_events(&self, tier: TierId) -> TierEvents {
+        let events = self.clone();
+        TierEvents::new(tier, move |tier, event| events.send(Event::Tier { tier, event }))
     }
 }
 

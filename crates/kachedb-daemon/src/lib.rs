@@ -6,8 +6,9 @@
 //! of those share only the channel pool ([`channels`]) and the event queue
 //! ([`events`]) from `control` to `serve`. Both also count into the
 //! [`metrics`] (atomics), which the optional HTTP endpoint ([`http`]) reads
-//! on its own threads. With `--remote`, the [`remote`] tier runs its own
-//! threads and reports to `serve` through the same event queue.
+//! on its own threads. The tiers behind the megaslab (with `--remote`, the
+//! [`remote`] tier) run their own threads; `serve` drives them through one
+//! interface ([`tier`]) and hears from them through the same event queue.
 #![warn(missing_docs)]
 
 pub mod alloc;
@@ -22,6 +23,7 @@ pub mod remote;
 mod serve;
 pub mod store;
 pub mod takeover;
+pub mod tier;
 mod waits;
 
 pub use daemon::{Daemon, Ended, ServeConfig, ServeError, TakeoverSummary};

@@ -33,24 +33,18 @@
 //! one stops before `Ready` is asked for and resumes only if `Ready` never
 //! came, and the new one serves only after `TakeoverDone` or the old one's death.
 
-use crate::store::{SessionId, Store};
-use kachedb_shm::control::ServeStats;
 use kachedb_shm::control::{
     self, ControlRequest, LineBuffer, Reply, TakeoverDone, TakeoverOffer, TakeoverVerdict, TAKEOVER_FDS_PER_BATCH,
 };
-use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
-};
 use serde::{Deserialize, Serialize};
-use std::collections::{HashSet, VecDeque};
-use std::io::{IoSlice, IoSliceMut, Write};
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::collections::VecDeque;
+use std::io::Write;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 /// The state format this build writes and reads: the serde data model of
-/// [`ServeState`] and [`ControlState`] (the store's tables included), encoded
+/// `crate::serve::ServeState` and [`ControlState`] (the store's tables included), encoded
 /// by [`encode`]. Any change to a serialized type, or to the encoding, must
 /// bump it.
 pub const STATE_VERSION: u32 = 2;
@@ -139,45 +133,6 @@ pub enum TakeoverError {
     },
 }
 
-/// One channel's session as the serve loop holds it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct ChannelState {
-    pub channel: u32,
-    pub session: SessionId,
-    pub pid: i32,
-    pub uid: u32,
-    /// Completions not yet pushed (64-byte frames).
-    pub backlog: Vec<Vec<u8>>,
-    /// Request frames popped behind a parked WAIT.
-    pub held: Vec<Vec<u8>>,
-    pub waiting: bool,
-    pub kicked: bool,
-    /// Keys already asked of the remote tier for the held frames.
-    pub remote_asked: HashSet<u128>,
-}
-
-/// A parked WAIT.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct ParkedWait {
-    pub channel: u32,
-    pub key: u128,
-    pub request_id: u32,
-    /// Milliseconds left before it times out; `None`: never.
-    pub left_ms: Option<u64>,
-}
-
-/// The serve loop's part of the state (written with `S = &Store`, read
-/// with `S = Store`).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct ServeState<S = Store> {
-    pub region_generation: u64,
-    pub store: S,
-    pub channels: Vec<ChannelState>,
-    pub waits: Vec<ParkedWait>,
-    pub counters: ServeStats,
-    pub uptime_ms: u64,
-}
-
 /// One control connection (its fd travels at the same index).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct ConnState {
@@ -213,17 +168,12 @@ fn io(e: impl std::fmt::Display) -> String {
 
 /// Writes `bytes` with `fds` attached to its first byte, by `by`.
 fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>], by: Deadline) -> Result<(), String> {
-    let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(TAKEOVER_FDS_PER_BATCH + 4))];
-    let mut cmsg = SendAncillaryBuffer::new(&mut space);
-    if !fds.is_empty() && !cmsg.push(SendAncillaryMessage::ScmRights(fds)) {
-        return Err("too many fds for one message".into());
-    }
     let n = loop {
         by.arm(stream)?;
-        match rustix::net::sendmsg(stream.as_fd(), &[IoSlice::new(bytes)], &mut cmsg, SendFlags::NOSIGNAL) {
+        match kachedb_shm::fdpass::send_with_fds(stream, bytes, fds) {
             Ok(n) => break n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(by.error("sending", e.into())),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(by.error("sending", e)),
         }
     };
     // The fds went with the first byte; the rest is plain data.
@@ -261,30 +211,23 @@ impl<'a> FdReader<'a> {
 
     fn fill(&mut self) -> Result<(), String> {
         let mut tmp = vec![0u8; 1 << 16];
-        let mut space = vec![MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(253))];
-        let mut cmsg = RecvAncillaryBuffer::new(&mut space);
-        let r = loop {
+        let n = loop {
             self.by.arm(self.stream)?;
-            match rustix::net::recvmsg(
-                self.stream.as_fd(),
-                &mut [IoSliceMut::new(&mut tmp)],
-                &mut cmsg,
-                RecvFlags::CMSG_CLOEXEC,
+            match kachedb_shm::fdpass::recv_with_fds(
+                self.stream,
+                &mut tmp,
+                kachedb_shm::fdpass::MAX_FDS_PER_MESSAGE,
+                &mut self.fds,
             ) {
-                Ok(r) => break r,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(self.by.error("reading from the other daemon", e.into())),
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.by.error("reading from the other daemon", e)),
             }
         };
-        for m in cmsg.drain() {
-            if let RecvAncillaryMessage::ScmRights(fds) = m {
-                self.fds.extend(fds);
-            }
-        }
-        if r.bytes == 0 {
+        if n == 0 {
             return Err("the other daemon closed the connection".into());
         }
-        self.buf.extend_from_slice(&tmp[..r.bytes]);
+        self.buf.extend_from_slice(&tmp[..n]);
         Ok(())
     }
 
@@ -380,7 +323,8 @@ pub(crate) struct Taken {
     pub listener: OwnedFd,
     pub lock: OwnedFd,
     pub metrics: Option<OwnedFd>,
-    pub serve: ServeState,
+    /// The serve loop's state, as encoded (`crate::serve::ServeState`).
+    pub serve: Vec<u8>,
     pub control: ControlState,
     /// In the order of `control.conns`.
     pub conns: Vec<OwnedFd>,
@@ -438,7 +382,6 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         }
         let serve = r.exact(usize::try_from(offer.serve_state_bytes).map_err(io)?)?;
         let control = r.exact(usize::try_from(offer.control_state_bytes).map_err(io)?)?;
-        let serve: ServeState = decode(&serve).map_err(|e| format!("serve state: {e}"))?;
         let control: ControlState = decode(&control).map_err(|e| format!("control state: {e}"))?;
         let want = 3 + usize::from(offer.metrics_listener) + offer.connections as usize;
         if r.fds.len() != want || control.conns.len() != offer.connections as usize {

@@ -1,20 +1,30 @@
-//! KacheDB shared-memory core.
+//! KacheDB shared-memory core, and the OS edges both sides of it share.
 //!
-//! One contract per module, no I/O policy:
+//! What the daemon and every client must agree on, one contract per module.
+//! The memory both map:
 //! * [`region`] — the sealed memfd region, its header and layout;
 //! * [`ring`] — the single-producer single-consumer ring with its 192-byte header;
 //! * [`descriptor`] — the 64-byte `TensorBlockDescriptor`, its encoders and checked decoders;
 //! * [`wait`] — the cross-process spin-then-park wait cell and wait policy;
-//! * [`fork`] — what a forked child may touch of its parent's regions (nothing);
-//! * [`control`] — the control socket's messages as types, and its line framing;
+//! * [`sync`] — where the atomics come from (std, or loom under the model checker);
+//! * [`fork`] — what a forked child may touch of its parent's regions (nothing).
+//!
+//! The control socket beside it:
+//! * [`control`] — its messages as types, and its line framing;
+//! * [`fdpass`] — file descriptors passed over it (`SCM_RIGHTS`), for the
+//!   daemon, the takeover and the client alike;
+//! * [`trust`] — who trusts whom on it: peer credentials, the socket directory rule;
 //! * [`naming`] — the socket path and region name both sides agree on;
 //! * [`units`] — byte counts as people write them (`8GiB`), parsed and printed.
 //!
+//! The socket calls here are single calls (one `sendmsg`, one `getsockopt`);
+//! timeouts, retries and what to do on failure stay with the callers.
 //! See `docs/PROTOCOL.md` for the wire contract.
 #![warn(missing_docs)]
 
 pub mod control;
 pub mod descriptor;
+pub mod fdpass;
 pub mod fork;
 pub mod naming;
 pub mod region;

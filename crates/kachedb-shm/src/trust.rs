@@ -19,9 +19,11 @@ pub struct PeerCred {
     pub gid: u32,
 }
 
-/// Reads `SO_PEERCRED` of a connected Unix socket. Unlike a read into a type
-/// whose pid is non-zero (rustix's `UCred` holds a `Pid`, a `NonZero`), a pid
-/// of 0 is well defined here and comes back as `pid: None`.
+/// Reads `SO_PEERCRED` of a connected Unix socket; a pid of 0 comes back as
+/// `pid: None`. The one raw `getsockopt` of the workspace: rustix's
+/// `socket_peercred` reads into a `UCred` whose `pid` is a `Pid` (a
+/// `NonZeroI32`), and the kernel reports pid 0 for a peer in a PID namespace
+/// we cannot see (another container), which that type cannot hold.
 pub fn peer_cred(sock: impl AsFd) -> std::io::Result<PeerCred> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;

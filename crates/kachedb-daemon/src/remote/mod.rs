@@ -2,18 +2,18 @@
 //! megaslab, shared by every daemon of a fleet (docs/remote.md).
 //!
 //! The serve loop never touches the network. It hands work to this module's
-//! [`RemoteTier`], whose tasks run on their own tokio runtime
-//! (`kachedb-remote` threads, nicer than the serve loop by
-//! [`RemoteConfig::worker_nice`], so that local traffic wins the CPU), and
-//! hears back through its ordinary event
-//! queue ([`RemoteEvent`] inside [`Event::Remote`]), which rings the doorbell:
+//! [`RemoteTier`] through the tier interface ([`Tier`], `crate::tier`); its
+//! tasks run on their own tokio runtime (`kachedb-remote` threads, nicer than
+//! the serve loop by [`RemoteConfig::worker_nice`], so that local traffic wins
+//! the CPU) and report [`TierEvent`]s on the loop's ordinary event queue,
+//! which rings the doorbell:
 //!
 //! * **Write-behind** ([`writer`]): for each block a client commits, the serve
 //!   loop takes a pin for the tier's own session and queues a [`WriteJob`]
 //!   (or drops it, counted, when the queue's bytes would pass
 //!   `--remote-queue-bytes`). A worker reads the pinned block in place (a
 //!   committed block is immutable and a pinned one is never evicted or
-//!   reused), writes it in chunks, and sends [`RemoteEvent::Written`]; the
+//!   reused), writes it in chunks, and sends [`TierEvent::Written`]; the
 //!   serve loop then drops the pin. Pinning instead of copying keeps the
 //!   serve loop's cost per commit at a few map operations whatever the block
 //!   size; the queue bound caps the megaslab bytes so held.
@@ -21,8 +21,8 @@
 //!   channel (like a WAIT) and the serve loop starts one [`FetchJob`] for
 //!   the local-miss tail of that batch. A worker reads every block of the
 //!   tail at once, verifies them ([`format`]), asks the serve loop to reserve
-//!   room ([`RemoteEvent::Reserve`]), copies the bytes into the reservations
-//!   and sends [`RemoteEvent::Filled`]; the serve loop commits them (ordinary
+//!   room ([`TierEvent::Reserve`]), copies the bytes into the reservations
+//!   and sends [`TierEvent::Filled`]; the serve loop commits them (ordinary
 //!   blocks from then on) and serves the parked frames again.
 //!
 //! Client: the `redis` crate (redis-rs): its `cluster-async` client discovers
@@ -35,9 +35,9 @@ pub mod format;
 mod reader;
 mod writer;
 
-use crate::events::{Event, EventSender};
 use crate::metrics::{Metrics, RemoteCells};
-use kachedb_shm::{DType, Region, Shape};
+use crate::tier::{FetchJob, FillSpec, StoppedTier, Tier, TierError, TierEvent, TierEvents, WriteJob};
+use kachedb_shm::Region;
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, IntoConnectionInfo};
@@ -112,83 +112,6 @@ pub enum RemoteError {
     /// The runtime's threads could not be started.
     #[error("remote tier: starting its threads: {0}")]
     Io(#[from] std::io::Error),
-}
-
-/// A block to fill: what the serve loop needs to reserve room for it.
-#[derive(Clone, Copy, Debug)]
-pub struct FillSpec {
-    /// Key.
-    pub key: u128,
-    /// Element type.
-    pub dtype: DType,
-    /// Dims.
-    pub shape: Shape,
-    /// Tensor bytes.
-    pub len: u64,
-}
-
-/// A reservation the serve loop made for a fill.
-#[derive(Clone, Copy, Debug)]
-pub struct Reserved {
-    /// The reservation handle (of the tier's session).
-    pub handle: u64,
-    /// Where its tensor bytes go, bytes from the region base.
-    pub data_offset: u64,
-}
-
-/// What the remote workers tell the serve loop.
-#[derive(Debug)]
-pub enum RemoteEvent {
-    /// Fetch `fetch` verified these blocks: reserve room for each (`None`
-    /// where not: present locally by now, or no room) and answer on `reply`.
-    /// If the reply cannot be delivered, the serve loop aborts them.
-    Reserve {
-        /// Fetch id.
-        fetch: u64,
-        /// The blocks.
-        blocks: Vec<FillSpec>,
-        /// Where the answer goes (one entry per block).
-        reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
-    },
-    /// Fetch `fetch` is over: these reservations hold their bytes, commit
-    /// them; then serve the frames its channel held.
-    Filled {
-        /// Fetch id.
-        fetch: u64,
-        /// Reservation handles to commit, with their tensor bytes.
-        filled: Vec<(u64, u64)>,
-    },
-    /// A write-behind job is over: drop its pin.
-    Written {
-        /// The pin handle (of the tier's session).
-        pin: u64,
-    },
-}
-
-/// One block to write, pinned by the tier's session.
-#[derive(Clone, Copy, Debug)]
-pub struct WriteJob {
-    /// Key.
-    pub key: u128,
-    /// The pin to drop when done.
-    pub pin: u64,
-    /// Where the tensor bytes are, bytes from the region base.
-    pub data_offset: u64,
-    /// Tensor bytes.
-    pub len: u64,
-    /// Element type.
-    pub dtype: DType,
-    /// Dims.
-    pub shape: Shape,
-}
-
-/// The local-miss tail of one batch, to read.
-#[derive(Clone, Debug)]
-pub struct FetchJob {
-    /// Fetch id (the serve loop matches the answer to the parked channel by it).
-    pub id: u64,
-    /// Keys, in chain order.
-    pub keys: Vec<u128>,
 }
 
 /// An open connection: to a cluster (routing by slot) or to one server.
@@ -306,7 +229,7 @@ struct Ctx {
     cfg: RemoteConfig,
     link: Link,
     region: Arc<Region>,
-    events: EventSender,
+    events: TierEvents,
     metrics: Arc<Metrics>,
     /// Blocks written at once.
     write_slots: tokio::sync::Semaphore,
@@ -317,8 +240,8 @@ impl Ctx {
         &self.metrics.remote
     }
 
-    fn send(&self, ev: RemoteEvent) {
-        self.events.send(Event::Remote(ev));
+    fn send(&self, ev: TierEvent) {
+        self.events.send(ev);
     }
 }
 
@@ -342,7 +265,7 @@ impl RemoteTier {
     pub fn start(
         cfg: RemoteConfig,
         region: Arc<Region>,
-        events: EventSender,
+        events: TierEvents,
         metrics: Arc<Metrics>,
     ) -> Result<RemoteTier, RemoteError> {
         cfg.url
@@ -398,92 +321,82 @@ impl RemoteTier {
         });
         Ok(RemoteTier { rt: Some(rt), ctx })
     }
+}
 
-    /// Whether a block of `len` bytes fits in the write-behind queue; if so,
-    /// it is counted in it (the worker takes it out when done).
-    pub fn admit(&self, len: u64) -> bool {
-        let q = &self.ctx.cells().queue_bytes;
-        let max = self.ctx.cfg.queue_bytes;
+impl Tier for RemoteTier {
+    /// Takes the block if the write-behind queue's bytes stay within
+    /// `--remote-queue-bytes`; otherwise counts it in `remote_dropped_writes`.
+    fn write_behind(&self, len: u64, pinned: &mut dyn FnMut() -> Option<WriteJob>) {
+        let cells = self.ctx.cells();
         // One writer of increments (the serve loop), workers only subtract:
-        // this load-then-add never lets the sum pass `max`.
-        if q.load(Relaxed).saturating_add(len) > max {
-            RemoteCells::add(&self.ctx.cells().dropped_writes, 1);
-            return false;
+        // this load-then-add never lets the sum pass the bound.
+        if cells.queue_bytes.load(Relaxed).saturating_add(len) > self.ctx.cfg.queue_bytes {
+            RemoteCells::add(&cells.dropped_writes, 1);
+            return;
         }
-        q.fetch_add(len, Relaxed);
-        RemoteCells::add(&self.ctx.cells().queue_blocks, 1);
-        true
-    }
-
-    /// Takes back what [`admit`](Self::admit) counted, for a job not queued after all.
-    pub fn unadmit(&self, len: u64) {
-        self.ctx.cells().queue_bytes.fetch_sub(len, Relaxed);
-        self.ctx.cells().queue_blocks.fetch_sub(1, Relaxed);
-        RemoteCells::add(&self.ctx.cells().dropped_writes, 1);
-    }
-
-    /// Queues a write of a pinned block (admitted first).
-    pub fn write(&self, job: WriteJob) {
+        let Some(job) = pinned() else {
+            RemoteCells::add(&cells.dropped_writes, 1);
+            return;
+        };
+        cells.queue_bytes.fetch_add(len, Relaxed);
+        RemoteCells::add(&cells.queue_blocks, 1);
         if let Some(rt) = &self.rt {
             rt.spawn(writer::write(self.ctx.clone(), job));
         }
     }
 
-    /// Starts a fetch; its [`RemoteEvent::Filled`] comes back on the event queue.
-    pub fn fetch(&self, job: FetchJob) {
+    fn fetch(&self, job: FetchJob) {
         RemoteCells::add(&self.ctx.cells().fetches, 1);
         if let Some(rt) = &self.rt {
             rt.spawn(reader::fetch(self.ctx.clone(), job));
         }
     }
 
-    /// The longest a fetch can take before the serve loop stops waiting for
-    /// it: two rounds of requests, the connect, and slack for the local part.
-    pub fn fetch_bound(&self) -> Duration {
+    /// Two rounds of requests, the connect, and slack for the local part.
+    fn fetch_bound(&self) -> Duration {
         self.ctx.cfg.timeout * 4 + Duration::from_secs(1)
     }
-}
 
-/// A tier stopped for a takeover: what it needs to start again if the
-/// takeover fails.
-pub struct StoppedTier {
-    cfg: RemoteConfig,
-    region: Arc<Region>,
-    events: EventSender,
-    metrics: Arc<Metrics>,
-}
+    fn landed(&self, len: u64) {
+        RemoteCells::add(&self.ctx.cells().fills, 1);
+        RemoteCells::add(&self.ctx.cells().fill_bytes, len);
+    }
 
-impl RemoteTier {
-    /// Stops the tier's threads, waiting for a copy in progress to finish, so
-    /// nothing of the tier touches the megaslab afterwards. Queued writes are
-    /// dropped (counted in `remote_dropped_writes`); the caller drops their
-    /// pins and the fills' reservations by closing the tier's session.
-    pub fn stop(mut self) -> StoppedTier {
+    /// Stops the runtime, waiting (5 s at most) for a copy in progress to
+    /// finish. Queued writes are dropped (counted in `remote_dropped_writes`).
+    fn stop(mut self: Box<Self>) -> Box<dyn StoppedTier> {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(Duration::from_secs(5));
         }
         let cells = self.ctx.cells();
         RemoteCells::add(&cells.dropped_writes, cells.queue_blocks.swap(0, Relaxed));
         cells.queue_bytes.store(0, Relaxed);
-        StoppedTier {
+        Box::new(StoppedRemote {
             cfg: self.ctx.cfg.clone(),
             region: self.ctx.region.clone(),
             events: self.ctx.events.clone(),
             metrics: self.ctx.metrics.clone(),
-        }
+        })
     }
 }
 
-impl std::fmt::Debug for StoppedTier {
+/// The remote tier stopped for a takeover: what it needs to start again.
+struct StoppedRemote {
+    cfg: RemoteConfig,
+    region: Arc<Region>,
+    events: TierEvents,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for StoppedRemote {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoppedTier").field("cfg", &self.cfg).finish()
+        f.debug_struct("StoppedRemote").field("cfg", &self.cfg).finish()
     }
 }
 
-impl StoppedTier {
-    /// Starts the tier again (a takeover that did not happen).
-    pub fn start(self) -> Result<RemoteTier, RemoteError> {
-        RemoteTier::start(self.cfg, self.region, self.events, self.metrics)
+impl StoppedTier for StoppedRemote {
+    fn resume(self: Box<Self>) -> Result<Box<dyn Tier>, TierError> {
+        Ok(Box::new(RemoteTier::start(self.cfg, self.region, self.events, self.metrics)?))
     }
 }
 
@@ -521,7 +434,7 @@ mod tests {
             Region::create(&CreateOptions { name: "kachedb_remote_test".into(), layout, headroom_bytes: 0 }, |_, _| {})
                 .unwrap();
         let (tx, _rx) = crate::events::queue(region.clone());
-        RemoteTier::start(config(worker_nice), region, tx, Metrics::new(2, 16))
+        RemoteTier::start(config(worker_nice), region, tx.tier_events(0), Metrics::new(2, 16))
     }
 
     /// The nice values of this process's threads named [`THREAD_NAME`].

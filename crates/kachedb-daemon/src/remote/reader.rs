@@ -9,7 +9,7 @@
 //! verify is a miss (`remote_corrupt`); the rest of the tail is still filled.
 
 use super::format::{self, Header};
-use super::{Ctx, FetchJob, FillSpec, RemoteCells, RemoteEvent, CHUNK_WINDOW};
+use super::{Ctx, FetchJob, FillSpec, RemoteCells, TierEvent, CHUNK_WINDOW};
 use futures_util::StreamExt;
 use std::sync::Arc;
 
@@ -20,7 +20,7 @@ struct Verified {
     rest: Vec<Vec<u8>>,
 }
 
-/// Runs `job` and always ends with [`RemoteEvent::Filled`] for it.
+/// Runs `job` and always ends with [`TierEvent::Filled`] for it.
 pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob) {
     let blocks = read_tail(&ctx, &job.keys).await;
     let mut filled = Vec::new();
@@ -30,7 +30,7 @@ pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob) {
             .iter()
             .map(|b| FillSpec { key: b.header.key, dtype: b.header.dtype, shape: b.header.shape, len: b.header.len })
             .collect();
-        ctx.send(RemoteEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
+        ctx.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
         // The serve loop answers at its next pass (or drops the sender when
         // it stops): a local wait, not a network one.
         if let Ok(reserved) = rx.await {
@@ -42,7 +42,7 @@ pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob) {
             }
         }
     }
-    ctx.send(RemoteEvent::Filled { fetch: job.id, filled });
+    ctx.send(TierEvent::Filled { fetch: job.id, filled });
 }
 
 /// Copies a verified block's bytes into its reservation at `data_offset`.

@@ -7,7 +7,7 @@
 //! tier's timeout. Whatever the outcome, the pin goes back to the serve loop.
 
 use super::format::{self, Header};
-use super::{Ctx, RemoteCells, RemoteEvent, WriteJob, CHUNK_WINDOW};
+use super::{Ctx, RemoteCells, TierEvent, WriteJob, CHUNK_WINDOW};
 use futures_util::{StreamExt, TryStreamExt};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -31,7 +31,7 @@ pub(super) async fn write(ctx: Arc<Ctx>, job: WriteJob) {
     }
     cells.queue_bytes.fetch_sub(job.len, Relaxed);
     cells.queue_blocks.fetch_sub(1, Relaxed);
-    ctx.send(RemoteEvent::Written { pin: job.pin });
+    ctx.send(TierEvent::Written { pin: job.pin });
 }
 
 async fn write_block(ctx: &Ctx, job: &WriteJob) -> Result<(), String> {

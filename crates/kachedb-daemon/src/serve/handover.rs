@@ -1,0 +1,186 @@
+//! The serve loop's side of a takeover (`crate::takeover` has the protocol
+//! between the two daemons): the state the loop hands over ([`ServeState`]:
+//! the store, each channel's session, the parked WAITs, the counters),
+//! stopping and resuming for it ([`Serve::hand_over`]), and taking up a
+//! state handed over ([`Serve::restore`]).
+
+use super::session::{unpark_fetch, Session};
+use super::Serve;
+use crate::metrics::Health;
+use crate::store::{SessionId, Store};
+use crate::waits::Waiter;
+use kachedb_shm::control::ServeStats;
+use kachedb_shm::TensorBlockDescriptor;
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
+use std::os::unix::net::UnixStream;
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One channel's session as the serve loop holds it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ChannelState {
+    pub channel: u32,
+    pub session: SessionId,
+    pub pid: i32,
+    pub uid: u32,
+    /// Completions not yet pushed (64-byte frames).
+    pub backlog: Vec<Vec<u8>>,
+    /// Request frames popped behind a parked WAIT.
+    pub held: Vec<Vec<u8>>,
+    pub waiting: bool,
+    pub kicked: bool,
+    /// Keys already asked of a tier for the held frames.
+    pub remote_asked: HashSet<u128>,
+}
+
+/// A parked WAIT.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ParkedWait {
+    pub channel: u32,
+    pub key: u128,
+    pub request_id: u32,
+    /// Milliseconds left before it times out; `None`: never.
+    pub left_ms: Option<u64>,
+}
+
+/// The serve loop's part of the takeover state (written with `S = &Store`,
+/// read with `S = Store`), encoded by `crate::takeover::encode`: a change to
+/// it changes `crate::takeover::STATE_VERSION`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct ServeState<S = Store> {
+    pub region_generation: u64,
+    pub store: S,
+    pub channels: Vec<ChannelState>,
+    pub waits: Vec<ParkedWait>,
+    pub counters: ServeStats,
+    pub uptime_ms: u64,
+}
+
+impl ServeState {
+    /// Reads what [`Serve::hand_over`] sent.
+    pub(crate) fn decode(bytes: &[u8]) -> Result<ServeState, String> {
+        crate::takeover::decode(bytes)
+    }
+}
+
+impl Serve {
+    /// Takes up the sessions, parked WAITs and counters of the daemon taken
+    /// over (`crate::takeover`); `streams` are the channels' connections.
+    /// A session whose connection did not come along is closed.
+    pub(crate) fn restore(
+        mut self,
+        channels: Vec<ChannelState>,
+        waits: Vec<ParkedWait>,
+        counters: ServeStats,
+        streams: &HashMap<u32, Arc<UnixStream>>,
+    ) -> Serve {
+        let frames = |v: Vec<Vec<u8>>| -> Vec<TensorBlockDescriptor> {
+            v.iter()
+                .filter_map(|b| <&[u8; 64]>::try_from(b.as_slice()).ok().map(TensorBlockDescriptor::from_bytes))
+                .collect()
+        };
+        self.counters = counters;
+        for c in channels {
+            let (Some(slot), Some(stream), Some((sub, comp))) = (
+                self.sessions.get_mut(c.channel as usize),
+                streams.get(&c.channel),
+                self.region.daemon_channel(c.channel),
+            ) else {
+                self.store.close_session(c.session);
+                continue;
+            };
+            self.store.set_session_uid(c.session, c.uid);
+            *slot = Some(Session {
+                session: c.session,
+                sub,
+                comp,
+                stream: stream.clone(),
+                pid: c.pid,
+                uid: c.uid,
+                backlog: frames(c.backlog),
+                kicked: c.kicked,
+                waiting: c.waiting,
+                held: frames(c.held),
+                fetch: None,
+                remote_asked: c.remote_asked,
+                stuck_since: None,
+            });
+        }
+        let now = Instant::now();
+        for w in waits {
+            if self.sessions.get(w.channel as usize).is_some_and(Option::is_some) {
+                let deadline = w.left_ms.map(|ms| now + Duration::from_millis(ms));
+                self.waits.park(w.channel, Waiter { key: w.key, request_id: w.request_id, deadline });
+            }
+        }
+        self
+    }
+
+    /// Stops for a takeover: stops the tiers (dropping their sessions),
+    /// ends the fetches channels are parked on, sends the serialized state
+    /// on `state` and waits for `outcome`. Resumes (restarting the tiers)
+    /// unless told to stop for good.
+    pub(super) fn hand_over(&mut self, state: Sender<Result<Vec<u8>, String>>, outcome: Receiver<bool>) {
+        self.metrics.set_health(Health::HandingOver);
+        let stopped = self.tiers.stop(&mut self.store);
+        for s in self.sessions.iter_mut().flatten() {
+            if s.fetch.is_some() {
+                unpark_fetch(s);
+            }
+        }
+        let bytes = crate::takeover::encode(&self.state());
+        let ok = bytes.is_ok();
+        let _ = state.send(bytes);
+        if ok && outcome.recv().unwrap_or(false) {
+            self.handed_over = true;
+            self.metrics.set_health(Health::HandedOver);
+            return;
+        }
+        tracing::info!("takeover did not happen; serving on");
+        self.metrics.set_health(Health::Serving);
+        self.tiers.resume(stopped, &mut self.store);
+    }
+
+    /// The serve loop's state for a takeover.
+    fn state(&self) -> ServeState<&Store> {
+        let frames = |v: &[TensorBlockDescriptor]| v.iter().map(|d| d.as_bytes().to_vec()).collect();
+        let now = Instant::now();
+        ServeState {
+            region_generation: self.region.generation(),
+            store: &self.store,
+            channels: self
+                .sessions
+                .iter()
+                .enumerate()
+                .filter_map(|(ch, s)| {
+                    let s = s.as_ref()?;
+                    Some(ChannelState {
+                        channel: ch as u32,
+                        session: s.session,
+                        pid: s.pid,
+                        uid: s.uid,
+                        backlog: frames(&s.backlog),
+                        held: frames(&s.held),
+                        waiting: s.waiting,
+                        kicked: s.kicked,
+                        remote_asked: s.remote_asked.clone(),
+                    })
+                })
+                .collect(),
+            waits: self
+                .waits
+                .parked()
+                .map(|(channel, w)| ParkedWait {
+                    channel,
+                    key: w.key,
+                    request_id: w.request_id,
+                    left_ms: w.deadline.map(|d| d.saturating_duration_since(now).as_millis() as u64),
+                })
+                .collect(),
+            counters: self.counters.clone(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+        }
+    }
+}

@@ -1,0 +1,342 @@
+//! One channel's session as the serve loop holds it ([`Session`]) and the
+//! serving of it: a pass over every channel ([`serve_all`]) answers each
+//! one's batch of requests from the store ([`serve_channel`]), parks WAITs
+//! and local misses, and answers the WAITs that commits wake.
+
+use super::tiers::Tiers;
+use super::BATCH;
+use crate::metrics::MetricsWriter;
+use crate::store::{SessionId, Store};
+use crate::waits::{Waiter, Waits};
+use kachedb_shm::control::ServeStats;
+use kachedb_shm::{
+    Completion, Consumer, Op, Producer, Request, RingError, Status, TensorBlockDescriptor, WAIT_FOREVER,
+};
+use std::collections::HashSet;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One connected client's channel, as the serve loop holds it.
+pub(super) struct Session {
+    pub(super) session: SessionId,
+    pub(super) sub: Consumer,
+    pub(super) comp: Producer,
+    pub(super) stream: Arc<UnixStream>,
+    pub(super) pid: i32,
+    pub(super) uid: u32,
+    /// Frames popped whose completions are not yet pushed (completion ring full).
+    pub(super) backlog: Vec<TensorBlockDescriptor>,
+    pub(super) kicked: bool,
+    /// A WAIT of this channel is parked ([`Waits`]): nothing more of it is
+    /// served until it is answered, so completions stay in request order.
+    pub(super) waiting: bool,
+    /// Request frames popped after a WAIT that parked, served (before any
+    /// newer frame) once it is answered.
+    pub(super) held: Vec<TensorBlockDescriptor>,
+    /// The fetch this channel is parked on (`waiting` is set too).
+    pub(super) fetch: Option<PendingFetch>,
+    /// Keys a tier was asked for while this channel's held frames
+    /// are served: a local miss of one of them is answered, not fetched again.
+    pub(super) remote_asked: HashSet<u128>,
+    /// Since when requests of this channel wait for room in its completion
+    /// ring (the client does not drain it); `None` while it does.
+    pub(super) stuck_since: Option<Instant>,
+}
+
+/// A fetch (from a tier) a channel is parked on.
+pub(super) struct PendingFetch {
+    pub(super) id: u64,
+    pub(super) keys: Vec<u128>,
+    pub(super) started: Instant,
+}
+
+impl Session {
+    /// Whether a pass would find something to do on this channel. Nothing
+    /// while its completion ring is full: a client that stopped draining it
+    /// (SIGSTOP, a debugger, throttling) would otherwise make the idle loop
+    /// spin on frames it cannot answer. Once the client drains, the next
+    /// check (at the latest one park timeout later) sees room. A corrupt
+    /// ring counts as work, so that the pass reports it.
+    pub(super) fn has_work(&mut self) -> bool {
+        if self.kicked {
+            return false;
+        }
+        if self.waiting && self.backlog.is_empty() {
+            // Nothing is served while a WAIT is parked; only a corrupt ring
+            // needs a pass (to kick its client).
+            return self.sub.check().is_err();
+        }
+        let pending = !self.backlog.is_empty() || (!self.waiting && (!self.held.is_empty() || self.sub.has_data()));
+        pending && self.comp.free_slots().map_or(true, |room| room > 0)
+    }
+
+    /// Whether requests (or completions) of this channel wait for room in
+    /// its completion ring: the client is not draining it.
+    pub(super) fn blocked(&mut self) -> bool {
+        if self.kicked {
+            return false;
+        }
+        let pending = !self.backlog.is_empty() || (!self.waiting && (!self.held.is_empty() || self.sub.has_data()));
+        pending && self.comp.free_slots().is_ok_and(|room| room == 0)
+    }
+
+    /// Notes whether the channel is [`blocked`](Self::blocked) now, keeping
+    /// the time it started.
+    pub(super) fn note_blocked(&mut self, now: Instant) {
+        if !self.blocked() {
+            self.stuck_since = None;
+        } else if self.stuck_since.is_none() {
+            self.stuck_since = Some(now);
+        }
+    }
+}
+
+/// One pass over every live channel; whether any frame was served.
+#[allow(clippy::too_many_arguments)] // the serve loop's parts
+pub(super) fn serve_all(
+    store: &mut Store,
+    sessions: &mut [Option<Session>],
+    req: &mut [TensorBlockDescriptor; BATCH],
+    out: &mut Vec<TensorBlockDescriptor>,
+    counters: &mut ServeStats,
+    metrics: &mut MetricsWriter,
+    waits: &mut Waits,
+    tiers: &mut Tiers,
+) -> bool {
+    let mut did_work = false;
+    let mut committed = Vec::new();
+    for ch in 0..sessions.len() {
+        let Some(s) = sessions[ch].as_mut() else { continue };
+        if s.kicked {
+            continue;
+        }
+        let served = serve_channel(store, s, ch as u32, req, out, counters, metrics, waits, tiers, &mut committed);
+        if !committed.is_empty() {
+            wake_waits(store, sessions, waits, &mut committed, counters);
+        }
+        let Some(s) = sessions[ch].as_mut() else { continue };
+        match served {
+            Ok(n) => did_work |= n > 0,
+            Err(e) => {
+                tracing::warn!(
+                    event = "client_kicked",
+                    pid = s.pid,
+                    uid = s.uid,
+                    "disconnecting a corrupt client: {e}"
+                );
+                counters.clients_kicked += 1;
+                s.kicked = true;
+                // Its socket's EOF brings the Detach that cleans up.
+                let _ = s.stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+    did_work
+}
+
+/// Answers the WAITs of the keys in `committed` (COMMITs just served) with a
+/// pin of the new block; a WAIT whose key is gone again (deleted in the same
+/// batch) stays parked.
+pub(super) fn wake_waits(
+    store: &mut Store,
+    sessions: &mut [Option<Session>],
+    waits: &mut Waits,
+    committed: &mut Vec<u128>,
+    counters: &mut ServeStats,
+) {
+    for key in committed.drain(..) {
+        for (ch, w) in waits.take_key(key) {
+            let Some(s) = sessions.get_mut(ch as usize).and_then(Option::as_mut) else { continue };
+            let c = store.handle(s.session, w.request_id, &Request::Wait { key, timeout_us: 0 });
+            if c.status == Status::NotFound {
+                waits.park(ch, w);
+                continue;
+            }
+            answer_wait(s, c, counters);
+        }
+    }
+}
+
+/// Ends the fetch `s` is parked on: its held frames are served again
+/// from the next pass on, answering the keys it asked for from what is local
+/// now. When it started.
+pub(super) fn unpark_fetch(s: &mut Session) -> Instant {
+    s.waiting = false;
+    match s.fetch.take() {
+        Some(f) => {
+            s.remote_asked.extend(f.keys);
+            f.started
+        }
+        None => Instant::now(),
+    }
+}
+
+/// Sends the completion of the parked WAIT of `s`; its held frames are served
+/// from the next pass on.
+pub(super) fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeStats) {
+    s.waiting = false;
+    let d = c.encode();
+    // Behind completions still waiting for room, or when the ring is full (or
+    // corrupt: the next pass finds out): sent later, in order.
+    if !s.backlog.is_empty() || !matches!(s.comp.push_batch(std::slice::from_ref(&d)), Ok(1)) {
+        s.backlog.push(d);
+    }
+    if s.comp.notify_consumer() {
+        counters.wakeups_sent += 1;
+    }
+}
+
+/// Handles what one channel has, bounded by room in its completion ring.
+/// A WAIT for an absent key parks (in `waits`; the frames after it are held),
+/// and the keys of the COMMITs served are added to `committed` while any WAIT
+/// is parked. With tiers behind the megaslab, each block committed is offered
+/// to them for writing behind, and a GET or LOOKUP that misses locally parks
+/// the channel the same way while the first tier fetches the batch's
+/// local-miss tail.
+#[allow(clippy::too_many_arguments)] // the serve loop's parts
+pub(super) fn serve_channel(
+    store: &mut Store,
+    s: &mut Session,
+    channel: u32,
+    req: &mut [TensorBlockDescriptor; BATCH],
+    out: &mut Vec<TensorBlockDescriptor>,
+    counters: &mut ServeStats,
+    metrics: &mut MetricsWriter,
+    waits: &mut Waits,
+    tiers: &mut Tiers,
+    committed: &mut Vec<u128>,
+) -> Result<usize, RingError> {
+    // First flush completions that did not fit last time.
+    if !s.backlog.is_empty() {
+        let n = s.comp.push_batch(&s.backlog)?;
+        s.backlog.drain(..n);
+        if n > 0 && s.comp.notify_consumer() {
+            counters.wakeups_sent += 1;
+        }
+        if !s.backlog.is_empty() {
+            return Ok(n);
+        }
+    }
+    if s.waiting {
+        // Nothing is served while the WAIT is parked, but a corrupt ring is
+        // still noticed (and its client kicked) now, not after the WAIT.
+        s.sub.check()?;
+        return Ok(0);
+    }
+    let room = s.comp.free_slots()?.min(BATCH);
+    if room == 0 {
+        return Ok(0);
+    }
+    let from_held = !s.held.is_empty();
+    let n = if !from_held {
+        s.sub.pop_batch(&mut req[..room])?
+    } else {
+        let k = s.held.len().min(room);
+        req[..k].copy_from_slice(&s.held[..k]);
+        s.held.drain(..k);
+        k
+    };
+    if n == 0 {
+        return Ok(0);
+    }
+    out.clear();
+    let timer = metrics.batch_start();
+    for (i, frame) in req[..n].iter().enumerate() {
+        counters.ops += 1;
+        let c = match Request::decode(frame) {
+            Ok(r @ (Request::Commit { handle, parent } | Request::CommitPin { handle, parent }))
+                if !waits.is_empty() || !tiers.is_empty() =>
+            {
+                let key = store.reservation_key(s.session, handle);
+                let c = store.handle(s.session, frame.request_id, &r);
+                if let (Some(key), Status::Ok) = (key, c.status) {
+                    if !waits.is_empty() {
+                        committed.push(key);
+                    }
+                    if !tiers.is_empty() {
+                        tiers.write_behind(store, key, parent);
+                    }
+                }
+                c
+            }
+            Ok(r @ (Request::Get { key } | Request::Lookup { key }))
+                if !tiers.is_empty() && !s.remote_asked.contains(&key) && store.peek(key).is_none() =>
+            {
+                // A local miss: ask the first tier for it and for every
+                // other local miss of this batch after it (a chain's tail,
+                // read in one round), and serve this frame and the rest of
+                // the batch again once the fill is in.
+                let mut keys = vec![key];
+                for f in &req[i + 1..n] {
+                    if let Ok(Request::Get { key: k } | Request::Lookup { key: k }) = Request::decode(f) {
+                        if !s.remote_asked.contains(&k) && store.peek(k).is_none() && !keys.contains(&k) {
+                            keys.push(k);
+                        }
+                    }
+                }
+                if let Some(id) = tiers.start_fetch(channel, keys.clone()) {
+                    s.fetch = Some(PendingFetch { id, keys, started: Instant::now() });
+                    s.waiting = true;
+                    s.held.splice(0..0, req[i..n].iter().copied());
+                    // Counted when it is served again.
+                    counters.ops -= 1;
+                    break;
+                }
+                store.handle(s.session, frame.request_id, &r)
+            }
+            Ok(r @ Request::Wait { key, timeout_us }) => {
+                let c = store.handle(s.session, frame.request_id, &r);
+                if c.status == Status::NotFound {
+                    if timeout_us == 0 {
+                        Completion { status: Status::TimedOut, ..c }
+                    } else {
+                        // Park it; serve nothing more of this channel until it
+                        // is answered (the rest of this batch is held).
+                        let deadline = (timeout_us != WAIT_FOREVER)
+                            .then(|| Instant::now().checked_add(Duration::from_micros(timeout_us)))
+                            .flatten();
+                        waits.park(channel, Waiter { key, request_id: frame.request_id, deadline });
+                        s.waiting = true;
+                        let rest = &req[i + 1..n];
+                        s.held.splice(0..0, rest.iter().copied());
+                        metrics.frame(frame.op, c.status);
+                        break;
+                    }
+                } else {
+                    c
+                }
+            }
+            Ok(r) => store.handle(s.session, frame.request_id, &r),
+            Err(e) => {
+                counters.rejected_frames += 1;
+                tracing::debug!(pid = s.pid, "rejected frame: {e}");
+                Completion {
+                    request_id: frame.request_id,
+                    op: Op::from_code(frame.op).unwrap_or(Op::Ping),
+                    status: Status::Invalid,
+                    handle: 0,
+                    offset: 0,
+                    tensor: None,
+                }
+            }
+        };
+        metrics.frame(frame.op, c.status);
+        out.push(c.encode());
+    }
+    // Before the completions go out: a client that saw its answer and then
+    // scrapes finds it counted.
+    metrics.publish_store(&store.gauges());
+    let pushed = s.comp.push_batch(out)?;
+    if pushed < out.len() {
+        s.backlog.extend_from_slice(&out[pushed..]);
+    }
+    metrics.batch_end(timer, &req[..n]);
+    if from_held && s.held.is_empty() && !s.waiting {
+        s.remote_asked.clear();
+    }
+    if s.comp.notify_consumer() {
+        counters.wakeups_sent += 1;
+    }
+    Ok(n)
+}

@@ -1,0 +1,269 @@
+//! The serve loop's side of the tiers behind the megaslab (`crate::tier`):
+//! each tier's own session (its write-behind pins and fill reservations),
+//! the fetches channels wait for, and the fill work (reservations and
+//! commits) done in slices between ring polls. Every tier gets every block
+//! committed to write behind; a local miss asks the first tier. What a
+//! fetch's end means for its channel is the loop's business: this side
+//! reports it ([`FetchDone`]).
+
+use crate::store::{SessionId, Store};
+use crate::tier::{FetchJob, FillSpec, Reserved, StoppedTier, Tier, TierEvent, TierId, WriteJob};
+use kachedb_shm::{Request, Status};
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+/// Fill blocks reserved or committed per pass: the serve loop polls the
+/// rings between slices, so a fill of a long chain delays a ring request by
+/// at most one slice (about a microsecond per block).
+pub(super) const TIER_SLICE: usize = 8;
+
+/// The daemon's tiers, in order (the first is asked for local misses).
+#[derive(Default)]
+pub(super) struct Tiers {
+    sides: Vec<TierSide>,
+    /// The last fetch id given out (ids are unique across tiers).
+    next_fetch: u64,
+}
+
+/// One tier as the serve loop drives it.
+struct TierSide {
+    id: TierId,
+    tier: Box<dyn Tier>,
+    /// The tier's own session: its write-behind pins and fill reservations.
+    session: SessionId,
+    /// Fetches channels are parked on: id -> (channel, when to stop waiting).
+    pending: HashMap<u64, (u32, Instant)>,
+    /// Fill work queued, done [`TIER_SLICE`] blocks per pass, in order.
+    work: VecDeque<FillWork>,
+}
+
+/// Fill work the serve loop does in slices between ring polls.
+enum FillWork {
+    /// Reservations asked for by a fetch: `answers` holds those made so far;
+    /// all of them go back on `reply` once the last is made.
+    Reserve {
+        blocks: Vec<FillSpec>,
+        answers: Vec<Option<Reserved>>,
+        reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
+    },
+    /// A fetch's filled reservations, committed from `next` on; once all
+    /// are, its channel is unparked and WAITs on `committed` answered.
+    Commit { fetch: u64, filled: Vec<(u64, u64)>, next: usize, committed: Vec<u128> },
+}
+
+/// A fetch that is over: its blocks are committed (or it ran out of time).
+pub(super) struct FetchDone {
+    pub(super) fetch: u64,
+    /// The channel waiting for it, if one still is.
+    pub(super) channel: Option<u32>,
+    /// The keys it committed.
+    pub(super) committed: Vec<u128>,
+}
+
+/// Tiers stopped for a takeover, with their ids.
+pub(super) struct Stopped(Vec<(TierId, Box<dyn StoppedTier>)>);
+
+impl TierSide {
+    fn new(id: TierId, tier: Box<dyn Tier>, store: &mut Store) -> TierSide {
+        TierSide { id, tier, session: store.open_internal_session(), pending: HashMap::new(), work: VecDeque::new() }
+    }
+}
+
+impl Tiers {
+    /// `tiers`, in order, each with a session of its own in `store` for its
+    /// pins and reservations; each reports as its index.
+    pub(super) fn new(tiers: Vec<Box<dyn Tier>>, store: &mut Store) -> Tiers {
+        let sides = tiers.into_iter().enumerate().map(|(id, tier)| TierSide::new(id, tier, store)).collect();
+        Tiers { sides, next_fetch: 0 }
+    }
+
+    /// Whether the daemon has no tier behind the megaslab.
+    pub(super) fn is_empty(&self) -> bool {
+        self.sides.is_empty()
+    }
+
+    /// Offers the block of `key` (just committed by a client, naming
+    /// `parent`) to every tier for writing behind; each that takes it gets a
+    /// pin of its own session.
+    pub(super) fn write_behind(&mut self, store: &mut Store, key: u128, parent: Option<u128>) {
+        let Some(b) = store.peek(key) else { return };
+        for t in &self.sides {
+            let session = t.session;
+            t.tier.write_behind(b.len, &mut || {
+                let c = store.handle_internal(session, &Request::Get { key });
+                (c.status == Status::Ok).then_some(WriteJob {
+                    key,
+                    parent,
+                    pin: c.handle,
+                    data_offset: b.data_offset,
+                    len: b.len,
+                    dtype: b.dtype,
+                    shape: b.shape,
+                })
+            });
+        }
+    }
+
+    /// Asks the first tier to fill `keys` for `channel`; the fetch's id, or
+    /// `None` without a tier.
+    pub(super) fn start_fetch(&mut self, channel: u32, keys: Vec<u128>) -> Option<u64> {
+        let t = self.sides.first_mut()?;
+        self.next_fetch += 1;
+        let id = self.next_fetch;
+        t.pending.insert(id, (channel, Instant::now() + t.tier.fetch_bound()));
+        t.tier.fetch(FetchJob { id, keys });
+        Some(id)
+    }
+
+    /// Whether a fetch is being waited for.
+    pub(super) fn fetching(&self) -> bool {
+        self.sides.iter().any(|t| !t.pending.is_empty())
+    }
+
+    /// The earliest time the serve loop stops waiting for a fetch.
+    pub(super) fn next_fetch_deadline(&self) -> Option<Instant> {
+        self.sides.iter().flat_map(|t| t.pending.values().map(|&(_, d)| d)).min()
+    }
+
+    /// The fetches whose time ran out by `now` (nothing committed): the
+    /// loop stops waiting for them.
+    pub(super) fn expire(&mut self, now: Instant) -> Vec<FetchDone> {
+        let mut out = Vec::new();
+        for t in &mut self.sides {
+            t.pending.retain(|&fetch, &mut (channel, d)| {
+                let keep = d > now;
+                if !keep {
+                    out.push(FetchDone { fetch, channel: Some(channel), committed: Vec::new() });
+                }
+                keep
+            });
+        }
+        out
+    }
+
+    /// What tier `id` reports. A write's pin is dropped at once;
+    /// reservations and commits of a fill are queued and done
+    /// [`TIER_SLICE`] blocks per pass ([`slice`](Self::slice)).
+    pub(super) fn on_event(&mut self, store: &mut Store, id: TierId, ev: TierEvent) {
+        let Some(t) = self.sides.iter_mut().find(|t| t.id == id) else { return };
+        match ev {
+            TierEvent::Written { pin } => {
+                store.handle_internal(t.session, &Request::Release { handle: pin });
+            }
+            TierEvent::Reserve { fetch: _, blocks, reply } => {
+                let answers = Vec::with_capacity(blocks.len());
+                t.work.push_back(FillWork::Reserve { blocks, answers, reply });
+            }
+            TierEvent::Filled { fetch, filled } => {
+                t.work.push_back(FillWork::Commit { fetch, filled, next: 0, committed: Vec::new() });
+            }
+        }
+    }
+
+    /// Does up to [`TIER_SLICE`] blocks of the tiers' queued fill work (and
+    /// finishes the piece of work they end), adding the fetches it completes
+    /// to `done`; whether any work was done.
+    pub(super) fn slice(&mut self, store: &mut Store, done: &mut Vec<FetchDone>) -> bool {
+        let mut budget = TIER_SLICE;
+        let mut did = false;
+        for r in &mut self.sides {
+            while budget > 0 {
+                let Some(work) = r.work.pop_front() else { break };
+                did = true;
+                match work {
+                    FillWork::Reserve { blocks, mut answers, reply } => {
+                        let from = answers.len();
+                        let to = blocks.len().min(from + budget);
+                        budget -= to - from;
+                        for b in &blocks[from..to] {
+                            // Committed by a client meanwhile: that block stands.
+                            let answer = if store.peek(b.key).is_some() {
+                                None
+                            } else {
+                                let c = store.handle_internal(
+                                    r.session,
+                                    &Request::Reserve {
+                                        key: b.key,
+                                        dtype: b.dtype,
+                                        shape: b.shape,
+                                        len: b.len,
+                                        page_offset: 0,
+                                    },
+                                );
+                                (c.status == Status::Ok).then_some(Reserved { handle: c.handle, data_offset: c.offset })
+                            };
+                            answers.push(answer);
+                        }
+                        if answers.len() < blocks.len() {
+                            r.work.push_front(FillWork::Reserve { blocks, answers, reply });
+                            break;
+                        }
+                        if let Err(answers) = reply.send(answers) {
+                            for a in answers.into_iter().flatten() {
+                                store.handle_internal(r.session, &Request::Abort { handle: a.handle });
+                            }
+                        }
+                    }
+                    FillWork::Commit { fetch, filled, mut next, mut committed } => {
+                        let to = filled.len().min(next + budget);
+                        budget -= to - next;
+                        for &(handle, len) in &filled[next..to] {
+                            let key = store.reservation_key(r.session, handle);
+                            // Committed by a client while the fill ran: that block is newer
+                            // (and may have chain links); the fill's copy is dropped.
+                            if key.is_some_and(|k| store.peek(k).is_some()) {
+                                store.handle_internal(r.session, &Request::Abort { handle });
+                                continue;
+                            }
+                            if store.handle_internal(r.session, &Request::Commit { handle, parent: None }).status
+                                == Status::Ok
+                            {
+                                r.tier.landed(len);
+                                committed.extend(key);
+                            }
+                        }
+                        next = to;
+                        if next < filled.len() {
+                            r.work.push_front(FillWork::Commit { fetch, filled, next, committed });
+                            break;
+                        }
+                        // Every block of the fetch is in. A fetch no longer
+                        // waited for (expired) still wakes WAITs on its keys.
+                        let channel = r.pending.remove(&fetch).map(|(ch, _)| ch);
+                        if channel.is_some() || !committed.is_empty() {
+                            done.push(FetchDone { fetch, channel, committed });
+                        }
+                        // An empty fetch still takes a turn: at most one per block of budget.
+                        budget = budget.saturating_sub(1);
+                    }
+                }
+            }
+        }
+        did
+    }
+
+    /// Stops every tier for a takeover, closing their sessions (which drops
+    /// their pins and reservations).
+    pub(super) fn stop(&mut self, store: &mut Store) -> Stopped {
+        Stopped(
+            self.sides
+                .drain(..)
+                .map(|t| {
+                    let stopped = t.tier.stop();
+                    store.close_session(t.session);
+                    (t.id, stopped)
+                })
+                .collect(),
+        )
+    }
+
+    /// Starts the tiers of `stopped` again (a takeover that did not happen).
+    pub(super) fn resume(&mut self, stopped: Stopped, store: &mut Store) {
+        for (id, t) in stopped.0 {
+            match t.resume() {
+                Ok(tier) => self.sides.push(TierSide::new(id, tier, store)),
+                Err(e) => tracing::error!("tier {id} did not restart after a failed takeover: {e}"),
+            }
+        }
+    }
+}

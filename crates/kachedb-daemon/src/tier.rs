@@ -1,0 +1,173 @@
+//! The tiers behind the megaslab, as the serve loop sees them: one interface
+//! ([`Tier`]) that every tier implements (the remote tier, `crate::remote`,
+//! today), the jobs the loop hands a tier, and the [`TierEvent`]s a tier
+//! reports back.
+//!
+//! The division of work: the serve loop owns the [`Store`](crate::store::Store).
+//! It takes a pin for each block a tier writes behind, makes the reservations
+//! a fill asks for and commits them; a tier never touches the store. A tier
+//! runs its own threads, reads a pinned block's bytes and writes a filled
+//! block's bytes in the megaslab, and tells the loop what it did through
+//! [`TierEvents`], which queue a [`TierEvent`] for the loop and ring its
+//! doorbell. Each tier has a [`TierId`] so the loop can tell the reports of
+//! several tiers apart.
+
+use kachedb_shm::{DType, Shape};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Which of the daemon's tiers (its place in the order they were started).
+pub type TierId = usize;
+
+/// A block a client committed, pinned for the tier's session, to write behind.
+#[derive(Clone, Copy, Debug)]
+pub struct WriteJob {
+    /// Key.
+    pub key: u128,
+    /// The parent the client named when it committed the block (its chain's
+    /// previous block), if any; the local link may not exist.
+    pub parent: Option<u128>,
+    /// The pin to give back ([`TierEvent::Written`]) when done.
+    pub pin: u64,
+    /// Where the tensor bytes are, bytes from the region base.
+    pub data_offset: u64,
+    /// Tensor bytes.
+    pub len: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Dims.
+    pub shape: Shape,
+}
+
+/// Keys missing locally, to fill: the local-miss tail of one batch.
+#[derive(Clone, Debug)]
+pub struct FetchJob {
+    /// Fetch id (the serve loop matches the answer to the parked channel by it).
+    pub id: u64,
+    /// Keys, in chain order.
+    pub keys: Vec<u128>,
+}
+
+/// A block a fill found: what the serve loop needs to reserve room for it.
+#[derive(Clone, Copy, Debug)]
+pub struct FillSpec {
+    /// Key.
+    pub key: u128,
+    /// Element type.
+    pub dtype: DType,
+    /// Dims.
+    pub shape: Shape,
+    /// Tensor bytes.
+    pub len: u64,
+}
+
+/// A reservation the serve loop made for a fill.
+#[derive(Clone, Copy, Debug)]
+pub struct Reserved {
+    /// The reservation handle (of the tier's session).
+    pub handle: u64,
+    /// Where its tensor bytes go, bytes from the region base.
+    pub data_offset: u64,
+}
+
+/// What a tier tells the serve loop.
+#[derive(Debug)]
+pub enum TierEvent {
+    /// Fetch `fetch` found these blocks: reserve room for each (`None` where
+    /// not: present locally by now, or no room) and answer on `reply`. If
+    /// the reply cannot be delivered, the serve loop aborts them.
+    Reserve {
+        /// Fetch id.
+        fetch: u64,
+        /// The blocks.
+        blocks: Vec<FillSpec>,
+        /// Where the answer goes (one entry per block).
+        reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
+    },
+    /// Fetch `fetch` is over: these reservations hold their bytes, commit
+    /// them; then serve the frames its channel held. Empty: nothing was
+    /// filled (the keys are missing there too, or the fill failed).
+    Filled {
+        /// Fetch id.
+        fetch: u64,
+        /// Reservation handles to commit, with their tensor bytes.
+        filled: Vec<(u64, u64)>,
+    },
+    /// A write-behind job is over (written or not): drop its pin.
+    Written {
+        /// The pin handle (of the tier's session).
+        pin: u64,
+    },
+}
+
+/// Where one tier's events go: the serve loop's event queue (made by
+/// `crate::events::EventSender::tier_events`), which rings its doorbell.
+#[derive(Clone)]
+pub struct TierEvents {
+    tier: TierId,
+    send: Arc<dyn Fn(TierId, TierEvent) + Send + Sync>,
+}
+
+impl TierEvents {
+    /// Events of tier `tier`, delivered by `send`.
+    pub fn new(tier: TierId, send: impl Fn(TierId, TierEvent) + Send + Sync + 'static) -> TierEvents {
+        TierEvents { tier, send: Arc::new(send) }
+    }
+
+    /// Reports `ev` to the serve loop.
+    pub fn send(&self, ev: TierEvent) {
+        (self.send)(self.tier, ev);
+    }
+
+    /// The tier these events come from.
+    pub fn tier(&self) -> TierId {
+        self.tier
+    }
+}
+
+impl std::fmt::Debug for TierEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierEvents").field("tier", &self.tier).finish()
+    }
+}
+
+/// Why a tier could not start (or start again).
+pub type TierError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A tier behind the megaslab, driven by the serve loop (which calls every
+/// method on its own thread; none of them blocks on I/O).
+pub trait Tier: Send + std::fmt::Debug {
+    /// Offers a block a client just committed (`len` tensor bytes) for
+    /// writing behind. If the tier takes it (its queue has room), it calls
+    /// `pinned`, which pins the block for the tier's session and describes
+    /// it (`None`: the block is gone; nothing is written), and it reports
+    /// [`TierEvent::Written`] once done with the pin. A block not taken is
+    /// counted by the tier as dropped.
+    fn write_behind(&self, len: u64, pinned: &mut dyn FnMut() -> Option<WriteJob>);
+
+    /// Starts filling the keys of `job`, missing locally: the tier asks for
+    /// reservations ([`TierEvent::Reserve`]), copies the blocks it has into
+    /// them, and always ends with [`TierEvent::Filled`].
+    fn fetch(&self, job: FetchJob);
+
+    /// The longest a fetch can take before the serve loop stops waiting for it.
+    fn fetch_bound(&self) -> Duration;
+
+    /// Counts one filled block of `len` bytes that the serve loop committed.
+    fn landed(&self, len: u64);
+
+    /// Stops the tier's work for a takeover: when this returns, nothing of
+    /// the tier touches the megaslab any more; jobs not done are dropped (the
+    /// serve loop drops their pins and reservations with the tier's session).
+    /// A tier hands nothing over: the new daemon's tier finds what it needs
+    /// from its own configuration. Dropping a running tier stops it too (at
+    /// shutdown).
+    fn stop(self: Box<Self>) -> Box<dyn StoppedTier>;
+}
+
+/// A tier stopped for a takeover.
+pub trait StoppedTier: Send + std::fmt::Debug {
+    /// Starts it again (the takeover did not happen), reporting to the same
+    /// [`TierEvents`] as before.
+    fn resume(self: Box<Self>) -> Result<Box<dyn Tier>, TierError>;
+}
