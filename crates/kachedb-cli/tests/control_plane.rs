@@ -1,7 +1,7 @@
 //! The control socket, the takeover handshake and the metrics endpoint
 //! against peers that misbehave without breaking any rule of the wire
-//! (issue 25, items 10, 13, 14 and 15): real `kachedb serve` processes,
-//! peers written here as raw `UnixStream`s and `TcpStream`s.
+//! (issue 25, items 10 to 15): real `kachedb serve` processes, peers
+//! written here as raw `UnixStream`s and `TcpStream`s, and clients.
 //!
 //! Time bounds are generous bounds of liveness ("answers within 5 s"), never
 //! measurements.
@@ -373,4 +373,126 @@ fn healthz_stays_healthy_through_takeovers() {
     assert!(bad.is_empty(), "{} of {} /healthz answers were not 200; first: {:?}", bad.len(), answers, bad.first());
     assert!(answers > 0);
     assert_eq!(&*kc.get(Key::from_bytes(b"kept")).expect("get").expect("present"), &[9u8; 4096][..]);
+}
+
+/// A daemon asked to take over that must refuse: waits for `next` to exit,
+/// asserts it failed saying `why`, and that `old` is still running and
+/// logged that it serves on.
+fn refused_takeover(next: &mut Daemon, old: &mut Daemon, why: &str) {
+    let s = next.wait_exit(Duration::from_secs(60)).expect("the new daemon exits");
+    let log = next.log();
+    assert!(!s.success(), "the new daemon took over (it should have refused):\n{log}\nold:\n{}", old.log());
+    assert!(log.contains(why), "the new daemon's error does not say {why:?}:\n{log}");
+    assert!(log.contains("the running daemon keeps serving"), "{log}");
+    let t = Instant::now();
+    while !old.log().contains("takeover failed, serving on") {
+        assert!(old.child.try_wait().unwrap().is_none(), "the old daemon exited:\n{}", old.log());
+        assert!(t.elapsed() < Duration::from_secs(30), "the old daemon did not resume:\n{}", old.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(old.child.try_wait().unwrap().is_none(), "the old daemon exited:\n{}", old.log());
+}
+
+/// The old daemon serves the client connected before the takeover and a new
+/// one: `kc`'s block `key` is readable from both, and `kc` still writes.
+fn still_serves(old: &Daemon, kc: &Client, key: Key, round: u8) {
+    let again = Key::from_bytes(&[b'r', round]);
+    kc.put(again, &[round; 4096]).expect("the old client writes after the refused takeover");
+    assert_eq!(&*kc.get(again).expect("get").expect("present"), &[round; 4096][..]);
+    let other = Client::connect(&old.opts()).expect("a new client after the refused takeover");
+    assert_eq!(&*other.get(key).expect("get").expect("present"), &[7u8; 4096][..]);
+    let v = stats_fast(&old.socket);
+    assert_eq!(v["daemon_pid"].as_u64(), Some(u64::from(old.child.id())), "{v}");
+}
+
+/// Issue 25, item 11: the region header is writable by every client, and a
+/// takeover must not trust it. A client writes another valid geometry (same
+/// megaslab offset and length, other channel count or ring capacity) into
+/// the header; the new daemon compares the header with the geometry the
+/// handed-over state carries, refuses with a message naming both, and the
+/// old daemon serves on: its clients (old and new) are served.
+#[test]
+fn takeover_is_refused_when_a_client_wrote_the_region_header() {
+    use kachedb_shm::region::{Layout, RegionHeader};
+    use std::mem::offset_of;
+    use std::sync::atomic::{AtomicU32, AtomicU64};
+    let dir = TempDir::new("tampered-header");
+    let sock = dir.socket();
+    let mut old = Daemon::spawn_with(&sock, "8MiB", &[]);
+    old.wait_ready();
+    let kc = Client::connect(&old.opts()).expect("connect");
+    let key = Key::from_bytes(b"before");
+    kc.put(key, &[7u8; 4096]).expect("put");
+    let region = kc.region().clone();
+    let l = *region.layout();
+    // Another geometry that the header's own checks accept: the same offsets
+    // of the megaslab and the same region length.
+    let other = (1..=l.channel_count * 2)
+        .flat_map(|ch| (1..=20).map(move |p| (ch, 1u32 << p)))
+        .filter(|&(ch, cap)| (ch, cap) != (l.channel_count, l.ring_capacity))
+        .filter_map(|(ch, cap)| Layout::new(ch, cap, l.slab_len).ok())
+        .find(|o| o.slab_offset == l.slab_offset && o.region_len == l.region_len)
+        .expect("another layout with the same megaslab offset");
+    let base = region.base();
+    // SAFETY: the header page is mapped (shared, writable) while `region`
+    // lives; these offsets are in it and aligned for their widths, and every
+    // access to the header's words is atomic (the daemon copies it with
+    // atomic loads).
+    unsafe {
+        let at32 = |off: usize| &*base.add(off).cast::<AtomicU32>();
+        let at64 = |off: usize| &*base.add(off).cast::<AtomicU64>();
+        at32(offset_of!(RegionHeader, channel_count)).store(other.channel_count, Ordering::Relaxed);
+        at32(offset_of!(RegionHeader, ring_capacity)).store(other.ring_capacity, Ordering::Relaxed);
+        at64(offset_of!(RegionHeader, channel_stride)).store(other.channel_stride, Ordering::Relaxed);
+    }
+    let mut next = Daemon::spawn_with(&sock, "8MiB", &["--takeover"]);
+    refused_takeover(&mut next, &mut old, "the region header says");
+    let log = next.log();
+    let said = format!("{} channels x {} slots", other.channel_count, other.ring_capacity);
+    let serves = format!("{} channels x {} slots", l.channel_count, l.ring_capacity);
+    assert!(log.contains(&said) && log.contains(&serves), "the refusal names neither geometry:\n{log}");
+    // Put the header back, so that the new client below attaches (the daemon
+    // serves the geometry it made, whatever the header says).
+    // SAFETY: as above.
+    unsafe {
+        let at32 = |off: usize| &*base.add(off).cast::<AtomicU32>();
+        let at64 = |off: usize| &*base.add(off).cast::<AtomicU64>();
+        at32(offset_of!(RegionHeader, channel_count)).store(l.channel_count, Ordering::Relaxed);
+        at32(offset_of!(RegionHeader, ring_capacity)).store(l.ring_capacity, Ordering::Relaxed);
+        at64(offset_of!(RegionHeader, channel_stride)).store(l.channel_stride, Ordering::Relaxed);
+    }
+    still_serves(&old, &kc, key, 1);
+    old.signal(rustix::process::Signal::TERM);
+    old.wait_exit(Duration::from_secs(30)).expect("the old daemon stops");
+}
+
+/// Issue 25, item 12: a takeover whose new daemon cannot start (a remote
+/// namespace the tier refuses; a metrics address already in use) fails
+/// before the new daemon says `ready`: it exits with a clear error, and the
+/// old daemon serves on, its clients unaffected.
+#[test]
+fn takeover_that_cannot_start_leaves_the_old_daemon_serving() {
+    let dir = TempDir::new("bad-successor");
+    let sock = dir.socket();
+    let mut old = Daemon::spawn_with(&sock, "8MiB", &[]);
+    old.wait_ready();
+    let kc = Client::connect(&old.opts()).expect("connect");
+    let key = Key::from_bytes(b"before");
+    kc.put(key, &[7u8; 4096]).expect("put");
+    // Nothing listens on port 1: the tier connects in the background, so only
+    // its options can fail, and they do.
+    let mut next = Daemon::spawn_with(
+        &sock,
+        "8MiB",
+        &["--takeover", "--remote", "redis://127.0.0.1:1", "--remote-namespace", "has space"],
+    );
+    refused_takeover(&mut next, &mut old, "namespace \"has space\" must be printable ASCII");
+    still_serves(&old, &kc, key, 1);
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let mut next = Daemon::spawn_with(&sock, "8MiB", &["--takeover", "--metrics-addr", &addr]);
+    refused_takeover(&mut next, &mut old, &format!("cannot serve metrics on {addr}"));
+    still_serves(&old, &kc, key, 2);
+    old.signal(rustix::process::Signal::TERM);
+    old.wait_exit(Duration::from_secs(30)).expect("the old daemon stops");
 }

@@ -8,7 +8,7 @@ use crate::control::{self, Access};
 use crate::events::{self, Event};
 use crate::metrics::Metrics;
 use crate::remote::RemoteTier;
-use crate::serve::{Serve, ServeState};
+use crate::serve::{RegionLayout, Serve, ServeState};
 use crate::store::Store;
 use crate::tier::Tier;
 use kachedb_shm::region::{CreateOptions, Layout};
@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -257,20 +257,22 @@ impl Daemon {
         store.set_max_session_bytes(cfg.max_client_bytes);
         store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
-        Parts {
+        let control_lock = lock.dup().map_err(io_err("duplicating the instance lock for", &sock))?;
+        let started = Parts {
             channels: Arc::new(Channels::new(cfg.channels)),
             cfg,
             region,
             store,
             listener,
-            lock,
+            control_lock,
             metrics_listener,
             conns: Vec::new(),
             shutdown,
             started: Instant::now(),
             restored: None,
         }
-        .launch()
+        .start()?;
+        Ok(started.serve(lock))
     }
 
     /// Takes over from the daemon serving `cfg.socket_path` (`kachedb serve
@@ -278,10 +280,51 @@ impl Daemon {
     /// store. The region's geometry is the old daemon's; of `cfg`, the limits,
     /// the eviction policy, the remote tier and the metrics address (when the
     /// old daemon had no metrics listener) apply.
+    ///
+    /// Everything that can fail (reading the state, checking the region
+    /// against it, the remote tier's options, binding the metrics address,
+    /// starting every thread) happens before this daemon answers `ready`; a
+    /// failure there is a `refuse`, and the old daemon serves on. After
+    /// `ready`, the threads already started are let loose.
     pub fn take_over(cfg: ServeConfig, shutdown: Arc<AtomicBool>) -> Result<(Daemon, TakeoverSummary), ServeError> {
         let t0 = Instant::now();
         let taken = crate::takeover::take(&cfg.socket_path, cfg.takeover_timeout)?;
         let received = t0.elapsed();
+        let (started, lock_fd, blocks, restored_at) = match Self::take_state(cfg, shutdown, &taken, t0) {
+            Ok(x) => x,
+            // Already refused, with its reason.
+            Err(e @ ServeError::Takeover(_)) => return Err(e),
+            Err(e) => return Err(taken.refuse(&format!("the new daemon cannot start: {e}")).into()),
+        };
+        let rebuilt = restored_at - received;
+        // The old daemon stops only now; until this returns it may resume.
+        if let Err(e) = taken.confirm() {
+            started.abandon();
+            return Err(e.into());
+        }
+        let lock = crate::lock::InstanceLock::taken_over(lock_fd, &started.lock_path());
+        let summary = TakeoverSummary {
+            old_pid: taken.old_pid,
+            blocks,
+            connections: taken.conns.len(),
+            took: t0.elapsed(),
+            received,
+            rebuilt,
+        };
+        Ok((started.serve(lock), summary))
+    }
+
+    /// The new daemon's side of a takeover up to `ready`: rebuilds the state
+    /// `taken` and starts every thread (held until [`Started::serve`]).
+    /// Returns them, the lock's fd, the blocks taken over and when the store
+    /// was rebuilt (from `t0`). A problem with the state is refused here; any
+    /// other error is the caller's to refuse.
+    fn take_state(
+        cfg: ServeConfig,
+        shutdown: Arc<AtomicBool>,
+        taken: &crate::takeover::Taken,
+        t0: Instant,
+    ) -> Result<(Started, std::os::fd::OwnedFd, u64, std::time::Duration), ServeError> {
         let sock = cfg.socket_path.clone();
         let mut serve = ServeState::decode(&taken.serve).map_err(|e| taken.refuse(&format!("serve state: {e}")))?;
         let region =
@@ -289,6 +332,17 @@ impl Daemon {
                 .map_err(|e| taken.refuse(&format!("the region: {e}")))?;
         if region.generation() != serve.region_generation {
             return Err(taken.refuse("the region is not the one the state describes").into());
+        }
+        // The header is writable by every client: its geometry must be the
+        // one the old daemon serves, or every client's rings would move.
+        let header = RegionLayout::from(region.layout());
+        if header != serve.layout {
+            return Err(taken
+                .refuse(&format!(
+                    "the region header says {header}, but the running daemon serves {}: the header was written after the region was made (by a client?); not taking over",
+                    serve.layout
+                ))
+                .into());
         }
         let layout = *region.layout();
         let received_store = std::mem::replace(&mut serve.store, Store::new(0, 0));
@@ -320,40 +374,26 @@ impl Daemon {
         let channels = Arc::new(Channels::restore(taken.control.free_channels.clone(), &taken.control.quarantine));
         let lock_path = PathBuf::from(format!("{}.lock", sock.display()));
         let lock_fd = taken.lock.try_clone().map_err(io_err("duplicating the lock", &lock_path))?;
+        let control_lock = lock_fd.try_clone().map_err(io_err("duplicating the lock", &lock_path))?;
         let blocks = store.stats().blocks;
-        let rebuilt = t0.elapsed() - received;
-        // The old daemon stops only now; until this returns it may resume.
-        taken.confirm()?;
-        let lock = crate::lock::InstanceLock::taken_over(lock_fd, &lock_path);
+        let restored_at = t0.elapsed();
         let started = Instant::now().checked_sub(std::time::Duration::from_millis(serve.uptime_ms)).unwrap_or(t0);
-        let summary = TakeoverSummary {
-            old_pid: taken.old_pid,
-            blocks,
-            connections: conns.len(),
-            took: t0.elapsed(),
-            received,
-            rebuilt,
-        };
-        let restored = Restored {
-            channels: serve.channels.clone(),
-            waits: serve.waits.clone(),
-            counters: serve.counters.clone(),
-            streams,
-        };
-        let parts = Parts {
+        let restored = Restored { channels: serve.channels, waits: serve.waits, counters: serve.counters, streams };
+        let started = Parts {
             cfg,
             region,
             store,
             listener,
-            lock,
+            control_lock,
             channels,
             metrics_listener,
             conns,
             shutdown,
             started,
             restored: Some(restored),
-        };
-        Ok((parts.launch()?, summary))
+        }
+        .start()?;
+        Ok((started, lock_fd, blocks, restored_at))
     }
 
     /// The control socket path.
@@ -436,7 +476,8 @@ struct Parts {
     region: Arc<Region>,
     store: Store,
     listener: UnixListener,
-    lock: crate::lock::InstanceLock,
+    /// A second fd of the instance lock, for the control thread to hand over.
+    control_lock: std::os::fd::OwnedFd,
     channels: Arc<Channels>,
     metrics_listener: Option<std::net::TcpListener>,
     conns: Vec<control::Conn>,
@@ -445,15 +486,37 @@ struct Parts {
     restored: Option<Restored>,
 }
 
+/// A daemon whose tiers run and whose control and metrics threads are
+/// started but held: [`serve`](Self::serve) lets them loose,
+/// [`abandon`](Self::abandon) ends them.
+struct Started {
+    cfg: ServeConfig,
+    region: Arc<Region>,
+    store: Store,
+    events: Receiver<Event>,
+    channels: Arc<Channels>,
+    shutdown: Arc<AtomicBool>,
+    control: std::thread::JoinHandle<Option<i32>>,
+    metrics: Arc<Metrics>,
+    tiers: Vec<Box<dyn Tier>>,
+    http: Option<(std::thread::JoinHandle<()>, SocketAddr)>,
+    /// `true` on these lets the control and metrics threads serve; `false`
+    /// (or dropping them) ends them.
+    go: Vec<Sender<bool>>,
+    started: Instant,
+    restored: Option<Restored>,
+}
+
 impl Parts {
-    /// Starts the remote tier, the control thread and the metrics endpoint.
-    fn launch(self) -> Result<Daemon, ServeError> {
+    /// Starts everything that can fail: the tiers, the control thread and
+    /// the metrics endpoint (the threads wait for [`Started::serve`]).
+    fn start(self) -> Result<Started, ServeError> {
         let Parts {
             cfg,
             region,
             store,
             listener,
-            lock,
+            control_lock,
             channels,
             metrics_listener,
             conns,
@@ -473,8 +536,8 @@ impl Parts {
         };
         let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
         if restored.is_some() {
-            // The old daemon has stopped for good and this one serves next:
-            // the node is healthy from the first scrape on.
+            // The old daemon stops for good before this one serves: the
+            // node is healthy from the first scrape on.
             metrics.set_health(crate::metrics::Health::HandingOver);
         }
         let mut tiers: Vec<Box<dyn Tier>> = Vec::new();
@@ -482,6 +545,9 @@ impl Parts {
             let events = tx.tier_events(tiers.len());
             tiers.push(Box::new(RemoteTier::start(rc.clone(), region.clone(), events, metrics.clone())?));
         }
+        let mut go = Vec::new();
+        let (control_go, control_start) = mpsc::channel();
+        go.push(control_go);
         let control = spawn_control(
             control::Control {
                 listener,
@@ -491,44 +557,91 @@ impl Parts {
                 events: tx,
                 shutdown: shutdown.clone(),
                 metrics: metrics.clone(),
-                lock: lock.dup().map_err(io_err("duplicating the instance lock for", &sock))?,
+                lock: control_lock,
                 metrics_listener: dup_listener(metrics_listener.as_ref()),
                 conns,
             },
             &sock,
+            control_start,
         )?;
         let http = match metrics_listener {
             Some(l) => {
                 let addr = l.local_addr().map_err(io_err("reading the metrics address of", &sock))?;
-                let t = crate::http::spawn(l, metrics.clone(), shutdown.clone())
+                let (http_go, http_start) = mpsc::channel();
+                go.push(http_go);
+                let t = crate::http::spawn(l, metrics.clone(), shutdown.clone(), http_start)
                     .map_err(|source| ServeError::Metrics { addr, source })?;
                 Some((t, addr))
             }
             None => None,
         };
-        Ok(Daemon {
+        Ok(Started {
             cfg,
             region,
             store,
             events: rx,
             channels,
             shutdown,
-            control: Some(control),
+            control,
             metrics,
             tiers,
             http,
-            _lock: lock,
+            go,
             started,
             restored,
         })
     }
 }
 
-/// Starts the control thread.
-fn spawn_control(ctl: control::Control, sock: &Path) -> Result<std::thread::JoinHandle<Option<i32>>, ServeError> {
+impl Started {
+    /// The instance lock's path.
+    fn lock_path(&self) -> PathBuf {
+        PathBuf::from(format!("{}.lock", self.cfg.socket_path.display()))
+    }
+
+    /// Lets the control and metrics threads serve; the daemon, holding `lock`.
+    fn serve(self, lock: crate::lock::InstanceLock) -> Daemon {
+        for g in &self.go {
+            let _ = g.send(true);
+        }
+        Daemon {
+            cfg: self.cfg,
+            region: self.region,
+            store: self.store,
+            events: self.events,
+            channels: self.channels,
+            shutdown: self.shutdown,
+            control: Some(self.control),
+            metrics: self.metrics,
+            tiers: self.tiers,
+            http: self.http,
+            _lock: lock,
+            started: self.started,
+            restored: self.restored,
+        }
+    }
+
+    /// Ends the threads before they served anything, and the tiers.
+    fn abandon(self) {
+        drop(self.go);
+        let _ = self.control.join();
+        if let Some((h, _)) = self.http {
+            let _ = h.join();
+        }
+        drop(self.tiers);
+    }
+}
+
+/// Starts the control thread, which serves once `true` comes on `start`
+/// (`false` or the sender gone: it ends at once).
+fn spawn_control(
+    ctl: control::Control,
+    sock: &Path,
+    start: Receiver<bool>,
+) -> Result<std::thread::JoinHandle<Option<i32>>, ServeError> {
     std::thread::Builder::new()
         .name("kachedb-control".into())
-        .spawn(move || control::run(ctl))
+        .spawn(move || if start.recv() == Ok(true) { control::run(ctl) } else { None })
         .map_err(io_err("spawning the control thread for", sock))
 }
 

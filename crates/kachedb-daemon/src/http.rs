@@ -80,12 +80,16 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr)
 }
 
-/// Serves `metrics` on `listener` until `shutdown` is set; the returned
-/// thread ends after its workers.
+/// Serves `metrics` on `listener` once `true` comes on `start`, until
+/// `shutdown` is set (`false` or the sender gone: it never serves); the
+/// returned thread ends after its workers. Starting the threads and serving
+/// are apart so that a daemon taking over starts every thread before it says
+/// `ready`, and serves only after.
 pub fn spawn(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     shutdown: Arc<AtomicBool>,
+    start: mpsc::Receiver<bool>,
 ) -> std::io::Result<JoinHandle<()>> {
     listener.set_nonblocking(true)?;
     let (tx, rx) = mpsc::sync_channel::<(TcpStream, Head)>(QUEUE);
@@ -102,7 +106,9 @@ pub fn spawn(
         );
     }
     std::thread::Builder::new().name("kachedb-http".into()).stack_size(256 * 1024).spawn(move || {
-        accept_loop(&listener, &tx, &shutdown, &metrics);
+        if start.recv() == Ok(true) {
+            accept_loop(&listener, &tx, &shutdown, &metrics);
+        }
         drop(tx);
         for w in workers {
             let _ = w.join();
@@ -590,7 +596,9 @@ mod tests {
         let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = Arc::new(AtomicBool::new(false));
-        let t = spawn(listener, m, shutdown.clone()).unwrap();
+        let (go, start) = mpsc::channel();
+        let t = spawn(listener, m, shutdown.clone(), start).unwrap();
+        go.send(true).unwrap();
         let ask = |req: &[u8]| {
             let mut c = TcpStream::connect(addr).unwrap();
             c.write_all(req).unwrap();

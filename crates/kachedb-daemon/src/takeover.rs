@@ -24,7 +24,10 @@
 //! process is gone, if it died after `Ready`.
 //!
 //! Failures: a state version the new daemon does not read, a state it cannot
-//! rebuild, the new daemon dying, going silent or trickling bytes (each step
+//! rebuild, a region header whose geometry is not the one the state carries
+//! (any client can write the header), a new daemon that cannot start (its
+//! options, its threads: all started before `Ready`, held until it serves),
+//! the new daemon dying, going silent or trickling bytes (each step
 //! as a whole, however many socket calls it takes, waits at most the step
 //! timeout, [`STEP_TIMEOUT`] by default: see [`Deadline`]) all leave the old
 //! daemon serving, its state untouched
@@ -47,7 +50,7 @@ use std::time::{Duration, Instant};
 /// `crate::serve::ServeState` and [`ControlState`] (the store's tables included), encoded
 /// by [`encode`]. Any change to a serialized type, or to the encoding, must
 /// bump it.
-pub const STATE_VERSION: u32 = 2;
+pub const STATE_VERSION: u32 = 3;
 
 /// Encodes a state: postcard (serde's data model as varints, no field
 /// names), which halved the handover of a 100 000-block store against JSON.

@@ -10,7 +10,7 @@ use crate::metrics::Health;
 use crate::store::{SessionId, Store};
 use crate::waits::Waiter;
 use kachedb_shm::control::ServeStats;
-use kachedb_shm::TensorBlockDescriptor;
+use kachedb_shm::{Layout, TensorBlockDescriptor};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::os::unix::net::UnixStream;
@@ -51,11 +51,50 @@ pub(crate) struct ParkedWait {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct ServeState<S = Store> {
     pub region_generation: u64,
+    /// The region's geometry as the old daemon serves it: the new daemon
+    /// compares it with the region header, which any client can write.
+    pub layout: RegionLayout,
     pub store: S,
     pub channels: Vec<ChannelState>,
     pub waits: Vec<ParkedWait>,
     pub counters: ServeStats,
     pub uptime_ms: u64,
+}
+
+/// A region's geometry ([`Layout`]), as the takeover state carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RegionLayout {
+    pub channel_count: u32,
+    pub ring_capacity: u32,
+    pub channel_offset: u64,
+    pub channel_stride: u64,
+    pub slab_offset: u64,
+    pub slab_len: u64,
+    pub region_len: u64,
+}
+
+impl From<&Layout> for RegionLayout {
+    fn from(l: &Layout) -> RegionLayout {
+        RegionLayout {
+            channel_count: l.channel_count,
+            ring_capacity: l.ring_capacity,
+            channel_offset: l.channel_offset,
+            channel_stride: l.channel_stride,
+            slab_offset: l.slab_offset,
+            slab_len: l.slab_len,
+            region_len: l.region_len,
+        }
+    }
+}
+
+impl std::fmt::Display for RegionLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} channels x {} slots, channel stride {} B, megaslab {} B at {}",
+            self.channel_count, self.ring_capacity, self.channel_stride, self.slab_len, self.slab_offset
+        )
+    }
 }
 
 impl ServeState {
@@ -149,6 +188,7 @@ impl Serve {
         let now = Instant::now();
         ServeState {
             region_generation: self.region.generation(),
+            layout: RegionLayout::from(self.region.layout()),
             store: &self.store,
             channels: self
                 .sessions

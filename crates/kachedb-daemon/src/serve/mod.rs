@@ -19,7 +19,7 @@ mod handover;
 mod session;
 mod tiers;
 
-pub(crate) use handover::{ChannelState, ParkedWait, ServeState};
+pub(crate) use handover::{ChannelState, ParkedWait, RegionLayout, ServeState};
 
 use crate::channels::Channels;
 use crate::events::Event;
