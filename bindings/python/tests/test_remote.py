@@ -801,7 +801,7 @@ def test_a_hostile_header_costs_a_few_reads_and_is_counted(cluster):
 def test_a_fill_slower_than_its_deadline_is_cancelled_and_later_fills_work(cluster):
     """The shard holding a 32 MiB block (512 chunks of 64 KiB) is paused
     (CLIENT PAUSE) most of the time, so the fill outlives its deadline (4 ×
-    --remote-timeout-ms) though no request times out: the fill is cancelled,
+    --remote-timeout-ms + 1 s) though no request times out: the fill is cancelled,
     the client gets a miss, the reads of that fill stop (at most the window
     already sent reaches Redis), and once the shard answers again the same GET
     fills."""

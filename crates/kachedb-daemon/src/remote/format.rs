@@ -534,6 +534,17 @@ pub fn pieces<'a>(chunk0: &'a [u8], rest: &'a [Vec<u8>]) -> impl Iterator<Item =
 /// block `h` describes: every piece of the right length and the bytes
 /// hashing to its checksum, or to its tag under `fleet`'s key.
 pub fn verify(h: &Header, chunk0: &[u8], rest: &[Vec<u8>], fleet: Option<&FleetKey>) -> Result<(), FormatError> {
+    verify_lengths(h, chunk0, rest)?;
+    let mut s = Sealer::new(h, fleet);
+    for p in pieces(chunk0, rest) {
+        s.update(p);
+    }
+    verify_seal(h, &s)
+}
+
+/// Checks that `chunk0` and `rest` have the pieces `h` describes, each of
+/// the right length.
+pub fn verify_lengths(h: &Header, chunk0: &[u8], rest: &[Vec<u8>]) -> Result<(), FormatError> {
     if rest.len() as u64 + 1 != u64::from(h.chunk_count) {
         return Err(FormatError::Inconsistent("chunk count"));
     }
@@ -543,26 +554,20 @@ pub fn verify(h: &Header, chunk0: &[u8], rest: &[Vec<u8>], fleet: Option<&FleetK
             return Err(FormatError::ChunkLen { index: i as u32, len: p.len(), want: want.end - want.start });
         }
     }
-    match (h.seal, fleet) {
-        (Seal::Checksum(c), None) => {
-            if checksum(pieces(chunk0, rest)) != c {
-                return Err(FormatError::Checksum);
-            }
-        }
-        (Seal::Tag(t), Some(_)) => {
-            let mut s = Sealer::new(h, fleet);
-            for p in pieces(chunk0, rest) {
-                s.update(p);
-            }
-            match s.finish() {
-                Seal::Tag(got) if tags_equal(&got, &t) => {}
-                _ => return Err(FormatError::BlockTag),
-            }
-        }
-        (Seal::Checksum(_), Some(_)) => return Err(FormatError::UnkeyedValue),
-        (Seal::Tag(_), None) => return Err(FormatError::KeyedValue),
-    }
     Ok(())
+}
+
+/// Checks the seal `sealer` computed (made by [`Sealer::new`] for `h` with
+/// the reader's key, fed every tensor byte in order) against `h`'s.
+pub fn verify_seal(h: &Header, sealer: &Sealer) -> Result<(), FormatError> {
+    match (h.seal, sealer.finish()) {
+        (Seal::Checksum(want), Seal::Checksum(got)) if want == got => Ok(()),
+        (Seal::Checksum(_), Seal::Checksum(_)) => Err(FormatError::Checksum),
+        (Seal::Tag(want), Seal::Tag(got)) if tags_equal(&got, &want) => Ok(()),
+        (Seal::Tag(_), Seal::Tag(_)) => Err(FormatError::BlockTag),
+        (Seal::Checksum(_), Seal::Tag(_)) => Err(FormatError::UnkeyedValue),
+        (Seal::Tag(_), Seal::Checksum(_)) => Err(FormatError::KeyedValue),
+    }
 }
 
 #[cfg(test)]

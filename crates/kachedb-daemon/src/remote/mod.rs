@@ -528,9 +528,11 @@ impl RemoteTier {
 
 /// How long a fetch may run before it is cancelled (its downloads dropped,
 /// its keys misses): the connect, two rounds of requests, and waiting for a
-/// fetch slot or download budget, each at most the request timeout.
+/// fetch slot or download budget, each about the request timeout, and a
+/// second of slack for a busy node (the tier's threads run nicer than the
+/// serve loop).
 fn fill_deadline(timeout: Duration) -> Duration {
-    timeout * 4
+    timeout * 4 + Duration::from_secs(1)
 }
 
 /// A tier stopped for a takeover: what it needs to start again if the

@@ -84,7 +84,11 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
             return Ok(());
         }
     };
-    let heads = timeout_at(deadline, read_heads(ctx, &conn, &job.keys)).await.map_err(|_| Cancelled)?;
+    let (whole, heads) = timeout_at(deadline, read_heads(ctx, &conn, &job.keys)).await.map_err(|_| Cancelled)?;
+    if !whole.is_empty() {
+        land_all(ctx, job.id, &whole, filled).await;
+    }
+    drop(whole);
     for group in budget_groups(heads) {
         let kib: u64 = group.iter().map(|(h, _)| h.len).sum::<u64>().div_ceil(1024);
         let kib = kib.min(FILL_BUDGET_BYTES >> 10) as u32;
@@ -197,34 +201,67 @@ fn refuse(ctx: &Ctx, key: u128, e: &format::FormatError) {
     tracing::warn!(key = %format_args!("{key:032x}"), "remote value refused: {e}");
 }
 
-/// Round one: the start of chunk 0 of every key, all at once; the headers
-/// that verify, with the bytes read. Absent keys are misses, the others
-/// that do not verify are counted.
-async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> Vec<(Header, Vec<u8>)> {
-    let cells = ctx.cells();
-    let ns = &ctx.cfg.namespace;
+/// What round one found for one key.
+enum HeadRead {
+    /// The request failed or timed out.
+    Error,
+    /// No such key.
+    Missing,
+    /// A value that does not verify.
+    Refused(format::FormatError),
+    /// A verified header; the rest of the block comes in round two.
+    Head(Header, Vec<u8>),
+    /// The whole block, verified.
+    Whole(Verified),
+}
+
+/// Round one for `key`: the start of its chunk 0, checked as soon as it
+/// arrives (while the other keys' answers are still coming in); a block
+/// that fits in it is verified whole.
+async fn read_head(ctx: &Ctx, conn: &super::Conn, key: u128) -> HeadRead {
     let end = FIRST_READ_BYTES as u64 - 1;
-    let firsts =
-        futures_util::future::join_all(keys.iter().map(|&k| get_range(ctx, conn, format::chunk_key(ns, k, 0), 0, end)))
-            .await;
-    let mut heads = Vec::new();
+    let chunk0 = match get_range(ctx, conn, format::chunk_key(&ctx.cfg.namespace, key, 0), 0, end).await {
+        Err(()) => return HeadRead::Error,
+        // Absent (a real value is never empty: it starts with a header).
+        Ok(v) if v.is_empty() => return HeadRead::Missing,
+        Ok(v) => v,
+    };
+    let fleet = ctx.cfg.key.as_ref();
+    let h = match Header::decode(&chunk0, key, &ctx.limits, fleet) {
+        Ok(h) => h,
+        Err(e) => return HeadRead::Refused(e),
+    };
+    let want0 = h.chunk_value_len(0);
+    if chunk0.len() as u64 > want0 {
+        return HeadRead::Refused(format::FormatError::ChunkLen { index: 0, len: chunk0.len(), want: want0 });
+    }
+    if h.chunk_count == 1 && chunk0.len() as u64 == want0 {
+        return match format::verify(&h, &chunk0, &[], fleet) {
+            Ok(()) => HeadRead::Whole(Verified { header: h, chunk0, rest: Vec::new() }),
+            Err(e) => HeadRead::Refused(e),
+        };
+    }
+    HeadRead::Head(h, chunk0)
+}
+
+/// Round one: the start of chunk 0 of every key, all at once. The blocks
+/// it held whole, verified, and the verified headers of the others, with
+/// the bytes read. Absent keys are misses, the others that do not verify
+/// are counted.
+async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verified>, Vec<(Header, Vec<u8>)>) {
+    let cells = ctx.cells();
+    let firsts = futures_util::future::join_all(keys.iter().map(|&k| read_head(ctx, conn, k))).await;
+    let (mut whole, mut heads) = (Vec::new(), Vec::new());
     for (&key, got) in keys.iter().zip(firsts) {
         match got {
-            Err(()) => RemoteCells::add(&cells.errors, 1),
-            // Absent (a real value is never empty: it starts with a header).
-            Ok(v) if v.is_empty() => RemoteCells::add(&cells.misses, 1),
-            Ok(chunk0) => match Header::decode(&chunk0, key, &ctx.limits, ctx.cfg.key.as_ref()) {
-                Ok(h) if chunk0.len() as u64 > h.chunk_value_len(0) => refuse(
-                    ctx,
-                    key,
-                    &format::FormatError::ChunkLen { index: 0, len: chunk0.len(), want: h.chunk_value_len(0) },
-                ),
-                Ok(h) => heads.push((h, chunk0)),
-                Err(e) => refuse(ctx, key, &e),
-            },
+            HeadRead::Error => RemoteCells::add(&cells.errors, 1),
+            HeadRead::Missing => RemoteCells::add(&cells.misses, 1),
+            HeadRead::Refused(e) => refuse(ctx, key, &e),
+            HeadRead::Head(h, chunk0) => heads.push((h, chunk0)),
+            HeadRead::Whole(v) => whole.push(v),
         }
     }
-    heads
+    (whole, heads)
 }
 
 /// Round two: the rest of every block of `group`, all at once; the blocks
@@ -243,60 +280,51 @@ async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<(Header, Vec<u8>)>
 }
 
 /// The rest of block `h` (the part of chunk 0 round one did not read, and
-/// chunks 1..), verified.
+/// chunks 1..), verified: its bytes are hashed in order as they arrive.
 async fn read_rest(ctx: &Ctx, conn: &super::Conn, h: Header, mut chunk0: Vec<u8>) -> (u128, Result<Verified, Refused>) {
     let ns = &ctx.cfg.namespace;
     let want0 = h.chunk_value_len(0);
     let have0 = chunk0.len() as u64;
-    let head_rest = async {
-        if have0 == want0 {
-            return Ok(Vec::new());
+    if have0 < want0 && have0 < FIRST_READ_BYTES as u64 {
+        // Round one read all there was: chunk 0 is short.
+        let e = format::FormatError::ChunkLen { index: 0, len: chunk0.len(), want: want0 };
+        return (h.key, Err(Refused::Bad(e)));
+    }
+    let mut sealer = format::Sealer::new(&h, ctx.cfg.key.as_ref());
+    sealer.update(chunk0.get(format::HEADER_LEN..).unwrap_or(&[]));
+    // The reads in order: what is left of chunk 0 (index 0), then chunks 1..;
+    // each asks for one byte more than it expects.
+    let head_part = (have0 < want0).then_some((0u32, have0, want0 - have0));
+    let reads = head_part.into_iter().chain((1..h.chunk_count).map(|i| (i, 0, h.chunk_value_len(i))));
+    let mut rest = Vec::with_capacity((h.chunk_count - 1) as usize);
+    let mut s = futures_util::stream::iter(reads)
+        .map(|(index, start, want)| {
+            let key = format::chunk_key(ns, h.key, index);
+            async move { (index, want, get_range(ctx, conn, key, start, format::chunk_read_end(start, want)).await) }
+        })
+        .buffered(CHUNK_WINDOW);
+    // The first missing (read as empty), short or overlong chunk ends the
+    // reading: dropping the stream drops the requests in its window.
+    while let Some((index, want, got)) = s.next().await {
+        let Ok(v) = got else { return (h.key, Err(Refused::Error)) };
+        if v.len() as u64 != want {
+            let len = if index == 0 { chunk0.len() + v.len() } else { v.len() };
+            let want = if index == 0 { want0 } else { want };
+            return (h.key, Err(Refused::Bad(format::FormatError::ChunkLen { index, len, want })));
         }
-        if have0 < FIRST_READ_BYTES as u64 {
-            // Round one read all there was: chunk 0 is short.
-            return Err(Refused::Bad(format::FormatError::ChunkLen { index: 0, len: have0 as usize, want: want0 }));
-        }
-        let key = format::chunk_key(ns, h.key, 0);
-        let v = get_range(ctx, conn, key, have0, format::chunk_read_end(have0, want0 - have0)).await;
-        let v = v.map_err(|()| Refused::Error)?;
-        if v.len() as u64 != want0 - have0 {
-            let len = (have0 as usize).saturating_add(v.len());
-            return Err(Refused::Bad(format::FormatError::ChunkLen { index: 0, len, want: want0 }));
-        }
-        Ok(v)
-    };
-    let chunks = async {
-        let mut rest = Vec::with_capacity((h.chunk_count - 1) as usize);
-        let mut s = futures_util::stream::iter(1..h.chunk_count)
-            .map(|i| {
-                let want = h.chunk_value_len(i);
-                let key = format::chunk_key(ns, h.key, i);
-                async move { (i, want, get_range(ctx, conn, key, 0, format::chunk_read_end(0, want)).await) }
-            })
-            .buffered(CHUNK_WINDOW);
-        // The first missing (read as empty), short or overlong chunk ends the
-        // reading: dropping the stream drops the requests in its window.
-        while let Some((index, want, got)) = s.next().await {
-            let v = got.map_err(|()| Refused::Error)?;
-            if v.len() as u64 != want {
-                return Err(Refused::Bad(format::FormatError::ChunkLen { index, len: v.len(), want }));
-            }
+        sealer.update(&v);
+        if index == 0 {
+            chunk0.extend_from_slice(&v);
+        } else {
             rest.push(v);
         }
-        Ok(rest)
-    };
-    let joined = futures_util::future::try_join(head_rest, chunks).await;
-    let r = match joined {
-        Ok((more0, rest)) => {
-            chunk0.extend_from_slice(&more0);
-            match format::verify(&h, &chunk0, &rest, ctx.cfg.key.as_ref()) {
-                Ok(()) => Ok(Verified { header: h, chunk0, rest }),
-                Err(e) => Err(Refused::Bad(e)),
-            }
-        }
-        Err(e) => Err(e),
-    };
-    (h.key, r)
+    }
+    drop(s);
+    let verdict = format::verify_lengths(&h, &chunk0, &rest).and_then(|()| format::verify_seal(&h, &sealer));
+    match verdict {
+        Ok(()) => (h.key, Ok(Verified { header: h, chunk0, rest })),
+        Err(e) => (h.key, Err(Refused::Bad(e))),
+    }
 }
 
 // A header's length is bounded by the megaslab, so a block's chunk count is
