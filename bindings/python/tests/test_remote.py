@@ -576,3 +576,285 @@ def test_a_takeover_keeps_the_cache_and_the_new_daemon_runs_the_tier(cluster):
         assert_clean(a)
     finally:
         a.stop()
+
+
+# --- issue 25: a keyed tier, hostile headers, deadlines -----------------------------
+
+
+def key_file(tmp_path, name: str, secret: bytes, mode: int = 0o600) -> str:
+    """A fleet key file: 64 hex digits, mode `mode`."""
+    p = tmp_path / name
+    p.write_text(secret.hex() + "\n")
+    p.chmod(mode)
+    return str(p)
+
+
+def copy_value(rc, src: str, dst: str) -> None:
+    """Writes the value at `src` under `dst`, straight into Redis."""
+    v = rc.get(src)
+    assert v is not None, src
+    rc.set(dst, v)
+
+
+def test_a_fleet_key_authenticates_values_and_forged_ones_are_never_served(cluster, tmp_path):
+    """Nodes with key A write; a node with key B and a node without a key
+    refuse those values (counted as auth failures); a node with key A serves
+    them. A value with a valid plain checksum and no tag (written by a keyless
+    node, copied straight into the keyed namespace), and a keyed value whose
+    payload was changed in Redis, are never served."""
+    from redis_cluster import _free_ports
+
+    ns, ns_plain = f"t-{uuid.uuid4().hex[:8]}", f"t-{uuid.uuid4().hex[:8]}"
+    ka_path = key_file(tmp_path, "a.key", os.urandom(32))
+    kb_path = key_file(tmp_path, "b.key", os.urandom(32))
+    port = _free_ports(1)[0]
+    a = node(cluster.url, ns, "--remote-key-file", ka_path)
+    c = node(cluster.url, ns, "--remote-key-file", ka_path)
+    b = node(cluster.url, ns, "--remote-key-file", kb_path, "--metrics-addr", f"127.0.0.1:{port}")
+    n = node(cluster.url, ns)
+    p = node(cluster.url, ns_plain)
+    rc = cluster.client()
+    try:
+        data = np.frombuffer(pattern(300_000, 11), dtype=np.uint8).copy()  # 5 chunks
+        with a.connect() as k:
+            k.put("key/x", data)
+            k.put("key/tampered", data)
+        wait_written(a, 2)
+        with p.connect() as k:
+            k.put("key/forged", data)  # valid plain checksums, no tag
+        wait_written(p, 1)
+        for i in range(5):
+            copy_value(rc, redis_key(ns_plain, "key/forged", i), redis_key(ns, "key/forged", i))
+        # Same length, other bytes, in the middle of chunk 2 of a keyed value.
+        rc.setrange(redis_key(ns, "key/tampered", 2), 1000, b"\xff\x00\xff\x00")
+
+        # Key B: nothing of it is served.
+        with b.connect() as k:
+            for name in ("key/x", "key/forged", "key/tampered"):
+                with pytest.raises(kachedb.NotFound):
+                    k.get(name)
+        st = remote(b)
+        assert st["remote_fills"] == 0 and st["remote_auth_failures"] == 3 and st["remote_corrupt"] == 0, st
+        # No key: keyed values are refused (this node cannot check them); the
+        # unkeyed one is served, as a keyless node trusts every writer.
+        with n.connect() as k:
+            for name in ("key/x", "key/tampered"):
+                with pytest.raises(kachedb.NotFound):
+                    k.get(name)
+            got = k.get_numpy("key/forged")
+            assert got.tobytes() == data.tobytes()
+            del got
+        st = remote(n)
+        assert st["remote_fills"] == 1 and st["remote_auth_failures"] == 2, st
+        with c.connect() as k:
+            got = k.get_numpy("key/x")
+            assert got.tobytes() == data.tobytes()
+            del got
+            for name in ("key/forged", "key/tampered"):
+                with pytest.raises(kachedb.NotFound):
+                    k.get(name)
+        st = remote(c)
+        assert st["remote_fills"] == 1 and st["remote_auth_failures"] == 2 and st["remote_corrupt"] == 0, st
+        # The keyless node said at start that it trusts every writer; the keyed ones did not.
+        assert n.log().count("trusts every writer") == 1, n.log()
+        assert "trusts every writer" not in c.log(), c.log()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as r:
+            text = r.read().decode()
+        assert "kachedb_remote_auth_failures_total 3" in text.splitlines(), text
+        out = subprocess.run([sys.executable, "-m", "kachedb", "stats", "--socket", b.socket],
+                             capture_output=True, text=True, check=True).stdout
+        assert "3 failed authentication" in out, out
+        assert_clean(a, b, c, n, p)
+    finally:
+        rc.close()
+        for d in (a, b, c, n, p):
+            d.stop()
+
+
+def test_a_key_file_others_can_read_or_a_bad_key_is_refused_at_start(cluster, tmp_path):
+    sock = str(tmp_path / "k.sock")
+    cases = [
+        (key_file(tmp_path, "open.key", os.urandom(32), 0o644), "chmod 600"),
+        (key_file(tmp_path, "group.key", os.urandom(32), 0o640), "chmod 600"),
+    ]
+    short = tmp_path / "short.key"
+    short.write_text("abcd\n")
+    short.chmod(0o600)
+    cases.append((str(short), "64 hex digits"))
+    for path, want in cases:
+        out = subprocess.run([sys.executable, "-m", "kachedb", "serve", "--size", "16MiB", "--socket", sock,
+                              "--remote", cluster.url, "--remote-key-file", path],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "--remote-key-file" in out.stderr and want in out.stderr, (path, out.stderr)
+        assert not os.path.exists(sock)
+
+
+#: XXH3's default secret (first 128 bytes), to seal forged headers the way a
+#: keyless writer would (docs/remote.md: the header checksum is xxh3-64).
+_XXH3_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+)
+_M64 = (1 << 64) - 1
+
+
+def _xxh3_64_65to96(data: bytes) -> int:
+    """XXH3-64 (seed 0) of 65..96 bytes: the header checksum of bytes 0..80."""
+    n = len(data)
+    assert 64 < n <= 96
+
+    def mix16(off: int, soff: int) -> int:
+        lo = int.from_bytes(data[off:off + 8], "little") ^ int.from_bytes(_XXH3_SECRET[soff:soff + 8], "little")
+        hi = int.from_bytes(data[off + 8:off + 16], "little") ^ int.from_bytes(_XXH3_SECRET[soff + 8:soff + 16], "little")
+        p = lo * hi
+        return (p & _M64) ^ (p >> 64)
+
+    acc = n * 0x9E3779B185EBCA87
+    acc += mix16(32, 64) + mix16(n - 48, 80) + mix16(16, 32) + mix16(n - 32, 48) + mix16(0, 0) + mix16(n - 16, 16)
+    acc &= _M64
+    acc ^= acc >> 37
+    acc = (acc * 0x165667919E3779F9) & _M64
+    return acc ^ (acc >> 32)
+
+
+def plain_header(key: str, dims, chunk_bytes: int, chunk_count: int, length: int) -> bytes:
+    """A format-1 header (u8 dtype) with a valid header checksum."""
+    import struct
+
+    h = bytearray(96)
+    h[0:4] = b"KDBR"
+    struct.pack_into("<HHBBHI", h, 4, 1, 96, 1, len(dims), 0, chunk_count)
+    for i, d in enumerate(dims):
+        struct.pack_into("<I", h, 16 + 4 * i, d)
+    struct.pack_into("<QII", h, 40, length, chunk_bytes, 0)
+    h[56:72] = kachedb.key_of(key).to_bytes(16, "little")
+    struct.pack_into("<Q", h, 80, _xxh3_64_65to96(bytes(h[:80])))
+    return bytes(h)
+
+
+def reads_served(cluster: RedisCluster) -> int:
+    """GET and GETRANGE commands the cluster's masters have answered."""
+    from redis_cluster import _cli
+
+    total = 0
+    for port in cluster.ports:
+        for line in _cli(port, "info", "commandstats").splitlines():
+            if line.startswith(("cmdstat_get:", "cmdstat_getrange:")):
+                total += int(line.split("calls=")[1].split(",")[0])
+    return total
+
+
+def test_a_hostile_header_costs_a_few_reads_and_is_counted(cluster):
+    """Headers with valid checksums that claim 2^32-1 chunks of 64 MiB (~2^58
+    bytes), a block larger than the megaslab, or a block whose chunks are not
+    there: each GET misses after a handful of Redis reads (not billions, not
+    one per claimed chunk), counted as corrupt, and later fills work."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    a, d = node(cluster.url, ns), node(cluster.url, ns, size="128MiB")
+    rc = cluster.client()
+    try:
+        data = np.frombuffer(pattern(100_000, 5), dtype=np.uint8).copy()
+        with a.connect() as k:
+            k.put("hostile/good", data)
+        wait_written(a, 1)
+        # The test's own xxh3 agrees with the daemon's (else the headers below
+        # would be refused for their checksum, not for what they claim).
+        real = rc.get(redis_key(ns, "hostile/good", 0))
+        assert int.from_bytes(real[80:88], "little") == _xxh3_64_65to96(real[:80])
+        mib64, kib64 = 64 << 20, 64 << 10
+        hostile = {
+            # 2^32-1 chunks of 64 MiB.
+            "hostile/huge": plain_header("hostile/huge", [mib64, (1 << 32) - 1], mib64, (1 << 32) - 1,
+                                         mib64 * ((1 << 32) - 1)),
+            # 256 MiB: more than the 128 MiB megaslab, 4096 chunks of 64 KiB.
+            "hostile/too-big": plain_header("hostile/too-big", [256 << 20], kib64, 4096, 256 << 20),
+            # 64 MiB in 1024 chunks of 64 KiB that are not there.
+            "hostile/hollow": plain_header("hostile/hollow", [64 << 20], kib64, 1024, 64 << 20),
+        }
+        for name, header in hostile.items():
+            rc.set(redis_key(ns, name, 0), header + b"\x00" * kib64)
+        with d.connect() as k:
+            for name in hostile:
+                before = reads_served(cluster)
+                with pytest.raises(kachedb.NotFound):
+                    k.get(name)
+                time.sleep(1.0)  # a reader left running would go on reading meanwhile
+                reads = reads_served(cluster) - before
+                # Chunk 0, then at most one window of 16 chunks (+ slack for
+                # the cluster client's own reads).
+                assert reads <= 24, (name, reads)
+            st = remote(d)
+            assert st["remote_corrupt"] == len(hostile) and st["remote_fills"] == 0, st
+            got = k.get_numpy("hostile/good")
+            assert got.tobytes() == data.tobytes()
+            del got
+        assert remote(d)["remote_fills"] == 1
+        assert_clean(a, d)
+    finally:
+        rc.close()
+        a.stop()
+        d.stop()
+
+
+def test_a_fill_slower_than_its_deadline_is_cancelled_and_later_fills_work(cluster):
+    """The shard holding a 32 MiB block (512 chunks of 64 KiB) is paused
+    (CLIENT PAUSE) most of the time, so the fill outlives its deadline (4 ×
+    --remote-timeout-ms + 1 s) though no request times out: the fill is cancelled,
+    the client gets a miss, the reads of that fill stop (at most the window
+    already sent reaches Redis), and once the shard answers again the same GET
+    fills."""
+    import redis as redis_py
+
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    a = node(cluster.url, ns)
+    b = node(cluster.url, ns, "--remote-timeout-ms", "400")
+    data = np.frombuffer(pattern(32 << 20, 9), dtype=np.uint8).copy()
+    stop = threading.Event()
+    pauser = None
+    direct = None
+    try:
+        with a.connect() as k:
+            k.put("slow/x", data)
+        wait_written(a, 1)
+        shard = cluster.port_of_key(redis_key(ns, "slow/x", 0))
+        direct = redis_py.Redis(host="127.0.0.1", port=shard)
+
+        def pause_loop():
+            while not stop.is_set():
+                direct.execute_command("CLIENT", "PAUSE", "250", "ALL")
+                time.sleep(0.27)
+
+        pauser = threading.Thread(target=pause_loop)
+        pauser.start()
+        with b.connect() as k:
+            with pytest.raises(kachedb.NotFound):
+                k.get("slow/x")
+            # The shard stays slow: a fill left running would go on reading
+            # (about 16 chunks per pause); a cancelled one sent its last window.
+            before = reads_served(cluster)
+            time.sleep(2.5)
+            after = reads_served(cluster)
+            assert after - before <= 20, f"{after - before} reads after the miss: the fill kept running"
+            assert remote(b)["remote_fetches_cancelled"] == 1, remote(b)
+            stop.set()
+            pauser.join()
+            pauser = None
+            direct.execute_command("CLIENT", "UNPAUSE")
+            st = remote(b)
+            assert st["remote_fills"] == 0, st
+            got = k.get_numpy("slow/x")
+            assert got.tobytes() == data.tobytes()
+            del got
+        assert remote(b)["remote_fills"] == 1
+        assert_clean(a, b)
+    finally:
+        stop.set()
+        if pauser is not None:
+            pauser.join()
+        if direct is not None:
+            direct.execute_command("CLIENT", "UNPAUSE")
+            direct.close()
+        a.stop()
+        b.stop()

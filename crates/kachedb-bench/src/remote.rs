@@ -13,6 +13,12 @@
 //! filling (medians over the windows); with `--nice-sweep`, for several nice
 //! values of B's tier threads and of the redis-servers.
 //!
+//! A second pair of daemons (A', B') runs with a fleet key
+//! (`--remote-key-file`, keyed BLAKE3 tags) in its own namespace: its
+//! write-behind and fills are timed in the same run, rounds alternating
+//! with the unkeyed pair's, and the keyed fill throughput is printed as a
+//! share of the unkeyed one.
+//!
 //! The redis-servers it starts run at `--redis-nice` (19 by default): they
 //! stand for other machines, and take only CPU the node leaves idle.
 
@@ -202,6 +208,30 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     let node_a = DaemonProcess::spawn(slab, &opts)?;
     let node_b = DaemonProcess::spawn(slab, &opts)?;
     let (ka, kb) = (client(&node_a)?, client(&node_b)?);
+    // The keyed pair: a fleet key in a file only this user reads.
+    let key_dir = TempDir::new("kachedb-bench-key")?;
+    let key_file = key_dir.0.join("fleet.key");
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&key_file)?;
+        let secret: String = (0..32u32).map(|i| format!("{:02x}", (i * 37 + std::process::id()) % 256)).collect();
+        std::io::Write::write_all(&mut f, secret.as_bytes())?;
+    }
+    let ns_keyed = format!("{ns}-keyed");
+    let key_path = key_file.to_string_lossy().into_owned();
+    let opts_keyed = [
+        "--remote",
+        url.as_str(),
+        "--remote-namespace",
+        ns_keyed.as_str(),
+        "--remote-queue-bytes",
+        "4GiB",
+        "--remote-key-file",
+        key_path.as_str(),
+    ];
+    let node_ak = DaemonProcess::spawn(slab, &opts_keyed)?;
+    let node_bk = DaemonProcess::spawn(slab, &opts_keyed)?;
+    let (kak, kbk) = (client(&node_ak)?, client(&node_bk)?);
     let emit = |v: serde_json::Value, human: String| {
         if a.json {
             println!("{v}");
@@ -225,32 +255,35 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     let small_data: Vec<Vec<u8>> = (0..n_small).map(|i| vec![(i % 251) as u8; small_len]).collect();
     let big_data: Vec<u8> = (0..big_len).map(|i| (i % 253) as u8).collect();
     for (keys, len, name) in [(&small, small_len, "64KiB"), (&big, big_len, "64MiB")] {
-        let before = stats(&node_a)?.remote;
-        let t = Instant::now();
-        for (i, k) in keys.iter().enumerate() {
-            if len == small_len {
-                ka.put(*k, &small_data[i])?;
-            } else {
-                ka.put(*k, &big_data)?;
+        for (mac, writer, kw) in [(false, &node_a, &ka), (true, &node_ak, &kak)] {
+            let before = stats(writer)?.remote;
+            let t = Instant::now();
+            for (i, k) in keys.iter().enumerate() {
+                if len == small_len {
+                    kw.put(*k, &small_data[i])?;
+                } else {
+                    kw.put(*k, &big_data)?;
+                }
             }
+            let put_s = t.elapsed().as_secs_f64();
+            wait_for_writes(writer)?;
+            let s = t.elapsed().as_secs_f64();
+            let r = stats(writer)?.remote;
+            let bytes = (keys.len() * len) as f64;
+            let mac_label = if mac { "MAC on " } else { "MAC off" };
+            emit(
+                json!({"bench":"remote_write_behind","block":name,"blocks":keys.len(),"mac":mac,"put_s":put_s,"written_s":s,
+                       "gb_per_s":bytes/s/1e9,"dropped":r.remote_dropped_writes-before.remote_dropped_writes,
+                       "errors":r.remote_errors-before.remote_errors}),
+                format!(
+                    "write-behind {name:>6} x {:>5}   {:>6.3} GB/s {mac_label} (all written {:.2} s after the first put; puts took {:.2} s)",
+                    keys.len(),
+                    bytes / s / 1e9,
+                    s,
+                    put_s
+                ),
+            );
         }
-        let put_s = t.elapsed().as_secs_f64();
-        wait_for_writes(&node_a)?;
-        let s = t.elapsed().as_secs_f64();
-        let r = stats(&node_a)?.remote;
-        let bytes = (keys.len() * len) as f64;
-        emit(
-            json!({"bench":"remote_write_behind","block":name,"blocks":keys.len(),"put_s":put_s,"written_s":s,
-                   "gb_per_s":bytes/s/1e9,"dropped":r.remote_dropped_writes-before.remote_dropped_writes,
-                   "errors":r.remote_errors-before.remote_errors}),
-            format!(
-                "write-behind {name:>6} x {:>5}   {:>6.3} GB/s (all written {:.2} s after the first put; puts took {:.2} s)",
-                keys.len(),
-                bytes / s / 1e9,
-                s,
-                put_s
-            ),
-        );
     }
 
     // Fill on B against a plain client reading the same values.
@@ -263,23 +296,29 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
         let chunks = format::chunk_count(len as u64, cb).unwrap_or(1);
         let batches: Vec<Vec<(u128, u32)>> =
             keys.chunks(batch).map(|c| c.iter().map(|k| (k.0, chunks)).collect()).collect();
-        // With --nice-sweep, rounds alternate node B's tier threads at nice 19
+        // Rows: node B (no key) and node B' (keyed), rounds alternating. With
+        // --nice-sweep, node B's rows alternate its tier threads at nice 19
         // and 0 (`None`: as started).
-        let tiers: Vec<Option<i32>> = if a.nice_sweep { vec![Some(19), Some(0)] } else { vec![None] };
+        let mut tiers: Vec<(bool, Option<i32>)> =
+            if a.nice_sweep { vec![(false, Some(19)), (false, Some(0))] } else { vec![(false, None)] };
+        tiers.push((true, None));
         let (mut fill_s, mut plain_s) = (vec![Vec::new(); tiers.len()], Vec::new());
         for _ in 0..rounds {
-            for (ti, &tier) in tiers.iter().enumerate() {
+            for (ti, &(mac, tier)) in tiers.iter().enumerate() {
+                let (node, kn) = if mac { (&node_bk, &kbk) } else { (&node_b, &kb) };
                 if let Some(n) = tier {
-                    if renice(node_b.pid(), Some(kachedb_daemon::remote::THREAD_NAME), n) == 0 {
+                    if renice(node.pid(), Some(kachedb_daemon::remote::THREAD_NAME), n) == 0 {
                         return Err(format!("--nice-sweep: could not set node B's tier threads to nice {n} (needs root or CAP_SYS_NICE)").into());
                     }
                 }
-                kb.delete_many(keys)?;
+                kn.delete_many(keys)?;
                 let t = Instant::now();
                 for c in keys.chunks(batch) {
-                    let n = kb.lookup(c)?;
+                    let n = kn.lookup(c)?;
                     if n != c.len() {
-                        return Err(format!("node B found {n} of {} blocks", c.len()).into());
+                        return Err(
+                            format!("node B{} found {n} of {} blocks", if mac { "'" } else { "" }, c.len()).into()
+                        );
                     }
                 }
                 fill_s[ti].push(t.elapsed().as_secs_f64());
@@ -293,16 +332,17 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
         plain_s.sort_by(f64::total_cmp);
         let p = plain_s[rounds / 2];
-        for (ti, &tier) in tiers.iter().enumerate() {
+        let bytes = (keys.len() * len) as f64;
+        for (ti, &(mac, tier)) in tiers.iter().enumerate() {
             fill_s[ti].sort_by(f64::total_cmp);
             let f = fill_s[ti][rounds / 2];
-            let bytes = (keys.len() * len) as f64;
             let tier_label = tier.map(|n| format!(", tier nice {n}")).unwrap_or_default();
+            let mac_label = if mac { "MAC on " } else { "MAC off" };
             emit(
-                json!({"bench":"remote_fill","block":name,"blocks":keys.len(),"keys_per_lookup":batch,"tier_nice":tier,
+                json!({"bench":"remote_fill","block":name,"blocks":keys.len(),"keys_per_lookup":batch,"tier_nice":tier,"mac":mac,
                        "fill_gb_per_s":bytes/f/1e9,"plain_get_gb_per_s":bytes/p/1e9,"fill_vs_plain":p/f,"rounds":rounds}),
                 format!(
-                    "fill {name:>6} x {:>5}   {:>6.3} GB/s vs plain client GET {:>6.3} GB/s ({:.0} %), median of {rounds}{tier_label}",
+                    "fill {name:>6} x {:>5}   {:>6.3} GB/s {mac_label} vs plain client GET {:>6.3} GB/s ({:.0} %), median of {rounds}{tier_label}",
                     keys.len(),
                     bytes / f / 1e9,
                     bytes / p / 1e9,
@@ -310,7 +350,25 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
                 ),
             );
         }
+        // The keyed fill against the unkeyed one as started (the first row
+        // without a nice override, else the first row).
+        let off = tiers.iter().position(|&(m, t)| !m && t.is_none()).unwrap_or(0);
+        let on = tiers.len() - 1;
+        let (f_off, f_on) = (fill_s[off][rounds / 2], fill_s[on][rounds / 2]);
+        emit(
+            json!({"bench":"remote_fill_mac_ratio","block":name,"fill_mac_off_gb_per_s":bytes/f_off/1e9,
+                   "fill_mac_on_gb_per_s":bytes/f_on/1e9,"mac_on_vs_off":f_off/f_on}),
+            format!(
+                "fill {name:>6} with the MAC: {:.3} GB/s on vs {:.3} GB/s off = {:.0} % (goal >= 90 %)",
+                bytes / f_on / 1e9,
+                bytes / f_off / 1e9,
+                f_off / f_on * 100.0
+            ),
+        );
     }
+    // The keyed pair is not needed past here (local GETs are timed on B).
+    drop((kak, kbk));
+    drop((node_ak, node_bk));
 
     // Local GET round trip on B: windows of idle and of fills (another client
     // keeps filling), alternated, each condition's percentiles the median over

@@ -106,6 +106,14 @@ pub struct ServeArgs {
     /// it is never taken on the command line, which other users can read.
     #[arg(long, value_name = "PATH")]
     pub remote_password_file: Option<PathBuf>,
+    /// A file holding the fleet key: 32 random bytes, or 64 hex digits
+    /// (`openssl rand -hex 32 > key; chmod 600 key`), the same on every node
+    /// of the fleet. Values are then written with keyed tags (keyed BLAKE3)
+    /// and only values with a valid tag are served; without it the tier
+    /// trusts every writer to its namespace. The file must not be readable by
+    /// group or others. Never on the command line (docs/remote.md).
+    #[arg(long, value_name = "PATH")]
+    pub remote_key_file: Option<PathBuf>,
     /// Key prefix in the remote store: daemons with the same namespace share
     /// blocks, others do not see them.
     #[arg(long, default_value = "kachedb", value_name = "NAME")]
@@ -174,6 +182,9 @@ fn remote_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::remote::RemoteC
         if a.remote_password_file.is_some() {
             return Err("--remote-password-file needs --remote".into());
         }
+        if a.remote_key_file.is_some() {
+            return Err("--remote-key-file needs --remote".into());
+        }
         return Ok(None);
     };
     let password = match &a.remote_password_file {
@@ -204,7 +215,28 @@ fn remote_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::remote::RemoteC
         queue_bytes: a.remote_queue_bytes,
         chunk_bytes,
         worker_nice: a.remote_worker_nice,
+        key: a.remote_key_file.as_deref().map(read_key_file).transpose()?,
     }))
+}
+
+/// The fleet key in `path`: a regular file that group and others can
+/// neither read nor write, holding 32 bytes or 64 hex digits.
+fn read_key_file(path: &std::path::Path) -> Result<kachedb_daemon::remote::format::FleetKey, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| format!("--remote-key-file {shown}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("--remote-key-file {shown}: not a regular file"));
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "--remote-key-file {shown}: the key is readable or writable by group or others (mode {mode:03o}); \
+             anyone who reads it can forge blocks every node serves: chmod 600 {shown}"
+        ));
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("--remote-key-file {shown}: {e}"))?;
+    kachedb_daemon::remote::format::FleetKey::parse(&bytes).map_err(|e| format!("--remote-key-file {shown}: {e}"))
 }
 
 /// How `kachedb serve` writes its log.
@@ -348,7 +380,12 @@ fn finish(daemon: Daemon, a: &ServeArgs, say: &dyn Fn(String)) -> Result<(), Box
         say(format!("metrics at http://{addr}/metrics"));
     }
     if let Some(url) = &a.remote {
-        say(format!("remote tier {url} (namespace {})", a.remote_namespace));
+        let trust = if a.remote_key_file.is_some() {
+            "values authenticated with the fleet key"
+        } else {
+            "no --remote-key-file: values not authenticated, every writer trusted"
+        };
+        say(format!("remote tier {url} (namespace {}; {trust})", a.remote_namespace));
     }
     if a.on_sighup == OnSighup::Takeover {
         reload_on_sighup()?;
@@ -472,7 +509,10 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
             r.remote_fill_ms_mean,
             r.remote_fill_ms_max
         );
-        println!("remote errors     {} failed or timed out, {} corrupt (refused)", r.remote_errors, r.remote_corrupt);
+        println!(
+            "remote errors     {} failed or timed out, {} corrupt and {} failed authentication (refused), {} fetch(es) cancelled at the deadline",
+            r.remote_errors, r.remote_corrupt, r.remote_auth_failures, r.remote_fetches_cancelled
+        );
     }
     Ok(())
 }

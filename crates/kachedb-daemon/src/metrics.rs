@@ -254,6 +254,10 @@ pub struct RemoteCells {
     pub errors: AtomicU64,
     /// Values that did not verify.
     pub corrupt: AtomicU64,
+    /// Values that failed authentication (keying or tag).
+    pub auth_failures: AtomicU64,
+    /// Fetches cancelled at their deadline.
+    pub fetches_cancelled: AtomicU64,
     /// Longest fill, microseconds.
     fill_us_max: AtomicU64,
 }
@@ -281,6 +285,8 @@ impl RemoteCells {
             remote_misses: self.misses.load(Relaxed),
             remote_errors: self.errors.load(Relaxed),
             remote_corrupt: self.corrupt.load(Relaxed),
+            remote_auth_failures: self.auth_failures.load(Relaxed),
+            remote_fetches_cancelled: self.fetches_cancelled.load(Relaxed),
             remote_fill_ms_mean: if count == 0 { 0.0 } else { sum_s * 1e3 / count as f64 },
             remote_fill_ms_max: self.fill_us_max.load(Relaxed) as f64 / 1e3,
         }
@@ -743,7 +749,7 @@ impl Collector for Collect {
 
         if m.remote.enabled.load(Relaxed) {
             let r = &m.remote;
-            let rows: [(&str, &str, MetricType, &AtomicU64); 11] = [
+            let rows: [(&str, &str, MetricType, &AtomicU64); 13] = [
                 ("remote_writes", "Blocks written to the remote store.", Counter, &r.writes),
                 (
                     "remote_write_bytes",
@@ -774,6 +780,18 @@ impl Collector for Collect {
                     "Remote values whose header or checksum did not verify (never served).",
                     Counter,
                     &r.corrupt,
+                ),
+                (
+                    "remote_auth_failures",
+                    "Remote values refused because they failed authentication: a tag that does not verify under the fleet key, or keyed/unkeyed not as this node (never served).",
+                    Counter,
+                    &r.auth_failures,
+                ),
+                (
+                    "remote_fetches_cancelled",
+                    "Remote fetches cancelled at their deadline (their unfilled keys are misses).",
+                    Counter,
+                    &r.fetches_cancelled,
                 ),
             ];
             for (name, help, kind, cell) in rows {

@@ -376,6 +376,11 @@ pub struct RemoteStats {
     pub remote_errors: u64,
     /// Values read back whose header or checksum did not verify (never served).
     pub remote_corrupt: u64,
+    /// Values read back that failed authentication: a tag that does not
+    /// verify under the fleet key, or keyed/unkeyed not as this node (never served).
+    pub remote_auth_failures: u64,
+    /// Fetches cancelled at their deadline (their unfilled keys are misses).
+    pub remote_fetches_cancelled: u64,
     /// Mean time from a local miss to its fill being served, milliseconds.
     pub remote_fill_ms_mean: f64,
     /// Longest such time, milliseconds.

@@ -22,7 +22,7 @@
 //!
 //! ```text
 //! 0   magic b"KDBR"
-//! 4   u16 format version (FORMAT_VERSION)
+//! 4   u16 format version: FORMAT_PLAIN (1) or FORMAT_KEYED (2)
 //! 6   u16 header length (HEADER_LEN)
 //! 8   u8  dtype code, u8 ndim, u16 zero
 //! 12  u32 chunk count
@@ -30,15 +30,45 @@
 //! 40  u64 tensor length, bytes
 //! 48  u32 chunk bytes (payload per chunk), u32 zero
 //! 56  u128 block key
+//!     format 1 (plain: every writer is trusted)
 //! 72  u64 xxh3-64 of the tensor bytes
 //! 80  u64 xxh3-64 of header bytes 0..80
 //! 88  8 zero bytes
+//!     format 2 (keyed: written by a holder of the fleet key)
+//! 72  [u8; 16] block tag: keyed BLAKE3 (block subkey) of header bytes 0..72
+//!     then the tensor bytes, first 16 bytes
+//! 88  [u8; 8]  header tag: keyed BLAKE3 (header subkey) of header bytes 0..88,
+//!     first 8 bytes
 //! ```
 //!
+//! # Fleet key
+//!
+//! A fleet shares one 32-byte secret ([`FleetKey`]). From it two subkeys are
+//! derived (BLAKE3 `derive_key`, contexts [`BLOCK_TAG_CONTEXT`] and
+//! [`HEADER_TAG_CONTEXT`]). A node with the key writes format 2 and reads
+//! only format 2; a node without it writes format 1 and reads only format 1.
+//! Neither reads the other's values ([`FormatError::UnkeyedValue`],
+//! [`FormatError::KeyedValue`]); a daemon from before format 2 refuses
+//! format 2 as an unknown version. The header tag lets a reader refuse a
+//! forged header before it downloads anything else; the block tag (128 bits)
+//! is what authenticates the value: a value whose tag does not verify was
+//! written with another key, corrupted, or forged, and is never served.
+//!
+//! # Limits
+//!
+//! A reader refuses a header whose length is above the largest block its
+//! megaslab could ever hold ([`Limits::max_len`]); with the chunk bytes
+//! bounded ([`MIN_CHUNK_BYTES`]..=[`MAX_CHUNK_BYTES`]) and the chunk count
+//! tied to both, no header makes it ask for more than
+//! `max_len / MIN_CHUNK_BYTES + 1` chunks. A chunk value longer than the
+//! header implies is refused (a reader asks for one byte more than it
+//! expects, never for the whole value: see [`chunk_read_end`]).
+//!
 //! A reader trusts nothing it has not checked: [`Header::decode`] refuses a
-//! wrong magic, version, length, key, dtype, shape (vs. length), chunk count
-//! (vs. length and chunk bytes) or header checksum; [`verify`] refuses pieces
-//! of the wrong length or whose bytes do not hash to the header's checksum.
+//! wrong magic, version, keying, length, key, dtype, shape (vs. length),
+//! chunk count (vs. length and chunk bytes), a length above the limit, or a
+//! header checksum or tag mismatch; [`verify`] refuses pieces of the wrong
+//! length or whose bytes do not hash to the header's checksum or tag.
 
 use kachedb_shm::{DType, Shape};
 use std::ops::Range;
@@ -46,8 +76,10 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 /// First bytes of every header.
 pub const MAGIC: [u8; 4] = *b"KDBR";
-/// The format this code writes and the only one it reads.
-pub const FORMAT_VERSION: u16 = 1;
+/// The format of values written without a fleet key (checksums only).
+pub const FORMAT_PLAIN: u16 = 1;
+/// The format of values written with a fleet key (keyed tags).
+pub const FORMAT_KEYED: u16 = 2;
 /// Header bytes at the start of chunk 0.
 pub const HEADER_LEN: usize = 96;
 /// Smallest chunk payload accepted (below it a large block needs too many keys).
@@ -57,8 +89,20 @@ pub const MAX_CHUNK_BYTES: u32 = 64 * 1024 * 1024;
 /// Default chunk payload: 1 MiB, where one Redis shard moves the most bytes a
 /// second without holding its event loop for long (docs/remote.md, sizing).
 pub const DEFAULT_CHUNK_BYTES: u32 = 1024 * 1024;
+/// Bytes of a fleet key.
+pub const FLEET_KEY_LEN: usize = 32;
+/// BLAKE3 `derive_key` context of the block-tag subkey.
+pub const BLOCK_TAG_CONTEXT: &str = "kachedb remote tier 2026 block tag v2";
+/// BLAKE3 `derive_key` context of the header-tag subkey.
+pub const HEADER_TAG_CONTEXT: &str = "kachedb remote tier 2026 header tag v2";
 /// Most dims a shape has.
 const MAX_DIMS: usize = 6;
+/// Bytes of the block tag kept in the header.
+const BLOCK_TAG_LEN: usize = 16;
+/// Bytes of the header tag kept in the header.
+const HEADER_TAG_LEN: usize = 8;
+/// Header bytes a block tag covers (before the tensor bytes).
+const BLOCK_TAG_COVERS: usize = 72;
 
 /// Why a value read from the remote store is not a block.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -70,17 +114,34 @@ pub enum FormatError {
     #[error("not a kachedb block (bad magic)")]
     Magic,
     /// A format version this daemon does not read.
-    #[error("format version {0} (this daemon reads {FORMAT_VERSION})")]
+    #[error("format version {0} (this daemon reads {FORMAT_PLAIN} and {FORMAT_KEYED})")]
     Version(u16),
+    /// A keyed value, and this node has no fleet key.
+    #[error("a keyed value (format {FORMAT_KEYED}) and this node has no --remote-key-file: refused")]
+    KeyedValue,
+    /// An unkeyed value, and this node has a fleet key.
+    #[error("an unkeyed value (format {FORMAT_PLAIN}) and this node requires the fleet key: refused")]
+    UnkeyedValue,
     /// The header checksum does not match.
     #[error("header checksum mismatch")]
     HeaderChecksum,
+    /// The header tag does not verify: another fleet key, or forged.
+    #[error("header tag mismatch (written with another fleet key, or forged)")]
+    HeaderTag,
     /// The header names another key than the one asked for.
     #[error("header key mismatch")]
     Key,
     /// Dtype, shape, length, chunk bytes or chunk count are inconsistent.
     #[error("inconsistent header: {0}")]
     Inconsistent(&'static str),
+    /// A length above the largest block this node's megaslab could hold.
+    #[error("length {len} above the largest block this node could hold ({max} bytes)")]
+    TooLarge {
+        /// The header's length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
     /// A chunk is missing or of the wrong length.
     #[error("chunk {index}: {len} bytes where {want} were expected")]
     ChunkLen {
@@ -94,6 +155,77 @@ pub enum FormatError {
     /// The tensor bytes do not hash to the header's checksum.
     #[error("payload checksum mismatch")]
     Checksum,
+    /// The block tag does not verify: another fleet key, corrupted, or forged.
+    #[error("block tag mismatch (written with another fleet key, corrupted, or forged)")]
+    BlockTag,
+}
+
+impl FormatError {
+    /// Whether the value failed authentication (its keying or a tag), as
+    /// opposed to being malformed.
+    pub fn is_auth(&self) -> bool {
+        matches!(self, Self::KeyedValue | Self::UnkeyedValue | Self::HeaderTag | Self::BlockTag)
+    }
+}
+
+/// The secret a fleet shares, as its two derived subkeys.
+#[derive(Clone)]
+pub struct FleetKey {
+    block: [u8; 32],
+    header: [u8; 32],
+}
+
+impl std::fmt::Debug for FleetKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FleetKey(<hidden>)")
+    }
+}
+
+impl FleetKey {
+    /// The key of `secret`.
+    pub fn new(secret: &[u8; FLEET_KEY_LEN]) -> FleetKey {
+        FleetKey {
+            block: blake3::derive_key(BLOCK_TAG_CONTEXT, secret),
+            header: blake3::derive_key(HEADER_TAG_CONTEXT, secret),
+        }
+    }
+
+    /// The key held in a key file: exactly 32 bytes (e.g. `head -c 32
+    /// /dev/urandom`), or 64 hex digits with optional surrounding whitespace
+    /// (e.g. `openssl rand -hex 32`).
+    pub fn parse(file: &[u8]) -> Result<FleetKey, &'static str> {
+        if let Ok(raw) = <[u8; FLEET_KEY_LEN]>::try_from(file) {
+            // 32 bytes that are all hex digits would be a short hex key: refuse the ambiguity.
+            if !raw.iter().all(u8::is_ascii_hexdigit) {
+                return Ok(FleetKey::new(&raw));
+            }
+        }
+        let text = std::str::from_utf8(file).map_err(|_| "not 32 bytes, nor 64 hex digits")?.trim();
+        if text.len() != 2 * FLEET_KEY_LEN || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err("give exactly 32 bytes, or 64 hex digits (e.g. `openssl rand -hex 32`)");
+        }
+        let mut raw = [0u8; FLEET_KEY_LEN];
+        for (i, b) in raw.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).map_err(|_| "bad hex digit")?;
+        }
+        Ok(FleetKey::new(&raw))
+    }
+
+    fn header_tag(&self, header: &[u8]) -> [u8; HEADER_TAG_LEN] {
+        let h = blake3::keyed_hash(&self.header, &header[..88]);
+        let mut t = [0u8; HEADER_TAG_LEN];
+        t.copy_from_slice(&h.as_bytes()[..HEADER_TAG_LEN]);
+        t
+    }
+}
+
+/// What proves a block's bytes: a checksum (format 1) or a keyed tag (format 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Seal {
+    /// xxh3-64 of the tensor bytes.
+    Checksum(u64),
+    /// Keyed BLAKE3 of header bytes 0..72 and the tensor bytes, first 16 bytes.
+    Tag([u8; BLOCK_TAG_LEN]),
 }
 
 /// A block's header, as written or as decoded and checked.
@@ -111,8 +243,15 @@ pub struct Header {
     pub chunk_bytes: u32,
     /// Chunks, chunk 0 (with the header) included.
     pub chunk_count: u32,
-    /// xxh3-64 of the tensor bytes.
-    pub checksum: u64,
+    /// The checksum or tag of the tensor bytes (a placeholder until [`Header::seal`]).
+    pub seal: Seal,
+}
+
+/// What a reader accepts beyond the format's own rules.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// The largest block this node's megaslab could ever hold, bytes.
+    pub max_len: u64,
 }
 
 /// Chunks a block of `len` bytes takes with `chunk_bytes` per chunk (at
@@ -125,6 +264,13 @@ pub fn chunk_count(len: u64, chunk_bytes: u32) -> Option<u32> {
 /// Whether `chunk_bytes` is an accepted chunk size.
 pub fn chunk_bytes_ok(chunk_bytes: u64) -> bool {
     (u64::from(MIN_CHUNK_BYTES)..=u64::from(MAX_CHUNK_BYTES)).contains(&chunk_bytes)
+}
+
+/// The last byte offset (inclusive, as Redis `GETRANGE` takes it) a reader
+/// asks for when it expects `want` bytes of a value from `start` on: one past
+/// them, so that a longer value shows as too long without being read whole.
+pub fn chunk_read_end(start: u64, want: u64) -> u64 {
+    start + want
 }
 
 /// The Redis key of chunk `index` of block `key` in `namespace`.
@@ -153,15 +299,82 @@ pub fn checksum<'a>(pieces: impl IntoIterator<Item = &'a [u8]>) -> u64 {
     h.digest()
 }
 
+/// Compares two tags in time independent of where they differ.
+fn tags_equal(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Computes a block's seal from its pieces, fed in order.
+pub enum Sealer {
+    /// Format 1.
+    Plain(Box<Xxh3>),
+    /// Format 2.
+    Keyed(Box<blake3::Hasher>),
+}
+
+impl std::fmt::Debug for Sealer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Sealer::Plain(_) => "Sealer::Plain",
+            Sealer::Keyed(_) => "Sealer::Keyed",
+        })
+    }
+}
+
+impl Sealer {
+    /// A sealer for the block `h` describes, keyed with `fleet` if given.
+    pub fn new(h: &Header, fleet: Option<&FleetKey>) -> Sealer {
+        match fleet {
+            None => Sealer::Plain(Box::new(Xxh3::new())),
+            Some(k) => {
+                let mut m = blake3::Hasher::new_keyed(&k.block);
+                m.update(&h.fields(FORMAT_KEYED)[..BLOCK_TAG_COVERS]);
+                Sealer::Keyed(Box::new(m))
+            }
+        }
+    }
+
+    /// Feeds the next piece of tensor bytes.
+    pub fn update(&mut self, piece: &[u8]) {
+        match self {
+            Sealer::Plain(h) => h.update(piece),
+            Sealer::Keyed(m) => {
+                m.update(piece);
+            }
+        }
+    }
+
+    /// The seal of the bytes fed.
+    pub fn finish(&self) -> Seal {
+        match self {
+            Sealer::Plain(h) => Seal::Checksum(h.digest()),
+            Sealer::Keyed(m) => {
+                let mut t = [0u8; BLOCK_TAG_LEN];
+                t.copy_from_slice(&m.finalize().as_bytes()[..BLOCK_TAG_LEN]);
+                Seal::Tag(t)
+            }
+        }
+    }
+}
+
 impl Header {
-    /// The header of a block; `None` if `chunk_bytes` is not accepted or the
-    /// block needs too many chunks.
-    pub fn new(key: u128, dtype: DType, shape: Shape, len: u64, chunk_bytes: u32, checksum: u64) -> Option<Header> {
+    /// The header of a block, not sealed yet; `None` if `chunk_bytes` is not
+    /// accepted or the block needs too many chunks.
+    pub fn new(key: u128, dtype: DType, shape: Shape, len: u64, chunk_bytes: u32) -> Option<Header> {
         if !chunk_bytes_ok(u64::from(chunk_bytes)) {
             return None;
         }
         let chunk_count = chunk_count(len, chunk_bytes)?;
-        Some(Header { key, dtype, shape, len, chunk_bytes, chunk_count, checksum })
+        Some(Header { key, dtype, shape, len, chunk_bytes, chunk_count, seal: Seal::Checksum(0) })
+    }
+
+    /// The header of a block of `data`, sealed with `fleet`'s key if given
+    /// (format 2), else with a checksum (format 1).
+    pub fn sealed(mut self, data: &[u8], fleet: Option<&FleetKey>) -> Header {
+        let mut s = Sealer::new(&self, fleet);
+        s.update(data);
+        self.seal = s.finish();
+        self
     }
 
     /// The tensor bytes chunk `index` carries (empty past the last chunk).
@@ -171,11 +384,18 @@ impl Header {
         start..(start + cb).min(self.len)
     }
 
-    /// The header bytes.
-    pub fn encode(&self) -> [u8; HEADER_LEN] {
+    /// The bytes of chunk `index`'s value: the header and the first piece
+    /// for chunk 0, the piece for the others.
+    pub fn chunk_value_len(&self, index: u32) -> u64 {
+        let p = self.piece(index);
+        p.end - p.start + if index == 0 { HEADER_LEN as u64 } else { 0 }
+    }
+
+    /// Header bytes 0..72 for format `version` (the rest zero).
+    fn fields(&self, version: u16) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..4].copy_from_slice(&MAGIC);
-        b[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[4..6].copy_from_slice(&version.to_le_bytes());
         b[6..8].copy_from_slice(&(HEADER_LEN as u16).to_le_bytes());
         b[8] = self.dtype as u8;
         b[9] = self.shape.ndim() as u8;
@@ -186,15 +406,37 @@ impl Header {
         b[40..48].copy_from_slice(&self.len.to_le_bytes());
         b[48..52].copy_from_slice(&self.chunk_bytes.to_le_bytes());
         b[56..72].copy_from_slice(&self.key.to_le_bytes());
-        b[72..80].copy_from_slice(&self.checksum.to_le_bytes());
-        let hc = xxh3_64(&b[..80]);
-        b[80..88].copy_from_slice(&hc.to_le_bytes());
         b
     }
 
+    /// The header bytes. A header sealed with a tag needs the same `fleet`
+    /// key for its header tag (without it the header tag is zero: no reader
+    /// accepts it).
+    pub fn encode(&self, fleet: Option<&FleetKey>) -> [u8; HEADER_LEN] {
+        match self.seal {
+            Seal::Checksum(c) => {
+                let mut b = self.fields(FORMAT_PLAIN);
+                b[72..80].copy_from_slice(&c.to_le_bytes());
+                let hc = xxh3_64(&b[..80]);
+                b[80..88].copy_from_slice(&hc.to_le_bytes());
+                b
+            }
+            Seal::Tag(t) => {
+                let mut b = self.fields(FORMAT_KEYED);
+                b[72..88].copy_from_slice(&t);
+                if let Some(k) = fleet {
+                    let ht = k.header_tag(&b);
+                    b[88..96].copy_from_slice(&ht);
+                }
+                b
+            }
+        }
+    }
+
     /// Decodes and checks the header at the start of chunk 0 of the block
-    /// asked for as `key`.
-    pub fn decode(chunk0: &[u8], key: u128) -> Result<Header, FormatError> {
+    /// asked for as `key`, read by a node holding `fleet` (or none) whose
+    /// megaslab sets `limits`.
+    pub fn decode(chunk0: &[u8], key: u128, limits: &Limits, fleet: Option<&FleetKey>) -> Result<Header, FormatError> {
         if chunk0.len() < HEADER_LEN {
             return Err(FormatError::Short(chunk0.len()));
         }
@@ -206,18 +448,41 @@ impl Header {
             return Err(FormatError::Magic);
         }
         let version = u16_at(4);
-        if version != FORMAT_VERSION {
-            return Err(FormatError::Version(version));
+        match (version, fleet) {
+            (FORMAT_PLAIN, None) | (FORMAT_KEYED, Some(_)) => {}
+            (FORMAT_PLAIN, Some(_)) => return Err(FormatError::UnkeyedValue),
+            (FORMAT_KEYED, None) => return Err(FormatError::KeyedValue),
+            (v, _) => return Err(FormatError::Version(v)),
         }
         if usize::from(u16_at(6)) != HEADER_LEN {
             return Err(FormatError::Inconsistent("header length"));
         }
-        if xxh3_64(&b[..80]) != u64_at(80) {
-            return Err(FormatError::HeaderChecksum);
-        }
+        // The header's own seal first: nothing of a forged header is looked at.
+        let seal = match fleet {
+            None => {
+                if xxh3_64(&b[..80]) != u64_at(80) {
+                    return Err(FormatError::HeaderChecksum);
+                }
+                if b[88..96] != [0; 8] {
+                    return Err(FormatError::Inconsistent("reserved bytes"));
+                }
+                Seal::Checksum(u64_at(72))
+            }
+            Some(k) => {
+                if !tags_equal(&k.header_tag(b), &b[88..96]) {
+                    return Err(FormatError::HeaderTag);
+                }
+                let mut t = [0u8; BLOCK_TAG_LEN];
+                t.copy_from_slice(&b[72..88]);
+                Seal::Tag(t)
+            }
+        };
         let stored_key = u128::from_le_bytes(b[56..72].try_into().unwrap_or([0; 16]));
         if stored_key != key {
             return Err(FormatError::Key);
+        }
+        if b[10..12] != [0; 2] || b[52..56] != [0; 4] {
+            return Err(FormatError::Inconsistent("reserved bytes"));
         }
         let dtype = DType::from_code(b[8]).ok_or(FormatError::Inconsistent("dtype"))?;
         let ndim = usize::from(b[9]);
@@ -230,6 +495,9 @@ impl Header {
         }
         let shape = Shape::new(&dims).ok_or(FormatError::Inconsistent("shape"))?;
         let len = u64_at(40);
+        if len > limits.max_len {
+            return Err(FormatError::TooLarge { len, max: limits.max_len });
+        }
         if shape.check_len(dtype, len).is_err() {
             return Err(FormatError::Inconsistent("shape vs length"));
         }
@@ -241,15 +509,15 @@ impl Header {
         if Some(chunk_count) != self::chunk_count(len, chunk_bytes) {
             return Err(FormatError::Inconsistent("chunk count"));
         }
-        Ok(Header { key, dtype, shape, len, chunk_bytes, chunk_count, checksum: u64_at(72) })
+        Ok(Header { key, dtype, shape, len, chunk_bytes, chunk_count, seal })
     }
 
     /// Chunk 0's value: this header and the first piece of `payload_start`
     /// (the tensor bytes, or at least their first piece).
-    pub fn chunk0(&self, payload_start: &[u8]) -> Vec<u8> {
+    pub fn chunk0(&self, payload_start: &[u8], fleet: Option<&FleetKey>) -> Vec<u8> {
         let n = self.piece(0).end as usize;
         let mut v = Vec::with_capacity(HEADER_LEN + n);
-        v.extend_from_slice(&self.encode());
+        v.extend_from_slice(&self.encode(fleet));
         v.extend_from_slice(&payload_start[..n.min(payload_start.len())]);
         v
     }
@@ -261,10 +529,22 @@ pub fn pieces<'a>(chunk0: &'a [u8], rest: &'a [Vec<u8>]) -> impl Iterator<Item =
     std::iter::once(chunk0.get(HEADER_LEN..).unwrap_or(&[])).chain(rest.iter().map(Vec::as_slice))
 }
 
-/// Checks that `chunk0` (header included) and `rest` (chunks 1.., in order)
-/// are exactly the block `h` describes: every piece of the right length and
-/// the bytes hashing to its checksum.
-pub fn verify(h: &Header, chunk0: &[u8], rest: &[Vec<u8>]) -> Result<(), FormatError> {
+/// Checks that `chunk0` (header included, as [`Header::decode`] accepted it
+/// with the same `fleet`) and `rest` (chunks 1.., in order) are exactly the
+/// block `h` describes: every piece of the right length and the bytes
+/// hashing to its checksum, or to its tag under `fleet`'s key.
+pub fn verify(h: &Header, chunk0: &[u8], rest: &[Vec<u8>], fleet: Option<&FleetKey>) -> Result<(), FormatError> {
+    verify_lengths(h, chunk0, rest)?;
+    let mut s = Sealer::new(h, fleet);
+    for p in pieces(chunk0, rest) {
+        s.update(p);
+    }
+    verify_seal(h, &s)
+}
+
+/// Checks that `chunk0` and `rest` have the pieces `h` describes, each of
+/// the right length.
+pub fn verify_lengths(h: &Header, chunk0: &[u8], rest: &[Vec<u8>]) -> Result<(), FormatError> {
     if rest.len() as u64 + 1 != u64::from(h.chunk_count) {
         return Err(FormatError::Inconsistent("chunk count"));
     }
@@ -274,10 +554,20 @@ pub fn verify(h: &Header, chunk0: &[u8], rest: &[Vec<u8>]) -> Result<(), FormatE
             return Err(FormatError::ChunkLen { index: i as u32, len: p.len(), want: want.end - want.start });
         }
     }
-    if checksum(pieces(chunk0, rest)) != h.checksum {
-        return Err(FormatError::Checksum);
-    }
     Ok(())
+}
+
+/// Checks the seal `sealer` computed (made by [`Sealer::new`] for `h` with
+/// the reader's key, fed every tensor byte in order) against `h`'s.
+pub fn verify_seal(h: &Header, sealer: &Sealer) -> Result<(), FormatError> {
+    match (h.seal, sealer.finish()) {
+        (Seal::Checksum(want), Seal::Checksum(got)) if want == got => Ok(()),
+        (Seal::Checksum(_), Seal::Checksum(_)) => Err(FormatError::Checksum),
+        (Seal::Tag(want), Seal::Tag(got)) if tags_equal(&got, &want) => Ok(()),
+        (Seal::Tag(_), Seal::Tag(_)) => Err(FormatError::BlockTag),
+        (Seal::Checksum(_), Seal::Tag(_)) => Err(FormatError::UnkeyedValue),
+        (Seal::Tag(_), Seal::Checksum(_)) => Err(FormatError::KeyedValue),
+    }
 }
 
 #[cfg(test)]
@@ -285,35 +575,40 @@ mod tests {
     use super::*;
 
     const CB: u32 = MIN_CHUNK_BYTES;
+    const LIMITS: Limits = Limits { max_len: 1 << 30 };
 
-    fn block(len: usize) -> (Header, Vec<u8>, Vec<Vec<u8>>) {
+    fn block_with(len: usize, fleet: Option<&FleetKey>) -> (Header, Vec<u8>, Vec<Vec<u8>>) {
         let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
-        let h = Header::new(
-            0xABCD_u128 << 64 | 42,
-            DType::U8,
-            Shape::new(&[len as u64]).unwrap(),
-            len as u64,
-            CB,
-            checksum([data.as_slice()]),
-        )
-        .unwrap();
-        let c0 = h.chunk0(&data);
+        let h = Header::new(0xABCD_u128 << 64 | 42, DType::U8, Shape::new(&[len as u64]).unwrap(), len as u64, CB)
+            .unwrap()
+            .sealed(&data, fleet);
+        let c0 = h.chunk0(&data, fleet);
         let rest =
             (1..h.chunk_count).map(|i| data[h.piece(i).start as usize..h.piece(i).end as usize].to_vec()).collect();
         (h, c0, rest)
     }
 
+    fn block(len: usize) -> (Header, Vec<u8>, Vec<Vec<u8>>) {
+        block_with(len, None)
+    }
+
+    fn fleet(byte: u8) -> FleetKey {
+        FleetKey::new(&[byte; FLEET_KEY_LEN])
+    }
+
     #[test]
     fn round_trips_sizes_around_chunk_edges() {
-        for len in [0usize, 1, CB as usize - 1, CB as usize, CB as usize + 1, 3 * CB as usize + 17] {
-            let (h, c0, rest) = block(len);
-            assert_eq!(h.chunk_count as usize, len.div_ceil(CB as usize).max(1));
-            let back = Header::decode(&c0, h.key).unwrap();
-            assert_eq!(back, h);
-            verify(&back, &c0, &rest).unwrap();
-            let joined: Vec<u8> = pieces(&c0, &rest).flatten().copied().collect();
-            assert_eq!(joined.len(), len);
-            assert_eq!(checksum([joined.as_slice()]), h.checksum);
+        for k in [None, Some(fleet(1))] {
+            for len in [0usize, 1, CB as usize - 1, CB as usize, CB as usize + 1, 3 * CB as usize + 17] {
+                let (h, c0, rest) = block_with(len, k.as_ref());
+                assert_eq!(h.chunk_count as usize, len.div_ceil(CB as usize).max(1));
+                let back = Header::decode(&c0, h.key, &LIMITS, k.as_ref()).unwrap();
+                assert_eq!(back, h);
+                verify(&back, &c0, &rest, k.as_ref()).unwrap();
+                let joined: Vec<u8> = pieces(&c0, &rest).flatten().copied().collect();
+                assert_eq!(joined.len(), len);
+                assert_eq!(h.chunk_value_len(0), c0.len() as u64);
+            }
         }
     }
 
@@ -329,19 +624,20 @@ mod tests {
     #[test]
     fn header_corruption_is_refused() {
         let (h, c0, _) = block(1000);
-        assert_eq!(Header::decode(&c0[..HEADER_LEN - 1], h.key), Err(FormatError::Short(HEADER_LEN - 1)));
-        assert_eq!(Header::decode(&c0, h.key + 1), Err(FormatError::Key));
+        let d = |b: &[u8], key| Header::decode(b, key, &LIMITS, None);
+        assert_eq!(d(&c0[..HEADER_LEN - 1], h.key), Err(FormatError::Short(HEADER_LEN - 1)));
+        assert_eq!(d(&c0, h.key + 1), Err(FormatError::Key));
         let mut bad = c0.clone();
         bad[0] = b'X';
-        assert_eq!(Header::decode(&bad, h.key), Err(FormatError::Magic));
+        assert_eq!(d(&bad, h.key), Err(FormatError::Magic));
         let mut bad = c0.clone();
         bad[4] = 9;
-        assert_eq!(Header::decode(&bad, h.key), Err(FormatError::Version(9)));
+        assert_eq!(d(&bad, h.key), Err(FormatError::Version(9)));
         // Any other header byte flipped: the header checksum catches it.
-        for i in 8..88 {
+        for i in 8..HEADER_LEN {
             let mut bad = c0.clone();
             bad[i] ^= 0x40;
-            assert!(Header::decode(&bad, h.key).is_err(), "byte {i} flipped was accepted");
+            assert!(d(&bad, h.key).is_err(), "byte {i} flipped was accepted");
         }
     }
 
@@ -349,11 +645,11 @@ mod tests {
     fn inconsistent_headers_with_valid_checksums_are_refused() {
         let (h, _, _) = block(1000);
         let reseal = |f: &dyn Fn(&mut [u8; HEADER_LEN])| {
-            let mut b = h.encode();
+            let mut b = h.encode(None);
             f(&mut b);
             let hc = xxh3_64(&b[..80]);
             b[80..88].copy_from_slice(&hc.to_le_bytes());
-            Header::decode(&b, h.key)
+            Header::decode(&b, h.key, &LIMITS, None)
         };
         assert!(reseal(&|b| b[8] = 200).is_err(), "unknown dtype");
         assert!(reseal(&|b| b[9] = 7).is_err(), "ndim");
@@ -361,6 +657,22 @@ mod tests {
         assert!(reseal(&|b| b[12] = 5).is_err(), "chunk count");
         assert!(reseal(&|b| b[48..52].copy_from_slice(&16u32.to_le_bytes())).is_err(), "chunk bytes");
         assert!(reseal(&|b| b[30] = 1).is_err(), "unused dim");
+        assert!(reseal(&|b| b[10] = 1).is_err(), "reserved byte");
+    }
+
+    /// A consistent header whose length is far beyond the megaslab (2^32 - 1
+    /// chunks of 64 MiB, ~2^58 bytes) is refused before any chunk is read.
+    #[test]
+    fn a_header_beyond_the_megaslab_is_refused() {
+        let chunks = u64::from(u32::MAX);
+        let len = chunks * u64::from(MAX_CHUNK_BYTES);
+        let h =
+            Header::new(7, DType::U8, Shape::new(&[u64::from(MAX_CHUNK_BYTES), chunks]).unwrap(), len, MAX_CHUNK_BYTES)
+                .unwrap();
+        assert_eq!(h.chunk_count, u32::MAX);
+        let b = h.encode(None);
+        assert_eq!(Header::decode(&b, 7, &LIMITS, None), Err(FormatError::TooLarge { len, max: LIMITS.max_len }));
+        assert!(Header::decode(&b, 7, &Limits { max_len: u64::MAX }, None).is_ok(), "only the limit refuses it");
     }
 
     #[test]
@@ -368,23 +680,68 @@ mod tests {
         let (h, c0, rest) = block(2 * CB as usize + 100);
         let mut bad0 = c0.clone();
         *bad0.last_mut().unwrap() ^= 1;
-        assert_eq!(verify(&h, &bad0, &rest), Err(FormatError::Checksum));
+        assert_eq!(verify(&h, &bad0, &rest, None), Err(FormatError::Checksum));
         let mut bad = rest.clone();
         bad[1][5] ^= 0x80;
-        assert_eq!(verify(&h, &c0, &bad), Err(FormatError::Checksum));
+        assert_eq!(verify(&h, &c0, &bad, None), Err(FormatError::Checksum));
         let mut short = rest.clone();
         short[0].pop();
-        assert!(matches!(verify(&h, &c0, &short), Err(FormatError::ChunkLen { index: 1, .. })));
-        assert!(verify(&h, &c0, &rest[..1]).is_err(), "a missing chunk");
-        // Chunks swapped: same lengths only if equal, and the checksum differs.
+        assert!(matches!(verify(&h, &c0, &short, None), Err(FormatError::ChunkLen { index: 1, .. })));
+        assert!(verify(&h, &c0, &rest[..1], None).is_err(), "a missing chunk");
         let swapped = vec![rest[0].clone(), rest[0].clone()];
-        assert!(verify(&h, &c0, &swapped).is_err());
+        assert!(verify(&h, &c0, &swapped, None).is_err());
+    }
+
+    /// Keyed values: only a node with the same key reads them; a keyless node
+    /// refuses them, a keyed node refuses unkeyed ones, and a payload changed
+    /// with its plain checksum fixed up fails the tag.
+    #[test]
+    fn keyed_values_are_read_only_with_the_same_key() {
+        let (a, b) = (fleet(1), fleet(2));
+        let (h, c0, rest) = block_with(3 * CB as usize, Some(&a));
+        assert!(matches!(h.seal, Seal::Tag(_)));
+        assert_eq!(u16::from_le_bytes([c0[4], c0[5]]), FORMAT_KEYED);
+        assert_eq!(Header::decode(&c0, h.key, &LIMITS, Some(&b)), Err(FormatError::HeaderTag));
+        assert_eq!(Header::decode(&c0, h.key, &LIMITS, None), Err(FormatError::KeyedValue));
+        let ok = Header::decode(&c0, h.key, &LIMITS, Some(&a)).unwrap();
+        verify(&ok, &c0, &rest, Some(&a)).unwrap();
+        // The header of A's value with B's header tag (a forger who guessed
+        // it): the block tag still fails under B.
+        let mut forged = c0.clone();
+        let ht = b.header_tag(&forged[..HEADER_LEN]);
+        forged[88..96].copy_from_slice(&ht);
+        let hb = Header::decode(&forged, h.key, &LIMITS, Some(&b)).unwrap();
+        assert_eq!(verify(&hb, &forged, &rest, Some(&b)), Err(FormatError::BlockTag));
+        // A payload byte changed: the tag fails.
+        let mut bad = rest.clone();
+        bad[0][9] ^= 1;
+        assert_eq!(verify(&ok, &c0, &bad, Some(&a)), Err(FormatError::BlockTag));
+        // An unkeyed value (valid checksums) at a keyed node.
+        let (hp, p0, _) = block(100);
+        assert_eq!(Header::decode(&p0, hp.key, &LIMITS, Some(&a)), Err(FormatError::UnkeyedValue));
+        assert!(FormatError::UnkeyedValue.is_auth() && FormatError::BlockTag.is_auth());
+        assert!(!FormatError::Checksum.is_auth());
+    }
+
+    #[test]
+    fn key_files_hold_32_bytes_or_64_hex_digits() {
+        let raw = [0x9cu8; 32];
+        let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        let a = FleetKey::parse(&raw).unwrap();
+        let b = FleetKey::parse(format!("{hex}\n").as_bytes()).unwrap();
+        assert_eq!((a.block, a.header), (b.block, b.header));
+        assert_ne!(a.block, a.header);
+        assert!(FleetKey::parse(b"short").is_err());
+        assert!(FleetKey::parse(&[0u8; 33]).is_err());
+        assert!(FleetKey::parse(&hex.as_bytes()[..32]).is_err(), "32 hex digits: ambiguous, refused");
+        assert!(FleetKey::parse(format!("{}zz", &hex[..62]).as_bytes()).is_err());
+        assert_eq!(format!("{a:?}"), "FleetKey(<hidden>)");
     }
 
     #[test]
     fn chunk_sizes_are_bounded() {
-        assert!(Header::new(1, DType::U8, Shape::new(&[1]).unwrap(), 1, MIN_CHUNK_BYTES - 1, 0).is_none());
-        assert!(Header::new(1, DType::U8, Shape::new(&[1]).unwrap(), 1, MAX_CHUNK_BYTES + 1, 0).is_none());
+        assert!(Header::new(1, DType::U8, Shape::new(&[1]).unwrap(), 1, MIN_CHUNK_BYTES - 1).is_none());
+        assert!(Header::new(1, DType::U8, Shape::new(&[1]).unwrap(), 1, MAX_CHUNK_BYTES + 1).is_none());
         assert!(chunk_bytes_ok(u64::from(DEFAULT_CHUNK_BYTES)));
     }
 }

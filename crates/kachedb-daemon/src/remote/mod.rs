@@ -23,7 +23,15 @@
 //!   tail at once, verifies them ([`format`]), asks the serve loop to reserve
 //!   room ([`TierEvent::Reserve`]), copies the bytes into the reservations
 //!   and sends [`TierEvent::Filled`]; the serve loop commits them (ordinary
-//!   blocks from then on) and serves the parked frames again.
+//!   blocks from then on) and serves the parked frames again. At most
+//!   [`MAX_FETCHES`] fetches run at once, the bytes they download are bounded
+//!   ([`FILL_BUDGET_BYTES`]), and a fetch past its deadline is cancelled.
+//! * **Authentication** ([`format::FleetKey`]): with a fleet key
+//!   (`--remote-key-file`) values are written with keyed tags and only values
+//!   with valid tags are read; without one, every writer is trusted.
+//! * **The megaslab** is touched only through [`SlabGate`]: stopping the tier
+//!   closes the gate, which waits for the copies in progress, so no extent the
+//!   serve loop frees afterwards is still being written or read by the tier.
 //!
 //! Client: the `redis` crate (redis-rs): its `cluster-async` client discovers
 //! the cluster from any node, follows MOVED/ASK and reconnects, and its
@@ -41,8 +49,10 @@ use kachedb_shm::Region;
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, IntoConnectionInfo};
+use std::ptr::NonNull;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::sync::{PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 pub use format::DEFAULT_CHUNK_BYTES;
@@ -63,6 +73,14 @@ const WRITE_CONCURRENCY: usize = 4;
 const CHUNK_WINDOW: usize = 16;
 /// Least time between two attempts to connect.
 const RECONNECT_EVERY: Duration = Duration::from_millis(500);
+/// Fetches running at once; later ones wait (within their deadline).
+pub const MAX_FETCHES: usize = 16;
+/// Bytes of blocks the fetches download at once, beyond their first reads
+/// (a block larger than this is downloaded alone).
+pub const FILL_BUDGET_BYTES: u64 = 1 << 30;
+/// Bytes of chunk 0 (header included) the first round reads per key; the
+/// rest of a larger chunk 0 comes with the other chunks.
+pub const FIRST_READ_BYTES: usize = format::HEADER_LEN + (256 << 10);
 
 /// How the remote tier is set up (`kachedb serve --remote …`).
 #[derive(Clone)]
@@ -86,6 +104,10 @@ pub struct RemoteConfig {
     /// loop then wins the CPU over the tier's copying and parsing when both
     /// want it, so fills do not slow local traffic down.
     pub worker_nice: u8,
+    /// The fleet key (`--remote-key-file`): values are written with keyed
+    /// tags and only values with valid tags are read. `None`: every writer
+    /// to the namespace is trusted.
+    pub key: Option<format::FleetKey>,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -99,6 +121,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("queue_bytes", &self.queue_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
             .field("worker_nice", &self.worker_nice)
+            .field("key", &self.key.as_ref().map(|_| "<hidden>"))
             .finish()
     }
 }
@@ -224,15 +247,57 @@ fn lower_priority(nice: i32) {
     }
 }
 
+/// The tier's only way into the megaslab. Every copy into a fill's
+/// reservation and every read of a pinned block runs inside [`SlabGate::with`];
+/// [`SlabGate::close`] waits for those in progress and refuses later ones.
+/// After it nothing of the tier touches the megaslab, whatever its threads
+/// are still doing, so the serve loop may free and reuse the tier's extents.
+/// A copy is a memcpy or a hash of at most one block (no network wait inside),
+/// so closing waits milliseconds.
+pub(super) struct SlabGate {
+    region: Arc<Region>,
+    /// Whether copies may start. Read-locked for each copy, write-locked to close.
+    open: RwLock<bool>,
+}
+
+impl SlabGate {
+    fn new(region: Arc<Region>) -> SlabGate {
+        SlabGate { region, open: RwLock::new(true) }
+    }
+
+    /// Runs `f` on the `len` bytes of megaslab at `offset` unless the gate is
+    /// closed or the range is outside the megaslab (`None` then). The gate
+    /// cannot close while `f` runs.
+    pub(super) fn with<R>(&self, offset: u64, len: u64, f: impl FnOnce(NonNull<u8>) -> R) -> Option<R> {
+        let open = self.open.read().unwrap_or_else(PoisonError::into_inner);
+        if !*open {
+            return None;
+        }
+        let ptr = self.region.slab_ptr(offset, len)?;
+        Some(f(ptr))
+    }
+
+    /// Closes the gate: waits for the copies in progress, refuses later ones.
+    fn close(&self) {
+        *self.open.write().unwrap_or_else(PoisonError::into_inner) = false;
+    }
+}
+
 /// What the workers share.
 struct Ctx {
     cfg: RemoteConfig,
     link: Link,
-    region: Arc<Region>,
+    slab: SlabGate,
     events: TierEvents,
     metrics: Arc<Metrics>,
+    /// What a header may claim (the megaslab's size).
+    limits: format::Limits,
     /// Blocks written at once.
     write_slots: tokio::sync::Semaphore,
+    /// Fetches running at once ([`MAX_FETCHES`]).
+    fetch_slots: tokio::sync::Semaphore,
+    /// KiB of blocks being downloaded ([`FILL_BUDGET_BYTES`]).
+    fill_budget: tokio::sync::Semaphore,
 }
 
 impl Ctx {
@@ -290,6 +355,15 @@ impl RemoteTier {
             return Err(RemoteError::Config(format!("worker nice {} above {MAX_WORKER_NICE}", cfg.worker_nice)));
         }
         let worker_nice = worker_nice_value(cfg.worker_nice);
+        match &cfg.key {
+            Some(_) => tracing::info!(
+                "remote tier: values are authenticated with the fleet key (keyed BLAKE3); values without a valid tag are refused"
+            ),
+            None => tracing::warn!(
+                namespace = %cfg.namespace,
+                "remote tier: no --remote-key-file: values are not authenticated, the tier trusts every writer to its namespace"
+            ),
+        }
         // TLS: the process-wide rustls provider (a second install is refused, harmlessly).
         let _ = rustls::crypto::ring::default_provider().install_default();
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -304,13 +378,17 @@ impl RemoteTier {
             .enable_time()
             .build()?;
         metrics.remote.enabled.store(true, Relaxed);
+        let limits = format::Limits { max_len: region.layout().slab_len };
         let ctx = Arc::new(Ctx {
             link: Link { cfg: cfg.clone(), state: tokio::sync::Mutex::new((None, None)) },
             cfg,
-            region,
+            slab: SlabGate::new(region),
             events,
             metrics,
+            limits,
             write_slots: tokio::sync::Semaphore::new(WRITE_CONCURRENCY),
+            fetch_slots: tokio::sync::Semaphore::new(MAX_FETCHES),
+            fill_budget: tokio::sync::Semaphore::new((FILL_BUDGET_BYTES >> 10) as usize),
         });
         // Connect now, so the first miss does not pay for it.
         let c = ctx.clone();
@@ -345,16 +423,22 @@ impl Tier for RemoteTier {
         }
     }
 
+    /// Starts a fetch; its [`TierEvent::Filled`] comes back on the event
+    /// queue, at the latest soon after its deadline ([`fill_deadline`]), when
+    /// the fetch is cancelled.
     fn fetch(&self, job: FetchJob) {
         RemoteCells::add(&self.ctx.cells().fetches, 1);
         if let Some(rt) = &self.rt {
-            rt.spawn(reader::fetch(self.ctx.clone(), job));
+            let deadline = tokio::time::Instant::now() + fill_deadline(self.ctx.cfg.timeout);
+            rt.spawn(reader::fetch(self.ctx.clone(), job, deadline));
         }
     }
 
-    /// Two rounds of requests, the connect, and slack for the local part.
+    /// The longest a fetch can take before the serve loop stops waiting for
+    /// it: the fetch's own deadline ([`fill_deadline`], where the worker
+    /// cancels it), and slack for the local part.
     fn fetch_bound(&self) -> Duration {
-        self.ctx.cfg.timeout * 4 + Duration::from_secs(1)
+        fill_deadline(self.ctx.cfg.timeout) + Duration::from_secs(1)
     }
 
     fn landed(&self, len: u64) {
@@ -362,18 +446,39 @@ impl Tier for RemoteTier {
         RemoteCells::add(&self.ctx.cells().fill_bytes, len);
     }
 
-    /// Stops the runtime, waiting (5 s at most) for a copy in progress to
-    /// finish. Queued writes are dropped (counted in `remote_dropped_writes`).
-    fn stop(mut self: Box<Self>) -> Box<dyn StoppedTier> {
+    /// Stops the tier's threads, waiting for a copy in progress to finish, so
+    /// nothing of the tier touches the megaslab afterwards. Queued writes are
+    /// dropped (counted in `remote_dropped_writes`); the caller drops their
+    /// pins and the fills' reservations by closing the tier's session.
+    fn stop(self: Box<Self>) -> Box<dyn StoppedTier> {
+        self.stop_within(Duration::from_secs(5))
+    }
+}
+
+/// How long a fetch may run before it is cancelled (its downloads dropped,
+/// its keys misses): the connect, two rounds of requests, and waiting for a
+/// fetch slot or download budget, each about the request timeout, and a
+/// second of slack for a busy node (the tier's threads run nicer than the
+/// serve loop).
+fn fill_deadline(timeout: Duration) -> Duration {
+    timeout * 4 + Duration::from_secs(1)
+}
+
+impl RemoteTier {
+    /// [`Tier::stop`], giving the runtime's tasks `grace` to end. The gate
+    /// closes first: whatever the runtime still runs after `grace`, no copy
+    /// into or out of the megaslab does.
+    fn stop_within(mut self: Box<Self>, grace: Duration) -> Box<dyn StoppedTier> {
+        self.ctx.slab.close();
         if let Some(rt) = self.rt.take() {
-            rt.shutdown_timeout(Duration::from_secs(5));
+            rt.shutdown_timeout(grace);
         }
         let cells = self.ctx.cells();
         RemoteCells::add(&cells.dropped_writes, cells.queue_blocks.swap(0, Relaxed));
         cells.queue_bytes.store(0, Relaxed);
         Box::new(StoppedRemote {
             cfg: self.ctx.cfg.clone(),
-            region: self.ctx.region.clone(),
+            region: self.ctx.slab.region.clone(),
             events: self.ctx.events.clone(),
             metrics: self.ctx.metrics.clone(),
         })
@@ -402,6 +507,7 @@ impl StoppedTier for StoppedRemote {
 
 impl Drop for RemoteTier {
     fn drop(&mut self) {
+        self.ctx.slab.close();
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(Duration::from_millis(500));
         }
@@ -411,7 +517,7 @@ impl Drop for RemoteTier {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kachedb_shm::{CreateOptions, Layout};
+    use kachedb_shm::{CreateOptions, DType, Layout, Shape};
 
     fn config(worker_nice: u8) -> RemoteConfig {
         RemoteConfig {
@@ -425,16 +531,93 @@ mod tests {
             queue_bytes: DEFAULT_QUEUE_BYTES,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             worker_nice,
+            key: None,
         }
     }
 
     fn start(worker_nice: u8) -> Result<RemoteTier, RemoteError> {
+        start_named("kachedb_remote_test", worker_nice)
+    }
+
+    fn start_named(name: &str, worker_nice: u8) -> Result<RemoteTier, RemoteError> {
         let layout = Layout::new(2, 16, 1 << 20).unwrap();
         let region =
-            Region::create(&CreateOptions { name: "kachedb_remote_test".into(), layout, headroom_bytes: 0 }, |_, _| {})
-                .unwrap();
+            Region::create(&CreateOptions { name: name.into(), layout, headroom_bytes: 0 }, |_, _| {}).unwrap();
         let (tx, _rx) = crate::events::queue(region.clone());
         RemoteTier::start(config(worker_nice), region, tx.tier_events(0), Metrics::new(2, 16))
+    }
+
+    /// The `len` bytes of megaslab at `offset`, copied out.
+    fn slab_bytes(region: &Region, offset: u64, len: usize) -> Vec<u8> {
+        let ptr = region.slab_ptr(offset, len as u64).unwrap();
+        // SAFETY: the range is inside the megaslab (checked by `slab_ptr`) and
+        // the region stays mapped while `region` lives; a racing copy into it
+        // would show as wrong bytes, which is what the caller looks for.
+        unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len) }.to_vec()
+    }
+
+    /// Stopping the tier (takeover, shutdown) waits for a fill's copy into
+    /// the megaslab that is in progress, however long the runtime's own
+    /// shutdown grace: when `stop` returns the copy is whole and no copy of
+    /// the tier runs any more, so the serve loop may free the extent. The
+    /// copy here blocks inside the gate after its first piece until the test
+    /// releases it, long after the 100 ms grace.
+    #[test]
+    fn stopping_the_tier_waits_for_a_copy_into_the_megaslab() {
+        let _one = ONE_TIER_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        use std::sync::mpsc;
+        let tier = start_named(&format!("kachedb_remote_gate_test_{}", std::process::id()), 0).unwrap();
+        let ctx = tier.ctx.clone();
+        let region = ctx.slab.region.clone();
+        let len = 3 * format::MIN_CHUNK_BYTES as usize + 5;
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8 + 1).collect();
+        let header =
+            format::Header::new(9, DType::U8, Shape::new(&[len as u64]).unwrap(), len as u64, format::MIN_CHUNK_BYTES)
+                .unwrap()
+                .sealed(&data, None);
+        let block = reader::Verified {
+            header,
+            chunk0: header.chunk0(&data, None),
+            rest: (1..header.chunk_count)
+                .map(|i| data[header.piece(i).start as usize..header.piece(i).end as usize].to_vec())
+                .collect(),
+        };
+        let offset = region.layout().slab_offset;
+        assert_ne!(slab_bytes(&region, offset, len), data);
+
+        let (started_tx, started_rx) = mpsc::channel::<()>();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        *reader::LAND_HOOK.lock().unwrap() = Some(Box::new(move || {
+            let _ = started_tx.send(());
+            // Blocks until the test drops `release_tx` (then returns at once).
+            let _ = release_rx.recv_timeout(Duration::from_secs(60));
+        }));
+        let landed = Arc::new(AtomicBool::new(false));
+        let (c, l) = (ctx.clone(), landed.clone());
+        let block = Arc::new(block);
+        let b = block.clone();
+        tier.rt.as_ref().unwrap().spawn(async move { l.store(reader::land(&c, &b, offset), SeqCst) });
+        started_rx.recv_timeout(Duration::from_secs(30)).expect("the copy started");
+
+        let (stopped_tx, stopped_rx) = mpsc::channel();
+        let r = region.clone();
+        let stopper = std::thread::spawn(move || {
+            let stopped = Box::new(tier).stop_within(Duration::from_millis(100));
+            // What the megaslab holds the moment stop returns.
+            let _ = stopped_tx.send(slab_bytes(&r, offset, len));
+            stopped
+        });
+        let early = stopped_rx.recv_timeout(Duration::from_secs(2));
+        assert!(early.is_err(), "stop returned while a copy into the megaslab was still running");
+        drop(release_tx);
+        let at_stop = stopped_rx.recv_timeout(Duration::from_secs(30)).expect("stop returned once the copy ended");
+        assert!(at_stop == data, "when stop returned, the copy into the extent was not whole");
+        drop(stopper.join().unwrap());
+        *reader::LAND_HOOK.lock().unwrap() = None;
+        assert!(landed.load(SeqCst), "the copy in progress completed");
+        // After stop, the gate refuses copies.
+        assert!(!reader::land(&ctx, &block, offset));
     }
 
     /// The nice values of this process's threads named [`THREAD_NAME`].
@@ -467,9 +650,14 @@ mod tests {
         }
     }
 
+    /// Tests that start a tier run one at a time: the nice test looks at all
+    /// threads of the process by name.
+    static ONE_TIER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     // One test for every case: each looks at all threads of the process by name.
     #[test]
     fn the_tiers_threads_run_nicer_than_the_daemon_by_worker_nice() {
+        let _one = ONE_TIER_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
         let own = rustix::process::getpriority_process(None).unwrap();
         until("no tier yet", <[i32]>::is_empty);
 

@@ -2,73 +2,184 @@
 //! verifies it, and lands the blocks in reservations the serve loop makes.
 //!
 //! Two rounds of requests, each sent at once (pipelined, one round trip per
-//! shard) and each bounded by the tier's timeout: chunk 0 of every key (the
-//! header and the first piece; for blocks of one chunk, everything), then the
-//! other chunks of every block that has more. A key whose request fails or
-//! times out is a miss (counted in `remote_errors`), a value that does not
-//! verify is a miss (`remote_corrupt`); the rest of the tail is still filled.
+//! shard) and each request bounded by the tier's timeout: the start of chunk
+//! 0 of every key (the header and up to [`FIRST_READ_BYTES`] in all; for
+//! small blocks, everything), then the rest of every block that has more. A
+//! key whose request fails or times out is a miss (counted in
+//! `remote_errors`), a value that does not verify is a miss (`remote_corrupt`,
+//! or `remote_auth_failures` when it fails authentication); the rest of the
+//! tail is still filled.
+//!
+//! What a hostile value can cost is bounded before it is downloaded:
+//!
+//! * the header is checked ([`Header::decode`]: its length against the
+//!   megaslab, its chunk count against the length and chunk size, its tag
+//!   under a fleet key) before any other chunk is asked for;
+//! * every value is read with `GETRANGE` up to one byte past the length the
+//!   header implies ([`format::chunk_read_end`]), never whole, so an overlong
+//!   value costs no more than a right one;
+//! * a block's chunks are read [`CHUNK_WINDOW`] at a time and the reading
+//!   stops at the first missing, short or overlong one;
+//! * at most [`MAX_FETCHES`] fetches run at once, and the blocks they read
+//!   past the first round take [`FILL_BUDGET_BYTES`] at most (a larger block
+//!   alone);
+//! * a fetch runs until its deadline at most: past it, what is left of it
+//!   is dropped (its requests with it) and its keys are misses.
 
 use super::format::{self, Header};
-use super::{Ctx, FetchJob, FillSpec, RemoteCells, TierEvent, CHUNK_WINDOW};
+use super::{
+    Ctx, FetchJob, FillSpec, RemoteCells, TierEvent, CHUNK_WINDOW, FILL_BUDGET_BYTES, FIRST_READ_BYTES, MAX_FETCHES,
+};
 use futures_util::StreamExt;
 use std::sync::Arc;
+use tokio::time::{timeout_at, Instant};
 
 /// A block read back and verified.
-struct Verified {
-    header: Header,
-    chunk0: Vec<u8>,
-    rest: Vec<Vec<u8>>,
+pub(super) struct Verified {
+    /// Its header.
+    pub(super) header: Header,
+    /// Chunk 0, header included.
+    pub(super) chunk0: Vec<u8>,
+    /// Chunks 1.., in order.
+    pub(super) rest: Vec<Vec<u8>>,
 }
 
-/// Runs `job` and always ends with [`TierEvent::Filled`] for it.
-pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob) {
-    let blocks = read_tail(&ctx, &job.keys).await;
+/// The fetch ran past its deadline.
+struct Cancelled;
+
+/// Why a block read in round two is not filled.
+enum Refused {
+    /// A request failed or timed out.
+    Error,
+    /// A value did not verify.
+    Bad(format::FormatError),
+}
+
+/// Runs `job` until `deadline` at most and always ends with
+/// [`TierEvent::Filled`] for it, listing the blocks landed before then.
+pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob, deadline: Instant) {
     let mut filled = Vec::new();
-    if !blocks.is_empty() {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let specs = blocks
-            .iter()
-            .map(|b| FillSpec { key: b.header.key, dtype: b.header.dtype, shape: b.header.shape, len: b.header.len })
-            .collect();
-        ctx.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
-        // The serve loop answers at its next pass (or drops the sender when
-        // it stops): a local wait, not a network one.
-        if let Ok(reserved) = rx.await {
-            for (b, r) in blocks.iter().zip(reserved) {
-                let Some(r) = r else { continue };
-                if land(&ctx, b, r.data_offset) {
-                    filled.push((r.handle, b.header.len));
-                }
-            }
-        }
+    if run(&ctx, &job, deadline, &mut filled).await.is_err() {
+        RemoteCells::add(&ctx.cells().fetches_cancelled, 1);
+        tracing::debug!(
+            fetch = job.id,
+            landed = filled.len(),
+            keys = job.keys.len(),
+            "remote fetch cancelled at its deadline"
+        );
     }
     ctx.send(TierEvent::Filled { fetch: job.id, filled });
 }
 
-/// Copies a verified block's bytes into its reservation at `data_offset`.
-fn land(ctx: &Ctx, b: &Verified, data_offset: u64) -> bool {
-    let Some(ptr) = ctx.region.slab_ptr(data_offset, b.header.len) else { return false };
-    let mut at = 0usize;
-    for piece in format::pieces(&b.chunk0, &b.rest) {
-        // SAFETY: the serve loop reserved `[data_offset, data_offset + len)`
-        // for the tier's session and touches it again only when this fetch's
-        // `Filled` (sent after this returns) commits it; a reservation is
-        // invisible to clients and never evicted. `verify` checked that the
-        // pieces add up to exactly `len` bytes, so every copy stays inside.
-        unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), ptr.as_ptr().add(at), piece.len()) };
-        at += piece.len();
+/// The blocks of `job`, read, verified and landed in turn; each landed
+/// one is added to `filled` at once, so a cancelled run keeps them.
+async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64, u64)>) -> Result<(), Cancelled> {
+    let cells = ctx.cells();
+    let _slot = timeout_at(deadline, ctx.fetch_slots.acquire()).await.map_err(|_| Cancelled)?.map_err(|_| Cancelled)?;
+    let conn = match timeout_at(deadline, ctx.link.conn()).await.map_err(|_| Cancelled)? {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!("remote tier: {e}");
+            RemoteCells::add(&cells.errors, job.keys.len() as u64);
+            return Ok(());
+        }
+    };
+    let (whole, heads) = timeout_at(deadline, read_heads(ctx, &conn, &job.keys)).await.map_err(|_| Cancelled)?;
+    if !whole.is_empty() {
+        land_all(ctx, job.id, &whole, filled).await;
     }
-    at as u64 == b.header.len
+    drop(whole);
+    for group in budget_groups(heads) {
+        let kib: u64 = group.iter().map(|(h, _)| h.len).sum::<u64>().div_ceil(1024);
+        let kib = kib.min(FILL_BUDGET_BYTES >> 10) as u32;
+        let _bytes = timeout_at(deadline, ctx.fill_budget.acquire_many(kib))
+            .await
+            .map_err(|_| Cancelled)?
+            .map_err(|_| Cancelled)?;
+        let blocks = timeout_at(deadline, read_rests(ctx, &conn, group)).await.map_err(|_| Cancelled)?;
+        if !blocks.is_empty() {
+            land_all(ctx, job.id, &blocks, filled).await;
+        }
+    }
+    Ok(())
 }
 
-/// One GET, bounded by the timeout; `Err` when it failed or timed out.
-async fn get(ctx: &Ctx, conn: &super::Conn, key: String) -> Result<Option<Vec<u8>>, ()> {
-    let cmd = {
-        let mut c = redis::cmd("GET");
-        c.arg(key);
-        c
-    };
-    match tokio::time::timeout(ctx.cfg.timeout, conn.query::<Option<Vec<u8>>>(&cmd)).await {
+/// Splits the verified headers, in chain order, into groups whose blocks
+/// together fit in [`FILL_BUDGET_BYTES`] (a larger block is a group alone).
+fn budget_groups(heads: Vec<(Header, Vec<u8>)>) -> Vec<Vec<(Header, Vec<u8>)>> {
+    let mut groups: Vec<Vec<(Header, Vec<u8>)>> = Vec::new();
+    let mut sum = 0u64;
+    for h in heads {
+        match groups.last_mut() {
+            Some(g) if sum + h.0.len <= FILL_BUDGET_BYTES => {
+                sum += h.0.len;
+                g.push(h);
+            }
+            _ => {
+                sum = h.0.len;
+                groups.push(vec![h]);
+            }
+        }
+    }
+    groups
+}
+
+/// Asks the serve loop for reservations for `blocks` and copies each into
+/// its own; adds the landed ones to `filled`. A local wait (the serve loop
+/// answers at its next pass, or drops the sender when it stops), so not
+/// bounded by the deadline: cancelling it could lose reservations made.
+async fn land_all(ctx: &Ctx, fetch: u64, blocks: &[Verified], filled: &mut Vec<(u64, u64)>) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let specs = blocks
+        .iter()
+        .map(|b| FillSpec { key: b.header.key, dtype: b.header.dtype, shape: b.header.shape, len: b.header.len })
+        .collect();
+    ctx.send(TierEvent::Reserve { fetch, blocks: specs, reply: tx });
+    if let Ok(reserved) = rx.await {
+        for (b, r) in blocks.iter().zip(reserved) {
+            let Some(r) = r else { continue };
+            if land(ctx, b, r.data_offset) {
+                filled.push((r.handle, b.header.len));
+            }
+        }
+    }
+}
+
+/// Test hook: runs inside the gate after the first piece of a block is
+/// copied (a copy made to block there, to test that stopping waits for it).
+#[cfg(test)]
+pub(super) static LAND_HOOK: std::sync::Mutex<Option<Box<dyn FnMut() + Send>>> = std::sync::Mutex::new(None);
+
+/// Copies a verified block's bytes into its reservation at `data_offset`,
+/// under the slab gate; `false` if the gate is closed (the tier is stopping).
+pub(super) fn land(ctx: &Ctx, b: &Verified, data_offset: u64) -> bool {
+    let copied = ctx.slab.with(data_offset, b.header.len, |ptr| {
+        let mut at = 0usize;
+        for piece in format::pieces(&b.chunk0, &b.rest) {
+            // SAFETY: the serve loop reserved `[data_offset, data_offset + len)`
+            // for the tier's session and frees it only after the gate is
+            // closed (stopping) or when this fetch's `Filled` (sent after
+            // this returns) commits it; a reservation is invisible to clients
+            // and never evicted. `verify` checked that the pieces add up to
+            // exactly `len` bytes, so every copy stays inside.
+            unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), ptr.as_ptr().add(at), piece.len()) };
+            at += piece.len();
+            #[cfg(test)]
+            if let Some(hook) = LAND_HOOK.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_mut() {
+                hook();
+            }
+        }
+        at as u64
+    });
+    copied == Some(b.header.len)
+}
+
+/// `GETRANGE key start end` (end inclusive), bounded by the timeout; `Err`
+/// when it failed or timed out. A missing key reads as empty.
+async fn get_range(ctx: &Ctx, conn: &super::Conn, key: String, start: u64, end: u64) -> Result<Vec<u8>, ()> {
+    let mut cmd = redis::cmd("GETRANGE");
+    cmd.arg(key).arg(start).arg(end);
+    match tokio::time::timeout(ctx.cfg.timeout, conn.query::<Vec<u8>>(&cmd)).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
             ctx.link.failed(&e).await;
@@ -79,70 +190,144 @@ async fn get(ctx: &Ctx, conn: &super::Conn, key: String) -> Result<Option<Vec<u8
     }
 }
 
-/// Reads and verifies the blocks of `keys`; the ones that are not there, not
-/// reachable or not valid are left out (and counted).
-async fn read_tail(ctx: &Ctx, keys: &[u128]) -> Vec<Verified> {
+/// Counts and logs a value refused.
+fn refuse(ctx: &Ctx, key: u128, e: &format::FormatError) {
     let cells = ctx.cells();
-    let conn = match ctx.link.conn().await {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::debug!("remote tier: {e}");
-            RemoteCells::add(&cells.errors, keys.len() as u64);
-            return Vec::new();
-        }
+    if e.is_auth() {
+        RemoteCells::add(&cells.auth_failures, 1);
+    } else {
+        RemoteCells::add(&cells.corrupt, 1);
+    }
+    tracing::warn!(key = %format_args!("{key:032x}"), "remote value refused: {e}");
+}
+
+/// What round one found for one key.
+enum HeadRead {
+    /// The request failed or timed out.
+    Error,
+    /// No such key.
+    Missing,
+    /// A value that does not verify.
+    Refused(format::FormatError),
+    /// A verified header; the rest of the block comes in round two.
+    Head(Header, Vec<u8>),
+    /// The whole block, verified.
+    Whole(Verified),
+}
+
+/// Round one for `key`: the start of its chunk 0, checked as soon as it
+/// arrives (while the other keys' answers are still coming in); a block
+/// that fits in it is verified whole.
+async fn read_head(ctx: &Ctx, conn: &super::Conn, key: u128) -> HeadRead {
+    let end = FIRST_READ_BYTES as u64 - 1;
+    let chunk0 = match get_range(ctx, conn, format::chunk_key(&ctx.cfg.namespace, key, 0), 0, end).await {
+        Err(()) => return HeadRead::Error,
+        // Absent (a real value is never empty: it starts with a header).
+        Ok(v) if v.is_empty() => return HeadRead::Missing,
+        Ok(v) => v,
     };
-    let ns = &ctx.cfg.namespace;
-    // Round 1: chunk 0 of every key, all at once.
-    let firsts =
-        futures_util::future::join_all(keys.iter().map(|&k| get(ctx, &conn, format::chunk_key(ns, k, 0)))).await;
-    let mut heads = Vec::new();
+    let fleet = ctx.cfg.key.as_ref();
+    let h = match Header::decode(&chunk0, key, &ctx.limits, fleet) {
+        Ok(h) => h,
+        Err(e) => return HeadRead::Refused(e),
+    };
+    let want0 = h.chunk_value_len(0);
+    if chunk0.len() as u64 > want0 {
+        return HeadRead::Refused(format::FormatError::ChunkLen { index: 0, len: chunk0.len(), want: want0 });
+    }
+    if h.chunk_count == 1 && chunk0.len() as u64 == want0 {
+        return match format::verify(&h, &chunk0, &[], fleet) {
+            Ok(()) => HeadRead::Whole(Verified { header: h, chunk0, rest: Vec::new() }),
+            Err(e) => HeadRead::Refused(e),
+        };
+    }
+    HeadRead::Head(h, chunk0)
+}
+
+/// Round one: the start of chunk 0 of every key, all at once. The blocks
+/// it held whole, verified, and the verified headers of the others, with
+/// the bytes read. Absent keys are misses, the others that do not verify
+/// are counted.
+async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verified>, Vec<(Header, Vec<u8>)>) {
+    let cells = ctx.cells();
+    let firsts = futures_util::future::join_all(keys.iter().map(|&k| read_head(ctx, conn, k))).await;
+    let (mut whole, mut heads) = (Vec::new(), Vec::new());
     for (&key, got) in keys.iter().zip(firsts) {
         match got {
-            Err(()) => RemoteCells::add(&cells.errors, 1),
-            Ok(None) => RemoteCells::add(&cells.misses, 1),
-            Ok(Some(chunk0)) => match Header::decode(&chunk0, key) {
-                Ok(h) => heads.push((h, chunk0)),
-                Err(e) => {
-                    RemoteCells::add(&cells.corrupt, 1);
-                    tracing::warn!(key = %format_args!("{key:032x}"), "remote value refused: {e}");
-                }
-            },
+            HeadRead::Error => RemoteCells::add(&cells.errors, 1),
+            HeadRead::Missing => RemoteCells::add(&cells.misses, 1),
+            HeadRead::Refused(e) => refuse(ctx, key, &e),
+            HeadRead::Head(h, chunk0) => heads.push((h, chunk0)),
+            HeadRead::Whole(v) => whole.push(v),
         }
     }
-    // Round 2: the other chunks of every block, all at once (a window of
-    // CHUNK_WINDOW per block bounds the memory in flight for huge blocks).
-    let rests = futures_util::future::join_all(heads.iter().map(|(h, _)| {
-        let conn = conn.clone();
-        async move {
-            let got: Vec<Result<Option<Vec<u8>>, ()>> = futures_util::stream::iter(1..h.chunk_count)
-                .map(|i| get(ctx, &conn, format::chunk_key(ns, h.key, i)))
-                .buffered(CHUNK_WINDOW)
-                .collect()
-                .await;
-            got
-        }
-    }))
-    .await;
+    (whole, heads)
+}
+
+/// Round two: the rest of every block of `group`, all at once; the blocks
+/// that verify.
+async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<(Header, Vec<u8>)>) -> Vec<Verified> {
+    let got = futures_util::future::join_all(group.into_iter().map(|(h, c0)| read_rest(ctx, conn, h, c0))).await;
     let mut out = Vec::new();
-    for ((header, chunk0), rest) in heads.into_iter().zip(rests) {
-        if rest.iter().any(Result::is_err) {
-            RemoteCells::add(&cells.errors, 1);
-            continue;
-        }
-        // A missing chunk (expired, evicted, or still being written) is a
-        // block that does not verify.
-        let rest: Option<Vec<Vec<u8>>> = rest.into_iter().map(|r| r.ok().flatten()).collect();
-        let verdict = match rest {
-            Some(rest) => format::verify(&header, &chunk0, &rest).map(|()| rest),
-            None => Err(format::FormatError::Inconsistent("a chunk is missing")),
-        };
-        match verdict {
-            Ok(rest) => out.push(Verified { header, chunk0, rest }),
-            Err(e) => {
-                RemoteCells::add(&cells.corrupt, 1);
-                tracing::warn!(key = %format_args!("{:032x}", header.key), "remote value refused: {e}");
-            }
+    for (key, r) in got {
+        match r {
+            Ok(v) => out.push(v),
+            Err(Refused::Error) => RemoteCells::add(&ctx.cells().errors, 1),
+            Err(Refused::Bad(e)) => refuse(ctx, key, &e),
         }
     }
     out
 }
+
+/// The rest of block `h` (the part of chunk 0 round one did not read, and
+/// chunks 1..), verified: its bytes are hashed in order as they arrive.
+async fn read_rest(ctx: &Ctx, conn: &super::Conn, h: Header, mut chunk0: Vec<u8>) -> (u128, Result<Verified, Refused>) {
+    let ns = &ctx.cfg.namespace;
+    let want0 = h.chunk_value_len(0);
+    let have0 = chunk0.len() as u64;
+    if have0 < want0 && have0 < FIRST_READ_BYTES as u64 {
+        // Round one read all there was: chunk 0 is short.
+        let e = format::FormatError::ChunkLen { index: 0, len: chunk0.len(), want: want0 };
+        return (h.key, Err(Refused::Bad(e)));
+    }
+    let mut sealer = format::Sealer::new(&h, ctx.cfg.key.as_ref());
+    sealer.update(chunk0.get(format::HEADER_LEN..).unwrap_or(&[]));
+    // The reads in order: what is left of chunk 0 (index 0), then chunks 1..;
+    // each asks for one byte more than it expects.
+    let head_part = (have0 < want0).then_some((0u32, have0, want0 - have0));
+    let reads = head_part.into_iter().chain((1..h.chunk_count).map(|i| (i, 0, h.chunk_value_len(i))));
+    let mut rest = Vec::with_capacity((h.chunk_count - 1) as usize);
+    let mut s = futures_util::stream::iter(reads)
+        .map(|(index, start, want)| {
+            let key = format::chunk_key(ns, h.key, index);
+            async move { (index, want, get_range(ctx, conn, key, start, format::chunk_read_end(start, want)).await) }
+        })
+        .buffered(CHUNK_WINDOW);
+    // The first missing (read as empty), short or overlong chunk ends the
+    // reading: dropping the stream drops the requests in its window.
+    while let Some((index, want, got)) = s.next().await {
+        let Ok(v) = got else { return (h.key, Err(Refused::Error)) };
+        if v.len() as u64 != want {
+            let len = if index == 0 { chunk0.len() + v.len() } else { v.len() };
+            let want = if index == 0 { want0 } else { want };
+            return (h.key, Err(Refused::Bad(format::FormatError::ChunkLen { index, len, want })));
+        }
+        sealer.update(&v);
+        if index == 0 {
+            chunk0.extend_from_slice(&v);
+        } else {
+            rest.push(v);
+        }
+    }
+    drop(s);
+    let verdict = format::verify_lengths(&h, &chunk0, &rest).and_then(|()| format::verify_seal(&h, &sealer));
+    match verdict {
+        Ok(()) => (h.key, Ok(Verified { header: h, chunk0, rest })),
+        Err(e) => (h.key, Err(Refused::Bad(e))),
+    }
+}
+
+// A header's length is bounded by the megaslab, so a block's chunk count is
+// too: with MAX_FETCHES fetches at once, round one holds at most
+// MAX_FETCHES × (keys per batch) × FIRST_READ_BYTES.
+const _: () = assert!(MAX_FETCHES > 0 && FILL_BUDGET_BYTES >> 10 <= u32::MAX as u64);

@@ -3,8 +3,12 @@
 //! Chunks `1..` go first (up to `CHUNK_WINDOW` in flight), chunk 0 (the
 //! header) last, so a reader that finds the header finds its chunks too. A
 //! reader meeting a block half-overwritten by another writer sees a checksum
-//! mismatch: a miss, never wrong bytes. Each request waits at most the
-//! tier's timeout. Whatever the outcome, the pin goes back to the serve loop.
+//! (or tag) mismatch: a miss, never wrong bytes. With a fleet key the block
+//! is sealed with keyed tags (format 2), else with checksums (format 1). Each
+//! request waits at most the tier's timeout. Every read of the pinned block
+//! runs under the slab gate (hashing it, and copying each chunk into its
+//! request), never across a network wait. Whatever the outcome, the pin goes
+//! back to the serve loop.
 
 use super::format::{self, Header};
 use super::{Ctx, RemoteCells, TierEvent, WriteJob, CHUNK_WINDOW};
@@ -34,26 +38,59 @@ pub(super) async fn write(ctx: Arc<Ctx>, job: WriteJob) {
     ctx.send(TierEvent::Written { pin: job.pin });
 }
 
+/// Runs `f` on bytes `range` of `job`'s pinned block, under the slab gate;
+/// an error once the gate is closed (the tier is stopping).
+fn with_block<R>(
+    ctx: &Ctx,
+    job: &WriteJob,
+    range: std::ops::Range<u64>,
+    f: impl FnOnce(&[u8]) -> R,
+) -> Result<R, String> {
+    if range.end > job.len {
+        return Err("range outside the block".into());
+    }
+    ctx.slab
+        .with(job.data_offset + range.start, range.end - range.start, |ptr| {
+            // SAFETY: `job.pin` pins this committed block for the tier's
+            // session until `write` sends `Written`, after this returns, and
+            // the serve loop frees the tier's pins only after closing the
+            // gate (which waits for this closure): the extent is not evicted,
+            // moved or reused meanwhile, and a committed block's bytes are
+            // not written again (clients write only their reservations).
+            let data = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), (range.end - range.start) as usize) };
+            f(data)
+        })
+        .ok_or_else(|| "the tier is stopping (or the block is outside the megaslab)".to_string())
+}
+
 async fn write_block(ctx: &Ctx, job: &WriteJob) -> Result<(), String> {
-    let ptr = ctx.region.slab_ptr(job.data_offset, job.len).ok_or("block outside the megaslab")?;
-    // SAFETY: `job.pin` pins this committed block for the tier's session
-    // until `write` sends `Written`, after this returns: the extent is not
-    // evicted, moved or reused meanwhile, and a committed block's bytes are
-    // not written again (clients write only their reservations). The region
-    // stays mapped while `ctx.region` (an `Arc`) lives.
-    let data: &[u8] = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), job.len as usize) };
-    let header = Header::new(job.key, job.dtype, job.shape, job.len, ctx.cfg.chunk_bytes, format::checksum([data]))
+    let fleet = ctx.cfg.key.as_ref();
+    let header = Header::new(job.key, job.dtype, job.shape, job.len, ctx.cfg.chunk_bytes)
         .ok_or("block needs too many chunks")?;
+    let header = with_block(ctx, job, 0..job.len, |data| header.sealed(data, fleet))?;
     let conn = ctx.link.conn().await?;
     let ns = &ctx.cfg.namespace;
-    let set = |key: String, value: &[u8]| {
+    // The SET of chunk `i`, its value copied from the block now (under the gate).
+    let set_cmd = |i: u32| -> Result<redis::Cmd, String> {
         let mut cmd = redis::cmd("SET");
-        cmd.arg(key).arg(value);
+        cmd.arg(format::chunk_key(ns, job.key, i));
+        if i == 0 {
+            let value = with_block(ctx, job, header.piece(0), |first| header.chunk0(first, fleet))?;
+            cmd.arg(value);
+        } else {
+            with_block(ctx, job, header.piece(i), |piece| {
+                cmd.arg(piece);
+            })?;
+        }
         if let Some(ttl) = ctx.cfg.ttl {
             cmd.arg("PX").arg(ttl.as_millis().max(1) as u64);
         }
+        Ok(cmd)
+    };
+    let send = |cmd: Result<redis::Cmd, String>| {
         let conn = conn.clone();
         async move {
+            let cmd = cmd?;
             match tokio::time::timeout(ctx.cfg.timeout, conn.query::<()>(&cmd)).await {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => {
@@ -65,12 +102,9 @@ async fn write_block(ctx: &Ctx, job: &WriteJob) -> Result<(), String> {
         }
     };
     futures_util::stream::iter(1..header.chunk_count)
-        .map(|i| {
-            let r = header.piece(i);
-            set(format::chunk_key(ns, job.key, i), &data[r.start as usize..r.end as usize])
-        })
+        .map(|i| send(set_cmd(i)))
         .buffer_unordered(CHUNK_WINDOW)
         .try_collect::<Vec<()>>()
         .await?;
-    set(format::chunk_key(ns, job.key, 0), &header.chunk0(data)).await
+    send(set_cmd(0)).await
 }
