@@ -451,7 +451,7 @@ impl Tier for RemoteTier {
     /// dropped (counted in `remote_dropped_writes`); the caller drops their
     /// pins and the fills' reservations by closing the tier's session.
     fn stop(self: Box<Self>) -> Box<dyn StoppedTier> {
-        self.stop_within(Duration::from_secs(5))
+        (*self).stop_within(Duration::from_secs(5))
     }
 }
 
@@ -468,7 +468,7 @@ impl RemoteTier {
     /// [`Tier::stop`], giving the runtime's tasks `grace` to end. The gate
     /// closes first: whatever the runtime still runs after `grace`, no copy
     /// into or out of the megaslab does.
-    fn stop_within(mut self: Box<Self>, grace: Duration) -> Box<dyn StoppedTier> {
+    fn stop_within(mut self, grace: Duration) -> Box<dyn StoppedTier> {
         self.ctx.slab.close();
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(grace);
@@ -603,7 +603,7 @@ mod tests {
         let (stopped_tx, stopped_rx) = mpsc::channel();
         let r = region.clone();
         let stopper = std::thread::spawn(move || {
-            let stopped = Box::new(tier).stop_within(Duration::from_millis(100));
+            let stopped = tier.stop_within(Duration::from_millis(100));
             // What the megaslab holds the moment stop returns.
             let _ = stopped_tx.send(slab_bytes(&r, offset, len));
             stopped
