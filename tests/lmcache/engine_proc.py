@@ -271,6 +271,45 @@ def scenario_daemon_restart(spec: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def scenario_vllm_order(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """An engine started in the order vLLM's LMCache connector starts one: the
+    metadata from the model config (one KV group of the first layer's head size,
+    ``kv_shape`` as vLLM's LMCache service factory computes it), then
+    ``post_init`` (which builds the KacheDB connector), then the KV caches' layer
+    groups registered on the metadata (as the GPU connector does on its first
+    transfer; this model has two), then the prompt stored ("store") or looked
+    up and retrieved ("load")."""
+    import torch
+
+    import kachedb
+    import kachedb.lmcache
+
+    n, seed = spec["prompt"]
+    tokens = S.prompt_tokens(n, seed)
+    name = "vllm-order-" + spec["role"]
+    engine = S.build_engine(name, socket=spec["socket"], gpu_connector=S.make_grouped_cpu_connector())
+    conn = S.kachedb_connector(engine)
+    out: Dict[str, Any] = {"connector": repr(conn), "fields_at_post_init": dict(conn.namespace_fields)}
+    S.register_layer_groups(engine.metadata)
+    out["metadata_shapes"] = [list(x) for x in engine.metadata.get_shapes()]
+    kv = S.grouped_prompt_kv(n, seed)
+    if spec["role"] == "store":
+        engine.store(tokens, kv=kv)
+        keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
+        with kachedb.connect(spec["socket"]) as observer:
+            out["landed"] = _wait_landed(observer, keys, 10.0)
+        S.clear_local(engine, tokens)
+    else:
+        out["remote_lookup"] = _remote_lookup(engine, tokens)
+        got = [torch.zeros_like(t) for t in kv]
+        out["retrieved_tokens"] = int(engine.retrieve(tokens, kv=got, req_id="r").sum())
+        out["byte_equal"] = all(_bytes(a) == _bytes(b) for a, b in zip(got, kv))
+    out["fields"] = dict(conn.namespace_fields)
+    out["stats"] = kachedb.lmcache.stats()
+    _destroy(name)
+    return out
+
+
 def _destroy(instance_id: str) -> None:
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 

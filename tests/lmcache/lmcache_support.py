@@ -85,6 +85,71 @@ def make_cpu_connector(layers: int = NUM_LAYERS, hidden: int = NUM_HEADS * HEAD_
     return CPUKVConnector()
 
 
+#: Head sizes of the two KV layer groups of the "grouped" model (layers 0-1, layers
+#: 2-3): LMCache's ``KVLayerGroupsManager`` makes one group of each.
+GROUP_HEAD_SIZES = (HEAD_SIZE, 2 * HEAD_SIZE)
+
+
+def grouped_prompt_kv(n: int, seed: int) -> Any:
+    """The grouped model's KV of ``n`` tokens: per group ``[2, 2 layers, n, heads * head size]``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn((2, 2, n, NUM_HEADS * hs), generator=g).to(torch.bfloat16) for hs in GROUP_HEAD_SIZES]
+
+
+def make_grouped_cpu_connector() -> Any:
+    """``make_cpu_connector`` for a model of several KV layer groups: ``kv=`` is a
+    list of per-group buffers, and a chunk holds one tensor per group."""
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+
+    class GroupedCPUKVConnector(GPUConnectorInterface):
+        def __init__(self) -> None:
+            self.kvcaches = None
+
+        def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+            for i, kv in enumerate(kwargs["kv"]):
+                memory_obj.get_tensor(i).copy_(kv[:, :, start:end, :])
+
+        def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
+            for i, kv in enumerate(kwargs["kv"]):
+                kv[:, :, start:end, :].copy_(memory_obj.get_tensor(i))
+
+        def batched_from_gpu(self, memory_objs: Any, starts: List[int], ends: List[int], **kwargs: Any) -> None:
+            for obj, s, e in zip(memory_objs, starts, ends):
+                self.from_gpu(obj, s, e, **kwargs)
+
+        def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kwargs: Any) -> None:
+            for obj, s, e in zip(memory_objs, starts, ends):
+                self.to_gpu(obj, s, e, **kwargs)
+
+        def get_shape(self, num_tokens: int) -> Any:
+            raise NotImplementedError("a grouped model's chunks have one shape per group")
+
+    return GroupedCPUKVConnector()
+
+
+def register_layer_groups(metadata: Any, num_blocks: int = 8) -> None:
+    """What LMCache's vLLM GPU connector does on its first transfer
+    (``VLLMPagedMemGPUConnectorV3._initialize_kv_cache_pointers``): discover the
+    registered KV caches' layer groups and set ``metadata.kv_layer_groups_manager``.
+    The caches are vLLM-shaped per-layer buffers ``[2, blocks, heads, block tokens,
+    head size]`` of the grouped model (two head sizes)."""
+    import torch
+    from lmcache.v1.gpu_connector.utils import EngineType, normalize_and_discover_per_layer_formats
+    from lmcache.v1.kv_layer_groups import KVLayerGroupsManager
+
+    caches = [
+        torch.zeros((2, num_blocks, NUM_HEADS, CHUNK_TOKENS, hs), dtype=torch.bfloat16)
+        for hs in GROUP_HEAD_SIZES
+        for _ in range(2)
+    ]
+    normalized, formats = normalize_and_discover_per_layer_formats(caches, [], EngineType.VLLM)
+    metadata.kv_layer_groups_manager = KVLayerGroupsManager(
+        list(normalized), engine_kv_formats=formats, lmcache_tokens_per_chunk=metadata.chunk_size
+    )
+
+
 def build_engine(
     instance_id: str,
     *,
@@ -97,11 +162,13 @@ def build_engine(
     heads: int = NUM_HEADS,
     head_size: int = HEAD_SIZE,
     chunk_tokens: int = CHUNK_TOKENS,
+    gpu_connector: Any = None,
 ) -> Any:
     """An LMCache engine (bfloat16 KV of ``layers`` x ``heads`` x ``head_size``,
     chunks of ``chunk_tokens``, a local CPU tier of ``local_cpu_gib``) with the
     KacheDB plugin at ``socket`` (``None``: the local CPU tier only),
-    post-initialised."""
+    post-initialised, as vLLM's LMCache connector does when the KV caches are
+    registered. ``gpu_connector``: default ``make_cpu_connector``."""
     import torch
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
@@ -131,7 +198,12 @@ def build_engine(
         role="worker",
     )
     engine = LMCacheEngineBuilder.get_or_create(
-        instance_id, config, metadata, make_cpu_connector(layers, heads * head_size), lambda t, r: None, lambda o, r: o
+        instance_id,
+        config,
+        metadata,
+        gpu_connector if gpu_connector is not None else make_cpu_connector(layers, heads * head_size),
+        lambda t, r: None,
+        lambda o, r: o,
     )
     engine.post_init()
     return engine

@@ -53,8 +53,36 @@ def host_pool(kv: Any, layout: str) -> Any:
     )
 
 
+def mla_device_pool() -> Any:
+    """An MLA (DeepSeek-style latent KV) device pool: one latent vector per token
+    and layer (kv_lora_rank 32 + rope 16), bfloat16."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE_SIZE, dtype=torch.bfloat16, kv_lora_rank=32,
+                            qk_rope_head_dim=16, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+                            start_layer=0, end_layer=LAYERS)
+
+
+def mla_host_pool(kv: Any, layout: str) -> Any:
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    return MLATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info,
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=PAGE_SIZE,
+        layout=layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=kv.size,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
+    )
+
+
 def storage_config(extra: dict, *, model: str = "test-org/tiny-model", tp_rank: int = 0, tp_size: int = 1,
-                   layout: str = "page_first") -> Any:
+                   layout: str = "page_first", mla: bool = False) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(
@@ -64,7 +92,7 @@ def storage_config(extra: dict, *, model: str = "test-org/tiny-model", tp_rank: 
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=False,
         is_page_first_layout=layout == "page_first",
         model_name=model,

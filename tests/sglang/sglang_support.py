@@ -18,14 +18,14 @@ def sglang_env() -> dict:
     return env
 
 
-def run_pools(workdir: Path, name: str, spec: dict, timeout: float = 900) -> dict:
-    """Runs pool_proc.py in a fresh process; returns its JSON result."""
+def run_pools(workdir: Path, name: str, spec: dict, timeout: float = 900, script: str = "pool_proc.py") -> dict:
+    """Runs ``script`` (pool_proc.py by default) in a fresh process; returns its JSON result."""
     spec = dict(spec, out=str(workdir / f"{name}.json"))
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / f"{name}.log"
     with open(log_path, "wb") as log:
-        p = subprocess.Popen([sys.executable, str(HERE / "pool_proc.py"), str(spec_path)], stdout=log,
+        p = subprocess.Popen([sys.executable, str(HERE / script), str(spec_path)], stdout=log,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=sglang_env(), cwd=str(workdir))
         try:
             rc = p.wait(timeout)

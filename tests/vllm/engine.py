@@ -5,7 +5,7 @@ SPEC is a JSON object::
 
     {"model": dir, "socket": path or null (null: no KacheDB), "mode": "inproc" | "mp",
      "max_model_len": 2048, "block_size": 32, "load_format": "auto" | "dummy",
-     "prefix_caching": true, "options": {...kv_transfer_config options},
+     "prefix_caching": true, "tensor_parallel_size": 1, "options": {...kv_transfer_config options},
      "phases": [ {"prompts": [[ids...], ...], "max_tokens": 8,
                   "before": [actions], "after": [actions]}, ... ],
      "out": path}
@@ -68,7 +68,9 @@ def main():
         dtype=spec.get("dtype", "float32"),
         max_model_len=spec.get("max_model_len", 2048),
         enforce_eager=True,
-        distributed_executor_backend="uni",
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        # TP runs one worker process per rank (vLLM's CPU build: "mp")
+        distributed_executor_backend="mp" if spec.get("tensor_parallel_size", 1) > 1 else "uni",
         block_size=spec.get("block_size", 32),
         enable_prefix_caching=spec.get("prefix_caching", True),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 2048)),

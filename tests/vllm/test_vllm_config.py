@@ -59,7 +59,7 @@ BASE = dict(model="/m", hf_config={"hidden_size": 8}, dtype="float16", kv_cache_
     {"model": "/other"}, {"hf_config": {"hidden_size": 8, "rope_theta": 1.0}}, {"config_file_sha256": "ab"},
     {"dtype": "bfloat16"}, {"kv_cache_dtype": "fp8"}, {"tokens_per_block": [64]}, {"bytes_per_block": 8192},
     {"tp_rank": 1}, {"tp_size": 2}, {"kv_layout": "BLHNC"}, {"hash_algo": "sha256_cbor"}, {"salt": "x"},
-    {"num_layers": 3}, {"load_format": "dummy", "seed": 0},
+    {"num_layers": 3}, {"load_format": "dummy", "seed": 0}, {"kv_tp_replicas": 2}, {"quantization": "fp8"},
 ])
 def test_every_field_changes_the_namespace(change):
     a = keys.namespace_digest(keys.namespace_fields(**BASE))
@@ -67,3 +67,34 @@ def test_every_field_changes_the_namespace(change):
     assert a != b and len(a) == 16
     assert keys.namespace_digest(keys.namespace_fields(**BASE)) == a  # stable
     assert keys.block_key(a, b"h" * 36) != keys.block_key(b, b"h" * 36)
+
+
+def test_ranks_holding_the_same_kv_share_a_namespace():
+    # MLA: kv_tp_replicas == tp_size, so every rank is one shard
+    mla = dict(BASE, tp_size=2, kv_tp_replicas=2)
+    assert keys.namespace_digest(keys.namespace_fields(**dict(mla, tp_rank=0))) == \
+        keys.namespace_digest(keys.namespace_fields(**dict(mla, tp_rank=1)))
+    # ... but not with a head-split engine's, nor with TP=1's
+    split = dict(BASE, tp_size=2)
+    assert keys.namespace_digest(keys.namespace_fields(**dict(mla, tp_rank=0))) != \
+        keys.namespace_digest(keys.namespace_fields(**dict(split, tp_rank=0)))
+    assert keys.namespace_digest(keys.namespace_fields(**dict(split, tp_rank=0))) != \
+        keys.namespace_digest(keys.namespace_fields(**dict(split, tp_rank=1)))
+
+
+def test_kv_tp_replicas_only_for_a_tp_only_world():
+    from types import SimpleNamespace as NS
+
+    from kachedb.vllm.spec import kv_tp_replicas
+
+    vc = NS(parallel_config=NS(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+            model_config=NS(use_mla=True))
+    assert kv_tp_replicas(vc, NS(kv_tp_replicas=4), 4, 1, 4) == 4
+    assert kv_tp_replicas(vc, NS(kv_tp_replicas=2), 4, 1, 4) == 2
+    assert kv_tp_replicas(vc, None, 4, 1, 4) == 4  # no KV-cache config: MLA is replicated
+    assert kv_tp_replicas(vc, NS(kv_tp_replicas=4), 4, 2, 8) == 1  # pipeline parallel: per rank
+    assert kv_tp_replicas(vc, NS(kv_tp_replicas=3), 4, 1, 4) == 1  # not a divisor: per rank
+    assert kv_tp_replicas(vc, NS(kv_tp_replicas=4), 1, 1, 1) == 1
+    dcp = NS(parallel_config=NS(decode_context_parallel_size=2, prefill_context_parallel_size=1),
+             model_config=NS(use_mla=True))
+    assert kv_tp_replicas(dcp, NS(kv_tp_replicas=2), 4, 1, 4) == 1

@@ -112,7 +112,7 @@ def test_manager_chains_a_store_on_from_the_request_s_last_load_or_store(daemon)
     from kachedb.vllm.manager import KacheDBOffloadingManager
 
     ns = os.urandom(16)
-    spec = SimpleNamespace(socket=daemon.socket, retry_s=0.2, world_size=1,
+    spec = SimpleNamespace(socket=daemon.socket, retry_s=0.2, world_size=1, store_ranks=[0],
                            daemon_key=lambda k, rank=None: ns + bytes(k))
     m = KacheDBOffloadingManager(spec)
     k = keys(6, 900)

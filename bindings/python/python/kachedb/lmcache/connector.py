@@ -40,9 +40,9 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 import kachedb
-from lmcache.utils import CacheEngineKey
+from lmcache.utils import CacheEngineKey, get_size_bytes
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
@@ -54,6 +54,9 @@ from .config import PLUGIN_TYPE, option_key, resolve_socket
 from .keys import chunk_key, namespace_digest, namespace_fields
 
 logger = logging.getLogger("kachedb.lmcache")
+
+#: ``_layout_source`` before the first ``_refresh_layout``.
+_UNSET = object()
 
 _PLUGIN_SCHEME = "plugin://"
 
@@ -107,15 +110,9 @@ class KacheDBConnector(RemoteConnector):
             return extra.get(option_key(self.plugin_name, name), default)
 
         self.socket = resolve_socket(opt("socket"))
-        self.namespace_fields = namespace_fields(
-            fmt=self.meta_fmt.name,
-            shapes=self.meta_shapes,
-            dtypes=self.meta_dtypes,
-            chunk_size=metadata.chunk_size,
-            use_mla=metadata.use_mla,
-            salt=opt("namespace"),
-        )
-        self.namespace = namespace_digest(self.namespace_fields)
+        self.salt = opt("namespace")
+        self._layout_source: Any = _UNSET
+        self._refresh_layout()
         self._link = DaemonLink(
             self.socket, logger=logger, label="LMCache", role=f"plugin {self.plugin_name}",
             retry_s=float(opt("retry_seconds", 5.0)), counters=COUNTERS,
@@ -131,9 +128,69 @@ class KacheDBConnector(RemoteConnector):
             self.full_chunk_size_bytes,
         )
 
+    # -- layout ----------------------------------------------------------
+    def _refresh_layout(self) -> None:
+        """The chunk layout (format, shapes and dtypes of a full chunk) and the
+        namespace, from LMCache's metadata as it is now. LMCache builds this
+        connector when the engine is post-initialised, before the serving engine's
+        GPU connector has registered the KV caches' layer groups
+        (``metadata.kv_layer_groups_manager``, set on its first transfer); until
+        then ``get_shapes()`` describes the model config's single-group guess.
+        Every operation calls this first, so once the groups are registered the
+        namespace and sizes are the final ones: chunks are never stored or looked
+        up under a layout they are not in."""
+        source = getattr(self.metadata, "kv_layer_groups_manager", None)
+        if source is self._layout_source:
+            return
+        first = self._layout_source is _UNSET
+        self._layout_source = source
+        self.meta_shapes = self.metadata.get_shapes()
+        self.meta_dtypes = self.metadata.get_dtypes()
+        self.meta_fmt = MemoryFormat.KV_MLA_FMT if self.metadata.use_mla else MemoryFormat.KV_2LTD
+        self.full_chunk_size_bytes = get_size_bytes(self.meta_shapes, self.meta_dtypes)
+        self.single_token_size = self.full_chunk_size_bytes // self.metadata.chunk_size
+        self.namespace_fields = namespace_fields(
+            fmt=self.meta_fmt.name,
+            shapes=self.meta_shapes,
+            dtypes=self.meta_dtypes,
+            chunk_size=self.metadata.chunk_size,
+            use_mla=self.metadata.use_mla,
+            salt=self.salt,
+        )
+        self.namespace = namespace_digest(self.namespace_fields)
+        if not first:
+            COUNTERS["layout_changes"] += 1
+            logger.info(
+                "KacheDB tier %s: LMCache registered the KV caches' layer groups; chunk layout now %s %s "
+                "(namespace %s, %d bytes per full chunk)",
+                self.plugin_name,
+                [tuple(x) for x in self.meta_shapes],
+                self.namespace_fields["dtypes"],
+                self.namespace.hex(),
+                self.full_chunk_size_bytes,
+            )
+
+    def _fits_layout(self, obj: MemoryObj) -> bool:
+        """Whether ``obj`` is laid out as this engine's chunks are now (format,
+        dtypes, shapes but for the token count)."""
+        if obj.get_memory_format() != self.meta_fmt:
+            return False
+        try:
+            shapes, dtypes = list(obj.get_shapes()), list(obj.get_dtypes())
+        except (AssertionError, AttributeError):
+            return obj.get_size() % self.single_token_size == 0 and obj.get_size() <= self.full_chunk_size_bytes
+        if dtypes != list(self.meta_dtypes) or len(shapes) != len(self.meta_shapes):
+            return False
+        for got, want in zip(shapes, self.meta_shapes):
+            # the token count (dimension 2) is the chunk's own; the rest is the layout
+            if len(got) != len(want) or any(g != w for i, (g, w) in enumerate(zip(got, want)) if i != 2):
+                return False
+        return True
+
     # -- helpers ---------------------------------------------------------
     def daemon_key(self, key: CacheEngineKey) -> bytes:
         """The KacheDB key of ``key`` (bytes, hashed by the client)."""
+        self._refresh_layout()
         return chunk_key(self.namespace, key.to_string())
 
     def _client(self) -> Any:
@@ -192,6 +249,7 @@ class KacheDBConnector(RemoteConnector):
     def _copy_out(self, view: Any) -> Optional[MemoryObj]:
         """A ``MemoryObj`` allocated from the local CPU backend holding ``view``'s
         bytes; ``None`` if the chunk is malformed or no memory is free."""
+        self._refresh_layout()
         nbytes = int(view.numel()) * int(view.element_size())
         if view.dtype != torch.uint8 or view.dim() != 1 or nbytes == 0 or nbytes % self.single_token_size or nbytes > self.full_chunk_size_bytes:
             COUNTERS["malformed_chunks"] += 1
@@ -233,11 +291,20 @@ class KacheDBConnector(RemoteConnector):
         if kc is None:
             COUNTERS["store_skipped_off"] += len(keys)
             return
+        self._refresh_layout()
         items = []
         for k, obj in zip(keys, memory_objs):
-            if obj.get_memory_format() != self.meta_fmt:
+            if not self._fits_layout(obj):
                 COUNTERS["store_skipped_format"] += 1
-                _log_once("format", "KacheDB stores %s chunks, not %s: skipped", self.meta_fmt, obj.get_memory_format())
+                _log_once(
+                    "format",
+                    "KacheDB stores %s chunks of %s %s, not %s of %s: skipped",
+                    self.meta_fmt,
+                    [tuple(x) for x in self.meta_shapes],
+                    self.meta_dtypes,
+                    obj.get_memory_format(),
+                    getattr(obj.metadata, "shapes", None) or obj.get_shape(),
+                )
                 continue
             items.append((self.daemon_key(k), obj))
         if not items:

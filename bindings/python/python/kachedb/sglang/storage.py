@@ -23,6 +23,10 @@ the leading present pages, one round trip), one copy per byte range into the
 host pool, then the views (and their pins) are dropped. ``batch_exists`` is
 one LOOKUP: the count of leading present pages.
 
+Rank-replicated KV (MLA: every TP rank holds the same pages) is stored once:
+the namespace has no TP rank for it, and only SGLang's storage writer (one rank
+per DCP shard) stores; every rank reads.
+
 Failures never reach SGLang's controller as exceptions: a missing daemon (at
 start or later) turns the tier off with one warning (misses, skipped stores;
 retried every ``retry_seconds``), a full store or any other error makes that
@@ -66,6 +70,33 @@ def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
         return
     for d, s in zip(dst, src):
         d.copy_(s)
+
+
+def _is_storage_writer(c: Any) -> bool:
+    w = getattr(c, "is_storage_writer", None)
+    if isinstance(w, bool):
+        return w
+    return not bool(getattr(c, "is_mla_model", False)) or int(getattr(c, "tp_rank", 0)) == int(getattr(c, "dcp_rank", 0))
+
+
+def _server_args() -> Optional[Dict[str, Any]]:
+    """The server's arguments as resolved in this (scheduler) process, as a dict:
+    SGLang's runtime context holds them once the scheduler has published them;
+    ``None`` elsewhere."""
+    try:
+        from sglang.srt import runtime_context as rc
+    except ImportError:
+        return None
+    try:
+        return dict(rc.get_context().resolved_server_args_dict())
+    except Exception:  # not published in this process (or an SGLang without resolution)
+        pass
+    try:
+        import msgspec
+
+        return msgspec.structs.asdict(rc.get_server_args())
+    except Exception:
+        return None
 
 
 class _PoolBytes:
@@ -150,6 +181,9 @@ class KacheDBStorage(HiCacheStorage):
         self.retry_s = float(extra.get("retry_seconds", _DEFAULT_RETRY_S))
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        #: Whether this rank stores pages: every rank, except for rank-replicated
+        #: KV (MLA), where one rank per DCP shard does (SGLang's own rule).
+        self.is_writer = _is_storage_writer(storage_config)
         self.mem_pool_host: Any = None
         self._pool_bytes: Optional[_PoolBytes] = None
         self.counters: Dict[str, int] = {
@@ -163,6 +197,7 @@ class KacheDBStorage(HiCacheStorage):
                 "set_pages_stored",
                 "set_pages_present",
                 "set_pages_failed",
+                "set_pages_replica_skipped",
                 "store_full",
                 "errors",
             )
@@ -181,8 +216,20 @@ class KacheDBStorage(HiCacheStorage):
     # -- setup -----------------------------------------------------------
     def _set_namespaces(self) -> None:
         pool = self.mem_pool_host
-        self.fields_v1 = _keys.namespace_fields(self.storage_config, pool, interface="v1", salt=self.salt)
-        self.fields_generic = _keys.namespace_fields(self.storage_config, pool, interface="generic", salt=self.salt)
+        server = _server_args()
+        if server is None:
+            self._log_once(
+                "no_server_args",
+                "KacheDB HiCache: no SGLang server arguments in this process (not a scheduler process?): "
+                "the namespace cannot tell quantization, dtype or KV-cache dtype apart, and matches only "
+                "backends without server arguments",
+            )
+        self.fields_v1 = _keys.namespace_fields(
+            self.storage_config, pool, interface="v1", salt=self.salt, server_args=server
+        )
+        self.fields_generic = _keys.namespace_fields(
+            self.storage_config, pool, interface="generic", salt=self.salt, server_args=server
+        )
         self.ns_v1 = _keys.namespace_digest(self.fields_v1)
         self.ns_generic = _keys.namespace_digest(self.fields_generic)
 
@@ -265,6 +312,11 @@ class KacheDBStorage(HiCacheStorage):
         self._add(set_pages=n)
         if n == 0:
             return []
+        if not self.is_writer:
+            # Another rank holds the same KV (MLA) and stores it, once, under the
+            # namespace this rank reads too (SGLang's controller skips these backups).
+            self._add(set_pages_replica_skipped=n)
+            return [True] * n
         kc = self._link.client()
         if kc is None:
             self._add(set_pages_failed=n)
@@ -453,6 +505,9 @@ class KacheDBStorage(HiCacheStorage):
             self._add(set_pages_failed=n)
             self._log_once("gvalues", "KacheDB HiCache set needs one tensor per key (zero-copy pointers: use interface_v1)")
             return False
+        if not self.is_writer:
+            self._add(set_pages_replica_skipped=n)
+            return True
         kc = self._link.client()
         if kc is None:
             self._add(set_pages_failed=n)

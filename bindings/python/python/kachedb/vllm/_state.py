@@ -24,6 +24,12 @@ def snapshot() -> Dict[str, Any]:
     return out
 
 
+def stats_path(path: str, rank: int, world_size: int) -> str:
+    """Where a worker writes its counters: ``path`` itself with one worker,
+    ``path.rank<R>`` with several (each its own file)."""
+    return path if world_size <= 1 else f"{path}.rank{rank}"
+
+
 def dump(path: str) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

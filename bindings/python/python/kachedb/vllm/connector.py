@@ -7,8 +7,9 @@ the stock connector lacks (vLLM 0.32):
 * a step's stores are submitted when the step ends (``wait_for_save``), not at
   the start of the next step, so the blocks of a finished ``generate()`` are in
   the daemon when it returns (vLLM drops stores still deferred at shutdown);
-* the spec sees the full engine config, so the key namespace covers the model's
-  config, dtype, load format and hash algorithm.
+* the spec sees the full engine config and the KV-cache config, so the key
+  namespace covers the model's config, dtype, load format and hash algorithm,
+  and knows which tensor-parallel ranks hold the same KV (MLA).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from . import spec as _spec
 class KacheDBConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Optional[Any] = None) -> None:
         _spec._building.vllm_config = vllm_config
+        _spec._building.kv_cache_config = kv_cache_config
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         finally:
             _spec._building.vllm_config = None
+            _spec._building.kv_cache_config = None
 
     def _kachedb_worker(self) -> Any:
         cw = self.connector_worker

@@ -5,8 +5,13 @@ block), not the model that computed its KV. A KacheDB key is therefore
 ``namespace || vLLM offload key``, where the namespace is a digest of
 everything that makes the bytes of a block differ: model identity and its
 config, dtype and KV-cache dtype, tokens per block and bytes per block, the
-tensor-parallel rank and world size, the KV layout and this module's layout
-version. Two engines share blocks exactly when their namespaces are equal.
+tensor-parallel shard the block belongs to and the world size, the KV layout
+and this module's layout version. Two engines share blocks exactly when their
+namespaces are equal.
+
+Tensor-parallel ranks whose KV is the same (``kv_tp_replicas`` consecutive
+ranks: all of them for MLA, whose latent KV is replicated) share one namespace:
+their blocks are stored once and read by each of them (``tp_shard``).
 
 Nothing here imports vLLM: the namespace is computed from plain values, which
 the spec gathers from the engine's config.
@@ -48,6 +53,7 @@ def namespace_fields(
     num_layers: Optional[int] = None,
     tp_rank: int,
     tp_size: int,
+    kv_tp_replicas: int = 1,
     pp_size: int = 1,
     world_size: int = 1,
     kv_layout: Optional[str] = None,
@@ -55,7 +61,10 @@ def namespace_fields(
     salt: Optional[str] = None,
 ) -> Dict[str, Any]:
     """The fields a namespace digests, as a plain dict (also what
-    ``kachedb.vllm.stats()`` reports, for debugging a miss)."""
+    ``kachedb.vllm.stats()`` reports, for debugging a miss). ``tp_rank`` is
+    the worker's rank; with ``kv_tp_replicas`` > 1 the namespace names its
+    shard (``tp_shard``: ranks ``shard * replicas ..`` hold the same KV) instead."""
+    replicas = max(1, int(kv_tp_replicas))
     config_digest = None
     if hf_config is not None:
         config_digest = hashlib.sha256(json.dumps(_canonical(hf_config), sort_keys=True).encode()).hexdigest()
@@ -76,7 +85,9 @@ def namespace_fields(
         "bytes_per_block": int(bytes_per_block),
         "page_bytes": None if page_bytes is None else [int(p) for p in page_bytes],
         "num_layers": num_layers,
-        "tp_rank": int(tp_rank),
+        # the ranks whose KV bytes these are: with replicas, every rank of a shard
+        "tp_shard": int(tp_rank) // replicas,
+        "kv_tp_replicas": replicas,
         "tp_size": int(tp_size),
         "pp_size": int(pp_size),
         "world_size": int(world_size),

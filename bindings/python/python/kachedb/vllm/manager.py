@@ -4,11 +4,16 @@ The daemon is the source of truth (other engines store into it and it evicts
 on its own), so the manager keeps no index: ``lookup`` asks the daemon,
 ``prepare_store`` skips the leading blocks the daemon already has and those
 whose store is in flight, ``prepare_load`` just names the keys for the worker.
+
+With tensor parallelism each block has one key per group of ranks holding the
+same KV (every rank, or one for all ranks of an MLA model): ``lookup`` hits
+and ``prepare_store`` skips a block only when every one of those keys is in
+the daemon, so a copy one rank lost is stored again, never missed for ever.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Collection, List, Optional, Set
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -69,7 +74,14 @@ class KacheDBOffloadingManager(OffloadingManager):
         self.link.client()  # connect (or warn once) at engine start
 
     def _ranks_keys(self, key: bytes) -> List[bytes]:
-        return [self.spec.daemon_key(key, r) for r in range(self.spec.world_size)]
+        """The block's key in each namespace (one per group of ranks holding the same KV)."""
+        return [self.spec.daemon_key(key, r) for r in self.spec.store_ranks]
+
+    def _present(self, kc: Any, keys: List[bytes]) -> int:
+        """How many leading blocks of ``keys`` the daemon holds for every rank
+        (one LOOKUP of the blocks' keys, rank by rank within each block)."""
+        per = len(self.spec.store_ranks)
+        return int(kc.lookup([k for key in keys for k in self._ranks_keys(key)])) // per
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         COUNTERS["lookups"] += 1
@@ -107,8 +119,10 @@ class KacheDBOffloadingManager(OffloadingManager):
                 COUNTERS["store_skipped_off_blocks"] += len(keys)
             return PrepareStoreOutput(keys_to_store=[], store_spec=KacheDBLoadStoreSpec([]), evicted_keys=[])
         try:
-            # Keys come in prefix order: the daemon's leading run needs no store.
-            present = kc.lookup([self.spec.daemon_key(k, 0) for k in keys])
+            # Keys come in prefix order: the leading run the daemon holds for every
+            # rank needs no store. A block missing for one rank (evicted) is stored
+            # again by all: lookups need every rank's copy.
+            present = self._present(kc, keys)
         except Exception as e:
             if _is_disconnected(e):
                 self.link.failed(e)

@@ -34,6 +34,32 @@ def _current_vllm_config() -> Any:
         return None
 
 
+def _current_kv_cache_config() -> Any:
+    return getattr(_building, "kv_cache_config", None)
+
+
+def kv_tp_replicas(vllm_config: Any, kv_cache_config: Any, tp_size: int, pp_size: int, world_size: int) -> int:
+    """How many consecutive tensor-parallel ranks hold the same KV bytes (vLLM's
+    ``KVCacheConfig.kv_tp_replicas``: all ``tp_size`` for MLA, whose latent KV
+    is not split by head; 1 for attention split by head). Only for a TP-only
+    world (no pipeline or context parallelism): anything else is 1 (every rank
+    stores its own blocks, which is always correct)."""
+    if tp_size <= 1 or pp_size != 1 or world_size != tp_size:
+        return 1
+    pc = getattr(vllm_config, "parallel_config", None)
+    for axis in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, axis, 1) or 1) != 1:
+            return 1
+    replicas = getattr(kv_cache_config, "kv_tp_replicas", None)
+    if replicas is None:  # a KV-cache config without it: MLA is replicated on every TP rank
+        mc = getattr(vllm_config, "model_config", None)
+        replicas = tp_size if bool(getattr(mc, "use_mla", False)) else 1
+    replicas = int(replicas)
+    if replicas < 1 or tp_size % replicas:
+        return 1
+    return replicas
+
+
 def _hf_config_dict(vllm_config: Any, model: str) -> Optional[Dict[str, Any]]:
     if vllm_config is not None:
         try:
@@ -89,6 +115,16 @@ class KacheDBOffloadingSpec(OffloadingSpec):
             load_format = str(getattr(vc.load_config, "load_format", None))
             hash_algo = str(getattr(vc.cache_config, "prefix_caching_hash_algo", None))
         num_layers = sum(len(g.layer_names) for g in config.groups)
+        #: Consecutive ranks holding the same KV: one namespace, stored once (by
+        #: the first rank of each such group), read by every one of them.
+        self.kv_tp_replicas: int = kv_tp_replicas(
+            vc, _current_kv_cache_config(), config.parallel.tp_size, config.parallel.pp_size, self.world_size
+        )
+        #: The first rank of each group of ranks holding the same KV: the ranks
+        #: whose keys a lookup or a store decision looks at.
+        self.store_ranks = list(range(0, self.world_size, self.kv_tp_replicas))
+        #: Whether this worker writes its blocks (the other ranks of its group read them).
+        self.is_store_writer: bool = self.rank % self.kv_tp_replicas == 0
         self._fields = {
             rank: _keys.namespace_fields(
                 model=model,
@@ -105,6 +141,7 @@ class KacheDBOffloadingSpec(OffloadingSpec):
                 num_layers=num_layers,
                 tp_rank=rank,
                 tp_size=config.parallel.tp_size,
+                kv_tp_replicas=self.kv_tp_replicas,
                 pp_size=config.parallel.pp_size,
                 world_size=self.world_size,
                 kv_layout=f"{config.kv_cache_layout or 'default'}/groups={len(config.groups)}",
@@ -123,7 +160,9 @@ class KacheDBOffloadingSpec(OffloadingSpec):
                 "PYTHONHASHSEED in every engine, or use sha256 / sha256_cbor",
                 hash_algo,
             )
-        NAMESPACES[f"rank{self.rank}"] = dict(self._fields[self.rank], digest=self.namespaces[self.rank].hex())
+        NAMESPACES[f"rank{self.rank}"] = dict(
+            self._fields[self.rank], digest=self.namespaces[self.rank].hex(), store_writer=self.is_store_writer
+        )
         self._manager: Optional[OffloadingManager] = None
         self._worker: Optional[OffloadingWorker] = None
 

@@ -22,6 +22,11 @@ that stored it returns. On CUDA the copies run on a side stream from the
 registered region (``register_cuda``); reservations and pins are held until the
 copy's event has completed.
 
+With tensor parallelism every rank stores and loads its own blocks under its
+own namespace, except ranks that hold the same KV as a lower rank (MLA: every
+rank holds the whole latent KV): those skip their stores, and load the blocks
+the first rank of their group stored (``spec.is_store_writer``).
+
 Failures never give wrong KV to the engine: a block missing (evicted or deleted
 since the lookup) or of the wrong shape is reported to vLLM as a failed load
 (``get_block_ids_with_load_errors``), which recomputes it; a full store skips
@@ -39,7 +44,7 @@ import torch
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from ._link import daemon_link
-from ._state import COUNTERS, LOADED_KEYS, STORED_KEYS, dump
+from ._state import COUNTERS, LOADED_KEYS, STORED_KEYS, dump, stats_path
 
 if TYPE_CHECKING:
     from .spec import KacheDBOffloadingSpec
@@ -180,6 +185,12 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         keys = getattr(dst_spec, "keys", [])
         nbytes = 0
         cuda_hold: List[Any] = []
+        if not getattr(self.spec, "is_store_writer", True):
+            # Another rank holds the same KV (MLA) and stores it, once, under the
+            # key this rank reads too.
+            COUNTERS["store_skipped_replica_blocks"] += len(keys)
+            self._done(job_id, 0, started)
+            return True
         kc = self._client()
         if kc is None:
             COUNTERS["store_skipped_off_blocks"] += len(keys)
@@ -382,7 +393,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             self._reap(block=True)
         if self.spec.stats_file:
             try:
-                dump(self.spec.stats_file)
+                dump(stats_path(self.spec.stats_file, self.spec.rank, getattr(self.spec, "world_size", 1)))
             except OSError:
                 pass
         self.link.close()
