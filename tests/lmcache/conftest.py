@@ -1,24 +1,3 @@
-"""Fixtures of the LMCache integration tests: they run only where LMCache is
-installed (``make test-lmcache`` runs them in .venv-lmcache); elsewhere this
-folder is skipped."""
-
-import sys
-from pathlib import Path
-
-import pytest
-
-HERE = Path(__file__).resolve().parent
-if str(HERE.parent) not in sys.path:
-    sys.path.insert(0, str(HERE.parent))  # tests/: engine_support
-
-from engine_support import engine_installed  # noqa: E402
-
-if not engine_installed("lmcache"):  # e.g. the project's main environment
-    collect_ignore_glob = ["test_*.py"]
-else:
-    sys.path.insert(0, str(HERE))
-
-
-@pytest.fixture(scope="session")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("kachedb-lmcache")
+"""The LMCache integration tests run only where LMCache is installed (``make
+test-lmcache`` runs them in .venv-lmcache); elsewhere this folder is skipped
+(tests/conftest.py). Their fixtures are tests/conftest.py's."""

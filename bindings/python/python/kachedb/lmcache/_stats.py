@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import collections
-from typing import Dict
+from typing import Dict, MutableMapping
 
-COUNTERS: Dict[str, float] = collections.defaultdict(float)
+from .. import _counters
+
+COUNTERS: MutableMapping[str, float] = _counters.counters()
 
 
-def snapshot() -> Dict[str, float]:
-    return {k: (int(v) if float(v).is_integer() else v) for k, v in sorted(COUNTERS.items())}
+def snapshot() -> Dict[str, _counters.Number]:
+    return _counters.snapshot(COUNTERS)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import collections
 import json
 import os
-from typing import Any, Deque, Dict
+from typing import Any, Deque, Dict, MutableMapping
 
-COUNTERS: Dict[str, float] = collections.defaultdict(float)
+from .. import _counters
+
+COUNTERS: MutableMapping[str, float] = _counters.counters()
 #: The last KacheDB keys this process stored (hex), newest last: for tests and debugging.
 STORED_KEYS: Deque[str] = collections.deque(maxlen=4096)
 #: The last KacheDB keys this process loaded (hex), newest last.
@@ -17,7 +19,7 @@ NAMESPACES: Dict[str, Any] = {}
 
 
 def snapshot() -> Dict[str, Any]:
-    out: Dict[str, Any] = {k: (int(v) if float(v).is_integer() else v) for k, v in sorted(COUNTERS.items())}
+    out: Dict[str, Any] = dict(_counters.snapshot(COUNTERS))
     out["stored_keys"] = list(STORED_KEYS)
     out["loaded_keys"] = list(LOADED_KEYS)
     out["namespaces"] = dict(NAMESPACES)

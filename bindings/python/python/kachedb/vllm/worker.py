@@ -8,7 +8,7 @@ only when committed, after every layer is written.
 
 Per scheduler step and direction there is one batch: a store is one RESERVE
 batch, one copy per block straight into the reservations, and one COMMIT batch
-(``reserve_many``; with an older kachedb, a gather then ``put_many``); each
+(``reserve_many``); each
 stored block names the one before it in its request's chain as its parent
 (the first one: the last block the manager found in the daemon, else the last
 block the request stored before; ``KacheDBLoadStoreSpec.parent``), so the
@@ -82,20 +82,6 @@ class _Group:
             (first.stride(0), step, 1),
             first.storage_offset(),
         )
-
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """The blocks ``ids`` as one contiguous ``(n, num_layers, page)`` tensor."""
-        out = torch.empty((len(ids), self.num_layers, self.page), dtype=torch.uint8, device=self.device)
-        if self.blocks is not None:
-            # One strided copy per block: rows of page bytes (index_select over the
-            # layer-strided view takes a slow element-wise path for uint8).
-            for i, b in enumerate(ids.tolist()):
-                out[i].copy_(self.blocks[b])
-            return out
-        out.zero_()
-        for l, t in enumerate(self.layers):
-            out[:, l, : t.shape[1]] = t.index_select(0, ids)
-        return out
 
     def copy_block_out(self, dst: torch.Tensor, block_id: int, non_blocking: bool = False) -> None:
         if self.blocks is not None:
@@ -217,7 +203,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                             group.copy_block_out(out, b)
                         del out  # a reservation's tensor keeps its block pinned while it lives
                     nbytes += len(ids) * group.num_layers * group.page
-                elif hasattr(kc, "reserve_many"):
+                else:
                     # One RESERVE batch, one copy per block straight into shared memory,
                     # one COMMIT batch: blocks become visible together, fully written.
                     with kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True) as outs:
@@ -225,10 +211,6 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                             group.copy_block_out(out, b)
                     outs = out = None  # (see above)
                     nbytes += len(ids) * group.num_layers * group.page
-                else:  # a kachedb without reserve_many: gather, then put_many (two copies)
-                    staged = group.gather(torch.tensor(ids, dtype=torch.long))
-                    kc.put_many(dkeys, list(staged.unbind(0)))
-                    nbytes += staged.numel()
                 COUNTERS["store_batches"] += 1
                 COUNTERS["stored_blocks"] += len(ids)
                 STORED_KEYS.extend(k.hex() for k in dkeys)
@@ -293,7 +275,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                     dkeys = [self.spec.daemon_key(k) for k in okeys]
                     # get_prefix pins each block as it looks it up (one round trip; no
                     # eviction in between) and stops at the first missing one.
-                    views = kc.get_prefix(dkeys) if hasattr(kc, "get_prefix") else kc.get_many(dkeys)
+                    views = kc.get_prefix(dkeys)
                 except kachedb.Disconnected as e:
                     self.link.failed(e)
                     kc, views = None, []
