@@ -267,3 +267,88 @@ impl Tiers {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kachedb_shm::{DType, Shape};
+    use std::time::Duration;
+
+    /// A tier that does nothing by itself: the test plays its part through
+    /// [`Tiers::on_event`], deterministically.
+    #[derive(Debug)]
+    struct Scripted;
+
+    impl Tier for Scripted {
+        fn write_behind(&self, _len: u64, _pinned: &mut dyn FnMut() -> Option<WriteJob>) {}
+        fn fetch(&self, _job: FetchJob) {}
+        fn fetch_bound(&self) -> Duration {
+            Duration::from_secs(60)
+        }
+        fn landed(&self, _len: u64) {}
+        fn stop(self: Box<Self>) -> Box<dyn StoppedTier> {
+            unreachable!("not stopped in these tests")
+        }
+    }
+
+    fn reserve(key: u128, len: u64) -> Request {
+        Request::Reserve { key, dtype: DType::U8, shape: Shape::for_bytes(len).unwrap(), len, page_offset: 0 }
+    }
+
+    /// Runs the tiers' queued fill work to the end.
+    fn drain(tiers: &mut Tiers, store: &mut Store) -> Vec<FetchDone> {
+        let mut done = Vec::new();
+        while tiers.slice(store, &mut done) {}
+        done
+    }
+
+    /// Issue 25, item 7: a client commits K (naming its parent) while a fill
+    /// of K is in flight, between the fill's reservation and its commit. The
+    /// client's block stands, with its chain link; the fill's copy is dropped
+    /// and its reservation freed. (Across processes the window is about a
+    /// millisecond; here the test holds it open.)
+    #[test]
+    fn a_fill_never_replaces_a_block_a_client_committed_while_it_ran() {
+        let mut store = Store::new(0, 64 * 4096);
+        let mut tiers = Tiers::new(vec![Box::new(Scripted)], &mut store);
+        let (parent, key) = (7u128, 8u128);
+        let client = store.open_session();
+        let c = store.handle_internal(client, &reserve(parent, 100));
+        assert_eq!(c.status, Status::Ok);
+        assert_eq!(
+            store.handle_internal(client, &Request::Commit { handle: c.handle, parent: None }).status,
+            Status::Ok
+        );
+
+        // The fetch asks for room for K, which is missing.
+        let fetch = tiers.start_fetch(0, vec![key]).unwrap();
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let spec = FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(300).unwrap(), len: 300 };
+        tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch, blocks: vec![spec], reply: tx });
+        drain(&mut tiers, &mut store);
+        let reserved = rx.try_recv().unwrap()[0].expect("room for the fill");
+
+        // Meanwhile a client commits K after its parent.
+        let c = store.handle_internal(client, &reserve(key, 200));
+        assert_eq!(c.status, Status::Ok);
+        let client_offset = c.offset;
+        assert_eq!(
+            store.handle_internal(client, &Request::Commit { handle: c.handle, parent: Some(parent) }).status,
+            Status::Ok
+        );
+        assert_eq!(store.stats().chained_blocks, 1);
+
+        // The fill's copy lands and the tier reports it filled.
+        tiers.on_event(&mut store, 0, TierEvent::Filled { fetch, filled: vec![(reserved.handle, 300)] });
+        let done = drain(&mut tiers, &mut store);
+        assert_eq!(done.len(), 1);
+        assert!(done[0].committed.is_empty(), "the fill committed {:?}", done[0].committed);
+
+        let b = store.peek(key).expect("K is there");
+        assert_eq!((b.data_offset, b.len), (client_offset, 200), "the fill's older copy replaced the client's block");
+        let st = store.stats();
+        assert_eq!(st.chained_blocks, 1, "K's link to its parent was cut");
+        assert_eq!((st.reserved, st.blocks), (0, 2));
+        store.check_invariants().unwrap();
+    }
+}
