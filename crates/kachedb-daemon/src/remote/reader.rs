@@ -28,7 +28,13 @@ pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let specs = blocks
             .iter()
-            .map(|b| FillSpec { key: b.header.key, dtype: b.header.dtype, shape: b.header.shape, len: b.header.len })
+            .map(|b| FillSpec {
+                key: b.header.key,
+                dtype: b.header.dtype,
+                shape: b.header.shape,
+                len: b.header.len,
+                parent: None,
+            })
             .collect();
         ctx.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
         // The serve loop answers at its next pass (or drops the sender when
