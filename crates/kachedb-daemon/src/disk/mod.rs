@@ -41,7 +41,6 @@
 pub mod format;
 pub mod index;
 
-use crate::lock::{InstanceLock, LockError};
 use crate::metrics::{DiskCells, Metrics};
 use crate::tier::{FetchJob, FillSpec, StoppedTier, Tier, TierError, TierEvent, TierEvents, WriteJob};
 use format::Header;
@@ -114,6 +113,38 @@ pub enum DiskError {
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> DiskError + 'a {
     move |source| DiskError::Io { what, path: path.display().to_string(), source }
+}
+
+/// The directory's lock: `DIR/lock`, `flock`ed for the tier's life and
+/// holding the holder's pid, so that two daemons never use one directory.
+/// The file is never removed (so a lock is always on the inode the path
+/// names) and is held through a read-only descriptor (so the file system
+/// can be remounted read-only under a running daemon). Dropping it lets go.
+#[derive(Debug)]
+struct DirLock {
+    _fd: std::os::fd::OwnedFd,
+}
+
+impl DirLock {
+    fn acquire(dir: &Path) -> Result<DirLock, DiskError> {
+        use rustix::fs::{FlockOperation, Mode, OFlags};
+        let path = dir.join("lock");
+        let fd = rustix::fs::open(
+            &path,
+            OFlags::RDONLY | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| io_err("opening the lock", &path)(e.into()))?;
+        if rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive).is_err() {
+            let pid = std::fs::read_to_string(&path).unwrap_or_default().trim().to_string();
+            return Err(DiskError::InUse {
+                dir: dir.display().to_string(),
+                pid: if pid.is_empty() { "unknown".into() } else { pid },
+            });
+        }
+        std::fs::write(&path, std::process::id().to_string()).map_err(io_err("writing the lock", &path))?;
+        Ok(DirLock { _fd: fd })
+    }
 }
 
 /// A queue the tier's threads wait on.
@@ -219,7 +250,7 @@ impl Shared {
 /// daemon is going away).
 pub struct DiskTier {
     shared: Arc<Shared>,
-    lock: Option<InstanceLock>,
+    lock: Option<DirLock>,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -258,17 +289,7 @@ impl DiskTier {
         }
         let dir = &cfg.dir;
         std::fs::create_dir_all(dir).map_err(io_err("making the directory", dir))?;
-        let lock_path = dir.join("lock");
-        let lock = match InstanceLock::acquire(&lock_path) {
-            Ok(l) => l,
-            Err(LockError::Held(pid)) => {
-                return Err(DiskError::InUse {
-                    dir: dir.display().to_string(),
-                    pid: pid.filter(|p| !p.is_empty()).unwrap_or_else(|| "unknown".into()),
-                })
-            }
-            Err(LockError::Io(e)) => return Err(io_err("locking", &lock_path)(e)),
-        };
+        let lock = DirLock::acquire(dir)?;
         let blocks_dir = dir.join("blocks");
         let tmp_dir = dir.join("tmp");
         for d in [&blocks_dir, &tmp_dir] {
@@ -319,7 +340,7 @@ impl DiskTier {
         })();
         if let Err(e) = started {
             shared.halt();
-            lock.release();
+            drop(lock);
             return Err(io_err("starting the threads for", &shared.cfg.dir)(e));
         }
         Ok(DiskTier { shared, lock: Some(lock) })
@@ -368,9 +389,7 @@ impl Tier for DiskTier {
     /// blocks on disk stay: the new daemon's tier indexes them.
     fn stop(mut self: Box<Self>) -> Box<dyn StoppedTier> {
         self.shared.halt();
-        if let Some(l) = self.lock.take() {
-            l.release();
-        }
+        drop(self.lock.take());
         Box::new(StoppedDisk {
             cfg: self.shared.cfg.clone(),
             region: self.shared.region.clone(),
@@ -384,7 +403,7 @@ impl Drop for DiskTier {
     fn drop(&mut self) {
         if let Some(l) = self.lock.take() {
             self.shared.halt();
-            l.release();
+            drop(l);
         }
     }
 }
