@@ -450,3 +450,92 @@ fn a_read_only_then_vanished_disk_turns_into_errors_and_misses() {
     drop(c);
     drop(d);
 }
+
+/// A takeover hands the disk tier over: the old daemon stops its tier and
+/// lets go of the directory's lock, the new one (`--takeover --disk` on the
+/// same directory) locks it, indexes what is there and fills from it; a
+/// third daemon is refused naming the new daemon's pid.
+#[test]
+fn a_takeover_hands_the_disk_tier_over() {
+    let (tmp, other) = (TempDir::new("disk-takeover"), TempDir::new("disk-takeover-3"));
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let args = ["--disk", disk.to_str().unwrap(), "--disk-size", "64MiB"];
+    let mut old = disk_daemon(&tmp, "16MiB", &disk, "64MiB", &[]);
+    indexed(&socket);
+    let c = Client::connect(&old.opts()).expect("connect");
+    let keys: Vec<Key> = (0..6).map(|j| tkey(21, j)).collect();
+    let len = 300_000;
+    let mut parent = None;
+    for &k in &keys {
+        c.put_with_parent(k, parent, &pattern(k, len)).expect("put");
+        parent = Some(k);
+    }
+    assert_eq!(num(&drained(&socket), "disk_writes"), 6);
+    let mut new = Daemon::spawn_with(&socket, "16MiB", &[&["--takeover"][..], &args[..]].concat());
+    let t = std::time::Instant::now();
+    while !new.log().contains("took over") {
+        if let Ok(Some(s)) = new.child.try_wait() {
+            new.wait_exit(Duration::from_secs(5));
+            panic!("the new daemon exited ({s}):\n{}", new.log());
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "no takeover:\n{}", new.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(old.wait_exit(Duration::from_secs(30)).expect("the old daemon exits").success(), "{}", old.log());
+    let s = indexed(&socket);
+    assert_eq!(num(&s, "disk_recovered"), 6, "{s}");
+    assert_eq!(std::fs::read_to_string(disk.join("lock")).unwrap().trim(), new.pid().to_string());
+    // The client kept its connection; its blocks dropped from RAM come back from disk, chained.
+    assert_eq!(c.delete_many(&keys).expect("delete"), 6);
+    assert_eq!(c.lookup(&keys).expect("lookup"), 6);
+    for &k in &keys {
+        assert_pattern(&c.get(k).expect("get").expect("filled"), k, len, "after the takeover");
+    }
+    let s = stats_fast(&socket);
+    assert_eq!((num(&s, "disk_fills"), num(&s, "parents_missing")), (6, 0), "{s}");
+    // The new daemon writes behind as the old one did.
+    c.put(tkey(22, 0), &pattern(tkey(22, 0), 5000)).expect("put");
+    assert_eq!(num(&drained(&socket), "disk_writes"), 1);
+    let mut third = Daemon::spawn_with(&other.socket(), "8MiB", &args);
+    assert!(!third.wait_exit(Duration::from_secs(30)).expect("exits").success());
+    assert!(third.log().contains(&format!("pid {}", new.pid())), "{}", third.log());
+}
+
+/// The page cache is not a second copy: after blocks are written behind
+/// and filled back, the kernel's page cache holds none of the tier's block
+/// files (`fincore`). Skips when `fincore` (util-linux) is missing.
+#[test]
+fn the_page_cache_keeps_no_copy_of_the_blocks_written_or_filled() {
+    if Command::new("fincore").arg("--version").output().is_err() {
+        eprintln!("SKIPPED the_page_cache_keeps_no_copy_of_the_blocks_written_or_filled: no fincore (util-linux)");
+        return;
+    }
+    let tmp = TempDir::new("disk-pagecache");
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let d = disk_daemon(&tmp, "32MiB", &disk, "256MiB", &[]);
+    indexed(&socket);
+    let c = Client::connect(&d.opts()).expect("connect");
+    let keys: Vec<Key> = (0..16).map(|j| tkey(31, j)).collect();
+    for &k in &keys {
+        c.put(k, &pattern(k, 1 << 20)).expect("put");
+        drained(&socket);
+    }
+    assert_eq!(num(&stats_fast(&socket), "disk_writes"), 16);
+    let cached = || -> u64 {
+        let files: Vec<PathBuf> = keys.iter().map(|&k| block_file(&disk, k)).collect();
+        let out = Command::new("fincore")
+            .args(["--bytes", "--noheadings", "--raw", "--output", "RES"])
+            .args(&files)
+            .output()
+            .expect("fincore");
+        assert!(out.status.success(), "fincore: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim().parse::<u64>().expect("a number")).sum()
+    };
+    assert_eq!(cached(), 0, "written blocks left in the page cache");
+    assert_eq!(c.delete_many(&keys).expect("delete"), 16);
+    assert_eq!(c.lookup(&keys).expect("lookup"), 16);
+    assert_eq!(num(&stats_fast(&socket), "disk_fills"), 16);
+    assert_eq!(cached(), 0, "filled blocks left in the page cache");
+}
