@@ -67,6 +67,11 @@ pub const THREAD_NAME: &str = "kachedb-disk";
 const WRITERS: usize = 2;
 /// Reader threads.
 const READERS: usize = 2;
+/// Threads reading headers at start.
+const INDEX_THREADS: usize = 8;
+/// Blocks up to this size have their payload asked for ahead
+/// (`POSIX_FADV_WILLNEED`) when a fetch starts.
+const WILLNEED_MAX_BYTES: u64 = 8 << 20;
 
 /// How the disk tier is set up (`kachedb serve --disk …`).
 #[derive(Clone, Debug)]
@@ -465,33 +470,14 @@ fn rebuild_index(s: &Shared) {
             }
         }
     }
-    let mut found: Vec<(SystemTime, u128, Option<u128>, u64)> = Vec::new();
+    // The block files' names, then their headers read by a few threads at
+    // once (a cold disk answers several reads in flight faster than one).
+    let mut names: Vec<(u128, PathBuf)> = Vec::new();
     match std::fs::read_dir(&s.blocks_dir) {
         Ok(rd) => {
             for e in rd.flatten() {
-                if s.stop.load(Relaxed) {
-                    return;
-                }
-                let name = e.file_name();
-                let Some(key) = name.to_str().and_then(format::key_of_name) else { continue };
-                let path = e.path();
-                let checked = (|| -> Result<(SystemTime, Header, u64), String> {
-                    let f = File::open(&path).map_err(|e| e.to_string())?;
-                    let meta = f.metadata().map_err(|e| e.to_string())?;
-                    let mut b = [0u8; format::HEADER_LEN];
-                    f.read_exact_at(&mut b, 0).map_err(|e| e.to_string())?;
-                    drop_cache(&f);
-                    let h = Header::decode(&b, key).map_err(|e| e.to_string())?;
-                    h.check_file_len(meta.len()).map_err(|e| e.to_string())?;
-                    Ok((meta.modified().unwrap_or(UNIX_EPOCH), h, meta.len()))
-                })();
-                match checked {
-                    Ok((mtime, h, len)) => found.push((mtime, key, h.parent, index::disk_bytes(len))),
-                    Err(why) => {
-                        torn += 1;
-                        tracing::warn!(key = %format_args!("{key:032x}"), "disk tier: block file refused at start and deleted: {why}");
-                        let _ = std::fs::remove_file(&path);
-                    }
+                if let Some(key) = e.file_name().to_str().and_then(format::key_of_name) {
+                    names.push((key, e.path()));
                 }
             }
         }
@@ -499,6 +485,19 @@ fn rebuild_index(s: &Shared) {
             DiskCells::add(&s.cells().errors, 1);
             tracing::warn!("disk tier: reading {}: {e}", s.blocks_dir.display());
         }
+    }
+    let per = names.len().div_ceil(INDEX_THREADS).max(1);
+    let parts: Vec<(Vec<(SystemTime, u128, Option<u128>, u64)>, u64)> = std::thread::scope(|sc| {
+        let handles: Vec<_> = names.chunks(per).map(|part| sc.spawn(move || index_files(s, part))).collect();
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    if s.stop.load(Relaxed) {
+        return;
+    }
+    let mut found = Vec::with_capacity(names.len());
+    for (f, t) in parts {
+        found.extend(f);
+        torn += t;
     }
     // Least recently written first: the LRU order the index starts with.
     found.sort_by_key(|f| f.0);
@@ -534,6 +533,36 @@ fn rebuild_index(s: &Shared) {
     );
     *lock(&s.indexed) = true;
     s.indexed_cv.notify_all();
+}
+
+/// Checks the headers of the block files `names`: those that verify (when
+/// written, key, parent, bytes on disk), and how many did not (deleted).
+fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<(SystemTime, u128, Option<u128>, u64)>, u64) {
+    let (mut found, mut torn) = (Vec::with_capacity(names.len()), 0);
+    for (key, path) in names {
+        if s.stop.load(Relaxed) {
+            break;
+        }
+        let checked = (|| -> Result<(SystemTime, Header, u64), String> {
+            let f = File::open(path).map_err(|e| e.to_string())?;
+            let meta = f.metadata().map_err(|e| e.to_string())?;
+            let mut b = [0u8; format::HEADER_LEN];
+            f.read_exact_at(&mut b, 0).map_err(|e| e.to_string())?;
+            drop_cache(&f);
+            let h = Header::decode(&b, *key).map_err(|e| e.to_string())?;
+            h.check_file_len(meta.len()).map_err(|e| e.to_string())?;
+            Ok((meta.modified().unwrap_or(UNIX_EPOCH), h, meta.len()))
+        })();
+        match checked {
+            Ok((mtime, h, len)) => found.push((mtime, *key, h.parent, index::disk_bytes(len))),
+            Err(why) => {
+                torn += 1;
+                tracing::warn!(key = %format_args!("{key:032x}"), "disk tier: block file refused at start and deleted: {why}");
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+    (found, torn)
 }
 
 /// A writer thread: waits for the index, then writes queued blocks.
@@ -678,6 +707,19 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     }
     if found.is_empty() {
         return Vec::new();
+    }
+    // Small blocks: ask the kernel for all their payloads at once (the reads
+    // below then find them in flight or cached instead of waiting one by
+    // one); large ones are read ahead by the sequential reads themselves.
+    for (h, f) in &found {
+        if h.len <= WILLNEED_MAX_BYTES {
+            let _ = rustix::fs::fadvise(
+                f,
+                format::HEADER_AREA,
+                std::num::NonZeroU64::new(h.len),
+                rustix::fs::Advice::WillNeed,
+            );
+        }
     }
     let specs = found
         .iter()
