@@ -487,7 +487,7 @@ fn rebuild_index(s: &Shared) {
         }
     }
     let per = names.len().div_ceil(INDEX_THREADS).max(1);
-    let parts: Vec<(Vec<(SystemTime, u128, Option<u128>, u64)>, u64)> = std::thread::scope(|sc| {
+    let parts: Vec<(Vec<Found>, u64)> = std::thread::scope(|sc| {
         let handles: Vec<_> = names.chunks(per).map(|part| sc.spawn(move || index_files(s, part))).collect();
         handles.into_iter().filter_map(|h| h.join().ok()).collect()
     });
@@ -535,9 +535,12 @@ fn rebuild_index(s: &Shared) {
     s.indexed_cv.notify_all();
 }
 
+/// A block file that verified at start: when written, key, parent, bytes on disk.
+type Found = (SystemTime, u128, Option<u128>, u64);
+
 /// Checks the headers of the block files `names`: those that verify (when
 /// written, key, parent, bytes on disk), and how many did not (deleted).
-fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<(SystemTime, u128, Option<u128>, u64)>, u64) {
+fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<Found>, u64) {
     let (mut found, mut torn) = (Vec::with_capacity(names.len()), 0);
     for (key, path) in names {
         if s.stop.load(Relaxed) {
