@@ -22,11 +22,14 @@ build-tests:
 	$(CARGO) test --release --locked --no-run
 	$(LOOM) $(CARGO) test --release --locked -p kachedb-shm --test loom_ring --no-run
 
-## system-deps: redis-server for the side-by-side benchmark (Debian package; needs root)
+## system-deps: redis-server for the side-by-side benchmark, e2fsprogs (mkfs.ext4) for the disk tier's fault tests (Debian packages; needs root)
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then echo "== installing redis-server"; (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; \
 	  else echo "== redis-server missing: sudo apt-get install -y redis-server (needed by the compare benchmark test)"; fi; }
+	@command -v mkfs.ext4 >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then echo "== installing e2fsprogs"; (apt-get update -qq && apt-get install -y -qq e2fsprogs) >/dev/null; \
+	  else echo "== mkfs.ext4 missing: sudo apt-get install -y e2fsprogs (the disk tier's fault tests; they skip without root anyway)"; fi; }
 
 ## build: the full `kachedb` binary (with demo and bench) at target/release/kachedb
 build:

@@ -857,4 +857,46 @@ def test_a_fill_slower_than_its_deadline_is_cancelled_and_later_fills_work(clust
             direct.execute_command("CLIENT", "UNPAUSE")
             direct.close()
         a.stop()
+
+
+def _cli_stats(d: Daemon) -> dict:
+    """`kachedb stats --json` of the daemon's own binary (it knows the disk_* fields)."""
+    import json
+
+    out = subprocess.run(
+        [*d.command, "stats", "--json", "--socket", d.socket], capture_output=True, text=True, check=True, timeout=60
+    )
+    return json.loads(out.stdout)
+
+
+def test_a_miss_asks_the_disk_tier_first_and_the_remote_for_what_the_disk_lacks(cluster, tmp_path):
+    """Tier order disk, then remote, in one fetch: a LOOKUP of a chain whose
+    blocks are on disk except one (its file deleted) fills those from disk and
+    only the missing one from the cluster, bytes right."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    disk = str(tmp_path / "disk")
+    tiers = ("--disk", disk, "--disk-size", "256MiB")
+    keys = [f"order/{i}" for i in range(5)]
+    blocks = [torch.from_numpy(np.frombuffer(pattern(200_000 + i, 40 + i), dtype=np.uint8).copy()) for i in range(5)]
+    a = node(cluster.url, ns, *tiers)
+    try:
+        with a.connect() as ka:
+            ka.put_many(keys, blocks, chain=True)
+        wait_written(a, len(keys))
+        poll_until(lambda: _cli_stats(a)["disk_writes"] == len(keys), timeout=60, what="disk writes")
+    finally:
+        a.stop()
+    os.unlink(os.path.join(disk, "blocks", f"{kachedb.key_of(keys[2]):032x}.kdb"))
+    b = node(cluster.url, ns, *tiers)
+    try:
+        with b.connect() as kb:
+            assert kb.lookup(keys) == len(keys)
+            s = _cli_stats(b)
+            assert (s["disk_fills"], s["disk_misses"]) == (4, 1), s
+            assert (s["remote_fills"], s["remote_fetches"]) == (1, 1), s
+            for k, want in zip(keys, blocks):
+                got = kb.get(k)
+                assert same(got, want), k
+                del got
+    finally:
         b.stop()

@@ -1,5 +1,5 @@
 //! The benchmarks and the demo of the `kachedb` command: `kachedb bench ring`,
-//! `kachedb bench ops`, `kachedb bench remote`, `kachedb demo`, and the hidden child processes they
+//! `kachedb bench ops`, `kachedb bench remote`, `kachedb bench disk`, `kachedb demo`, and the hidden child processes they
 //! start by re-executing the current binary.
 //!
 //! `kachedb-cli` flattens [`Command`] into its subcommands when built with its
@@ -11,6 +11,7 @@
 use clap::Subcommand;
 
 pub mod demo;
+pub mod disk;
 pub mod ops;
 pub mod remote;
 pub mod ring;
@@ -48,6 +49,10 @@ pub enum BenchCommand {
     /// --remote is given): fill throughput against a plain Redis client's GET
     /// of the same bytes, write-behind throughput, local GET latency during fills.
     Remote(remote::RemoteArgs),
+    /// The disk tier: fill and write-behind throughput against plain reads
+    /// and writes of the same files, O_DIRECT next to buffered, GET latency
+    /// during disk I/O, restart after kill -9 with 100 000 blocks on disk.
+    Disk(disk::DiskArgs),
 }
 
 /// Runs `command`.
@@ -58,6 +63,7 @@ pub fn run(command: &Command) -> Result<(), Box<dyn std::error::Error>> {
         Command::Bench(BenchCommand::Ring(a)) => ring::run(a),
         Command::Bench(BenchCommand::Ops(a)) => ops::run(a),
         Command::Bench(BenchCommand::Remote(a)) => remote::run(a),
+        Command::Bench(BenchCommand::Disk(a)) => disk::run(a),
         Command::BenchChild(a) => ring::child(a),
     }
 }

@@ -141,6 +141,31 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = kachedb_daemon::remote::DEFAULT_WORKER_NICE, value_name = "N",
           value_parser = clap::value_parser!(u8).range(0..=i64::from(kachedb_daemon::remote::MAX_WORKER_NICE)))]
     pub remote_worker_nice: u8,
+    /// A directory of local files behind the megaslab (docs/disk.md): every
+    /// committed block is written there behind the clients' backs, a local
+    /// miss is filled from there (before the remote tier), and a daemon
+    /// started again on it after a crash serves what it holds. Off by
+    /// default; needs --disk-size.
+    #[arg(long, value_name = "DIR")]
+    pub disk: Option<PathBuf>,
+    /// Most file-system bytes the disk tier's blocks take; beyond, blocks
+    /// are evicted, leaves of the prefix chains first.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub disk_size: Option<u64>,
+    /// Most block bytes waiting to be written to disk (pinned in the
+    /// megaslab meanwhile); blocks committed beyond it are not written
+    /// (counted as disk_dropped_writes). Default: a quarter of --size, at
+    /// most 1GiB.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub disk_queue_bytes: Option<u64>,
+    /// Milliseconds a disk fill may take; past it the keys are misses
+    /// (and the remote tier, if any, is not asked for them).
+    #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_TIMEOUT_MS, value_name = "MS")]
+    pub disk_timeout_ms: u64,
+    /// How much nicer than the serve loop the disk tier's threads run (0 to 19).
+    #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_WORKER_NICE, value_name = "N",
+          value_parser = clap::value_parser!(u8).range(0..=19))]
+    pub disk_worker_nice: u8,
     /// Take over from the daemon running on the same socket (an upgrade or a
     /// restart without losing anything): it hands over its region, socket,
     /// clients and store, then exits; clients notice a short pause. Its
@@ -173,6 +198,31 @@ pub enum Eviction {
     Chain,
     /// Least recently used first.
     Lru,
+}
+
+/// The disk tier's settings from `a`, if `--disk` is given.
+fn disk_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::disk::DiskConfig>, Box<dyn std::error::Error>> {
+    let Some(dir) = &a.disk else {
+        if a.disk_size.is_some() {
+            return Err("--disk-size needs --disk DIR".into());
+        }
+        return Ok(None);
+    };
+    let Some(size_bytes) = a.disk_size else {
+        return Err("--disk needs --disk-size SIZE (the most bytes its blocks may take)".into());
+    };
+    if a.disk_timeout_ms == 0 {
+        return Err("--disk-timeout-ms must be above 0".into());
+    }
+    Ok(Some(kachedb_daemon::disk::DiskConfig {
+        dir: dir.clone(),
+        size_bytes,
+        queue_bytes: a
+            .disk_queue_bytes
+            .unwrap_or((a.size.unwrap_or_else(default_size) / 4).min(kachedb_daemon::disk::DEFAULT_QUEUE_BYTES)),
+        timeout: std::time::Duration::from_millis(a.disk_timeout_ms),
+        worker_nice: a.disk_worker_nice,
+    }))
 }
 
 /// The remote tier's settings from `a`, if `--remote` is given; the password
@@ -322,6 +372,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             Eviction::Lru => kachedb_daemon::EvictionPolicy::Lru,
         },
         remote: remote_config(a)?,
+        disk: disk_config(a)?,
     };
     if a.takeover {
         let (daemon, t) = Daemon::take_over(cfg, shutdown)?;
@@ -378,6 +429,9 @@ fn finish(daemon: Daemon, a: &ServeArgs, say: &dyn Fn(String)) -> Result<(), Box
     let _ = std::io::stdout().flush();
     if let Some(addr) = daemon.metrics_addr() {
         say(format!("metrics at http://{addr}/metrics"));
+    }
+    if let (Some(dir), Some(size)) = (&a.disk, a.disk_size) {
+        say(format!("disk tier {} ({}; index rebuilt in the background)", dir.display(), human_bytes(size)));
     }
     if let Some(url) = &a.remote {
         let trust = if a.remote_key_file.is_some() {
@@ -512,6 +566,37 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
         println!(
             "remote errors     {} failed or timed out, {} corrupt and {} failed authentication (refused), {} fetch(es) cancelled at the deadline",
             r.remote_errors, r.remote_corrupt, r.remote_auth_failures, r.remote_fetches_cancelled
+        );
+    }
+    let d = &s.disk;
+    if d.disk_enabled {
+        println!(
+            "disk              {} block(s), {} of {}; {} evicted; {} recovered at start{}",
+            d.disk_blocks,
+            human_bytes(d.disk_bytes),
+            human_bytes(d.disk_capacity_bytes),
+            d.disk_evictions,
+            d.disk_recovered,
+            if d.disk_indexed { format!(" (indexed in {:.3} s)", d.disk_index_s) } else { " (indexing)".into() }
+        );
+        println!(
+            "disk writes       {} ({}), {} dropped, queue {} in {} block(s)",
+            d.disk_writes,
+            human_bytes(d.disk_write_bytes),
+            d.disk_dropped_writes,
+            human_bytes(d.disk_queue_bytes),
+            d.disk_queue_blocks
+        );
+        println!(
+            "disk fills        {} ({}) from {} fetch(es), {} miss(es)",
+            d.disk_fills,
+            human_bytes(d.disk_fill_bytes),
+            d.disk_fetches,
+            d.disk_misses
+        );
+        println!(
+            "disk errors       {} I/O error(s), {} torn or corrupt (refused, deleted)",
+            d.disk_errors, d.disk_torn
         );
     }
     Ok(())

@@ -65,6 +65,9 @@ pub struct ServeConfig {
     pub eviction: crate::store::EvictionPolicy,
     /// The remote tier behind the megaslab, if any (docs/remote.md).
     pub remote: Option<crate::remote::RemoteConfig>,
+    /// The disk tier behind the megaslab, if any (docs/disk.md); asked
+    /// before the remote tier.
+    pub disk: Option<crate::disk::DiskConfig>,
 }
 
 /// Why the daemon could not start.
@@ -103,6 +106,9 @@ pub enum ServeError {
     /// The remote tier could not start.
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
+    /// The disk tier could not start.
+    #[error(transparent)]
+    Disk(#[from] crate::disk::DiskError),
     /// `--takeover` did not happen.
     #[error(transparent)]
     Takeover(#[from] crate::takeover::TakeoverError),
@@ -541,6 +547,10 @@ impl Parts {
             metrics.set_health(crate::metrics::Health::HandingOver);
         }
         let mut tiers: Vec<Box<dyn Tier>> = Vec::new();
+        if let Some(dc) = &cfg.disk {
+            let events = tx.tier_events(tiers.len());
+            tiers.push(Box::new(crate::disk::DiskTier::start(dc.clone(), region.clone(), events, metrics.clone())?));
+        }
         if let Some(rc) = &cfg.remote {
             let events = tx.tier_events(tiers.len());
             tiers.push(Box::new(RemoteTier::start(rc.clone(), region.clone(), events, metrics.clone())?));

@@ -6,8 +6,8 @@
 //! of those share only the channel pool ([`channels`]) and the event queue
 //! ([`events`]) from `control` to `serve`. Both also count into the
 //! [`metrics`] (atomics), which the optional HTTP endpoint ([`http`]) reads
-//! on its own threads. The tiers behind the megaslab (with `--remote`, the
-//! [`remote`] tier) run their own threads; `serve` drives them through one
+//! on its own threads. The tiers behind the megaslab (with `--disk`, the
+//! [`disk`] tier; with `--remote`, the [`remote`] tier) run their own threads; `serve` drives them through one
 //! interface ([`tier`]) and hears from them through the same event queue.
 #![warn(missing_docs)]
 
@@ -15,6 +15,7 @@ pub mod alloc;
 pub mod channels;
 pub mod control;
 pub mod daemon;
+pub mod disk;
 pub mod events;
 pub mod http;
 pub mod lock;

@@ -293,6 +293,86 @@ impl RemoteCells {
     }
 }
 
+/// The disk tier's counters (`kachedb serve --disk`). Written by the disk
+/// tier's threads and the serve loop with `fetch_add`/`fetch_sub`/`store`
+/// (several writers; a slow path: a few per block written or filled).
+/// Relaxed: each value is read for itself, nothing else is published
+/// through it.
+#[derive(Debug, Default)]
+pub struct DiskCells {
+    /// The tier is on.
+    pub enabled: AtomicBool,
+    /// Blocks on disk (set from the index).
+    pub blocks: AtomicU64,
+    /// File-system bytes of the blocks on disk (set from the index).
+    pub bytes: AtomicU64,
+    /// The bound (`--disk-size`).
+    pub capacity_bytes: AtomicU64,
+    /// Blocks written.
+    pub writes: AtomicU64,
+    /// Tensor bytes written.
+    pub write_bytes: AtomicU64,
+    /// Blocks not queued: the queue was full.
+    pub dropped_writes: AtomicU64,
+    /// Tensor bytes queued or being written.
+    pub queue_bytes: AtomicU64,
+    /// Blocks queued or being written.
+    pub queue_blocks: AtomicU64,
+    /// Disk reads asked for.
+    pub fetches: AtomicU64,
+    /// Blocks filled.
+    pub fills: AtomicU64,
+    /// Tensor bytes filled.
+    pub fill_bytes: AtomicU64,
+    /// Keys not on disk.
+    pub misses: AtomicU64,
+    /// Blocks evicted from disk.
+    pub evictions: AtomicU64,
+    /// I/O errors.
+    pub errors: AtomicU64,
+    /// Block files found torn or corrupt.
+    pub torn: AtomicU64,
+    /// Blocks found whole at start.
+    pub recovered: AtomicU64,
+    /// The start-up index rebuild is done.
+    pub indexed: AtomicBool,
+    /// Microseconds the start-up index rebuild took.
+    pub index_us: AtomicU64,
+}
+
+impl DiskCells {
+    /// Adds `n` to `c`.
+    #[inline]
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Relaxed);
+    }
+
+    /// The counters as stats.
+    pub fn stats(&self) -> kachedb_shm::control::DiskStats {
+        kachedb_shm::control::DiskStats {
+            disk_enabled: self.enabled.load(Relaxed),
+            disk_blocks: self.blocks.load(Relaxed),
+            disk_bytes: self.bytes.load(Relaxed),
+            disk_capacity_bytes: self.capacity_bytes.load(Relaxed),
+            disk_writes: self.writes.load(Relaxed),
+            disk_write_bytes: self.write_bytes.load(Relaxed),
+            disk_dropped_writes: self.dropped_writes.load(Relaxed),
+            disk_queue_bytes: self.queue_bytes.load(Relaxed),
+            disk_queue_blocks: self.queue_blocks.load(Relaxed),
+            disk_fetches: self.fetches.load(Relaxed),
+            disk_fills: self.fills.load(Relaxed),
+            disk_fill_bytes: self.fill_bytes.load(Relaxed),
+            disk_misses: self.misses.load(Relaxed),
+            disk_evictions: self.evictions.load(Relaxed),
+            disk_errors: self.errors.load(Relaxed),
+            disk_torn: self.torn.load(Relaxed),
+            disk_recovered: self.recovered.load(Relaxed),
+            disk_indexed: self.indexed.load(Relaxed),
+            disk_index_s: self.index_us.load(Relaxed) as f64 / 1e6,
+        }
+    }
+}
+
 /// What the serve loop writes; on its own cache lines (away from the control
 /// thread's counters).
 #[derive(Debug)]
@@ -353,6 +433,8 @@ pub struct Metrics {
     serve: ServeSide,
     /// The remote tier's counters.
     pub remote: RemoteCells,
+    /// The disk tier's counters.
+    pub disk: DiskCells,
     /// Clients refused, by [`Refusal`]; written by the control thread.
     refused: [AtomicU64; 3],
     /// A [`Health`] code (for `/healthz`).
@@ -380,6 +462,7 @@ impl Metrics {
                 remote_fill_us: Histogram::new(&FILL_BOUNDS_US),
             },
             remote: RemoteCells::default(),
+            disk: DiskCells::default(),
             refused: Default::default(),
             health: AtomicU8::new(Health::Starting as u8),
             channels,
@@ -805,6 +888,46 @@ impl Collector for Collect {
                 Hist,
             )?
             .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+        }
+        if m.disk.enabled.load(Relaxed) {
+            let d = &m.disk;
+            let rows: [(&str, &str, MetricType, &AtomicU64); 17] = [
+                ("disk_blocks", "Blocks on the disk tier.", Gauge, &d.blocks),
+                ("disk_bytes", "File-system bytes the disk tier's blocks take.", Gauge, &d.bytes),
+                ("disk_capacity_bytes", "The bound on the disk tier's bytes (--disk-size).", Gauge, &d.capacity_bytes),
+                (
+                    "disk_writes",
+                    "Blocks written to disk (complete: synced and renamed into place).",
+                    Counter,
+                    &d.writes,
+                ),
+                ("disk_write_bytes", "Tensor bytes of the blocks written to disk.", Counter, &d.write_bytes),
+                (
+                    "disk_dropped_writes",
+                    "Committed blocks not written to disk because the write-behind queue was full.",
+                    Counter,
+                    &d.dropped_writes,
+                ),
+                ("disk_queue_bytes", "Tensor bytes queued or being written to disk.", Gauge, &d.queue_bytes),
+                ("disk_queue_blocks", "Blocks queued or being written to disk.", Gauge, &d.queue_blocks),
+                ("disk_fetches", "Disk reads asked for (one per local-miss tail of a batch).", Counter, &d.fetches),
+                ("disk_fills", "Blocks filled from disk into the megaslab.", Counter, &d.fills),
+                ("disk_fill_bytes", "Tensor bytes filled from disk.", Counter, &d.fill_bytes),
+                ("disk_misses", "Keys asked for that are not on disk.", Counter, &d.misses),
+                ("disk_evictions", "Blocks evicted from disk to make room.", Counter, &d.evictions),
+                ("disk_errors", "Disk writes or reads that failed (full, read-only, gone).", Counter, &d.errors),
+                (
+                    "disk_torn",
+                    "Block files found torn or corrupt, at start or at a fill (never served, deleted).",
+                    Counter,
+                    &d.torn,
+                ),
+                ("disk_recovered", "Blocks found whole on disk at start.", Counter, &d.recovered),
+                ("disk_index_microseconds", "Time the start-up index rebuild took (0 until done).", Gauge, &d.index_us),
+            ];
+            for (name, help, kind, cell) in rows {
+                single(&mut enc, name, help, kind, cell.load(Relaxed))?;
+            }
         }
         single(&mut enc, "channels", "Channels (clients connected at once) the region has.", Gauge, m.channels as u64)?;
         single(&mut enc, "ring_capacity_slots", "Slots per ring.", Gauge, m.ring_capacity as u64)?;

@@ -1,6 +1,6 @@
 //! The tiers behind the megaslab, as the serve loop sees them: one interface
-//! ([`Tier`]) that every tier implements (the remote tier, `crate::remote`,
-//! today), the jobs the loop hands a tier, and the [`TierEvent`]s a tier
+//! ([`Tier`]) that every tier implements (the disk tier, `crate::disk`, and
+//! the remote tier, `crate::remote`), the jobs the loop hands a tier, and the [`TierEvent`]s a tier
 //! reports back.
 //!
 //! The division of work: the serve loop owns the [`Store`](crate::store::Store).
@@ -59,6 +59,9 @@ pub struct FillSpec {
     pub shape: Shape,
     /// Tensor bytes.
     pub len: u64,
+    /// The parent the block was committed with, if the tier keeps it: the
+    /// fill commits the block naming it (linked if the parent is local).
+    pub parent: Option<u128>,
 }
 
 /// A reservation the serve loop made for a fill.
@@ -85,8 +88,11 @@ pub enum TierEvent {
         reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
     },
     /// Fetch `fetch` is over: these reservations hold their bytes, commit
-    /// them; then serve the frames its channel held. Empty: nothing was
-    /// filled (the keys are missing there too, or the fill failed).
+    /// them (in this order); the fetch's other reservations are aborted.
+    /// Then the keys still missing go to the next tier, if there is one;
+    /// once none is left, the frames its channel held are served. Empty:
+    /// nothing was filled (the keys are missing there too, or the fill
+    /// failed).
     Filled {
         /// Fetch id.
         fetch: u64,

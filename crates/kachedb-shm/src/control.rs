@@ -223,6 +223,9 @@ pub struct Stats {
     /// The remote tier's counters (all zero without `--remote`).
     #[serde(flatten)]
     pub remote: RemoteStats,
+    /// The disk tier's counters (all zero without `--disk`).
+    #[serde(flatten)]
+    pub disk: DiskStats,
     /// Frames served per second over the last whole second (0 when idle for 3 s).
     pub ops_per_s: f64,
     /// Region bytes.
@@ -385,6 +388,51 @@ pub struct RemoteStats {
     pub remote_fill_ms_mean: f64,
     /// Longest such time, milliseconds.
     pub remote_fill_ms_max: f64,
+}
+
+/// Counters of the disk tier (`kachedb serve --disk`, docs/disk.md).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DiskStats {
+    /// The daemon runs with a disk tier.
+    pub disk_enabled: bool,
+    /// Blocks on disk.
+    pub disk_blocks: u64,
+    /// File-system bytes the blocks on disk take.
+    pub disk_bytes: u64,
+    /// The bound on them (`--disk-size`).
+    pub disk_capacity_bytes: u64,
+    /// Blocks written (reported written: renamed into place, synced).
+    pub disk_writes: u64,
+    /// Tensor bytes of the blocks written.
+    pub disk_write_bytes: u64,
+    /// Committed blocks not written: the write-behind queue was full.
+    pub disk_dropped_writes: u64,
+    /// Tensor bytes queued or being written now.
+    pub disk_queue_bytes: u64,
+    /// Blocks queued or being written now.
+    pub disk_queue_blocks: u64,
+    /// Disk reads asked for (one per local-miss tail of a batch).
+    pub disk_fetches: u64,
+    /// Blocks filled from disk into the megaslab.
+    pub disk_fills: u64,
+    /// Tensor bytes of the blocks filled.
+    pub disk_fill_bytes: u64,
+    /// Keys asked for that are not on disk.
+    pub disk_misses: u64,
+    /// Blocks evicted from disk to make room.
+    pub disk_evictions: u64,
+    /// I/O errors (a write or read that failed: full, read-only, gone).
+    pub disk_errors: u64,
+    /// Block files found torn or corrupt (at start or at a fill; never
+    /// served, deleted).
+    pub disk_torn: u64,
+    /// Blocks found whole at start.
+    pub disk_recovered: u64,
+    /// The start-up index rebuild is done.
+    pub disk_indexed: bool,
+    /// Seconds the start-up index rebuild took.
+    pub disk_index_s: f64,
 }
 
 /// Counters of the daemon's serve loop.

@@ -132,7 +132,13 @@ async fn land_all(ctx: &Ctx, fetch: u64, blocks: &[Verified], filled: &mut Vec<(
     let (tx, rx) = tokio::sync::oneshot::channel();
     let specs = blocks
         .iter()
-        .map(|b| FillSpec { key: b.header.key, dtype: b.header.dtype, shape: b.header.shape, len: b.header.len })
+        .map(|b| FillSpec {
+            key: b.header.key,
+            dtype: b.header.dtype,
+            shape: b.header.shape,
+            len: b.header.len,
+            parent: None,
+        })
         .collect();
     ctx.send(TierEvent::Reserve { fetch, blocks: specs, reply: tx });
     if let Ok(reserved) = rx.await {

@@ -434,6 +434,7 @@ impl Serve {
             store,
             serve: self.counters.clone(),
             remote: self.metrics.metrics().remote_stats(),
+            disk: self.metrics.metrics().disk.stats(),
             ops_per_s: self.rate.per_second(),
             region_bytes: l.region_len,
             slab_bytes: l.slab_len,

@@ -2,9 +2,10 @@
 //! each tier's own session (its write-behind pins and fill reservations),
 //! the fetches channels wait for, and the fill work (reservations and
 //! commits) done in slices between ring polls. Every tier gets every block
-//! committed to write behind; a local miss asks the first tier. What a
-//! fetch's end means for its channel is the loop's business: this side
-//! reports it ([`FetchDone`]).
+//! committed to write behind; a local miss asks the first tier, and the keys
+//! a tier did not fill go to the next one, under the same fetch id (disk,
+//! then remote). What a fetch's end means for its channel is the loop's
+//! business: this side reports it ([`FetchDone`]).
 
 use crate::store::{SessionId, Store};
 use crate::tier::{FetchJob, FillSpec, Reserved, StoppedTier, Tier, TierEvent, TierId, WriteJob};
@@ -31,10 +32,22 @@ struct TierSide {
     tier: Box<dyn Tier>,
     /// The tier's own session: its write-behind pins and fill reservations.
     session: SessionId,
-    /// Fetches channels are parked on: id -> (channel, when to stop waiting).
-    pending: HashMap<u64, (u32, Instant)>,
+    /// Fetches channels are parked on, by id.
+    pending: HashMap<u64, Pending>,
+    /// The fill reservations made and not yet committed or aborted: handle
+    /// -> (fetch id, the parent to commit the block with).
+    fills: HashMap<u64, (u64, Option<u128>)>,
     /// Fill work queued, done [`TIER_SLICE`] blocks per pass, in order.
     work: VecDeque<FillWork>,
+}
+
+/// A fetch a channel is parked on, at one tier.
+struct Pending {
+    channel: u32,
+    /// When the loop stops waiting for this tier.
+    deadline: Instant,
+    /// The keys asked for.
+    keys: Vec<u128>,
 }
 
 /// Fill work the serve loop does in slices between ring polls.
@@ -42,6 +55,7 @@ enum FillWork {
     /// Reservations asked for by a fetch: `answers` holds those made so far;
     /// all of them go back on `reply` once the last is made.
     Reserve {
+        fetch: u64,
         blocks: Vec<FillSpec>,
         answers: Vec<Option<Reserved>>,
         reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
@@ -65,7 +79,14 @@ pub(super) struct Stopped(Vec<(TierId, Box<dyn StoppedTier>)>);
 
 impl TierSide {
     fn new(id: TierId, tier: Box<dyn Tier>, store: &mut Store) -> TierSide {
-        TierSide { id, tier, session: store.open_internal_session(), pending: HashMap::new(), work: VecDeque::new() }
+        TierSide {
+            id,
+            tier,
+            session: store.open_internal_session(),
+            pending: HashMap::new(),
+            fills: HashMap::new(),
+            work: VecDeque::new(),
+        }
     }
 }
 
@@ -110,7 +131,7 @@ impl Tiers {
         let t = self.sides.first_mut()?;
         self.next_fetch += 1;
         let id = self.next_fetch;
-        t.pending.insert(id, (channel, Instant::now() + t.tier.fetch_bound()));
+        t.pending.insert(id, Pending { channel, deadline: Instant::now() + t.tier.fetch_bound(), keys: keys.clone() });
         t.tier.fetch(FetchJob { id, keys });
         Some(id)
     }
@@ -122,7 +143,7 @@ impl Tiers {
 
     /// The earliest time the serve loop stops waiting for a fetch.
     pub(super) fn next_fetch_deadline(&self) -> Option<Instant> {
-        self.sides.iter().flat_map(|t| t.pending.values().map(|&(_, d)| d)).min()
+        self.sides.iter().flat_map(|t| t.pending.values().map(|p| p.deadline)).min()
     }
 
     /// The fetches whose time ran out by `now` (nothing committed): the
@@ -130,10 +151,10 @@ impl Tiers {
     pub(super) fn expire(&mut self, now: Instant) -> Vec<FetchDone> {
         let mut out = Vec::new();
         for t in &mut self.sides {
-            t.pending.retain(|&fetch, &mut (channel, d)| {
-                let keep = d > now;
+            t.pending.retain(|&fetch, p| {
+                let keep = p.deadline > now;
                 if !keep {
-                    out.push(FetchDone { fetch, channel: Some(channel), committed: Vec::new() });
+                    out.push(FetchDone { fetch, channel: Some(p.channel), committed: Vec::new() });
                 }
                 keep
             });
@@ -150,9 +171,9 @@ impl Tiers {
             TierEvent::Written { pin } => {
                 store.handle_internal(t.session, &Request::Release { handle: pin });
             }
-            TierEvent::Reserve { fetch: _, blocks, reply } => {
+            TierEvent::Reserve { fetch, blocks, reply } => {
                 let answers = Vec::with_capacity(blocks.len());
-                t.work.push_back(FillWork::Reserve { blocks, answers, reply });
+                t.work.push_back(FillWork::Reserve { fetch, blocks, answers, reply });
             }
             TierEvent::Filled { fetch, filled } => {
                 t.work.push_back(FillWork::Commit { fetch, filled, next: 0, committed: Vec::new() });
@@ -166,12 +187,15 @@ impl Tiers {
     pub(super) fn slice(&mut self, store: &mut Store, done: &mut Vec<FetchDone>) -> bool {
         let mut budget = TIER_SLICE;
         let mut did = false;
-        for r in &mut self.sides {
+        // Fetches over at one tier with keys left for the next: (tier index, id, the fetch).
+        let mut forward: Vec<(usize, u64, Pending)> = Vec::new();
+        let n_sides = self.sides.len();
+        for (i, r) in self.sides.iter_mut().enumerate() {
             while budget > 0 {
                 let Some(work) = r.work.pop_front() else { break };
                 did = true;
                 match work {
-                    FillWork::Reserve { blocks, mut answers, reply } => {
+                    FillWork::Reserve { fetch, blocks, mut answers, reply } => {
                         let from = answers.len();
                         let to = blocks.len().min(from + budget);
                         budget -= to - from;
@@ -190,16 +214,20 @@ impl Tiers {
                                         page_offset: 0,
                                     },
                                 );
-                                (c.status == Status::Ok).then_some(Reserved { handle: c.handle, data_offset: c.offset })
+                                (c.status == Status::Ok).then(|| {
+                                    r.fills.insert(c.handle, (fetch, b.parent));
+                                    Reserved { handle: c.handle, data_offset: c.offset }
+                                })
                             };
                             answers.push(answer);
                         }
                         if answers.len() < blocks.len() {
-                            r.work.push_front(FillWork::Reserve { blocks, answers, reply });
+                            r.work.push_front(FillWork::Reserve { fetch, blocks, answers, reply });
                             break;
                         }
                         if let Err(answers) = reply.send(answers) {
                             for a in answers.into_iter().flatten() {
+                                r.fills.remove(&a.handle);
                                 store.handle_internal(r.session, &Request::Abort { handle: a.handle });
                             }
                         }
@@ -208,6 +236,15 @@ impl Tiers {
                         let to = filled.len().min(next + budget);
                         budget -= to - next;
                         for &(handle, len) in &filled[next..to] {
+                            // Only this fetch's own reservations (a handle it names
+                            // twice, or another's, is not committed).
+                            let parent = match r.fills.get(&handle) {
+                                Some(&(f, parent)) if f == fetch => {
+                                    r.fills.remove(&handle);
+                                    parent
+                                }
+                                _ => continue,
+                            };
                             let key = store.reservation_key(r.session, handle);
                             // Committed by a client while the fill ran: that block is newer
                             // (and may have chain links); the fill's copy is dropped.
@@ -215,7 +252,7 @@ impl Tiers {
                                 store.handle_internal(r.session, &Request::Abort { handle });
                                 continue;
                             }
-                            if store.handle_internal(r.session, &Request::Commit { handle, parent: None }).status
+                            if store.handle_internal(r.session, &Request::Commit { handle, parent }).status
                                 == Status::Ok
                             {
                                 r.tier.landed(len);
@@ -227,9 +264,25 @@ impl Tiers {
                             r.work.push_front(FillWork::Commit { fetch, filled, next, committed });
                             break;
                         }
-                        // Every block of the fetch is in. A fetch no longer
-                        // waited for (expired) still wakes WAITs on its keys.
-                        let channel = r.pending.remove(&fetch).map(|(ch, _)| ch);
+                        // Every block of the fetch is in; the reservations it
+                        // did not fill go.
+                        let session = r.session;
+                        r.fills.retain(|&handle, &mut (f, _)| {
+                            if f == fetch {
+                                store.handle_internal(session, &Request::Abort { handle });
+                            }
+                            f != fetch
+                        });
+                        // Keys still missing go to the next tier, if any; a fetch
+                        // no longer waited for (expired) still wakes WAITs on its keys.
+                        let mut channel = None;
+                        if let Some(p) = r.pending.remove(&fetch) {
+                            if i + 1 < n_sides && p.keys.iter().any(|&k| store.peek(k).is_none()) {
+                                forward.push((i + 1, fetch, p));
+                            } else {
+                                channel = Some(p.channel);
+                            }
+                        }
                         if channel.is_some() || !committed.is_empty() {
                             done.push(FetchDone { fetch, channel, committed });
                         }
@@ -238,6 +291,14 @@ impl Tiers {
                     }
                 }
             }
+        }
+        for (to, fetch, mut p) in forward {
+            let Some(t) = self.sides.get_mut(to) else { continue };
+            p.keys.retain(|&k| store.peek(k).is_none());
+            p.deadline = Instant::now() + t.tier.fetch_bound();
+            let keys = p.keys.clone();
+            t.pending.insert(fetch, p);
+            t.tier.fetch(FetchJob { id: fetch, keys });
         }
         did
     }
@@ -323,7 +384,7 @@ mod tests {
         // The fetch asks for room for K, which is missing.
         let fetch = tiers.start_fetch(0, vec![key]).unwrap();
         let (tx, mut rx) = tokio::sync::oneshot::channel();
-        let spec = FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(300).unwrap(), len: 300 };
+        let spec = FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(300).unwrap(), len: 300, parent: None };
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch, blocks: vec![spec], reply: tx });
         drain(&mut tiers, &mut store);
         let reserved = rx.try_recv().unwrap()[0].expect("room for the fill");

@@ -1,0 +1,481 @@
+//! `kachedb bench disk`: the disk tier (`serve --disk`) against plain file
+//! I/O of the same bytes on the same file system, in the same run.
+//!
+//! * **Write-behind**: a daemon with `--disk` takes blocks of 64 KiB, 2 MiB
+//!   and 64 MiB; timed from the first put until the tier reports the last
+//!   one written. Baseline: one thread writing the same bytes to files of
+//!   the same sizes, each `fdatasync`ed (the durability the tier gives).
+//! * **Fill**: a second daemon on the same directory (RAM empty) fills them
+//!   with LOOKUPs (a batch of keys per LOOKUP, one per 64 MiB block); its
+//!   local copies are deleted between rounds so each round fills again from
+//!   disk. Baseline: a plain sequential read (`pread`) of the same payload
+//!   bytes from the same files into one buffer. Both start from a cold page
+//!   cache for those files (`POSIX_FADV_DONTNEED` before each round);
+//!   rounds alternate, medians.
+//! * **Page cache**: what the same reads and writes cost with `O_DIRECT`
+//!   next to buffered I/O with `POSIX_FADV_DONTNEED` (the tier's choice), and
+//!   how many bytes of the tier's files the page cache holds after the fills.
+//! * **GET latency**: the round trip of a RAM-resident block, in windows
+//!   alternating idle and while another client keeps the tier busy (fills
+//!   and write-behind); medians over the windows.
+//! * **Restart**: 100 000 block files on disk (written in the tier's format
+//!   by the benchmark itself, `--restart-blocks`), a daemon started on them,
+//!   `kill -9`ed once indexed, and started again: seconds to its first GET
+//!   served from disk and to its whole index.
+
+use crate::spawn::TempDir;
+use clap::Args;
+use kachedb_client::{Client, ConnectOptions, Key};
+use kachedb_daemon::disk::format::{self, Header};
+use serde_json::json;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Options of `kachedb bench disk`.
+#[derive(Debug, Args)]
+pub struct DiskArgs {
+    /// Print one JSON object per line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// A short run (fewer blocks and rounds).
+    #[arg(long)]
+    pub quick: bool,
+    /// Where to put the disk tier's directory (a temporary directory there;
+    /// default: the system temp dir). Use the file system you mean to use.
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+    /// Blocks on disk for the restart measurement (0: skip it).
+    #[arg(long, default_value_t = 100_000, value_name = "N")]
+    pub restart_blocks: u64,
+    /// `--disk-worker-nice` of the daemons (how much nicer than the serve
+    /// loop the tier's threads run; the plain baselines run at the
+    /// benchmark's own priority).
+    #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_WORKER_NICE, value_name = "N")]
+    pub worker_nice: u8,
+}
+
+/// A `kachedb serve` child with the disk tier; SIGKILLed when dropped.
+struct Serve {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Serve {
+    fn start(dir: &Path, name: &str, size: u64, disk: &Path, nice: u8) -> Res<Serve> {
+        let socket = dir.join(format!("{name}.sock"));
+        let child = Command::new(std::env::current_exe()?)
+            .args(["serve", "--size", &size.to_string(), "--socket"])
+            .arg(&socket)
+            .arg("--disk")
+            .arg(disk)
+            .args(["--disk-size", "64GiB", "--disk-queue-bytes", &size.to_string()])
+            .args(["--disk-worker-nice", &nice.to_string()])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let mut s = Serve { child, socket };
+        let t = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&s.socket).is_err() {
+            if let Some(st) = s.child.try_wait()? {
+                return Err(format!("the daemon exited during start ({st})").into());
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                return Err("the daemon did not start within 60 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(s)
+    }
+
+    fn opts(&self) -> ConnectOptions {
+        ConnectOptions { socket: Some(self.socket.clone()), ..Default::default() }
+    }
+
+    fn client(&self) -> Res<Client> {
+        Ok(Client::connect(&self.opts())?)
+    }
+
+    fn stats(&self) -> Res<kachedb_shm::Stats> {
+        Ok(kachedb_client::daemon_stats(&self.opts())?)
+    }
+
+    /// Waits until `ok` holds for the stats.
+    fn until(&self, what: &str, ok: impl Fn(&kachedb_shm::Stats) -> bool) -> Res<kachedb_shm::Stats> {
+        let t = Instant::now();
+        loop {
+            let s = self.stats()?;
+            if ok(&s) {
+                return Ok(s);
+            }
+            if t.elapsed() > Duration::from_secs(600) {
+                return Err(format!("timed out waiting for {what}").into());
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted.get(((sorted.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(0)
+}
+
+/// Drops `path`'s pages from the page cache.
+fn uncache(path: &Path) {
+    if let Ok(f) = std::fs::File::open(path) {
+        let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
+    }
+}
+
+/// Bytes of the files under `dir` the page cache holds (`mincore` over a mapping of each).
+fn cached_bytes(dir: &Path) -> u64 {
+    let files: Vec<PathBuf> =
+        std::fs::read_dir(dir).map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    let mut out = Command::new("fincore");
+    out.args(["--bytes", "--noheadings", "--raw", "--output", "RES"]).args(files);
+    out.output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.trim().parse::<u64>().ok()).sum())
+        .unwrap_or(0)
+}
+
+/// A 4 KiB-aligned buffer of `len` bytes (for `O_DIRECT`).
+struct Aligned {
+    v: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        let v = vec![0x5au8; len + 4096];
+        let at = v.as_ptr().align_offset(4096);
+        Aligned { v, at, len }
+    }
+    fn get(&self) -> &[u8] {
+        &self.v[self.at..self.at + self.len]
+    }
+    fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.v[self.at..self.at + self.len]
+    }
+}
+
+/// Writes `n` files of `len` bytes under `dir`, each `fdatasync`ed
+/// (buffered + DONTNEED, or `O_DIRECT`); seconds.
+fn plain_write(dir: &Path, n: usize, len: usize, direct: bool) -> Res<f64> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    let buf = Aligned::new(len.next_multiple_of(4096));
+    let t = Instant::now();
+    for i in 0..n {
+        let mut o = std::fs::OpenOptions::new();
+        o.write(true).create(true).truncate(true);
+        if direct {
+            o.custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32);
+        }
+        let f = o.open(dir.join(format!("{i}.plain")))?;
+        f.write_all_at(buf.get(), 0)?;
+        f.sync_data()?;
+        if !direct {
+            let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
+        }
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Reads the payloads of `files` (`len` bytes after the header) into one
+/// buffer, buffered or `O_DIRECT`; seconds.
+fn plain_read(files: &[PathBuf], len: usize, direct: bool) -> Res<f64> {
+    let mut buf = Aligned::new(len.next_multiple_of(4096));
+    for f in files {
+        uncache(f);
+    }
+    let t = Instant::now();
+    for p in files {
+        let mut o = std::fs::OpenOptions::new();
+        o.read(true);
+        if direct {
+            o.custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32);
+        }
+        let f = o.open(p)?;
+        if direct {
+            // Whole pages: the file's tail is short of one (read what is there).
+            let mut at = 0;
+            while at < len {
+                let n = f.read_at(&mut buf.get_mut()[at..], format::HEADER_AREA + at as u64)?;
+                if n == 0 {
+                    break;
+                }
+                at += n;
+            }
+        } else {
+            f.read_exact_at(&mut buf.get_mut()[..len], format::HEADER_AREA)?;
+        }
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Runs the benchmark.
+pub fn run(a: &DiskArgs) -> Res<()> {
+    let base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let tmp = TempDir::new(&base.join("kachedb-bench-disk").display().to_string())?;
+    let disk = tmp.0.join("disk");
+    let emit = |v: serde_json::Value, human: String| {
+        if a.json {
+            println!("{v}");
+        } else {
+            println!("{human}");
+        }
+    };
+    let rounds = if a.quick { 3 } else { 5 };
+    // (label, block bytes, blocks, blocks per LOOKUP)
+    let sizes: Vec<(&str, usize, usize, usize)> = if a.quick {
+        vec![("64KiB", 64 << 10, 256, 64), ("2MiB", 2 << 20, 16, 16), ("64MiB", 64 << 20, 2, 1)]
+    } else {
+        vec![("64KiB", 64 << 10, 2048, 64), ("2MiB", 2 << 20, 64, 32), ("64MiB", 64 << 20, 6, 1)]
+    };
+    let total: usize = sizes.iter().map(|s| s.1 * s.2).sum();
+    let slab = (total as u64 + (256 << 20)).next_multiple_of(1 << 20);
+    if !a.json {
+        println!(
+            "kachedb bench disk — {} ({} of blocks, megaslab {} MiB, tier threads at nice +{}), {rounds} rounds, medians; load {}",
+            disk.display(),
+            kachedb_shm::units::human_bytes(total as u64),
+            slab >> 20,
+            a.worker_nice,
+            std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
+        );
+    }
+    let mut keys: Vec<Vec<Key>> = Vec::new();
+    {
+        let a_node = Serve::start(&tmp.0, "a", slab, &disk, a.worker_nice)?;
+        let c = a_node.client()?;
+        let mut written = 0;
+        for (si, &(label, len, n, _)) in sizes.iter().enumerate() {
+            let ks: Vec<Key> = (0..n as u64).map(|j| Key::from_parts(j, 0xd15c_0000 + si as u64)).collect();
+            let data = vec![si as u8 + 1; len];
+            let t = Instant::now();
+            for &k in &ks {
+                c.put(k, &data)?;
+            }
+            written += n as u64;
+            a_node.until("the writes", |s| s.disk.disk_writes >= written && s.disk.disk_queue_blocks == 0)?;
+            let tier_s = t.elapsed().as_secs_f64();
+            let plain_s = plain_write(&tmp.0.join("plain"), n, len + format::HEADER_AREA as usize, false)?;
+            let direct_s = plain_write(&tmp.0.join("plain"), n, len + format::HEADER_AREA as usize, true)?;
+            let bytes = (len * n) as f64;
+            emit(
+                json!({"bench":"disk_write_behind","block":label,"blocks":n,"tier_gb_s":bytes/tier_s/1e9,
+                       "plain_gb_s":bytes/plain_s/1e9,"ratio":plain_s/tier_s,"plain_direct_gb_s":bytes/direct_s/1e9}),
+                format!(
+                    "write-behind {label:>6} x {n:<5} {:.2} GB/s vs plain write+fdatasync {:.2} GB/s ({:.0} %); O_DIRECT plain {:.2} GB/s",
+                    bytes / tier_s / 1e9,
+                    bytes / plain_s / 1e9,
+                    100.0 * plain_s / tier_s,
+                    bytes / direct_s / 1e9
+                ),
+            );
+            keys.push(ks);
+        }
+        let _ = std::fs::remove_dir_all(tmp.0.join("plain"));
+    }
+    // Node B: the same directory, RAM empty.
+    let b = Serve::start(&tmp.0, "b", slab, &disk, a.worker_nice)?;
+    b.until("the index", |s| s.disk.disk_indexed)?;
+    let c = b.client()?;
+    for (si, &(label, len, n, per)) in sizes.iter().enumerate() {
+        let ks = &keys[si];
+        let files: Vec<PathBuf> = ks.iter().map(|k| format::block_path(&disk.join("blocks"), k.0)).collect();
+        let (mut fill, mut plain, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            c.delete_many(ks)?;
+            for f in &files {
+                uncache(f);
+            }
+            let t = Instant::now();
+            for ch in ks.chunks(per) {
+                let got = c.lookup(ch)?;
+                if got != ch.len() {
+                    return Err(format!("a fill found {got} of {} blocks", ch.len()).into());
+                }
+            }
+            fill.push(t.elapsed().as_secs_f64());
+            plain.push(plain_read(&files, len, false)?);
+            direct.push(plain_read(&files, len, true)?);
+        }
+        let bytes = (len * n) as f64;
+        let (f, p, d) = (median(fill), median(plain), median(direct));
+        emit(
+            json!({"bench":"disk_fill","block":label,"blocks":n,"fill_gb_s":bytes/f/1e9,"plain_read_gb_s":bytes/p/1e9,
+                   "ratio":p/f,"plain_direct_gb_s":bytes/d/1e9}),
+            format!(
+                "fill         {label:>6} x {n:<5} {:.2} GB/s vs plain read {:.2} GB/s ({:.0} %); O_DIRECT plain {:.2} GB/s",
+                bytes / f / 1e9,
+                bytes / p / 1e9,
+                100.0 * p / f,
+                bytes / d / 1e9
+            ),
+        );
+    }
+    let cached = cached_bytes(&disk.join("blocks"));
+    emit(
+        json!({"bench":"disk_page_cache","cached_bytes":cached,"block_bytes":total}),
+        format!(
+            "page cache   {} of the tier's {} of block files cached after the fills",
+            kachedb_shm::units::human_bytes(cached),
+            kachedb_shm::units::human_bytes(total as u64)
+        ),
+    );
+    // GET p99 of a RAM-resident block, idle vs while fills and writes run.
+    let hot = Key::from_parts(1, 0x4_07);
+    c.put(hot, &[7u8; 4096])?;
+    let small = keys[0].clone();
+    let busy = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let (busy, stop, opts) = (busy.clone(), stop.clone(), b.opts());
+        std::thread::spawn(move || -> Result<(), String> {
+            let c = Client::connect(&opts).map_err(|e| e.to_string())?;
+            let data = vec![9u8; 64 << 10];
+            let mut j = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if !busy.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_micros(200));
+                    continue;
+                }
+                for ch in small.chunks(64) {
+                    c.delete_many(ch).map_err(|e| e.to_string())?;
+                    c.lookup(ch).map_err(|e| e.to_string())?;
+                    for _ in 0..4 {
+                        j += 1;
+                        c.put(Key::from_parts(j, 0x3717e), &data).map_err(|e| e.to_string())?;
+                    }
+                    if !busy.load(Ordering::Relaxed) {
+                        break;
+                    }
+                }
+            }
+            Ok(())
+        })
+    };
+    let iters = if a.quick { 10_000 } else { 50_000 };
+    let time_gets = || -> Res<Vec<u64>> {
+        let mut v = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            drop(c.get(hot)?);
+            v.push(t.elapsed().as_nanos() as u64);
+        }
+        v.sort_unstable();
+        Ok(v)
+    };
+    let (mut idle, mut during) = (Vec::new(), Vec::new());
+    let s0 = b.stats()?.disk;
+    for _ in 0..rounds {
+        busy.store(false, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(20));
+        let v = time_gets()?;
+        idle.push((percentile(&v, 0.5), percentile(&v, 0.99)));
+        busy.store(true, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+        let v = time_gets()?;
+        during.push((percentile(&v, 0.5), percentile(&v, 0.99)));
+    }
+    stop.store(true, Ordering::Relaxed);
+    busy.store(false, Ordering::Relaxed);
+    worker.join().map_err(|_| "the busy client panicked")??;
+    let s1 = b.stats()?.disk;
+    let med2 = |v: &[(u64, u64)]| {
+        let (p50, p99): (Vec<u64>, Vec<u64>) = v.iter().copied().unzip();
+        (median(p50.iter().map(|&x| x as f64).collect()), median(p99.iter().map(|&x| x as f64).collect()))
+    };
+    let ((i50, i99), (b50, b99)) = (med2(&idle), med2(&during));
+    let (fills, writes) = (s1.disk_fills - s0.disk_fills, s1.disk_writes - s0.disk_writes);
+    emit(
+        json!({"bench":"disk_get_during_io","iters":iters,"windows":rounds,"idle_p50_ns":i50,"idle_p99_ns":i99,
+               "busy_p50_ns":b50,"busy_p99_ns":b99,"busy_vs_idle_p99":b99/i99.max(1.0),"fills":fills,"writes":writes}),
+        format!(
+            "GET of a RAM block  p50 {i50:.0} / p99 {i99:.0} ns idle; p50 {b50:.0} / p99 {b99:.0} ns during {fills} fills and {writes} writes ({:.2}x p99)",
+            b99 / i99.max(1.0)
+        ),
+    );
+    drop(c);
+    drop(b);
+    if a.restart_blocks > 0 {
+        restart(a, &tmp.0, &emit)?;
+    }
+    Ok(())
+}
+
+/// The restart measurement (see the module docs).
+fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -> Res<()> {
+    let disk = tmp.join("restart");
+    let blocks_dir = disk.join("blocks");
+    std::fs::create_dir_all(&blocks_dir)?;
+    let n = a.restart_blocks;
+    let payload = vec![3u8; 4096];
+    let t = Instant::now();
+    for j in 0..n {
+        let key = Key::from_parts(j, 0x5e57a47);
+        let h = Header {
+            key: key.0,
+            parent: (j % 16 != 0).then(|| Key::from_parts(j - 1, 0x5e57a47).0),
+            dtype: kachedb_shm::DType::U8,
+            shape: kachedb_shm::Shape::new(&[4096]).ok_or("shape")?,
+            len: 4096,
+            written_ms: 0,
+            checksum: format::checksum(&payload),
+        };
+        let mut b = h.encode();
+        b.extend_from_slice(&payload);
+        std::fs::write(format::block_path(&blocks_dir, key.0), &b)?;
+    }
+    rustix::fs::sync();
+    let made_s = t.elapsed().as_secs_f64();
+    let first = Key::from_parts(n / 2, 0x5e57a47);
+    // A first daemon indexes them, then dies.
+    let d = Serve::start(tmp, "r1", 64 << 20, &disk, a.worker_nice)?;
+    d.until("the index", |s| s.disk.disk_indexed)?;
+    drop(d);
+    let t = Instant::now();
+    let d = Serve::start(tmp, "r2", 64 << 20, &disk, a.worker_nice)?;
+    let c = d.client()?;
+    loop {
+        if c.get(first)?.is_some() {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(600) {
+            return Err("the first GET was never served".into());
+        }
+    }
+    let first_get_s = t.elapsed().as_secs_f64();
+    let s = d.until("the index", |s| s.disk.disk_indexed)?;
+    let all_s = t.elapsed().as_secs_f64();
+    emit(
+        json!({"bench":"disk_restart","blocks":n,"recovered":s.disk.disk_recovered,"first_get_s":first_get_s,
+               "indexed_s":all_s,"index_rebuild_s":s.disk.disk_index_s,"files_made_s":made_s}),
+        format!(
+            "restart after kill -9 with {n} blocks on disk: first GET served after {first_get_s:.3} s, all indexed after {all_s:.3} s (rebuild {:.3} s, {} recovered)",
+            s.disk.disk_index_s, s.disk.disk_recovered
+        ),
+    );
+    Ok(())
+}

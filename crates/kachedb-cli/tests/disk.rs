@@ -1,0 +1,541 @@
+//! The disk tier (`kachedb serve --disk DIR --disk-size SIZE`, docs/disk.md)
+//! with real daemon processes and real files: crashes (`kill -9`) at random
+//! points of a write stream, the directory lock, chains across tiers, and
+//! faults on file systems the test makes (a size-limited tmpfs, a
+//! loop-mounted ext4 image; those need root and skip, saying so, without it).
+//!
+//! `KACHEDB_DISK_KILLS=N` sets the number of kills of the crash test
+//! (default 200; `KACHEDB_SOAK=1`: 1000).
+
+mod common;
+
+use common::*;
+use kachedb_client::{Client, Key};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A daemon serving `tmp`'s socket with the disk tier on `disk`.
+fn disk_daemon(tmp: &TempDir, size: &str, disk: &Path, disk_size: &str, extra: &[&str]) -> Daemon {
+    let mut args = vec!["--disk", disk.to_str().expect("utf-8 path"), "--disk-size", disk_size];
+    args.extend_from_slice(extra);
+    let mut d = Daemon::spawn_with(&tmp.socket(), size, &args);
+    d.wait_ready();
+    d
+}
+
+/// Waits until the disk tier's start-up index is built; its stats then.
+fn indexed(socket: &Path) -> Value {
+    poll_stats_fast(socket, Duration::from_secs(60), "disk index rebuilt", |v| v["disk_indexed"] == true).0
+}
+
+/// Waits until the write-behind queue is empty; the stats then.
+fn drained(socket: &Path) -> Value {
+    poll_stats_fast(socket, Duration::from_secs(60), "disk queue drained", |v| num(v, "disk_queue_blocks") == 0).0
+}
+
+/// The pattern of `key`, `len` bytes.
+fn pattern(key: Key, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    fill(&mut b, seed_of(key));
+    b
+}
+
+/// Files in `dir` (0 if it is missing).
+fn files_in(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map(|rd| rd.count()).unwrap_or(0)
+}
+
+fn block_file(disk: &Path, key: Key) -> PathBuf {
+    disk.join("blocks").join(format!("{:032x}.kdb", key.0))
+}
+
+/// Whether the test runs as root (mounts need it); says why it skips if not.
+fn root_or_skip(test: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    eprintln!("SKIPPED {test}: mounting a tmpfs or an ext4 image needs root (run the suite as root, as CI does)");
+    false
+}
+
+/// A file system mounted for a test, unmounted (lazily) when dropped.
+struct Mount {
+    at: PathBuf,
+    image: Option<PathBuf>,
+}
+
+impl Mount {
+    fn run(cmd: &mut Command) {
+        let out = cmd.output().expect("run a mount tool");
+        assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// A tmpfs of `size` (e.g. "4m") at `at`.
+    fn tmpfs(at: &Path, size: &str) -> Mount {
+        std::fs::create_dir_all(at).expect("mount point");
+        Mount::run(
+            Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"]).arg(at),
+        );
+        Mount { at: at.to_path_buf(), image: None }
+    }
+
+    /// An ext4 image of `mib` MiB, loop-mounted at `at`.
+    fn ext4(at: &Path, mib: u64) -> Mount {
+        std::fs::create_dir_all(at).expect("mount point");
+        let image = at.with_extension("img");
+        let f = std::fs::File::create(&image).expect("image file");
+        f.set_len(mib << 20).expect("size the image");
+        Mount::run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image));
+        Mount::run(Command::new("mount").args(["-o", "loop"]).arg(&image).arg(at));
+        Mount { at: at.to_path_buf(), image: Some(image) }
+    }
+
+    fn remount_ro(&self) {
+        Mount::run(Command::new("mount").args(["-o", "remount,ro"]).arg(&self.at));
+    }
+
+    /// Detaches the file system (lazily: open files stay valid, paths no longer reach it).
+    fn detach(&self) {
+        Mount::run(Command::new("umount").arg("-l").arg(&self.at));
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.at).output();
+        if let Some(i) = &self.image {
+            let _ = std::fs::remove_file(i);
+        }
+    }
+}
+
+/// Kills the daemon at random points of a stream of writes (`kill -9`,
+/// hundreds of times, one directory throughout) and restarts it on the same
+/// directory each time: every block the daemon had reported on disk before
+/// the kill is found again at the restart (`disk_recovered` ≥ the
+/// `disk_blocks` read just before the kill), only unfinished writes are
+/// thrown away (the torn files at start are exactly the temporary files the
+/// kill left), and every block served is the one put, byte for byte.
+#[test]
+fn crash_at_random_points_of_a_write_stream_loses_nothing_reported_written() {
+    let kills = std::env::var("KACHEDB_DISK_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if std::env::var_os("KACHEDB_SOAK").is_some() { 1000 } else { 200 });
+    let tmp = TempDir::new("disk-crash");
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let mut rng = Rng::new(0x26);
+    // Every key put and acknowledged, with its length.
+    let mut put: Vec<(Key, usize)> = Vec::new();
+    let mut reported_before_kill = 0u64;
+    let (mut total_written, mut total_torn, mut total_checked) = (0u64, 0u64, 0u64);
+    for round in 0..=kills {
+        let tmp_files = files_in(&disk.join("tmp"));
+        let d = disk_daemon(&tmp, "16MiB", &disk, "4GiB", &[]);
+        let s = indexed(&socket);
+        let (recovered, torn) = (num(&s, "disk_recovered"), num(&s, "disk_torn"));
+        assert!(
+            recovered >= reported_before_kill,
+            "round {round}: {recovered} blocks recovered, but {reported_before_kill} were reported on disk before the kill"
+        );
+        assert_eq!(torn, tmp_files as u64, "round {round}: torn blocks other than the unfinished writes the kill left");
+        assert_eq!(files_in(&disk.join("tmp")), 0, "round {round}: unfinished writes not cleaned up");
+        total_torn += torn;
+        // A sample of what was ever put (all of it in the last round): absent, or the very bytes.
+        let c = Client::connect(&d.opts()).expect("connect");
+        let sample: Vec<(Key, usize)> = if round == kills {
+            put.clone()
+        } else {
+            (0..put.len().min(24)).map(|_| put[rng.below(put.len() as u64) as usize]).collect()
+        };
+        let mut present = 0u64;
+        for &(key, len) in &sample {
+            if let Some(v) = c.get(key).expect("get") {
+                assert_pattern(&v, key, len, &format!("round {round}, a block filled from disk"));
+                present += 1;
+            }
+        }
+        total_checked += sample.len() as u64;
+        if round == kills {
+            // Every block on disk is one the test put (and was found above).
+            assert_eq!(present, recovered, "blocks on disk vs blocks put and found");
+            assert_eq!(num(&stats_fast(&socket), "disk_torn"), torn, "a block refused at fill time");
+            break;
+        }
+        // A stream of writes (chains of 4 KiB … 128 KiB blocks) from a client
+        // thread, and a kill -9 at a random moment of it.
+        let stop = Arc::new(AtomicBool::new(false));
+        let acked = Arc::new(Mutex::new(Vec::new()));
+        let writer = {
+            let (stop, acked, opts) = (stop.clone(), acked.clone(), d.opts());
+            let mut r = Rng::new(round as u64 + 1);
+            std::thread::spawn(move || {
+                let Ok(c) = Client::connect(&opts) else { return };
+                let mut parent = None;
+                for j in 0.. {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let key = tkey(round as u64 + 1, j);
+                    let len = 4096 * (1 + r.below(32) as usize) - r.below(64) as usize;
+                    if c.put_with_parent(key, parent, &pattern(key, len)).is_err() {
+                        break;
+                    }
+                    acked.lock().unwrap().push((key, len));
+                    parent = Some(key);
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_micros(2000 + rng.below(60_000)));
+        reported_before_kill = num(&stats_fast(&socket), "disk_blocks");
+        total_written += num(&stats_fast(&socket), "disk_writes");
+        d.signal(rustix::process::Signal::KILL);
+        stop.store(true, Ordering::Relaxed);
+        writer.join().expect("writer thread");
+        drop(d);
+        put.extend(acked.lock().unwrap().drain(..));
+    }
+    say(
+        "disk-crash",
+        format!(
+            "{kills} kills; {} blocks put, {total_written} reported written, {total_torn} unfinished writes thrown away, {total_checked} reads checked: 0 wrong bytes, 0 reported blocks lost",
+            put.len()
+        ),
+    );
+    assert!(total_written > kills as u64, "too few writes completed to mean anything ({total_written})");
+}
+
+/// A second daemon on a directory in use is refused with an error naming
+/// the first one's pid; the first keeps serving.
+#[test]
+fn a_second_daemon_on_the_same_disk_dir_is_refused_naming_the_first_ones_pid() {
+    let (a, b) = (TempDir::new("disk-lock-a"), TempDir::new("disk-lock-b"));
+    let disk = a.0.join("disk");
+    let first = disk_daemon(&a, "8MiB", &disk, "64MiB", &[]);
+    let mut second =
+        Daemon::spawn_with(&b.socket(), "8MiB", &["--disk", disk.to_str().unwrap(), "--disk-size", "64MiB"]);
+    let status = second.wait_exit(Duration::from_secs(30)).expect("the second daemon exits");
+    assert!(!status.success());
+    let log = second.log();
+    assert!(
+        log.contains("in use by another kachedb daemon") && log.contains(&format!("pid {}", first.pid())),
+        "the refusal does not name the first daemon's pid {}:\n{log}",
+        first.pid()
+    );
+    assert_eq!(num(&stats_fast(&a.socket()), "disk_capacity_bytes"), 64 << 20);
+    // --disk without --disk-size, and the reverse, are refused.
+    for args in [&["--disk", "/nonexistent-kdb"][..], &["--disk-size", "1GiB"][..]] {
+        let mut d = Daemon::spawn_with(&b.socket(), "8MiB", args);
+        assert!(!d.wait_exit(Duration::from_secs(30)).expect("exits").success(), "{args:?} accepted");
+        assert!(d.log().contains("--disk"), "{args:?}: {}", d.log());
+    }
+}
+
+/// Chains hold on every tier: blocks evicted from the megaslab come back
+/// from disk with their parents (a LOOKUP of the chain reads it whole, the
+/// links are made again), and the disk evicts leaves first: after many
+/// chains were written through a disk too small for them, a restarted
+/// daemon finds of each chain a leading run and nothing behind a hole.
+#[test]
+fn chains_come_back_from_disk_whole_and_the_disk_evicts_leaves_first() {
+    let tmp = TempDir::new("disk-chain");
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    // 12 chains of 8 blocks of 64 KiB (+4 KiB header each on disk): 6.4 MiB
+    // through a 2.5 MiB disk.
+    let chains: Vec<Vec<Key>> = (0..12).map(|c| (0..8).map(|j| tkey(100 + c, j)).collect()).collect();
+    let len = 64 << 10;
+    {
+        let d = disk_daemon(&tmp, "8MiB", &disk, "2560KiB", &["--disk-queue-bytes", "1MiB"]);
+        indexed(&socket);
+        let c = Client::connect(&d.opts()).expect("connect");
+        for chain in &chains {
+            let mut parent = None;
+            for &k in chain {
+                c.put_with_parent(k, parent, &pattern(k, len)).expect("put");
+                parent = Some(k);
+                // One block at a time to disk, so that none is dropped.
+                drained(&socket);
+            }
+        }
+        let s = stats_fast(&socket);
+        assert_eq!(num(&s, "disk_dropped_writes"), 0);
+        assert!(num(&s, "disk_evictions") > 0, "the disk never had to evict: {s}");
+        assert!(num(&s, "disk_bytes") <= 2560 << 10);
+        d.signal(rustix::process::Signal::KILL);
+    }
+    let d = disk_daemon(&tmp, "64MiB", &disk, "2560KiB", &[]);
+    indexed(&socket);
+    let c = Client::connect(&d.opts()).expect("connect");
+    let mut whole = 0;
+    for (n, chain) in chains.iter().enumerate() {
+        // Which blocks of the chain are on disk, each asked alone.
+        let on_disk: Vec<bool> = chain.iter().map(|&k| block_file(&disk, k).exists()).collect();
+        let lead = on_disk.iter().take_while(|&&p| p).count();
+        assert!(on_disk[lead..].iter().all(|&p| !p), "chain {n}: a block on disk behind a hole: {on_disk:?}");
+        // A LOOKUP of the chain (RAM empty) fills the leading run from disk
+        // in one fetch and counts it whole.
+        assert_eq!(c.lookup(chain).expect("lookup"), lead, "chain {n}");
+        let views = c.get_prefix(chain).expect("get_prefix");
+        assert_eq!(views.len(), lead);
+        for (v, &k) in views.iter().zip(chain) {
+            assert_pattern(v, k, len, &format!("chain {n}"));
+        }
+        whole += usize::from(lead == chain.len());
+    }
+    assert!(whole >= 2, "the last chains written should be whole on disk");
+    let s = stats_fast(&socket);
+    // Every block filled named its parent, and each parent was local by then.
+    assert_eq!(num(&s, "parents_missing"), 0, "a parent link lost on the way: {s}");
+    assert!(invariants_ok(&s));
+}
+
+/// A block file corrupted or truncated under the daemon is refused, never
+/// served: truncated before a start (found by the index rebuild), a payload
+/// byte flipped while it runs (found by the fill's checksum); both deleted,
+/// counted in `disk_torn`; a whole block next to them is served.
+#[test]
+fn a_corrupted_or_truncated_block_file_is_a_miss_never_wrong_bytes() {
+    let tmp = TempDir::new("disk-corrupt");
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let keys: Vec<Key> = (0..3).map(|j| tkey(7, j)).collect();
+    let len = 100_000;
+    {
+        let d = disk_daemon(&tmp, "8MiB", &disk, "64MiB", &[]);
+        indexed(&socket);
+        let c = Client::connect(&d.opts()).expect("connect");
+        for &k in &keys {
+            c.put(k, &pattern(k, len)).expect("put");
+        }
+        assert_eq!(num(&drained(&socket), "disk_writes"), 3);
+        d.signal(rustix::process::Signal::KILL);
+    }
+    // Truncated: the last 10 bytes gone.
+    let f = std::fs::OpenOptions::new().write(true).open(block_file(&disk, keys[0])).unwrap();
+    f.set_len(f.metadata().unwrap().len() - 10).unwrap();
+    drop(f);
+    let d = disk_daemon(&tmp, "8MiB", &disk, "64MiB", &[]);
+    let s = indexed(&socket);
+    assert_eq!((num(&s, "disk_recovered"), num(&s, "disk_torn")), (2, 1), "{s}");
+    assert!(!block_file(&disk, keys[0]).exists(), "the truncated file was not deleted");
+    // A payload byte flipped under the running daemon.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(block_file(&disk, keys[1])).unwrap();
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, 4096 + 5000).unwrap();
+        f.write_all_at(&[b[0] ^ 0x40], 4096 + 5000).unwrap();
+    }
+    let c = Client::connect(&d.opts()).expect("connect");
+    assert!(c.get(keys[0]).expect("get").is_none());
+    assert!(c.get(keys[1]).expect("get").is_none(), "a corrupted block was served");
+    let v = c.get(keys[2]).expect("get").expect("the whole block is served");
+    assert_pattern(&v, keys[2], len, "a whole block next to corrupt ones");
+    let s = stats_fast(&socket);
+    assert_eq!(num(&s, "disk_torn"), 2, "{s}");
+    assert_eq!(num(&s, "disk_fills"), 1, "{s}");
+    assert!(!block_file(&disk, keys[1]).exists(), "the corrupted file was not deleted");
+    assert_eq!(num(&s, "disk_blocks"), 1, "{s}");
+}
+
+/// Disk full (ENOSPC) on a 4 MiB tmpfs under a 64 MiB `--disk-size`: the
+/// writes that do not fit fail, counted in `disk_errors`, their temporary
+/// files removed; the daemon serves on, and after a restart every block on
+/// disk is a whole one.
+#[test]
+fn a_full_disk_is_write_errors_and_misses_not_a_dead_daemon() {
+    if !root_or_skip("a_full_disk_is_write_errors_and_misses_not_a_dead_daemon") {
+        return;
+    }
+    let tmp = TempDir::new("disk-full");
+    let mnt = Mount::tmpfs(&tmp.0.join("mnt"), "4m");
+    let disk = mnt.at.join("disk");
+    let socket = tmp.socket();
+    let keys: Vec<Key> = (0..32).map(|j| tkey(9, j)).collect();
+    let len = 256 << 10;
+    {
+        let d = disk_daemon(&tmp, "32MiB", &disk, "64MiB", &[]);
+        indexed(&socket);
+        let c = Client::connect(&d.opts()).expect("connect");
+        for &k in &keys {
+            c.put(k, &pattern(k, len)).expect("put");
+            drained(&socket);
+        }
+        let s = stats_fast(&socket);
+        assert!(num(&s, "disk_errors") > 0, "no write failed on a full disk: {s}");
+        assert!(num(&s, "disk_writes") > 0, "nothing was written: {s}");
+        assert_eq!(files_in(&disk.join("tmp")), 0, "a failed write left its temporary file");
+        // Still serving, from RAM.
+        for &k in &keys {
+            assert_pattern(&c.get(k).expect("get").expect("in RAM"), k, len, "after ENOSPC");
+        }
+        assert!(invariants_ok(&stats_fast(&socket)));
+        d.signal(rustix::process::Signal::KILL);
+    }
+    let d = disk_daemon(&tmp, "32MiB", &disk, "64MiB", &[]);
+    let s = indexed(&socket);
+    assert_eq!(num(&s, "disk_torn"), 0, "{s}");
+    let c = Client::connect(&d.opts()).expect("connect");
+    let mut found = 0;
+    for &k in &keys {
+        if let Some(v) = c.get(k).expect("get") {
+            assert_pattern(&v, k, len, "after a restart on a full disk");
+            found += 1;
+        }
+    }
+    assert_eq!(found as u64, num(&s, "disk_recovered"));
+    drop(d);
+    drop(mnt);
+}
+
+/// The disk's file system goes read-only under the daemon, then away (an
+/// ext4 image remounted read-only, then detached): writes fail (counted),
+/// fills keep working while the files are readable and are misses once they
+/// are gone; the daemon serves throughout, and its invariants hold.
+#[test]
+fn a_read_only_then_vanished_disk_turns_into_errors_and_misses() {
+    if !root_or_skip("a_read_only_then_vanished_disk_turns_into_errors_and_misses") {
+        return;
+    }
+    let tmp = TempDir::new("disk-ro");
+    let mnt = Mount::ext4(&tmp.0.join("mnt"), 32);
+    let disk = mnt.at.join("disk");
+    let socket = tmp.socket();
+    let len = 512 << 10;
+    let first: Vec<Key> = (0..8).map(|j| tkey(11, j)).collect();
+    let later: Vec<Key> = (0..24).map(|j| tkey(12, j)).collect();
+    let mut d = disk_daemon(&tmp, "8MiB", &disk, "16MiB", &["--disk-queue-bytes", "1MiB"]);
+    indexed(&socket);
+    let c = Client::connect(&d.opts()).expect("connect");
+    for &k in &first {
+        c.put(k, &pattern(k, len)).expect("put");
+        drained(&socket);
+    }
+    assert_eq!(num(&stats_fast(&socket), "disk_writes"), 8);
+    mnt.remount_ro();
+    // These push the first blocks out of the 8 MiB megaslab; none reaches the disk.
+    for &k in &later {
+        c.put(k, &pattern(k, len)).expect("put");
+        drained(&socket);
+    }
+    let s = stats_fast(&socket);
+    assert_eq!(num(&s, "disk_writes"), 8, "{s}");
+    assert!(num(&s, "disk_errors") >= 1, "{s}");
+    // Read-only: the first blocks still come back from disk.
+    for &k in &first {
+        let v = c.get(k).expect("get").expect("filled from a read-only disk");
+        assert_pattern(&v, k, len, "from a read-only disk");
+    }
+    // Vanished: push them out of RAM again, detach the file system.
+    for &k in &later {
+        drop(c.get(k).expect("get"));
+    }
+    mnt.detach();
+    for (i, &k) in first.iter().chain(&later).enumerate() {
+        if let Some(v) = c.get(k).expect("get") {
+            assert_pattern(&v, k, len, "after the disk vanished");
+        }
+        c.put(tkey(13, i as u64), &[1u8; 4096]).expect("puts still work");
+    }
+    drained(&socket);
+    let s = stats_fast(&socket);
+    assert!(invariants_ok(&s), "{s}");
+    assert!(d.child.try_wait().expect("try_wait").is_none(), "the daemon died:\n{}", d.log());
+    drop(c);
+    drop(d);
+}
+
+/// A takeover hands the disk tier over: the old daemon stops its tier and
+/// lets go of the directory's lock, the new one (`--takeover --disk` on the
+/// same directory) locks it, indexes what is there and fills from it; a
+/// third daemon is refused naming the new daemon's pid.
+#[test]
+fn a_takeover_hands_the_disk_tier_over() {
+    let (tmp, other) = (TempDir::new("disk-takeover"), TempDir::new("disk-takeover-3"));
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let args = ["--disk", disk.to_str().unwrap(), "--disk-size", "64MiB"];
+    let mut old = disk_daemon(&tmp, "16MiB", &disk, "64MiB", &[]);
+    indexed(&socket);
+    let c = Client::connect(&old.opts()).expect("connect");
+    let keys: Vec<Key> = (0..6).map(|j| tkey(21, j)).collect();
+    let len = 300_000;
+    let mut parent = None;
+    for &k in &keys {
+        c.put_with_parent(k, parent, &pattern(k, len)).expect("put");
+        parent = Some(k);
+    }
+    assert_eq!(num(&drained(&socket), "disk_writes"), 6);
+    let mut new = Daemon::spawn_with(&socket, "16MiB", &[&["--takeover"][..], &args[..]].concat());
+    let t = std::time::Instant::now();
+    while !new.log().contains("took over") {
+        if let Ok(Some(s)) = new.child.try_wait() {
+            new.wait_exit(Duration::from_secs(5));
+            panic!("the new daemon exited ({s}):\n{}", new.log());
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "no takeover:\n{}", new.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(old.wait_exit(Duration::from_secs(30)).expect("the old daemon exits").success(), "{}", old.log());
+    let s = indexed(&socket);
+    assert_eq!(num(&s, "disk_recovered"), 6, "{s}");
+    assert_eq!(std::fs::read_to_string(disk.join("lock")).unwrap().trim(), new.pid().to_string());
+    // The client kept its connection; its blocks dropped from RAM come back from disk, chained.
+    assert_eq!(c.delete_many(&keys).expect("delete"), 6);
+    assert_eq!(c.lookup(&keys).expect("lookup"), 6);
+    for &k in &keys {
+        assert_pattern(&c.get(k).expect("get").expect("filled"), k, len, "after the takeover");
+    }
+    let s = stats_fast(&socket);
+    assert_eq!((num(&s, "disk_fills"), num(&s, "parents_missing")), (6, 0), "{s}");
+    // The new daemon writes behind as the old one did.
+    c.put(tkey(22, 0), &pattern(tkey(22, 0), 5000)).expect("put");
+    assert_eq!(num(&drained(&socket), "disk_writes"), 1);
+    let mut third = Daemon::spawn_with(&other.socket(), "8MiB", &args);
+    assert!(!third.wait_exit(Duration::from_secs(30)).expect("exits").success());
+    assert!(third.log().contains(&format!("pid {}", new.pid())), "{}", third.log());
+}
+
+/// The page cache is not a second copy: after blocks are written behind
+/// and filled back, the kernel's page cache holds none of the tier's block
+/// files (`fincore`). Skips when `fincore` (util-linux) is missing.
+#[test]
+fn the_page_cache_keeps_no_copy_of_the_blocks_written_or_filled() {
+    if Command::new("fincore").arg("--version").output().is_err() {
+        eprintln!("SKIPPED the_page_cache_keeps_no_copy_of_the_blocks_written_or_filled: no fincore (util-linux)");
+        return;
+    }
+    let tmp = TempDir::new("disk-pagecache");
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let d = disk_daemon(&tmp, "32MiB", &disk, "256MiB", &[]);
+    indexed(&socket);
+    let c = Client::connect(&d.opts()).expect("connect");
+    let keys: Vec<Key> = (0..16).map(|j| tkey(31, j)).collect();
+    for &k in &keys {
+        c.put(k, &pattern(k, 1 << 20)).expect("put");
+        drained(&socket);
+    }
+    assert_eq!(num(&stats_fast(&socket), "disk_writes"), 16);
+    let cached = || -> u64 {
+        let files: Vec<PathBuf> = keys.iter().map(|&k| block_file(&disk, k)).collect();
+        let out = Command::new("fincore")
+            .args(["--bytes", "--noheadings", "--raw", "--output", "RES"])
+            .args(&files)
+            .output()
+            .expect("fincore");
+        assert!(out.status.success(), "fincore: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim().parse::<u64>().expect("a number")).sum()
+    };
+    assert_eq!(cached(), 0, "written blocks left in the page cache");
+    assert_eq!(c.delete_many(&keys).expect("delete"), 16);
+    assert_eq!(c.lookup(&keys).expect("lookup"), 16);
+    assert_eq!(num(&stats_fast(&socket), "disk_fills"), 16);
+    assert_eq!(cached(), 0, "filled blocks left in the page cache");
+}

@@ -1,0 +1,276 @@
+//! What a block looks like on disk: its file's name and its header. Every
+//! rule of the disk format lives here (docs/disk.md describes the same
+//! layout).
+//!
+//! # Files
+//!
+//! `DIR/blocks/<key as 32 lowercase hex digits>.kdb` holds one block: a
+//! [`HEADER_AREA`]-byte header area (the [`HEADER_LEN`]-byte header, then
+//! zeros) followed by the tensor bytes, so the file is exactly
+//! `HEADER_AREA + len` bytes long. The payload starts on a 4 KiB boundary:
+//! on a 4 KiB-block file system the header area costs nothing for payloads
+//! of whole pages, and the payload can be read with `O_DIRECT`.
+//!
+//! A block is written to `DIR/tmp/<key hex>.<n>.tmp`, synced, and renamed
+//! to its name: a file under `blocks/` is complete (or, after damage, fails
+//! its checks); a file under `tmp/` is a write the daemon did not finish
+//! and is deleted at start.
+//!
+//! # Header, little-endian
+//!
+//! ```text
+//! 0   magic b"KDBD"
+//! 4   u16 format version (FORMAT_VERSION)
+//! 6   u16 header length (HEADER_LEN)
+//! 8   u8  dtype code, u8 ndim, u8 flags (bit 0: has a parent), u8 zero
+//! 12  u32 payload offset (HEADER_AREA)
+//! 16  u32 dims[6] (unused dims zero)
+//! 40  u64 tensor length, bytes
+//! 48  u128 block key
+//! 64  u128 parent key (zero without a parent)
+//! 80  u64 when written, Unix milliseconds (informational)
+//! 88  u64 xxh3-64 of the tensor bytes
+//! 96  u64 xxh3-64 of header bytes 0..96
+//! 104 24 zero bytes
+//! ```
+//!
+//! The header checksum covers the payload checksum, so together they cover
+//! header and payload. A reader checks everything: [`Header::decode`]
+//! refuses a wrong magic, version, length, key, dtype, shape (vs. length),
+//! payload offset or header checksum; the payload is refused by the fill if
+//! the file is not exactly `HEADER_AREA + len` bytes or its bytes do not hash
+//! to the header's checksum.
+
+use kachedb_shm::{DType, Shape};
+use std::path::{Path, PathBuf};
+use xxhash_rust::xxh3::xxh3_64;
+
+/// First bytes of every header.
+pub const MAGIC: [u8; 4] = *b"KDBD";
+/// The format this code writes and the only one it reads.
+pub const FORMAT_VERSION: u16 = 1;
+/// Header bytes.
+pub const HEADER_LEN: usize = 128;
+/// Bytes before the payload (the header, then zeros).
+pub const HEADER_AREA: u64 = 4096;
+/// Most dims a shape has.
+const MAX_DIMS: usize = 6;
+/// Suffix of a block file.
+const BLOCK_SUFFIX: &str = ".kdb";
+
+/// Why a block file is not a block.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FormatError {
+    /// The file is shorter than a header.
+    #[error("file shorter than a header ({0} bytes)")]
+    Short(usize),
+    /// The magic is wrong.
+    #[error("not a kachedb disk block (bad magic)")]
+    Magic,
+    /// A format version this daemon does not read.
+    #[error("format version {0} (this daemon reads {FORMAT_VERSION})")]
+    Version(u16),
+    /// The header checksum does not match.
+    #[error("header checksum mismatch")]
+    HeaderChecksum,
+    /// The header names another key than the file's name.
+    #[error("header key mismatch")]
+    Key,
+    /// Dtype, shape, length or offsets are inconsistent.
+    #[error("inconsistent header: {0}")]
+    Inconsistent(&'static str),
+    /// The file is not `HEADER_AREA + len` bytes long (a torn or truncated write).
+    #[error("file is {got} bytes where the header implies {want}")]
+    FileLen {
+        /// Its length.
+        got: u64,
+        /// The length the header implies.
+        want: u64,
+    },
+    /// The tensor bytes do not hash to the header's checksum.
+    #[error("payload checksum mismatch")]
+    Checksum,
+}
+
+/// A block's header, as written or as decoded and checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Block key.
+    pub key: u128,
+    /// The parent the client named at its commit, if any.
+    pub parent: Option<u128>,
+    /// Element type.
+    pub dtype: DType,
+    /// Dims.
+    pub shape: Shape,
+    /// Tensor bytes.
+    pub len: u64,
+    /// When written, Unix milliseconds.
+    pub written_ms: u64,
+    /// xxh3-64 of the tensor bytes.
+    pub checksum: u64,
+}
+
+/// The xxh3-64 of a block's tensor bytes.
+pub fn checksum(payload: &[u8]) -> u64 {
+    xxh3_64(payload)
+}
+
+/// The file of block `key` under `blocks` (`DIR/blocks`).
+pub fn block_path(blocks: &Path, key: u128) -> PathBuf {
+    blocks.join(format!("{key:032x}{BLOCK_SUFFIX}"))
+}
+
+/// The key a block file's name gives, if it is a block file's name.
+pub fn key_of_name(name: &str) -> Option<u128> {
+    let hex = name.strip_suffix(BLOCK_SUFFIX)?;
+    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return None;
+    }
+    u128::from_str_radix(hex, 16).ok()
+}
+
+/// The bytes a block file of `len` tensor bytes has.
+pub fn file_len(len: u64) -> u64 {
+    HEADER_AREA.saturating_add(len)
+}
+
+impl Header {
+    /// The header area: the header, then zeros up to [`HEADER_AREA`].
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; HEADER_AREA as usize];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&(HEADER_LEN as u16).to_le_bytes());
+        b[8] = self.dtype as u8;
+        b[9] = self.shape.ndim() as u8;
+        b[10] = u8::from(self.parent.is_some());
+        b[12..16].copy_from_slice(&(HEADER_AREA as u32).to_le_bytes());
+        for (i, d) in self.shape.dims().iter().enumerate() {
+            b[16 + 4 * i..20 + 4 * i].copy_from_slice(&d.to_le_bytes());
+        }
+        b[40..48].copy_from_slice(&self.len.to_le_bytes());
+        b[48..64].copy_from_slice(&self.key.to_le_bytes());
+        b[64..80].copy_from_slice(&self.parent.unwrap_or(0).to_le_bytes());
+        b[80..88].copy_from_slice(&self.written_ms.to_le_bytes());
+        b[88..96].copy_from_slice(&self.checksum.to_le_bytes());
+        let hc = xxh3_64(&b[..96]);
+        b[96..104].copy_from_slice(&hc.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks the header at the start of the file of `key`.
+    pub fn decode(bytes: &[u8], key: u128) -> Result<Header, FormatError> {
+        if bytes.len() < HEADER_LEN {
+            return Err(FormatError::Short(bytes.len()));
+        }
+        let b = &bytes[..HEADER_LEN];
+        let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
+        let u128_at = |o: usize| u128::from_le_bytes(b[o..o + 16].try_into().unwrap_or([0; 16]));
+        if b[0..4] != MAGIC {
+            return Err(FormatError::Magic);
+        }
+        let version = u16_at(4);
+        if version != FORMAT_VERSION {
+            return Err(FormatError::Version(version));
+        }
+        if usize::from(u16_at(6)) != HEADER_LEN {
+            return Err(FormatError::Inconsistent("header length"));
+        }
+        if xxh3_64(&b[..96]) != u64_at(96) {
+            return Err(FormatError::HeaderChecksum);
+        }
+        if u128_at(48) != key {
+            return Err(FormatError::Key);
+        }
+        if u64::from(u32_at(12)) != HEADER_AREA {
+            return Err(FormatError::Inconsistent("payload offset"));
+        }
+        let dtype = DType::from_code(b[8]).ok_or(FormatError::Inconsistent("dtype"))?;
+        let ndim = usize::from(b[9]);
+        if ndim > MAX_DIMS {
+            return Err(FormatError::Inconsistent("ndim"));
+        }
+        if (ndim..MAX_DIMS).any(|i| u32_at(16 + 4 * i) != 0) {
+            return Err(FormatError::Inconsistent("unused dims"));
+        }
+        let dims: Vec<u64> = (0..ndim).map(|i| u64::from(u32_at(16 + 4 * i))).collect();
+        let shape = Shape::new(&dims).ok_or(FormatError::Inconsistent("shape"))?;
+        let len = u64_at(40);
+        if shape.check_len(dtype, len).is_err() {
+            return Err(FormatError::Inconsistent("shape vs length"));
+        }
+        let parent = match b[10] {
+            0 => None,
+            1 => Some(u128_at(64)),
+            _ => return Err(FormatError::Inconsistent("flags")),
+        };
+        Ok(Header { key, parent, dtype, shape, len, written_ms: u64_at(80), checksum: u64_at(88) })
+    }
+
+    /// Checks that a file of `got` bytes holds this header's block whole.
+    pub fn check_file_len(&self, got: u64) -> Result<(), FormatError> {
+        let want = file_len(self.len);
+        if got == want {
+            Ok(())
+        } else {
+            Err(FormatError::FileLen { got, want })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> Header {
+        Header {
+            key: 0x1234_5678_9abc_def0_1122_3344_5566_7788,
+            parent: Some(42),
+            dtype: DType::F16,
+            shape: Shape::new(&[2, 3, 4]).unwrap(),
+            len: 48,
+            written_ms: 1_700_000_000_000,
+            checksum: checksum(&[7u8; 48]),
+        }
+    }
+
+    #[test]
+    fn a_header_round_trips_and_every_byte_of_it_is_checked() {
+        let h = header();
+        let b = h.encode();
+        assert_eq!(b.len() as u64, HEADER_AREA);
+        assert_eq!(Header::decode(&b, h.key), Ok(h));
+        let no_parent = Header { parent: None, ..h };
+        assert_eq!(Header::decode(&no_parent.encode(), h.key), Ok(no_parent));
+        // Any flipped bit of the header (checksummed bytes) is refused.
+        for i in 0..104 {
+            let mut bad = b.clone();
+            bad[i] ^= 0x10;
+            assert!(Header::decode(&bad, h.key).is_err(), "byte {i} flipped was accepted");
+        }
+        assert_eq!(Header::decode(&b, h.key + 1), Err(FormatError::Key));
+        assert_eq!(Header::decode(&b[..100], h.key), Err(FormatError::Short(100)));
+    }
+
+    #[test]
+    fn file_names_map_to_keys_and_back() {
+        let k = 0xabcdef_u128 << 64 | 7;
+        let p = block_path(Path::new("/d/blocks"), k);
+        let name = p.file_name().unwrap().to_str().unwrap();
+        assert_eq!(key_of_name(name), Some(k));
+        assert_eq!(key_of_name("0123.kdb"), None);
+        assert_eq!(key_of_name(&name.to_uppercase()), None);
+        assert_eq!(key_of_name(&name.replace(".kdb", ".tmp")), None);
+    }
+
+    #[test]
+    fn a_file_of_the_wrong_length_is_refused() {
+        let h = header();
+        assert!(h.check_file_len(HEADER_AREA + 48).is_ok());
+        assert!(h.check_file_len(HEADER_AREA + 47).is_err());
+        assert!(h.check_file_len(HEADER_AREA + 49).is_err());
+    }
+}
