@@ -165,8 +165,9 @@ pub trait Tier: Send + std::fmt::Debug {
     /// Stops the tier's work for a takeover: when this returns, nothing of
     /// the tier touches the megaslab any more; jobs not done are dropped (the
     /// serve loop drops their pins and reservations with the tier's session).
-    /// A tier hands nothing over: the new daemon's tier finds what it needs
-    /// from its own configuration. Dropping a running tier stops it too (at
+    /// A tier hands nothing over in memory: the new daemon's tier finds what
+    /// it needs from its own configuration (the disk tier: its directory,
+    /// whose lock it lets go of here). Dropping a running tier stops it too (at
     /// shutdown).
     fn stop(self: Box<Self>) -> Box<dyn StoppedTier>;
 }

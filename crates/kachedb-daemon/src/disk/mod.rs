@@ -69,8 +69,8 @@ const WRITERS: usize = 2;
 const READERS: usize = 2;
 /// Threads reading headers at start.
 const INDEX_THREADS: usize = 8;
-/// Blocks up to this size have their payload asked for ahead
-/// (`POSIX_FADV_WILLNEED`) when a fetch starts.
+/// Block files up to this size are asked for ahead, whole
+/// (`POSIX_FADV_WILLNEED`), when a fetch starts.
 const WILLNEED_MAX_BYTES: u64 = 8 << 20;
 
 /// How the disk tier is set up (`kachedb serve --disk …`).
@@ -679,20 +679,28 @@ fn read_loop(s: &Shared) {
 /// Runs one fetch; the reservations filled, with their tensor bytes.
 fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     let cells = s.cells();
-    let mut found: Vec<(Header, File)> = Vec::new();
+    // Open every file of the fetch first and ask the kernel for the small
+    // ones whole at once (`POSIX_FADV_WILLNEED`): the header and payload
+    // reads below then find them in flight or cached instead of waiting one
+    // by one; large files are read ahead by the sequential reads themselves.
+    let mut opened: Vec<(u128, File)> = Vec::with_capacity(job.keys.len());
     for &key in &job.keys {
-        let f = match File::open(format::block_path(&s.blocks_dir, key)) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                DiskCells::add(&cells.misses, 1);
-                continue;
+        match File::open(format::block_path(&s.blocks_dir, key)) {
+            Ok(f) => {
+                if let Some(len) = f.metadata().ok().map(|m| m.len()).filter(|&l| l <= WILLNEED_MAX_BYTES) {
+                    let _ = rustix::fs::fadvise(&f, 0, std::num::NonZeroU64::new(len), rustix::fs::Advice::WillNeed);
+                }
+                opened.push((key, f));
             }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => DiskCells::add(&cells.misses, 1),
             Err(e) => {
                 DiskCells::add(&cells.errors, 1);
                 tracing::debug!(key = %format_args!("{key:032x}"), "disk read failed: {e}");
-                continue;
             }
-        };
+        }
+    }
+    let mut found: Vec<(Header, File)> = Vec::new();
+    for (key, f) in opened {
         let mut b = [0u8; format::HEADER_LEN];
         let checked = f
             .read_exact_at(&mut b, 0)
@@ -710,19 +718,6 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     }
     if found.is_empty() {
         return Vec::new();
-    }
-    // Small blocks: ask the kernel for all their payloads at once (the reads
-    // below then find them in flight or cached instead of waiting one by
-    // one); large ones are read ahead by the sequential reads themselves.
-    for (h, f) in &found {
-        if h.len <= WILLNEED_MAX_BYTES {
-            let _ = rustix::fs::fadvise(
-                f,
-                format::HEADER_AREA,
-                std::num::NonZeroU64::new(h.len),
-                rustix::fs::Advice::WillNeed,
-            );
-        }
     }
     let specs = found
         .iter()
@@ -771,6 +766,10 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
                 tracing::debug!(key = %format_args!("{:032x}", h.key), "disk read failed: {e}");
             }
         }
+    }
+    // What a WILLNEED brought in and no fill read (no room, a stop) goes too.
+    for (_, f) in &found {
+        drop_cache(f);
     }
     filled
 }
