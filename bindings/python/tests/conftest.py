@@ -20,12 +20,6 @@ except ImportError:  # pragma: no cover - hypothesis is a test dependency
     pass
 
 
-def live_buffers() -> int:
-    """Test buffers whose memory is still allocated, after a full collection."""
-    gc.collect()
-    return rust._live_test_buffers()
-
-
 @pytest.fixture
 def no_leak():
     """Fails the test if it leaves a test buffer alive."""
@@ -36,7 +30,7 @@ def no_leak():
 
 # --- daemons ---------------------------------------------------------------------
 
-from kdb_support import Daemon, poll_until  # noqa: E402
+from kdb_support import Daemon, assert_no_pins, live_buffers, poll_until  # noqa: E402,F401
 
 #: Seconds any one test may run; a hang (e.g. inside native code, where a
 #: signal cannot interrupt it) fails the run instead of blocking CI.
@@ -80,20 +74,6 @@ def make_daemon():
         except AssertionError as e:
             errors.append(str(e))
     assert not errors, errors
-
-
-def assert_no_pins(daemon, timeout=10.0):
-    """Waits (collecting garbage) until the daemon holds no pins nor reservations."""
-    last = {}
-
-    def clean():
-        last.update(daemon.stats())
-        return last["pins"] == 0 and last["reserved"] == 0
-
-    try:
-        poll_until(clean, timeout, "pins and reservations to drop to 0")
-    except AssertionError:
-        raise AssertionError(f"pins={last.get('pins')} reserved={last.get('reserved')} after the test") from None
 
 
 @pytest.fixture

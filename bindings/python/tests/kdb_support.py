@@ -249,3 +249,23 @@ def wait_for_in_child(socket: str, key: str, conn: Any) -> None:
     except Exception as e:
         conn.send(repr(e))
     kc.close()
+
+
+def live_buffers() -> int:
+    """Test buffers whose memory is still allocated, after a full collection."""
+    gc.collect()
+    return kachedb._kachedb_rust._live_test_buffers()
+
+
+def assert_no_pins(daemon, timeout=10.0):
+    """Waits (collecting garbage) until the daemon holds no pins nor reservations."""
+    last = {}
+
+    def clean():
+        last.update(daemon.stats())
+        return last["pins"] == 0 and last["reserved"] == 0
+
+    try:
+        poll_until(clean, timeout, "pins and reservations to drop to 0")
+    except AssertionError:
+        raise AssertionError(f"pins={last.get('pins')} reserved={last.get('reserved')} after the test") from None

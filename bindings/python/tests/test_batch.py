@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kachedb
-from conftest import assert_no_pins
+from kdb_support import assert_no_pins
 
 torch = pytest.importorskip("torch")
 

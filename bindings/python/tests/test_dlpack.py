@@ -10,7 +10,7 @@ import pytest
 
 from kachedb import _kachedb_rust as rust
 
-from conftest import live_buffers
+from kdb_support import live_buffers
 
 torch = pytest.importorskip("torch")
 

@@ -9,7 +9,7 @@ from kachedb import _dtypes as d
 from kachedb import _kachedb_rust as rust
 from kachedb import _views as v
 
-from conftest import live_buffers
+from kdb_support import live_buffers
 
 torch = pytest.importorskip("torch")
 
