@@ -16,6 +16,10 @@ Three engine processes, each fresh, on one daemon (the real binary) and one mode
    the prompt's blocks), then the same prompt again (in-engine hit with the connector on).
 3. ``reader``: KacheDB on, a fresh process. Each prompt's first request: a KacheDB hit
    (the prompt's blocks loaded from the daemon).
+4. ``disk reader`` (``--disk-restart``, the default): the daemon runs with a disk tier
+   (``--disk DIR``); after the writer's blocks are all on disk it is killed with
+   ``kill -9`` and a new daemon is started on the same DIR, with an empty megaslab.
+   A fresh engine's first request of each prompt: its blocks filled from the disk tier.
 
 TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` (in-process engine).
 Figures are medians over ``--reps`` prompts. Goals (issue 10): KacheDB hit within
@@ -94,6 +98,24 @@ def run_engine(tmp, name, spec):
     return json.loads(Path(spec["out"]).read_text())
 
 
+def cli_stats(binary, sock):
+    """``kachedb stats --json`` (it has the disk tier's counters)."""
+    out = subprocess.run([binary, "stats", "--json", "--socket", sock], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def wait_written(binary, sock, blocks, timeout_s=300.0):
+    """Waits until the disk tier reports ``blocks`` written and its queue empty; the count."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = cli_stats(binary, sock)
+        if s["disk_writes"] >= blocks and s["disk_queue_blocks"] == 0:
+            return s["disk_writes"]
+        if time.monotonic() > deadline:
+            sys.exit(f"the disk tier wrote {s['disk_writes']} of {blocks} blocks in {timeout_s} s")
+        time.sleep(0.2)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -103,6 +125,9 @@ def main():
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--store-mode", default="batched", choices=["batched", "reserve"])
     ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "kachedb"), help="the daemon binary")
+    ap.add_argument("--disk-restart", action=argparse.BooleanOptionalAction, default=True,
+                    help="also kill -9 the daemon after the writer stored, restart it on the same --disk DIR and time "
+                         "a fresh engine's hit from the disk tier (default: on)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.engine:
@@ -120,12 +145,24 @@ def main():
     prompts = [[rng.randrange(8192) for _ in range(a.tokens)] for _ in range(a.reps)]
     max_len = max(4096, a.tokens + 64)
     sock = os.path.join(tmp, "kachedb.sock")
-    daemon = Daemon(sock, "2GiB", binary=a.bin).start()
+    disk_dir = os.path.join(tmp, "disk")
+    extra = ["--disk", disk_dir, "--disk-size", "4GiB"] if a.disk_restart else []
+    daemon = Daemon(sock, "2GiB", extra, binary=a.bin).start()
+    disk = None
     try:
         common = dict(model=model, max_model_len=max_len, prompts=prompts, options={"store_mode": a.store_mode})
         base = run_engine(tmp, "baseline", dict(common, socket=None, repeat=True))
         writer = run_engine(tmp, "writer", dict(common, socket=sock, repeat=True))
         reader = run_engine(tmp, "reader", dict(common, socket=sock))
+        if a.disk_restart:
+            stored = writer["stats"]["stored_blocks"]
+            written = wait_written(a.bin, sock, stored)
+            daemon.kill()
+            daemon = Daemon(sock, "2GiB", extra, binary=a.bin).start()
+            disk_reader = run_engine(tmp, "disk_reader", dict(common, socket=sock))
+            after = cli_stats(a.bin, sock)
+            disk = {"blocks_written_before_kill": written, "disk_fills": after["disk_fills"],
+                    "disk_recovered": after.get("disk_recovered"), "runs": disk_reader}
     finally:
         daemon.stop()
 
@@ -137,6 +174,9 @@ def main():
     kdb_hit = med([r["first"][0] for r in reader["runs"]])
     same_tokens = all(r["first"][2] == w["first"][2] == b["first"][2]
                       for r, w, b in zip(reader["runs"], writer["runs"], base["runs"]))
+    if disk is not None:
+        same_tokens = same_tokens and all(d["first"][2] == b["first"][2]
+                                          for d, b in zip(disk["runs"]["runs"], base["runs"]))
     ws, rs = writer["stats"], reader["stats"]
     blk_bytes = ws["namespaces"]["rank0"]["bytes_per_block"]
     out = {
@@ -163,6 +203,12 @@ def main():
         "load_blocks_per_step": rs["loaded_blocks"] / max(1, rs["load_batches"]),
         "load_GBps": rs["loaded_blocks"] * blk_bytes / max(1e-9, rs["load_seconds"]) / 1e9,
         "startup_s": {"baseline": base["startup_s"], "writer": writer["startup_s"], "reader": reader["startup_s"]},
+        "disk_restart": None if disk is None else {
+            "ttft_disk_hit_s": med([r["first"][0] for r in disk["runs"]["runs"]]),
+            "num_cached_tokens_disk_hit": [r["first"][1] for r in disk["runs"]["runs"]],
+            "blocks_written_before_kill": disk["blocks_written_before_kill"],
+            "disk_fills": disk["disk_fills"], "disk_recovered": disk["disk_recovered"],
+        },
         "goals": {"kachedb_hit_within_1.5x_prefix_hit": kdb_hit <= 1.5 * prefix_hit,
                   "kachedb_hit_at_most_10pct_cold": kdb_hit <= 0.10 * cold_plain},
     }
@@ -175,6 +221,11 @@ def main():
     print(f"  TTFT vLLM prefix-cache hit   {prefix_hit * 1e3:9.1f} ms  (in the KacheDB engine: {prefix_hit_conn * 1e3:.1f} ms)")
     print(f"  TTFT KacheDB hit (fresh eng) {kdb_hit * 1e3:9.1f} ms  = {kdb_hit / prefix_hit:.2f}x prefix hit, "
           f"{100 * kdb_hit / cold_plain:.1f} % of cold")
+    if disk is not None:
+        dh = out["disk_restart"]["ttft_disk_hit_s"]
+        print(f"  TTFT disk-tier hit after kill -9 and restart {dh * 1e3:9.1f} ms  = {dh / prefix_hit:.2f}x prefix hit, "
+              f"{dh / kdb_hit:.2f}x KacheDB RAM hit, {100 * dh / cold_plain:.1f} % of cold "
+              f"({disk['blocks_written_before_kill']} blocks on disk at the kill, {disk['disk_fills']} filled)")
     print(f"  store {out['store_ms_per_block']:.3f} ms/block, {out['store_ms_per_step']:.2f} ms/step "
           f"({out['store_blocks_per_step']:.0f} blocks of {blk_bytes / 2**20:.2f} MiB, {out['store_GBps']:.2f} GB/s)")
     print(f"  load  {out['load_ms_per_block']:.3f} ms/block, {out['load_ms_per_step']:.2f} ms/step "
