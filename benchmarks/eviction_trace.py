@@ -9,6 +9,7 @@ chain-aware eviction (``kachedb serve --eviction lru|chain``), at 25 %, 50 % and
     python benchmarks/eviction_trace.py --requests 4000 --seed 7 --bin target/release/kachedb
     python benchmarks/eviction_trace.py --engines 0     # the daemon alone, head-first LOOKUPs
     python benchmarks/eviction_trace.py --routing random --store computed
+    python benchmarks/eviction_trace.py --capacities 0.25 --policies chain --disk-sizes 1,4   # + a disk tier
 
 The trace (seeded, the same for every run): a few shared system prompts
 (Zipf popularity), many conversations growing turn by turn on top of one
@@ -57,6 +58,16 @@ Measured per run:
   resident blocks: it does not change what is evicted later;
 * the daemon's ``evictions`` and ``links_cut_by_eviction`` (holes eviction made).
 
+With ``--disk-sizes M,N`` every run is repeated with a disk tier behind the
+megaslab (``kachedb serve --disk``) holding M (N) times the blocks the megaslab
+holds, once per ``--disk-admits`` policy (``first``: every block written at its
+commit; ``second``: only blocks requested again while in RAM, or committed
+again; docs/disk.md). The served tokens then count the blocks the daemon served
+from RAM or filled from disk (a LOOKUP that misses in RAM fills from disk);
+``disk_fills``, ``disk_writes`` and ``disk_dropped_writes`` say how. The replay
+waits for the write-behind queue to drain after each request, so the figures
+do not depend on the disk's speed.
+
 Not a timing benchmark: figures are counts, the same on any machine for one
 seed. The lead's figures: ``python benchmarks/eviction_trace.py --json``.
 """
@@ -68,7 +79,9 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +91,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from harness.daemon import Daemon  # noqa: E402
 
 BLOCK_BYTES = 4096  # one page: capacity in blocks is exact
+DISK_BLOCK_BYTES = 8192  # a block file on disk: the 4 KiB header area + one page
+DISK_ADMITS = ("first", "second")
 POLICIES = ("lru", "chain")
 CAPACITIES = (0.25, 0.50, 0.75)
 SAMPLE_AT = (0.25, 0.50, 0.75, 1.0)
@@ -438,13 +453,26 @@ class FleetReplay(Replay):
         return n_local, loaded
 
 
+def drain_disk(kc: Any) -> None:
+    """Waits until the disk tier's write-behind queue is empty."""
+    while kc.stats().get("disk_queue_blocks", 0):
+        time.sleep(0.001)
+
+
 def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: float, working_set: int,
-            block_tokens: int, fleet: Optional[Fleet] = None) -> Dict[str, Any]:
+            block_tokens: int, fleet: Optional[Fleet] = None, disk_times: float = 0.0,
+            disk_admit: str = "first") -> Dict[str, Any]:
     import kachedb
 
     blocks = max(1, round(capacity * working_set))
-    d = Daemon(size=blocks * BLOCK_BYTES, extra=["--eviction", policy, "--headroom", "0"], binary=binary,
-               ready_timeout_s=60).start()
+    extra = ["--eviction", policy, "--headroom", "0"]
+    disk_dir = None
+    if disk_times:
+        disk_dir = tempfile.mkdtemp(prefix="kachedb-trace-disk-")
+        disk_blocks = max(2, round(disk_times * blocks))
+        extra += ["--disk", disk_dir, "--disk-size", str(disk_blocks * DISK_BLOCK_BYTES),
+                  "--disk-queue-bytes", str(blocks * BLOCK_BYTES), "--disk-admit", disk_admit]
+    d = Daemon(size=blocks * BLOCK_BYTES, extra=extra, binary=binary, ready_timeout_s=60).start()
     try:
         with kachedb.connect(d.socket) as kc:
             st = kc.stats()
@@ -456,6 +484,9 @@ def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: 
             samples = []
             marks = {max(1, round(f * len(trace.requests))): f for f in SAMPLE_AT}
             t0 = time.monotonic()
+            if disk_dir:
+                while not kc.stats().get("disk_indexed"):
+                    time.sleep(0.01)
             for i, chain in enumerate(trace.requests, 1):
                 if isinstance(rp, FleetReplay):
                     n_local, loaded = rp.serve(i - 1, chain)
@@ -463,6 +494,8 @@ def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: 
                     served.append(loaded)
                 else:
                     served.append(rp.request(chain))
+                if disk_dir:
+                    drain_disk(kc)
                 if i in marks:
                     s = rp.scan()
                     s["at"] = marks[i]
@@ -471,6 +504,8 @@ def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: 
             wall_s = time.monotonic() - t0
     finally:
         d.stop()
+        if disk_dir:
+            shutil.rmtree(disk_dir, ignore_errors=True)
     n = len(trace.requests)
     served_blocks = sum(served)
     possible_blocks = sum(ideal)  # what an unbounded daemon would serve
@@ -498,6 +533,17 @@ def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: 
         }
         # Behind the same local caches (their hits do not depend on the daemon).
         possible_blocks -= local_blocks
+    if disk_times:
+        out.update({
+            "disk_times_ram": disk_times,
+            "disk_admit": disk_admit,
+            "disk_capacity_blocks": disk_blocks,
+            "disk_fills": st["disk_fills"],
+            "disk_writes": st["disk_writes"],
+            "disk_dropped_writes": st["disk_dropped_writes"],
+            "disk_evictions": st["disk_evictions"],
+            "disk_blocks_at_end": st["disk_blocks"],
+        })
     return {
         "policy": policy,
         "capacity_of_working_set": capacity,
@@ -543,7 +589,26 @@ def fleet_table(results: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def disk_table(results: Sequence[Dict[str, Any]]) -> str:
+    """The runs with and without a disk tier, side by side."""
+    head = ("| RAM | policy | disk | admit | from KacheDB: tokens / request | of possible "
+            "| disk fills | disk writes | dropped writes | disk evictions |")
+    lines = [head, "| " + " | ".join("---" for _ in range(10)) + " |"]
+    key = lambda r: (r["capacity_of_working_set"], r["policy"], r.get("disk_times_ram", 0), r.get("disk_admit", ""))
+    for r in sorted(results, key=key):
+        disk = f"{r['disk_times_ram']:g}x RAM ({r['disk_capacity_blocks']} blocks)" if "disk_admit" in r else "none"
+        lines.append(
+            f"| {r['capacity_of_working_set']:.0%} ({r['capacity_blocks']} blocks) | {r['policy']} | {disk} "
+            f"| {r.get('disk_admit', '-')} | {r['served_tokens_per_request']:.1f} | {r['served_of_ideal']:.1%} "
+            f"| {r.get('disk_fills', 0)} | {r.get('disk_writes', 0)} | {r.get('disk_dropped_writes', 0)} "
+            f"| {r.get('disk_evictions', 0)} |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: Sequence[Dict[str, Any]]) -> str:
+    if any("disk_admit" in r for r in results):
+        return disk_table(results)
     if results and "engines" in results[0]:
         return fleet_table(results)
     head = ("| capacity | policy | served tokens / request | of ideal | unreachable at end "
@@ -584,6 +649,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "each chained to the block before it")
     p.add_argument("--restart-prob", type=float, default=0.005,
                    help="chance, before each request, that one random engine restarts cold (default 0.005)")
+    p.add_argument("--disk-sizes", default="",
+                   help="also run with a disk tier holding these multiples of the megaslab's blocks, "
+                        "e.g. 1,4 (default: no disk tier)")
+    p.add_argument("--disk-admits", default=",".join(DISK_ADMITS),
+                   help="--disk-admit policies of the disk runs (default first,second)")
     here = os.path.dirname(os.path.abspath(__file__))
     p.add_argument("--bin", default=os.path.join(here, "..", "target", "release", "kachedb"),
                    help="the kachedb binary (default target/release/kachedb)")
@@ -624,9 +694,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results.append(r)
             if a.json:
                 print(json.dumps(r), flush=True)
+            for times in (float(x) for x in a.disk_sizes.split(",") if x):
+                for admit in a.disk_admits.split(","):
+                    r = run_one(a.bin, trace, ideal, policy, capacity, working_set, a.block_tokens, fleet,
+                                disk_times=times, disk_admit=admit)
+                    results.append(r)
+                    if a.json:
+                        print(json.dumps(r), flush=True)
     summary: Dict[str, Any] = {"summary": True, "by_capacity": {}}
     for capacity in sorted({r["capacity_of_working_set"] for r in results}):
-        row = {r["policy"]: r for r in results if r["capacity_of_working_set"] == capacity}
+        row = {r["policy"]: r for r in results if r["capacity_of_working_set"] == capacity and "disk_admit" not in r}
         if {"lru", "chain"} <= row.keys():
             summary["by_capacity"][str(capacity)] = {
                 "served_tokens_gain": row["chain"]["served_tokens"] / max(1, row["lru"]["served_tokens"]) - 1,

@@ -344,7 +344,9 @@ def test_stats_watch_draws_frames_that_fit_80_columns(mdaemon):
     assert r.returncode == 0 and json.loads(r.stdout)["blocks"] >= 1
 
 
-def test_the_grafana_dashboard_uses_only_exported_names(mdaemon):
+def test_the_grafana_dashboard_uses_only_exported_names(tmp_path):
+    """Every name the board queries is one a daemon with a disk tier exports
+    (the disk row's names exist only with --disk)."""
     path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "grafana-dashboard.json")
     if not os.path.exists(path):
         pytest.skip("not run from a KacheDB checkout")
@@ -354,6 +356,57 @@ def test_the_grafana_dashboard_uses_only_exported_names(mdaemon):
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     used = {n for e in exprs for n in re.findall(r"\bkachedb_[a-z_]+", e)}
     used |= set(re.findall(r"\bkachedb_[a-z_]+", json.dumps(dash["templating"])))
-    samples, _ = scrape(mdaemon)
+    assert any(n.startswith("kachedb_disk_") for n in used), "the board has no disk tier row"
+    port = free_port()
+    d = Daemon("64MiB", "--metrics-addr", f"127.0.0.1:{port}", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB")
+    d.metrics_port = port
+    try:
+        with d.connect() as kc:  # per-op series appear once an op was served
+            kc.put("board", b"b" * 4096)
+            view = kc.get("board")
+            del view
+        samples, _ = scrape(d)
+    finally:
+        d.stop()
     exported = {name for name, _ in samples}
     assert used and used <= exported, sorted(used - exported)
+
+
+def test_disk_fills_have_their_own_histogram_and_deletes_and_timeouts_are_counted(tmp_path):
+    """With a disk tier (and no remote one): a block filled from disk is
+    counted in ``kachedb_disk_fill_duration_seconds``, not in the remote
+    tier's histogram (which is not exported at all without --remote); a
+    DELETE of a block on disk counts in ``kachedb_disk_deletes_total``. Real
+    daemons, a real HTTP client, a real Prometheus parser."""
+    disk = str(tmp_path / "disk")
+    port = free_port()
+    a = Daemon("64MiB", "--disk", disk, "--disk-size", "64MiB")
+    try:
+        with a.connect() as kc:
+            kc.put("fill-me", b"f" * 100_000)
+            kc.put("delete-me", b"d" * 100_000)
+        poll_until(lambda: a.stats()["disk_writes"] == 2 and a.stats()["disk_queue_blocks"] == 0, 60, "disk writes")
+    finally:
+        a.stop()
+    b = Daemon("64MiB", "--metrics-addr", f"127.0.0.1:{port}", "--disk", disk, "--disk-size", "64MiB")
+    b.metrics_port = port
+    try:
+        poll_until(lambda: b.stats()["disk_indexed"], 60, "the disk index")
+        samples, families = scrape(b)
+        assert val(samples, "kachedb_disk_fill_duration_seconds_count") == 0
+        with b.connect() as kc:
+            got = kc.get_numpy("fill-me")
+            assert got.tobytes() == b"f" * 100_000
+            del got
+            kc.delete("delete-me")  # only on disk: nothing local, the disk copy goes
+            with pytest.raises(kachedb.NotFound):
+                kc.get("delete-me")
+        poll_until(lambda: val(scrape(b)[0], "kachedb_disk_deletes_total") == 1, 60, "the disk delete")
+        samples, families = scrape(b)
+        names = {f.name for f in families}
+        assert val(samples, "kachedb_disk_fill_duration_seconds_count") == 1
+        assert val(samples, "kachedb_disk_fills_total") == 1
+        assert "kachedb_remote_fill_duration_seconds" not in names
+        assert val(samples, "kachedb_disk_fetches_timed_out_total") == 0
+    finally:
+        b.stop()

@@ -900,3 +900,36 @@ def test_a_miss_asks_the_disk_tier_first_and_the_remote_for_what_the_disk_lacks(
                 del got
     finally:
         b.stop()
+
+
+def test_a_fill_from_disk_counts_in_the_disk_histogram_not_the_remote_one(cluster, tmp_path):
+    """With both tiers, a miss filled wholly from disk is counted in
+    ``kachedb_disk_fill_duration_seconds``; the remote tier's histogram counts
+    only fetches that ended at the remote tier (none here)."""
+    from redis_cluster import _free_ports
+
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    tiers = ("--disk", str(tmp_path / "disk"), "--disk-size", "256MiB")
+    keys = [f"hist/{i}" for i in range(3)]
+    blocks = [torch.from_numpy(np.frombuffer(pattern(50_000 + i, 70 + i), dtype=np.uint8).copy()) for i in range(3)]
+    a = node(cluster.url, ns, *tiers)
+    try:
+        with a.connect() as ka:
+            ka.put_many(keys, blocks, chain=True)
+        wait_written(a, len(keys))
+        poll_until(lambda: _cli_stats(a)["disk_writes"] == len(keys), timeout=60, what="disk writes")
+    finally:
+        a.stop()
+    port = _free_ports(1)[0]
+    b = node(cluster.url, ns, *tiers, "--metrics-addr", f"127.0.0.1:{port}")
+    try:
+        with b.connect() as kb:
+            assert kb.lookup(keys) == len(keys)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as r:
+            lines = r.read().decode().splitlines()
+        assert f"kachedb_disk_fills_total {len(keys)}" in lines
+        assert "kachedb_remote_fills_total 0" in lines
+        assert "kachedb_remote_fill_duration_seconds_count 0" in lines, "a disk fill counted as a remote one"
+        assert "kachedb_disk_fill_duration_seconds_count 1" in lines
+    finally:
+        b.stop()

@@ -6,9 +6,9 @@
 //!   one written. Baseline: one thread writing the same bytes to files of
 //!   the same sizes, each `fdatasync`ed (the durability the tier gives).
 //! * **Fill**: a second daemon on the same directory (RAM empty) fills them
-//!   with LOOKUPs (a batch of keys per LOOKUP, one per 64 MiB block); its
-//!   local copies are deleted between rounds so each round fills again from
-//!   disk. Baseline: a plain sequential read (`pread`) of the same payload
+//!   with LOOKUPs (a batch of keys per LOOKUP, one per 64 MiB block); each
+//!   round starts a daemon of its own (a DELETE would delete the disk copies
+//!   too), so each round fills again from disk. Baseline: a plain sequential read (`pread`) of the same payload
 //!   bytes from the same files into one buffer. Both start from a cold page
 //!   cache for those files (`POSIX_FADV_DONTNEED` before each round);
 //!   rounds alternate, medians.
@@ -17,7 +17,9 @@
 //!   how many bytes of the tier's files the page cache holds after the fills.
 //! * **GET latency**: the round trip of a RAM-resident block, in windows
 //!   alternating idle and while another client keeps the tier busy (fills
-//!   and write-behind); medians over the windows.
+//!   and write-behind); medians over the windows. That daemon's megaslab
+//!   holds half of the 64 KiB blocks, so the busy client's LOOKUPs, going
+//!   round them in order, miss and fill (least recently used evicted).
 //! * **Restart**: 100 000 block files on disk (written in the tier's format
 //!   by the benchmark itself, `--restart-blocks`), a daemon started on them,
 //!   `kill -9`ed once indexed, and started again: seconds to its first GET
@@ -68,13 +70,18 @@ struct Serve {
 
 impl Serve {
     fn start(dir: &Path, name: &str, size: u64, disk: &Path, nice: u8) -> Res<Serve> {
+        Serve::start_with_queue(dir, name, size, size, disk, nice)
+    }
+
+    /// As [`start`](Self::start), with `--disk-queue-bytes` `queue`.
+    fn start_with_queue(dir: &Path, name: &str, size: u64, queue: u64, disk: &Path, nice: u8) -> Res<Serve> {
         let socket = dir.join(format!("{name}.sock"));
         let child = Command::new(std::env::current_exe()?)
             .args(["serve", "--size", &size.to_string(), "--socket"])
             .arg(&socket)
             .arg("--disk")
             .arg(disk)
-            .args(["--disk-size", "64GiB", "--disk-queue-bytes", &size.to_string()])
+            .args(["--disk-size", "64GiB", "--disk-queue-bytes", &queue.to_string()])
             .args(["--disk-worker-nice", &nice.to_string()])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -297,16 +304,15 @@ pub fn run(a: &DiskArgs) -> Res<()> {
         }
         let _ = std::fs::remove_dir_all(tmp.0.join("plain"));
     }
-    // Node B: the same directory, RAM empty.
-    let b = Serve::start(&tmp.0, "b", slab, &disk, a.worker_nice)?;
-    b.until("the index", |s| s.disk.disk_indexed)?;
-    let c = b.client()?;
+    // Node B: the same directory, RAM empty (a daemon of its own each round).
     for (si, &(label, len, n, per)) in sizes.iter().enumerate() {
         let ks = &keys[si];
         let files: Vec<PathBuf> = ks.iter().map(|k| format::block_path(&disk.join("blocks"), k.0)).collect();
         let (mut fill, mut plain, mut direct) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
-            c.delete_many(ks)?;
+            let b = Serve::start(&tmp.0, "b", slab, &disk, a.worker_nice)?;
+            b.until("the index", |s| s.disk.disk_indexed)?;
+            let c = b.client()?;
             for f in &files {
                 uncache(f);
             }
@@ -318,6 +324,8 @@ pub fn run(a: &DiskArgs) -> Res<()> {
                 }
             }
             fill.push(t.elapsed().as_secs_f64());
+            drop(c);
+            drop(b);
             plain.push(plain_read(&files, len, false)?);
             direct.push(plain_read(&files, len, true)?);
         }
@@ -344,7 +352,13 @@ pub fn run(a: &DiskArgs) -> Res<()> {
             kachedb_shm::units::human_bytes(total as u64)
         ),
     );
-    // GET p99 of a RAM-resident block, idle vs while fills and writes run.
+    // GET p99 of a RAM-resident block, idle vs while fills and writes run,
+    // on a daemon whose megaslab holds half of the 64 KiB blocks.
+    let small_bytes = (sizes[0].1 * sizes[0].2) as u64;
+    let b_slab = (small_bytes / 2).max(4 << 20).next_multiple_of(1 << 20);
+    let b = Serve::start_with_queue(&tmp.0, "b", b_slab, b_slab / 8, &disk, a.worker_nice)?;
+    b.until("the index", |s| s.disk.disk_indexed)?;
+    let c = b.client()?;
     let hot = Key::from_parts(1, 0x4_07);
     c.put(hot, &[7u8; 4096])?;
     let small = keys[0].clone();
@@ -362,7 +376,7 @@ pub fn run(a: &DiskArgs) -> Res<()> {
                     continue;
                 }
                 for ch in small.chunks(64) {
-                    c.delete_many(ch).map_err(|e| e.to_string())?;
+                    // Evicted since the last round: filled from disk.
                     c.lookup(ch).map_err(|e| e.to_string())?;
                     for _ in 0..4 {
                         j += 1;

@@ -166,6 +166,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_WORKER_NICE, value_name = "N",
           value_parser = clap::value_parser!(u8).range(0..=19))]
     pub disk_worker_nice: u8,
+    /// Which committed blocks the disk tier writes: `first`, every one at
+    /// its commit; `second`, only a block requested again (GET, LOOKUP or
+    /// WAIT) while still in RAM after its commit, written at that request,
+    /// or committed a second time (docs/disk.md, "Admission").
+    #[arg(long, value_enum, default_value_t = DiskAdmit::First, value_name = "POLICY")]
+    pub disk_admit: DiskAdmit,
     /// Take over from the daemon running on the same socket (an upgrade or a
     /// restart without losing anything): it hands over its region, socket,
     /// clients and store, then exits; clients notice a short pause. Its
@@ -189,6 +195,15 @@ pub enum OnSighup {
     Stop,
     /// Hand everything over to a successor started from the same path.
     Takeover,
+}
+
+/// `kachedb serve --disk-admit`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DiskAdmit {
+    /// Every committed block, at its commit.
+    First,
+    /// Only blocks requested again after their commit.
+    Second,
 }
 
 /// `kachedb serve --eviction`.
@@ -222,6 +237,10 @@ fn disk_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::disk::DiskConfig>
             .unwrap_or((a.size.unwrap_or_else(default_size) / 4).min(kachedb_daemon::disk::DEFAULT_QUEUE_BYTES)),
         timeout: std::time::Duration::from_millis(a.disk_timeout_ms),
         worker_nice: a.disk_worker_nice,
+        admission: match a.disk_admit {
+            DiskAdmit::First => kachedb_daemon::tier::Admission::First,
+            DiskAdmit::Second => kachedb_daemon::tier::Admission::Second,
+        },
     }))
 }
 
@@ -588,15 +607,17 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
             d.disk_queue_blocks
         );
         println!(
-            "disk fills        {} ({}) from {} fetch(es), {} miss(es)",
+            "disk fills        {} ({}) from {} fetch(es), {} miss(es), {} timed out; mean {:.2} ms",
             d.disk_fills,
             human_bytes(d.disk_fill_bytes),
             d.disk_fetches,
-            d.disk_misses
+            d.disk_misses,
+            d.disk_fetches_timed_out,
+            d.disk_fill_ms_mean
         );
         println!(
-            "disk errors       {} I/O error(s), {} torn or corrupt (refused, deleted)",
-            d.disk_errors, d.disk_torn
+            "disk errors       {} I/O error(s), {} torn or corrupt (refused, deleted); {} deleted by clients",
+            d.disk_errors, d.disk_torn, d.disk_deletes
         );
     }
     Ok(())

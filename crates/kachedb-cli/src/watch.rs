@@ -170,7 +170,7 @@ pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<St
     let row = |name: &str, f: fn(&Stats) -> u64, extra: String| {
         format!("{name:<16}{:>12}{:>16}  {extra}", rate(f), grouped(f(s)))
     };
-    fit(vec![
+    let mut lines = vec![
         format!(
             "kachedb  pid {}  up {}  {} client(s)  every {}s  UTC {}",
             s.daemon_pid,
@@ -212,9 +212,34 @@ pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<St
         row("evictions", |s| s.store.evictions, format!("{} evicted", human_bytes(st.evicted_bytes))),
         row("rejected frames", |s| s.serve.rejected_frames, String::new()),
         row("clients kicked", |s| s.serve.clients_kicked, String::new()),
-        String::new(),
-        "Ctrl-C to quit".into(),
-    ])
+    ];
+    let d = &s.disk;
+    if d.disk_enabled {
+        let on_disk = d.disk_bytes as f64 / d.disk_capacity_bytes.max(1) as f64;
+        lines.extend([
+            String::new(),
+            format!(
+                "disk    {} {:>5.1}%  {} / {}",
+                bar(on_disk, 36),
+                on_disk * 100.0,
+                human_bytes(d.disk_bytes),
+                human_bytes(d.disk_capacity_bytes)
+            ),
+            format!(
+                "        {} blocks, queue {} blocks ({}), torn {}{}",
+                grouped(d.disk_blocks),
+                grouped(d.disk_queue_blocks),
+                human_bytes(d.disk_queue_bytes),
+                grouped(d.disk_torn),
+                if d.disk_indexed { String::new() } else { ", indexing".into() }
+            ),
+            row("disk writes", |s| s.disk.disk_writes, format!("{} dropped", grouped(d.disk_dropped_writes))),
+            row("disk fills", |s| s.disk.disk_fills, format!("{} misses", grouped(d.disk_misses))),
+            row("disk errors", |s| s.disk.disk_errors, format!("{} timed out", grouped(d.disk_fetches_timed_out))),
+        ]);
+    }
+    lines.extend([String::new(), "Ctrl-C to quit".into()]);
+    fit(lines)
 }
 
 #[cfg(test)]
@@ -258,6 +283,37 @@ mod tests {
         let mut long = b.clone();
         long.socket = "/x".repeat(100);
         assert!(render(&long, None, Duration::from_secs(1)).iter().all(|l| l.chars().count() <= WIDTH));
+        // Without a disk tier, no disk rows.
+        assert!(!next.iter().any(|l| l.starts_with("disk")), "{next:?}");
+    }
+
+    #[test]
+    fn shows_the_disk_tier_when_there_is_one() {
+        let mut a = sample(10, 5, 100);
+        a.disk.disk_enabled = true;
+        a.disk.disk_capacity_bytes = 1 << 40;
+        a.disk.disk_bytes = 1 << 39;
+        a.disk.disk_blocks = 1_000_000;
+        a.disk.disk_queue_blocks = 12;
+        let mut b = a.clone();
+        b.disk.disk_writes = 600;
+        b.disk.disk_fills = 200;
+        b.disk.disk_errors = 3;
+        b.disk.disk_torn = 1;
+        let lines = render(&b, Some((2.0, &a)), Duration::from_secs(1));
+        for l in &lines {
+            assert!(l.chars().count() <= WIDTH, "{} columns: {l}", l.chars().count());
+        }
+        let find = |p: &str| lines.iter().find(|l| l.starts_with(p)).unwrap_or_else(|| panic!("no {p} in {lines:?}"));
+        assert!(find("disk    [").contains("50.0%"));
+        assert!(
+            find("        1,000,000 blocks").contains("queue 12 blocks")
+                && find("        1,000,000").contains("torn 1")
+        );
+        // 600 writes in 2 s: 300 a second.
+        assert!(find("disk writes").contains(" 300 "), "{}", find("disk writes"));
+        assert!(find("disk fills").contains(" 100 "));
+        assert!(find("disk errors").contains("3"));
     }
 
     #[test]

@@ -334,6 +334,10 @@ pub struct DiskCells {
     pub torn: AtomicU64,
     /// Blocks found whole at start.
     pub recovered: AtomicU64,
+    /// Blocks deleted by a client's DELETE.
+    pub deletes: AtomicU64,
+    /// Fetches the serve loop stopped waiting for (past `--disk-timeout-ms`).
+    pub fetches_timed_out: AtomicU64,
     /// The start-up index rebuild is done.
     pub indexed: AtomicBool,
     /// Microseconds the start-up index rebuild took.
@@ -347,9 +351,11 @@ impl DiskCells {
         c.fetch_add(n, Relaxed);
     }
 
-    /// The counters as stats.
-    pub fn stats(&self) -> kachedb_shm::control::DiskStats {
+    /// The counters as stats (`fill`: the serve loop's fill latency histogram).
+    fn stats(&self, fill: &Histogram) -> kachedb_shm::control::DiskStats {
+        let (sum_s, count, _) = fill.load(1e6);
         kachedb_shm::control::DiskStats {
+            disk_fill_ms_mean: if count == 0 { 0.0 } else { sum_s * 1e3 / count as f64 },
             disk_enabled: self.enabled.load(Relaxed),
             disk_blocks: self.blocks.load(Relaxed),
             disk_bytes: self.bytes.load(Relaxed),
@@ -367,6 +373,8 @@ impl DiskCells {
             disk_errors: self.errors.load(Relaxed),
             disk_torn: self.torn.load(Relaxed),
             disk_recovered: self.recovered.load(Relaxed),
+            disk_deletes: self.deletes.load(Relaxed),
+            disk_fetches_timed_out: self.fetches_timed_out.load(Relaxed),
             disk_indexed: self.indexed.load(Relaxed),
             disk_index_s: self.index_us.load(Relaxed) as f64 / 1e6,
         }
@@ -388,6 +396,8 @@ struct ServeSide {
     batch_frames: Histogram,
     /// Time from a local miss to its remote fill landing, microseconds.
     remote_fill_us: Histogram,
+    /// Time from a local miss to its disk fill landing, microseconds.
+    disk_fill_us: Histogram,
 }
 
 /// Where the daemon is in its life, as `/healthz` reports it.
@@ -460,6 +470,7 @@ impl Metrics {
                 op_ns: std::array::from_fn(|_| Histogram::new(&DURATION_BOUNDS_NS)),
                 batch_frames: Histogram::new(&BATCH_BOUNDS),
                 remote_fill_us: Histogram::new(&FILL_BOUNDS_US),
+                disk_fill_us: Histogram::new(&FILL_BOUNDS_US),
             },
             remote: RemoteCells::default(),
             disk: DiskCells::default(),
@@ -504,6 +515,11 @@ impl Metrics {
     /// The remote tier's counters as stats.
     pub fn remote_stats(&self) -> kachedb_shm::control::RemoteStats {
         self.remote.stats(&self.serve.remote_fill_us)
+    }
+
+    /// The disk tier's counters as stats.
+    pub fn disk_stats(&self) -> kachedb_shm::control::DiskStats {
+        self.disk.stats(&self.serve.disk_fill_us)
     }
 
     /// A registry holding these metrics (prefix `kachedb_`) for
@@ -613,6 +629,11 @@ impl MetricsWriter {
         c.stored_bytes.set(g.stored_bytes);
         c.get_hit_bytes.set(g.get_hit_bytes);
         c.lookup_hit_bytes.set(g.lookup_hit_bytes);
+    }
+
+    /// A disk fetch's fill landed `us` microseconds after its local miss.
+    pub fn disk_fill(&self, us: u64) {
+        self.m.serve.disk_fill_us.observe_n(us, 1);
     }
 
     /// A remote fetch's fill landed `us` microseconds after its local miss.
@@ -891,7 +912,7 @@ impl Collector for Collect {
         }
         if m.disk.enabled.load(Relaxed) {
             let d = &m.disk;
-            let rows: [(&str, &str, MetricType, &AtomicU64); 17] = [
+            let rows: [(&str, &str, MetricType, &AtomicU64); 19] = [
                 ("disk_blocks", "Blocks on the disk tier.", Gauge, &d.blocks),
                 ("disk_bytes", "File-system bytes the disk tier's blocks take.", Gauge, &d.bytes),
                 ("disk_capacity_bytes", "The bound on the disk tier's bytes (--disk-size).", Gauge, &d.capacity_bytes),
@@ -904,7 +925,7 @@ impl Collector for Collect {
                 ("disk_write_bytes", "Tensor bytes of the blocks written to disk.", Counter, &d.write_bytes),
                 (
                     "disk_dropped_writes",
-                    "Committed blocks not written to disk because the write-behind queue was full.",
+                    "Committed blocks not written to disk: the write-behind queue was full, the block is larger than the disk, or its key was deleted first.",
                     Counter,
                     &d.dropped_writes,
                 ),
@@ -923,11 +944,26 @@ impl Collector for Collect {
                     &d.torn,
                 ),
                 ("disk_recovered", "Blocks found whole on disk at start.", Counter, &d.recovered),
+                ("disk_deletes", "Blocks deleted from disk because a client deleted their key.", Counter, &d.deletes),
+                (
+                    "disk_fetches_timed_out",
+                    "Disk fetches not done within --disk-timeout-ms (their keys were answered as misses).",
+                    Counter,
+                    &d.fetches_timed_out,
+                ),
                 ("disk_index_microseconds", "Time the start-up index rebuild took (0 until done).", Gauge, &d.index_us),
             ];
             for (name, help, kind, cell) in rows {
                 single(&mut enc, name, help, kind, cell.load(Relaxed))?;
             }
+            let (sum, count, buckets) = s.disk_fill_us.load(1e6);
+            enc.encode_descriptor(
+                "disk_fill_duration_seconds",
+                "Time from a local GET or LOOKUP miss to its disk fill landing in the megaslab (per fetch that ended at the disk).",
+                None,
+                Hist,
+            )?
+            .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
         }
         single(&mut enc, "channels", "Channels (clients connected at once) the region has.", Gauge, m.channels as u64)?;
         single(&mut enc, "ring_capacity_slots", "Slots per ring.", Gauge, m.ring_capacity as u64)?;

@@ -140,6 +140,28 @@ impl std::fmt::Debug for TierEvents {
 /// Why a tier could not start (or start again).
 pub type TierError = Box<dyn std::error::Error + Send + Sync>;
 
+/// What kind of tier it is (which of the daemon's metrics its fills count in).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierKind {
+    /// Local files (`crate::disk`).
+    Disk,
+    /// Redis Cluster (`crate::remote`).
+    Remote,
+}
+
+/// Which committed blocks a tier is offered for writing behind
+/// (`kachedb serve --disk-admit`, docs/disk.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Admission {
+    /// Every block a client commits, at its commit.
+    #[default]
+    First,
+    /// Only a block requested again (GET, LOOKUP or WAIT) while it is in the
+    /// megaslab after its commit, at that request; and a block committed
+    /// again after it was seen committed once.
+    Second,
+}
+
 /// A tier behind the megaslab, driven by the serve loop (which calls every
 /// method on its own thread; none of them blocks on I/O).
 pub trait Tier: Send + std::fmt::Debug {
@@ -161,6 +183,26 @@ pub trait Tier: Send + std::fmt::Debug {
 
     /// Counts one filled block of `len` bytes that the serve loop committed.
     fn landed(&self, len: u64);
+
+    /// What kind of tier this is.
+    fn kind(&self) -> TierKind;
+
+    /// Which committed blocks the serve loop offers this tier
+    /// ([`write_behind`](Self::write_behind)).
+    fn admission(&self) -> Admission {
+        Admission::First
+    }
+
+    /// A client deleted `key`: a tier that keeps a copy of its own for this
+    /// node removes it, and a write of it queued before now does not land
+    /// afterwards. Called on the serve loop after the local DELETE, whether
+    /// or not the key was local. (The remote tier keeps its copy: it is the
+    /// fleet's, docs/disk.md.)
+    fn delete(&self, key: u128);
+
+    /// The serve loop stopped waiting for a fetch of this tier (past
+    /// [`fetch_bound`](Self::fetch_bound)); for the tier's counters.
+    fn timed_out(&self) {}
 
     /// Stops the tier's work for a takeover: when this returns, nothing of
     /// the tier touches the megaslab any more; jobs not done are dropped (the

@@ -429,10 +429,19 @@ pub struct DiskStats {
     pub disk_torn: u64,
     /// Blocks found whole at start.
     pub disk_recovered: u64,
+    /// Blocks deleted from disk because a client deleted their key
+    /// (DELETE goes through to the disk).
+    pub disk_deletes: u64,
+    /// Disk fetches the serve loop stopped waiting for at
+    /// `--disk-timeout-ms` (their keys were answered as misses).
+    pub disk_fetches_timed_out: u64,
     /// The start-up index rebuild is done.
     pub disk_indexed: bool,
     /// Seconds the start-up index rebuild took.
     pub disk_index_s: f64,
+    /// Mean time from a local miss to its disk fill landing, milliseconds
+    /// (fetches that ended at the disk and filled something).
+    pub disk_fill_ms_mean: f64,
 }
 
 /// Counters of the daemon's serve loop.

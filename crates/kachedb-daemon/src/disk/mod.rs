@@ -24,6 +24,11 @@
 //!   into the reservation and hashed there; a block that does not verify is
 //!   left out (its file deleted, counted in `disk_torn`) and its reservation
 //!   aborted. [`TierEvent::Filled`] commits the rest with their parents.
+//! * **Delete** (writer threads): a client's DELETE of a key reaches the
+//!   tier ([`Tier::delete`]) as a tombstone, at once: fills treat the key as
+//!   missing from then on, and a write of it queued before the DELETE does
+//!   not land (see [`Deletes`]); a writer then removes the file and the
+//!   index entry.
 //! * **Start**: the directory is locked (`DIR/lock`, `flock`, holding the
 //!   pid), `DIR/tmp` (unfinished writes) is emptied and the index is rebuilt
 //!   from the headers of `DIR/blocks` on a thread of its own (one open and
@@ -42,11 +47,13 @@ pub mod format;
 pub mod index;
 
 use crate::metrics::{DiskCells, Metrics};
-use crate::tier::{FetchJob, FillSpec, StoppedTier, Tier, TierError, TierEvent, TierEvents, WriteJob};
+use crate::tier::{
+    Admission, FetchJob, FillSpec, StoppedTier, Tier, TierError, TierEvent, TierEvents, TierKind, WriteJob,
+};
 use format::Header;
 use index::Index;
 use kachedb_shm::Region;
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -87,6 +94,8 @@ pub struct DiskConfig {
     /// How much nicer (`setpriority`) than the thread that starts the tier
     /// its threads run, capped at nice 19; 0: the same priority.
     pub worker_nice: u8,
+    /// Which committed blocks are written (`--disk-admit`).
+    pub admission: Admission,
 }
 
 /// Why the disk tier could not start.
@@ -185,6 +194,58 @@ impl<T> Queue<T> {
     }
 }
 
+/// Work for the writer threads, in the order the serve loop asked for it.
+enum Job {
+    /// Write a block; the number orders it against deletes ([`Deletes`]).
+    Write(WriteJob, u64),
+    /// A client deleted the key (the tombstone numbered so): remove the file.
+    Delete(u128, u64),
+}
+
+/// A client's DELETE of a key, until every write it must win against is over.
+#[derive(Clone, Copy, Debug)]
+struct Tomb {
+    /// Its number ([`Deletes::last`] when it was made).
+    seq: u64,
+    /// The key's file and index entry are gone, or were replaced by a
+    /// newer write's.
+    done: bool,
+}
+
+/// Orders writes and deletes of a key, which run on several threads, as the
+/// serve loop asked for them. Each write-behind and each delete gets the
+/// next number; a delete leaves a tombstone for its key. A fill never reads
+/// a key with a tombstone (a miss). A write numbered before the tombstone
+/// does not land (checked under [`Shared::commit`] just before its rename);
+/// a write numbered after it lands and replaces the file, doing the
+/// delete's work. The tombstone goes once the delete's work is done and no
+/// write numbered before it is still queued or running, so the map holds
+/// only the keys deleted while writes were behind.
+///
+/// The serve loop takes this mutex (a map operation per commit and per
+/// DELETE); nothing holds it while doing I/O.
+#[derive(Debug, Default)]
+struct Deletes {
+    /// The last number given out.
+    last: u64,
+    /// The numbers of the writes queued or running.
+    writes: BTreeSet<u64>,
+    tombs: HashMap<u128, Tomb>,
+}
+
+impl Deletes {
+    fn next(&mut self) -> u64 {
+        self.last += 1;
+        self.last
+    }
+
+    /// Drops the tombstones no write still needs to see.
+    fn prune(&mut self) {
+        let oldest = self.writes.first().copied().unwrap_or(u64::MAX);
+        self.tombs.retain(|_, t| !t.done || t.seq > oldest);
+    }
+}
+
 /// Locks `m`, taking it over from a thread that panicked while holding it
 /// (the data under these mutexes stays consistent between statements).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -200,10 +261,16 @@ struct Shared {
     events: TierEvents,
     metrics: Arc<Metrics>,
     index: Mutex<Index>,
+    /// Writes and deletes in the order the serve loop asked for them.
+    deletes: Mutex<Deletes>,
+    /// Held by a writer thread across the last check of [`Deletes`] and the
+    /// rename or unlink of a block file, so that two of them on one key
+    /// happen in the order they were checked. Never taken by the serve loop.
+    commit: Mutex<()>,
     /// Whether the start-up index rebuild is done (writers wait for it).
     indexed: Mutex<bool>,
     indexed_cv: Condvar,
-    writes: Queue<WriteJob>,
+    writes: Queue<Job>,
     fetches: Queue<FetchJob>,
     /// Set by [`Shared::halt`]: the threads stop taking work.
     stop: AtomicBool,
@@ -239,12 +306,21 @@ impl Shared {
         self.fetches.ready.notify_all();
         self.indexed_cv.notify_all();
         *self.running.write().unwrap_or_else(|e| e.into_inner()) = false;
-        let dropped: Vec<WriteJob> = lock(&self.writes.items).drain(..).collect();
+        let dropped: Vec<Job> = lock(&self.writes.items).drain(..).collect();
         let cells = self.cells();
-        DiskCells::add(&cells.dropped_writes, dropped.len() as u64);
         for j in &dropped {
-            cells.queue_bytes.fetch_sub(j.len, Relaxed);
-            cells.queue_blocks.fetch_sub(1, Relaxed);
+            match j {
+                Job::Write(j, _) => {
+                    DiskCells::add(&cells.dropped_writes, 1);
+                    cells.queue_bytes.fetch_sub(j.len, Relaxed);
+                    cells.queue_blocks.fetch_sub(1, Relaxed);
+                }
+                // A deleted key stays deleted for the daemon that opens the
+                // directory next (no write can land any more: the threads stopped).
+                Job::Delete(key, _) => {
+                    let _ = std::fs::remove_file(format::block_path(&self.blocks_dir, *key));
+                }
+            }
         }
         lock(&self.fetches.items).clear();
     }
@@ -307,6 +383,8 @@ impl DiskTier {
         cells.index_us.store(0, Relaxed);
         let shared = Arc::new(Shared {
             index: Mutex::new(Index::new(cfg.size_bytes)),
+            deletes: Mutex::new(Deletes::default()),
+            commit: Mutex::new(()),
             cfg,
             blocks_dir,
             tmp_dir,
@@ -371,7 +449,13 @@ impl Tier for DiskTier {
         };
         cells.queue_bytes.fetch_add(len, Relaxed);
         DiskCells::add(&cells.queue_blocks, 1);
-        self.shared.writes.push(job);
+        let seq = {
+            let mut d = lock(&self.shared.deletes);
+            let seq = d.next();
+            d.writes.insert(seq);
+            seq
+        };
+        self.shared.writes.push(Job::Write(job, seq));
     }
 
     fn fetch(&self, job: FetchJob) {
@@ -386,6 +470,30 @@ impl Tier for DiskTier {
     fn landed(&self, len: u64) {
         DiskCells::add(&self.shared.cells().fills, 1);
         DiskCells::add(&self.shared.cells().fill_bytes, len);
+    }
+
+    fn kind(&self) -> TierKind {
+        TierKind::Disk
+    }
+
+    fn admission(&self) -> Admission {
+        self.shared.cfg.admission
+    }
+
+    /// Leaves a tombstone for `key` (fills miss it from now on, earlier
+    /// writes of it do not land) and queues the removal of its file.
+    fn delete(&self, key: u128) {
+        let seq = {
+            let mut d = lock(&self.shared.deletes);
+            let seq = d.next();
+            d.tombs.insert(key, Tomb { seq, done: false });
+            seq
+        };
+        self.shared.writes.push(Job::Delete(key, seq));
+    }
+
+    fn timed_out(&self) {
+        DiskCells::add(&self.shared.cells().fetches_timed_out, 1);
     }
 
     /// Stops the threads' work (waiting for a copy in progress), drops the
@@ -577,8 +685,15 @@ fn write_loop(s: &Shared) {
         }
     }
     while let Some(job) = s.writes.pop(&s.stop) {
+        let (job, seq) = match job {
+            Job::Write(job, seq) => (job, seq),
+            Job::Delete(key, seq) => {
+                delete_block(s, key, seq);
+                continue;
+            }
+        };
         let cells = s.cells();
-        match write_block(s, &job) {
+        match write_block(s, &job, seq) {
             Ok(true) => {
                 DiskCells::add(&cells.writes, 1);
                 DiskCells::add(&cells.write_bytes, job.len);
@@ -591,13 +706,60 @@ fn write_loop(s: &Shared) {
         }
         cells.queue_bytes.fetch_sub(job.len, Relaxed);
         cells.queue_blocks.fetch_sub(1, Relaxed);
+        {
+            let mut d = lock(&s.deletes);
+            d.writes.remove(&seq);
+            d.prune();
+        }
         s.events.send(TierEvent::Written { pin: job.pin });
     }
 }
 
-/// Writes one block (see the module docs); `Ok(false)`: not written (the
-/// tier stopped, or the block does not fit on the disk).
-fn write_block(s: &Shared, job: &WriteJob) -> std::io::Result<bool> {
+/// Whether the write numbered `seq` of `key` lost to a later DELETE.
+fn superseded(s: &Shared, key: u128, seq: u64) -> bool {
+    lock(&s.deletes).tombs.get(&key).is_some_and(|t| t.seq > seq)
+}
+
+/// Removes the file and index entry of `key` for the DELETE numbered `seq`,
+/// unless a later DELETE will (its own job) or a later write replaced them.
+fn delete_block(s: &Shared, key: u128, seq: u64) {
+    let _commit = lock(&s.commit);
+    {
+        let d = lock(&s.deletes);
+        match d.tombs.get(&key) {
+            Some(t) if t.seq == seq && !t.done => {}
+            _ => return,
+        }
+    }
+    match std::fs::remove_file(format::block_path(&s.blocks_dir, key)) {
+        Ok(()) => DiskCells::add(&s.cells().deletes, 1),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            // The tombstone stays (`done` unset): fills keep missing the key.
+            DiskCells::add(&s.cells().errors, 1);
+            tracing::debug!(key = %format_args!("{key:032x}"), "disk tier: deleting a deleted key's block: {e}");
+            return;
+        }
+    }
+    {
+        let mut ix = lock(&s.index);
+        ix.remove(key);
+        s.publish(&ix);
+    }
+    let mut d = lock(&s.deletes);
+    if let Some(t) = d.tombs.get_mut(&key).filter(|t| t.seq == seq) {
+        t.done = true;
+    }
+    d.prune();
+}
+
+/// Writes one block (see the module docs), the write numbered `seq`;
+/// `Ok(false)`: not written (the tier stopped, the block does not fit on the
+/// disk, or a later DELETE of its key came first).
+fn write_block(s: &Shared, job: &WriteJob, seq: u64) -> std::io::Result<bool> {
+    if superseded(s, job.key, seq) {
+        return Ok(false);
+    }
     let bytes = index::disk_bytes(format::file_len(job.len));
     let victims = {
         let mut ix = lock(&s.index);
@@ -608,15 +770,26 @@ fn write_block(s: &Shared, job: &WriteJob) -> std::io::Result<bool> {
     let Some(victims) = victims else { return Ok(false) };
     delete_victims(s, &victims);
     let tmp = s.tmp_dir.join(format!("{:032x}.{}.tmp", job.key, s.tmp_seq.fetch_add(1, Relaxed)));
-    let written = write_file(s, job, &tmp);
+    let written = write_file(s, job, &tmp)
+        .and_then(|ok| if ok { rename_into_place(s, job, seq, &tmp) } else { Ok(false) })
+        .and_then(|renamed| {
+            if renamed {
+                File::open(&s.blocks_dir)?.sync_all()?;
+            }
+            Ok(renamed)
+        });
+    // Indexed (and so counted in `disk_blocks`) only once synced; under the
+    // commit lock, so that a DELETE's removal comes wholly before or after.
+    let _commit = lock(&s.commit);
     let mut ix = lock(&s.index);
     ix.unreserve(bytes);
     match written {
-        Ok(true) => {
+        Ok(true) if !superseded(s, job.key, seq) => {
             ix.insert(job.key, job.parent, bytes);
             s.publish(&ix);
             Ok(true)
         }
+        Ok(true) => Ok(false),
         other => {
             drop(ix);
             let _ = std::fs::remove_file(&tmp);
@@ -625,7 +798,24 @@ fn write_block(s: &Shared, job: &WriteJob) -> std::io::Result<bool> {
     }
 }
 
-/// Writes `job`'s block to `tmp`, syncs it and renames it into place.
+/// Renames the written file `tmp` of `job` (numbered `seq`) into place,
+/// unless a later DELETE of its key came first (`Ok(false)`). A tombstone
+/// of an earlier DELETE is done with: this file replaces the deleted one.
+fn rename_into_place(s: &Shared, job: &WriteJob, seq: u64, tmp: &Path) -> std::io::Result<bool> {
+    let _commit = lock(&s.commit);
+    {
+        let mut d = lock(&s.deletes);
+        match d.tombs.get_mut(&job.key) {
+            Some(t) if t.seq > seq => return Ok(false),
+            Some(t) => t.done = true,
+            None => {}
+        }
+    }
+    std::fs::rename(tmp, format::block_path(&s.blocks_dir, job.key))?;
+    Ok(true)
+}
+
+/// Writes `job`'s block to `tmp` and syncs it; `Ok(false)`: the tier stopped.
 fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<bool> {
     let f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(tmp)?;
     {
@@ -660,12 +850,7 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<bool> {
     f.sync_data()?;
     drop_cache(&f);
     drop(f);
-    if s.stop.load(Relaxed) {
-        return Ok(false);
-    }
-    std::fs::rename(tmp, format::block_path(&s.blocks_dir, job.key))?;
-    File::open(&s.blocks_dir)?.sync_all()?;
-    Ok(true)
+    Ok(!s.stop.load(Relaxed))
 }
 
 /// A reader thread: runs fetches.
@@ -685,6 +870,11 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     // by one; large files are read ahead by the sequential reads themselves.
     let mut opened: Vec<(u128, File)> = Vec::with_capacity(job.keys.len());
     for &key in &job.keys {
+        // Deleted by a client (its file may not be removed yet).
+        if lock(&s.deletes).tombs.contains_key(&key) {
+            DiskCells::add(&cells.misses, 1);
+            continue;
+        }
         match File::open(format::block_path(&s.blocks_dir, key)) {
             Ok(f) => {
                 if let Some(len) = f.metadata().ok().map(|m| m.len()).filter(|&l| l <= WILLNEED_MAX_BYTES) {

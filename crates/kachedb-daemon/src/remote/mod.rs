@@ -44,7 +44,7 @@ mod reader;
 mod writer;
 
 use crate::metrics::{Metrics, RemoteCells};
-use crate::tier::{FetchJob, FillSpec, StoppedTier, Tier, TierError, TierEvent, TierEvents, WriteJob};
+use crate::tier::{FetchJob, FillSpec, StoppedTier, Tier, TierError, TierEvent, TierEvents, TierKind, WriteJob};
 use kachedb_shm::Region;
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
@@ -445,6 +445,15 @@ impl Tier for RemoteTier {
         RemoteCells::add(&self.ctx.cells().fills, 1);
         RemoteCells::add(&self.ctx.cells().fill_bytes, len);
     }
+
+    fn kind(&self) -> TierKind {
+        TierKind::Remote
+    }
+
+    /// Keeps the remote copy: the cluster is the fleet's cache, shared by
+    /// every node under the same key (a content hash); one node's DELETE is
+    /// about its own copies (docs/disk.md, "DELETE").
+    fn delete(&self, _key: u128) {}
 
     /// Stops the tier's threads, waiting for a copy in progress to finish, so
     /// nothing of the tier touches the megaslab afterwards. Queued writes are

@@ -25,6 +25,7 @@ use crate::channels::Channels;
 use crate::events::Event;
 use crate::metrics::{Health, Metrics, MetricsWriter};
 use crate::store::Store;
+use crate::tier::TierKind;
 use crate::waits::Waits;
 use kachedb_shm::control::ServeStats;
 use kachedb_shm::{Completion, Op, Region, SpinThenPark, Stats, Status, TensorBlockDescriptor, Tick, WaitState};
@@ -334,12 +335,16 @@ impl Serve {
     /// served again from the next pass on) and answers the WAITs on the keys
     /// they committed.
     fn fetches_done(&mut self, done: Vec<FetchDone>) {
-        for FetchDone { fetch, channel, mut committed } in done {
+        for FetchDone { fetch, kind, channel, mut committed } in done {
             let s = channel.and_then(|ch| self.sessions.get_mut(ch as usize)).and_then(Option::as_mut);
             if let Some(s) = s.filter(|s| s.fetch.as_ref().is_some_and(|f| f.id == fetch)) {
                 let started = unpark_fetch(s);
                 if !committed.is_empty() {
-                    self.metrics.remote_fill(started.elapsed().as_micros() as u64);
+                    let us = started.elapsed().as_micros() as u64;
+                    match kind {
+                        TierKind::Disk => self.metrics.disk_fill(us),
+                        TierKind::Remote => self.metrics.remote_fill(us),
+                    }
                 }
             }
             if !committed.is_empty() && !self.waits.is_empty() {
@@ -434,7 +439,7 @@ impl Serve {
             store,
             serve: self.counters.clone(),
             remote: self.metrics.metrics().remote_stats(),
-            disk: self.metrics.metrics().disk.stats(),
+            disk: self.metrics.metrics().disk_stats(),
             ops_per_s: self.rate.per_second(),
             region_bytes: l.region_len,
             slab_bytes: l.slab_len,

@@ -193,7 +193,8 @@ pub(super) fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeSt
 /// is parked. With tiers behind the megaslab, each block committed is offered
 /// to them for writing behind, and a GET or LOOKUP that misses locally parks
 /// the channel the same way while the first tier fetches the batch's
-/// local-miss tail.
+/// local-miss tail; a WAIT that misses locally parks as a WAIT and asks the
+/// tiers for its key (a fill then answers it).
 #[allow(clippy::too_many_arguments)] // the serve loop's parts
 pub(super) fn serve_channel(
     store: &mut Store,
@@ -260,6 +261,12 @@ pub(super) fn serve_channel(
                 }
                 c
             }
+            Ok(r @ Request::Delete { key }) if !tiers.is_empty() => {
+                // Through to the tiers, whether or not the key was local.
+                let c = store.handle(s.session, frame.request_id, &r);
+                tiers.delete(key);
+                c
+            }
             Ok(r @ (Request::Get { key } | Request::Lookup { key }))
                 if !tiers.is_empty() && !s.remote_asked.contains(&key) && store.peek(key).is_none() =>
             {
@@ -298,6 +305,14 @@ pub(super) fn serve_channel(
                             .flatten();
                         waits.park(channel, Waiter { key, request_id: frame.request_id, deadline });
                         s.waiting = true;
+                        // The key may be on a tier behind the megaslab: ask for
+                        // it. A fill commits it like a client's COMMIT, which
+                        // answers this WAIT (`wake_waits`); a miss there leaves
+                        // it parked for a COMMIT or its deadline. The channel
+                        // waits on the WAIT, not on the fetch.
+                        if !tiers.is_empty() && !s.remote_asked.contains(&key) {
+                            tiers.start_fetch(channel, vec![key]);
+                        }
                         let rest = &req[i + 1..n];
                         s.held.splice(0..0, rest.iter().copied());
                         metrics.frame(frame.op, c.status);
@@ -322,6 +337,13 @@ pub(super) fn serve_channel(
             }
         };
         metrics.frame(frame.op, c.status);
+        if c.status == Status::Ok && matches!(c.op, Op::Get | Op::Lookup | Op::Wait) && tiers.wants_requests() {
+            if let Ok(Request::Get { key } | Request::Lookup { key } | Request::Wait { key, .. }) =
+                Request::decode(frame)
+            {
+                tiers.requested(store, key);
+            }
+        }
         out.push(c.encode());
     }
     // Before the completions go out: a client that saw its answer and then

@@ -6,11 +6,16 @@
 //! a tier did not fill go to the next one, under the same fetch id (disk,
 //! then remote). What a fetch's end means for its channel is the loop's
 //! business: this side reports it ([`FetchDone`]).
+//!
+//! A client's DELETE goes to every tier ([`Tier::delete`]), and no fill of
+//! a fetch started before it commits the key afterwards ([`Tiers::delete`]).
+//! A tier with [`Admission::Second`] is offered a block only once it is
+//! requested again after its commit ([`Candidates`]).
 
 use crate::store::{SessionId, Store};
-use crate::tier::{FetchJob, FillSpec, Reserved, StoppedTier, Tier, TierEvent, TierId, WriteJob};
+use crate::tier::{Admission, FetchJob, FillSpec, Reserved, StoppedTier, Tier, TierEvent, TierId, TierKind, WriteJob};
 use kachedb_shm::{Request, Status};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
 /// Fill blocks reserved or committed per pass: the serve loop polls the
@@ -18,12 +23,54 @@ use std::time::Instant;
 /// at most one slice (about a microsecond per block).
 pub(super) const TIER_SLICE: usize = 8;
 
+/// Most keys a tier with [`Admission::Second`] remembers as committed once
+/// and not requested since (oldest forgotten first): about 50 bytes each.
+const ADMIT_CANDIDATES: usize = 1 << 18;
+
 /// The daemon's tiers, in order (the first is asked for local misses).
 #[derive(Default)]
 pub(super) struct Tiers {
     sides: Vec<TierSide>,
     /// The last fetch id given out (ids are unique across tiers).
     next_fetch: u64,
+    /// The fetches a tier still works on (each ends with its last tier's
+    /// `Filled`, waited for or not).
+    open: BTreeSet<u64>,
+    /// Keys a client deleted while fetches were open, with the last fetch
+    /// id given out then: a fill of such a key by a fetch of that id or an
+    /// earlier one is not committed (its tier read the block before the
+    /// DELETE). Dropped once no such fetch is open.
+    deleted: HashMap<u128, u64>,
+}
+
+/// The blocks a tier with [`Admission::Second`] was not offered yet:
+/// committed once and not requested since, with the parent each was
+/// committed with; bounded by [`ADMIT_CANDIDATES`], oldest out first.
+#[derive(Default)]
+struct Candidates {
+    parents: HashMap<u128, Option<u128>>,
+    /// Insertion order (may hold keys taken out since; compacted).
+    order: VecDeque<u128>,
+}
+
+impl Candidates {
+    fn insert(&mut self, key: u128, parent: Option<u128>) {
+        if self.parents.insert(key, parent).is_none() {
+            self.order.push_back(key);
+        }
+        while self.parents.len() > ADMIT_CANDIDATES {
+            let Some(old) = self.order.pop_front() else { break };
+            self.parents.remove(&old);
+        }
+        if self.order.len() > 2 * ADMIT_CANDIDATES.max(self.parents.len()) {
+            let parents = &self.parents;
+            self.order.retain(|k| parents.contains_key(k));
+        }
+    }
+
+    fn take(&mut self, key: u128) -> Option<Option<u128>> {
+        self.parents.remove(&key)
+    }
 }
 
 /// One tier as the serve loop drives it.
@@ -39,6 +86,8 @@ struct TierSide {
     fills: HashMap<u64, (u64, Option<u128>)>,
     /// Fill work queued, done [`TIER_SLICE`] blocks per pass, in order.
     work: VecDeque<FillWork>,
+    /// With [`Admission::Second`]: the blocks not offered yet.
+    candidates: Option<Candidates>,
 }
 
 /// A fetch a channel is parked on, at one tier.
@@ -68,6 +117,8 @@ enum FillWork {
 /// A fetch that is over: its blocks are committed (or it ran out of time).
 pub(super) struct FetchDone {
     pub(super) fetch: u64,
+    /// The kind of the tier whose fill (or timeout) this is.
+    pub(super) kind: TierKind,
     /// The channel waiting for it, if one still is.
     pub(super) channel: Option<u32>,
     /// The keys it committed.
@@ -79,6 +130,7 @@ pub(super) struct Stopped(Vec<(TierId, Box<dyn StoppedTier>)>);
 
 impl TierSide {
     fn new(id: TierId, tier: Box<dyn Tier>, store: &mut Store) -> TierSide {
+        let candidates = (tier.admission() == Admission::Second).then(Candidates::default);
         TierSide {
             id,
             tier,
@@ -86,7 +138,26 @@ impl TierSide {
             pending: HashMap::new(),
             fills: HashMap::new(),
             work: VecDeque::new(),
+            candidates,
         }
+    }
+
+    /// Offers the block of `key` (in `store`) to this tier for writing behind.
+    fn write_behind(&self, store: &mut Store, key: u128, parent: Option<u128>) {
+        let Some(b) = store.peek(key) else { return };
+        let session = self.session;
+        self.tier.write_behind(b.len, &mut || {
+            let c = store.handle_internal(session, &Request::Get { key });
+            (c.status == Status::Ok).then_some(WriteJob {
+                key,
+                parent,
+                pin: c.handle,
+                data_offset: b.data_offset,
+                len: b.len,
+                dtype: b.dtype,
+                shape: b.shape,
+            })
+        });
     }
 }
 
@@ -95,7 +166,7 @@ impl Tiers {
     /// pins and reservations; each reports as its index.
     pub(super) fn new(tiers: Vec<Box<dyn Tier>>, store: &mut Store) -> Tiers {
         let sides = tiers.into_iter().enumerate().map(|(id, tier)| TierSide::new(id, tier, store)).collect();
-        Tiers { sides, next_fetch: 0 }
+        Tiers { sides, ..Tiers::default() }
     }
 
     /// Whether the daemon has no tier behind the megaslab.
@@ -105,23 +176,48 @@ impl Tiers {
 
     /// Offers the block of `key` (just committed by a client, naming
     /// `parent`) to every tier for writing behind; each that takes it gets a
-    /// pin of its own session.
+    /// pin of its own session. A tier with [`Admission::Second`] is offered
+    /// it only if it was committed before (and not requested since);
+    /// otherwise it becomes a candidate, offered at its next request.
     pub(super) fn write_behind(&mut self, store: &mut Store, key: u128, parent: Option<u128>) {
-        let Some(b) = store.peek(key) else { return };
-        for t in &self.sides {
-            let session = t.session;
-            t.tier.write_behind(b.len, &mut || {
-                let c = store.handle_internal(session, &Request::Get { key });
-                (c.status == Status::Ok).then_some(WriteJob {
-                    key,
-                    parent,
-                    pin: c.handle,
-                    data_offset: b.data_offset,
-                    len: b.len,
-                    dtype: b.dtype,
-                    shape: b.shape,
-                })
-            });
+        for t in &mut self.sides {
+            if let Some(c) = &mut t.candidates {
+                if c.take(key).is_none() {
+                    c.insert(key, parent);
+                    continue;
+                }
+            }
+            t.write_behind(store, key, parent);
+        }
+    }
+
+    /// Whether a tier wants to hear of requests that hit ([`requested`](Self::requested)).
+    pub(super) fn wants_requests(&self) -> bool {
+        self.sides.iter().any(|t| t.candidates.as_ref().is_some_and(|c| !c.parents.is_empty()))
+    }
+
+    /// A client's GET, LOOKUP or WAIT found `key` in the megaslab: a tier
+    /// with [`Admission::Second`] that was not offered the block yet is
+    /// offered it now.
+    pub(super) fn requested(&mut self, store: &mut Store, key: u128) {
+        for t in &mut self.sides {
+            if let Some(parent) = t.candidates.as_mut().and_then(|c| c.take(key)) {
+                t.write_behind(store, key, parent);
+            }
+        }
+    }
+
+    /// A client deleted `key` (served already): every tier is told, and no
+    /// fill of a fetch open now commits it afterwards.
+    pub(super) fn delete(&mut self, key: u128) {
+        if !self.open.is_empty() {
+            self.deleted.insert(key, self.next_fetch);
+        }
+        for t in &mut self.sides {
+            if let Some(c) = &mut t.candidates {
+                c.take(key);
+            }
+            t.tier.delete(key);
         }
     }
 
@@ -131,6 +227,7 @@ impl Tiers {
         let t = self.sides.first_mut()?;
         self.next_fetch += 1;
         let id = self.next_fetch;
+        self.open.insert(id);
         t.pending.insert(id, Pending { channel, deadline: Instant::now() + t.tier.fetch_bound(), keys: keys.clone() });
         t.tier.fetch(FetchJob { id, keys });
         Some(id)
@@ -154,7 +251,8 @@ impl Tiers {
             t.pending.retain(|&fetch, p| {
                 let keep = p.deadline > now;
                 if !keep {
-                    out.push(FetchDone { fetch, channel: Some(p.channel), committed: Vec::new() });
+                    t.tier.timed_out();
+                    out.push(FetchDone { fetch, kind: t.tier.kind(), channel: Some(p.channel), committed: Vec::new() });
                 }
                 keep
             });
@@ -190,7 +288,10 @@ impl Tiers {
         // Fetches over at one tier with keys left for the next: (tier index, id, the fetch).
         let mut forward: Vec<(usize, u64, Pending)> = Vec::new();
         let n_sides = self.sides.len();
-        for (i, r) in self.sides.iter_mut().enumerate() {
+        let Tiers { sides, open, deleted, .. } = self;
+        // Whether a fill of `key` by fetch `fetch` lost to a client's DELETE.
+        let lost = |deleted: &HashMap<u128, u64>, key: u128, fetch: u64| deleted.get(&key).is_some_and(|&f| fetch <= f);
+        for (i, r) in sides.iter_mut().enumerate() {
             while budget > 0 {
                 let Some(work) = r.work.pop_front() else { break };
                 did = true;
@@ -200,8 +301,9 @@ impl Tiers {
                         let to = blocks.len().min(from + budget);
                         budget -= to - from;
                         for b in &blocks[from..to] {
-                            // Committed by a client meanwhile: that block stands.
-                            let answer = if store.peek(b.key).is_some() {
+                            // Committed by a client meanwhile: that block stands;
+                            // deleted by a client meanwhile: it stays deleted.
+                            let answer = if store.peek(b.key).is_some() || lost(deleted, b.key, fetch) {
                                 None
                             } else {
                                 let c = store.handle_internal(
@@ -247,8 +349,9 @@ impl Tiers {
                             };
                             let key = store.reservation_key(r.session, handle);
                             // Committed by a client while the fill ran: that block is newer
-                            // (and may have chain links); the fill's copy is dropped.
-                            if key.is_some_and(|k| store.peek(k).is_some()) {
+                            // (and may have chain links); the fill's copy is dropped. Deleted
+                            // by a client while it ran: the copy is dropped too.
+                            if key.is_some_and(|k| store.peek(k).is_some() || lost(deleted, k, fetch)) {
                                 store.handle_internal(r.session, &Request::Abort { handle });
                                 continue;
                             }
@@ -276,15 +379,22 @@ impl Tiers {
                         // Keys still missing go to the next tier, if any; a fetch
                         // no longer waited for (expired) still wakes WAITs on its keys.
                         let mut channel = None;
+                        let mut forwarded = false;
                         if let Some(p) = r.pending.remove(&fetch) {
                             if i + 1 < n_sides && p.keys.iter().any(|&k| store.peek(k).is_none()) {
                                 forward.push((i + 1, fetch, p));
+                                forwarded = true;
                             } else {
                                 channel = Some(p.channel);
                             }
                         }
+                        if !forwarded {
+                            open.remove(&fetch);
+                            let oldest = open.first().copied().unwrap_or(u64::MAX);
+                            deleted.retain(|_, &mut f| f >= oldest);
+                        }
                         if channel.is_some() || !committed.is_empty() {
-                            done.push(FetchDone { fetch, channel, committed });
+                            done.push(FetchDone { fetch, kind: r.tier.kind(), channel, committed });
                         }
                         // An empty fetch still takes a turn: at most one per block of budget.
                         budget = budget.saturating_sub(1);
@@ -293,7 +403,10 @@ impl Tiers {
             }
         }
         for (to, fetch, mut p) in forward {
-            let Some(t) = self.sides.get_mut(to) else { continue };
+            let Some(t) = self.sides.get_mut(to) else {
+                self.open.remove(&fetch);
+                continue;
+            };
             p.keys.retain(|&k| store.peek(k).is_none());
             p.deadline = Instant::now() + t.tier.fetch_bound();
             let keys = p.keys.clone();
@@ -306,6 +419,8 @@ impl Tiers {
     /// Stops every tier for a takeover, closing their sessions (which drops
     /// their pins and reservations).
     pub(super) fn stop(&mut self, store: &mut Store) -> Stopped {
+        self.open.clear();
+        self.deleted.clear();
         Stopped(
             self.sides
                 .drain(..)
@@ -347,6 +462,10 @@ mod tests {
             Duration::from_secs(60)
         }
         fn landed(&self, _len: u64) {}
+        fn kind(&self) -> TierKind {
+            TierKind::Disk
+        }
+        fn delete(&self, _key: u128) {}
         fn stop(self: Box<Self>) -> Box<dyn StoppedTier> {
             unreachable!("not stopped in these tests")
         }
@@ -410,6 +529,50 @@ mod tests {
         let st = store.stats();
         assert_eq!(st.chained_blocks, 1, "K's link to its parent was cut");
         assert_eq!((st.reserved, st.blocks), (0, 2));
+        store.check_invariants().unwrap();
+    }
+
+    /// A client deletes K while a fill of K is in flight (its tier read the
+    /// block before the DELETE): the fill's copy is not committed, whether
+    /// the DELETE comes before the fill's reservation or between it and the
+    /// commit; a fetch started after the DELETE fills K again (the tier
+    /// decides whether it still has it).
+    #[test]
+    fn a_fill_in_flight_never_brings_back_a_key_deleted_meanwhile() {
+        let mut store = Store::new(0, 64 * 4096);
+        let mut tiers = Tiers::new(vec![Box::new(Scripted)], &mut store);
+        let spec =
+            |key| FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(300).unwrap(), len: 300, parent: None };
+        let (a, b) = (1u128, 2u128);
+        // A: deleted before the reservation; B: after it.
+        let fa = tiers.start_fetch(0, vec![a]).unwrap();
+        let fb = tiers.start_fetch(1, vec![b]).unwrap();
+        tiers.delete(a);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fa, blocks: vec![spec(a)], reply: tx });
+        drain(&mut tiers, &mut store);
+        assert!(rx.try_recv().unwrap()[0].is_none(), "room reserved for a deleted key");
+        tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fa, filled: vec![] });
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fb, blocks: vec![spec(b)], reply: tx });
+        drain(&mut tiers, &mut store);
+        let r = rx.try_recv().unwrap()[0].expect("room for B");
+        tiers.delete(b);
+        tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fb, filled: vec![(r.handle, 300)] });
+        let done = drain(&mut tiers, &mut store);
+        assert!(done.iter().all(|d| d.committed.is_empty()), "a deleted key was filled back");
+        assert!(store.peek(a).is_none() && store.peek(b).is_none());
+        assert_eq!(store.stats().reserved, 0);
+        // Every fetch of then is over: the DELETEs are forgotten, and a new fetch fills B.
+        assert!(tiers.open.is_empty() && tiers.deleted.is_empty());
+        let fc = tiers.start_fetch(0, vec![b]).unwrap();
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fc, blocks: vec![spec(b)], reply: tx });
+        drain(&mut tiers, &mut store);
+        let r = rx.try_recv().unwrap()[0].expect("room for B");
+        tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fc, filled: vec![(r.handle, 300)] });
+        let done = drain(&mut tiers, &mut store);
+        assert_eq!(done.iter().flat_map(|d| d.committed.clone()).collect::<Vec<_>>(), vec![b]);
         store.check_invariants().unwrap();
     }
 }
