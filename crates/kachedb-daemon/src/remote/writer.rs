@@ -4,7 +4,7 @@
 //! header) last, so a reader that finds the header finds its chunks too. A
 //! reader meeting a block half-overwritten by another writer sees a checksum
 //! (or tag) mismatch: a miss, never wrong bytes. With a fleet key the block
-//! is sealed with keyed tags (format 2), else with checksums (format 1). Each
+//! is sealed with keyed tags (format 3), else with checksums (format 1). Each
 //! request waits at most the tier's timeout. Every read of the pinned block
 //! runs under the slab gate (hashing it, and copying each chunk into its
 //! request), never across a network wait. Whatever the outcome, the pin goes
