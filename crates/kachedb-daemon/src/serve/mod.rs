@@ -40,6 +40,12 @@ use tiers::{FetchDone, Tiers};
 /// Frames handled per channel per pass (bounds latency for the others).
 const BATCH: usize = 64;
 
+/// The per-tenant metrics are published every this many busy passes, and
+/// whenever the loop goes idle (each publish costs two sketch estimates and
+/// a dozen stores per tenant that changed: too much for every batch of a
+/// latency-bound client).
+const TENANT_PUBLISH_PASSES: u64 = 64;
+
 /// How long a request window runs by default (`kachedb serve --request-window`).
 pub const DEFAULT_REQUEST_WINDOW: Duration = Duration::from_secs(300);
 
@@ -217,6 +223,9 @@ impl Serve {
         while !self.shutdown.load(Ordering::Relaxed) && !self.handed_over {
             if self.pass() {
                 passes = passes.wrapping_add(1);
+                if passes.is_multiple_of(TENANT_PUBLISH_PASSES) {
+                    self.metrics.publish_tenants(&mut self.store);
+                }
                 if passes.is_multiple_of(1024) {
                     self.rate.tick(self.counters.ops);
                     self.roll_window();
@@ -225,6 +234,7 @@ impl Serve {
             }
             self.rate.tick(self.counters.ops);
             self.roll_window();
+            self.metrics.publish_tenants(&mut self.store);
             // Idle: wait by the policy on the doorbell, parking no later than
             // the next WAIT deadline.
             let ops = self.counters.ops;
@@ -322,7 +332,6 @@ impl Serve {
         if did_work {
             // Events (sessions closed, clients kicked) change gauges outside batches.
             self.metrics.publish_store(&self.store.gauges());
-            self.metrics.publish_tenants(&mut self.store);
             self.metrics.publish_serve(&self.counters);
         }
         did_work

@@ -327,7 +327,6 @@ pub(super) fn serve_channel(
     // Before the completions go out: a client that saw its answer and then
     // scrapes finds it counted.
     metrics.publish_store(&store.gauges());
-    metrics.publish_tenants(store);
     let pushed = s.comp.push_batch(out)?;
     if pushed < out.len() {
         s.backlog.extend_from_slice(&out[pushed..]);
