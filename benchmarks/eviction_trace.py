@@ -459,13 +459,82 @@ def drain_disk(kc: Any) -> None:
         time.sleep(0.001)
 
 
+# --- reusability: the daemon's figures against the trace's ------------------------
+
+
+class CountingClient:
+    """The client, counting every key the replay asks the daemon about (each
+    ``contains``, ``lookup`` and ``get_prefix`` key is one LOOKUP or GET frame,
+    what the daemon's request window counts): the true distinct keys and
+    requests that its HyperLogLog estimate and ceiling are checked against."""
+
+    def __init__(self, kc: Any) -> None:
+        self._kc = kc
+        self.requests = 0
+        self.distinct: set = set()
+
+    def _asked(self, keys: Sequence[int]) -> None:
+        self.requests += len(keys)
+        self.distinct.update(keys)
+
+    def contains(self, key: int) -> bool:
+        self._asked([key])
+        return self._kc.contains(key)
+
+    def lookup(self, keys: List[int]) -> int:
+        self._asked(keys)
+        return self._kc.lookup(keys)
+
+    def get_prefix(self, keys: List[int]) -> Any:
+        self._asked(keys)
+        return self._kc.get_prefix(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kc, name)
+
+
+def reusability(st: Dict[str, Any], scan: Dict[str, int], counted: CountingClient) -> Dict[str, Any]:
+    """The daemon's reachable / orphaned bytes and ceiling estimate (``stats()``)
+    next to the trace's true figures at one sample (``scan``: resident and
+    unreachable blocks by the trace's own chains)."""
+    true_orphaned = scan["unreachable_blocks"] * BLOCK_BYTES
+    true_reachable = (scan["resident_blocks"] - scan["unreachable_blocks"]) * BLOCK_BYTES
+    true_distinct, requests = len(counted.distinct), counted.requests
+    true_ceiling = 1 - true_distinct / requests if requests else 0.0
+    return {
+        "reachable_bytes": st["reachable_bytes"], "true_reachable_bytes": true_reachable,
+        "orphaned_bytes": st["orphaned_bytes"], "true_orphaned_bytes": true_orphaned,
+        "distinct_keys_estimate": st["window_distinct_keys"], "true_distinct_keys": true_distinct,
+        "distinct_keys_error": st["window_distinct_keys"] / max(1, true_distinct) - 1,
+        "key_requests": st["window_key_requests"], "true_key_requests": requests,
+        "hit_ratio_ceiling": st["hit_ratio_ceiling"], "true_hit_ratio_ceiling": true_ceiling,
+    }
+
+
+def reusability_table(results: Sequence[Dict[str, Any]]) -> str:
+    """What an operator sees at the end of each run against the trace's truth."""
+    head = ("| capacity | policy | reachable MiB (daemon / true) | orphaned KiB (daemon / true) "
+            "| distinct keys (estimate / true, error) | hit-ratio ceiling (estimate / true) |")
+    lines = [head, "|" + " --- |" * 6]
+    for r in results:
+        u = r["samples"][-1]
+        lines.append(
+            f"| {r['capacity_of_working_set']:.0%} | {r['policy']} "
+            f"| {u['reachable_bytes'] / 2**20:.2f} / {u['true_reachable_bytes'] / 2**20:.2f} "
+            f"| {u['orphaned_bytes'] / 1024:.0f} / {u['true_orphaned_bytes'] / 1024:.0f} "
+            f"| {u['distinct_keys_estimate']} / {u['true_distinct_keys']}, {u['distinct_keys_error']:+.2%} "
+            f"| {u['hit_ratio_ceiling']:.4f} / {u['true_hit_ratio_ceiling']:.4f} |")
+    return "\n".join(lines)
+
+
 def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: float, working_set: int,
             block_tokens: int, fleet: Optional[Fleet] = None, disk_times: float = 0.0,
             disk_admit: str = "first") -> Dict[str, Any]:
     import kachedb
 
     blocks = max(1, round(capacity * working_set))
-    extra = ["--eviction", policy, "--headroom", "0"]
+    # One request window over the whole run (the trace's truth counts from its start).
+    extra = ["--eviction", policy, "--headroom", "0", "--request-window", "86400"]
     disk_dir = None
     if disk_times:
         disk_dir = tempfile.mkdtemp(prefix="kachedb-trace-disk-")
@@ -478,7 +547,8 @@ def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: 
             st = kc.stats()
             if st["bytes_total"] != blocks * BLOCK_BYTES or st["eviction_policy"] != policy:
                 raise RuntimeError(f"daemon has {st['bytes_total']} bytes, policy {st['eviction_policy']}")
-            rp = Replay(kc, trace) if fleet is None else FleetReplay(kc, trace, fleet)
+            counted = CountingClient(kc)
+            rp = Replay(counted, trace) if fleet is None else FleetReplay(counted, trace, fleet)
             served = []
             local_served = []
             samples = []
@@ -499,6 +569,7 @@ def run_one(binary: str, trace: Trace, ideal: List[int], policy: str, capacity: 
                 if i in marks:
                     s = rp.scan()
                     s["at"] = marks[i]
+                    s.update(reusability(kc.stats(), s, counted))
                     samples.append(s)
             st = kc.stats()
             wall_s = time.monotonic() - t0
@@ -711,7 +782,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "chain_unreachable": row["chain"]["unreachable_blocks"],
                 "lru_unreachable": row["lru"]["unreachable_blocks"],
             }
-    t = table(results)
+    t = table(results) + "\n\n" + reusability_table(results)
     if a.json:
         print(json.dumps(summary), flush=True)
         print(t, file=sys.stderr)

@@ -202,11 +202,18 @@ pub struct NativeClient {
 #[pymethods]
 impl NativeClient {
     /// Connects to the daemon at `socket` (default: the instance's socket),
-    /// trusting a daemon of `trust_uid` besides this process's uid and root.
+    /// trusting a daemon of `trust_uid` besides this process's uid and root,
+    /// as a client of `tenant` (default: the daemon's default tenant).
     #[staticmethod]
-    #[pyo3(signature = (socket=None, instance=0, trust_uid=None))]
-    fn connect(py: Python<'_>, socket: Option<PathBuf>, instance: u32, trust_uid: Option<u32>) -> PyResult<Self> {
-        let opts = ConnectOptions { socket, instance, trust_uid, ..Default::default() };
+    #[pyo3(signature = (socket=None, instance=0, trust_uid=None, tenant=None))]
+    fn connect(
+        py: Python<'_>,
+        socket: Option<PathBuf>,
+        instance: u32,
+        trust_uid: Option<u32>,
+        tenant: Option<String>,
+    ) -> PyResult<Self> {
+        let opts = ConnectOptions { socket, instance, trust_uid, tenant, ..Default::default() };
         let path = opts.socket_path().display().to_string();
         let inner = py.allow_threads(|| kachedb_client::Client::connect(&opts)).map_err(client_err)?;
         Ok(NativeClient { inner, socket: path })

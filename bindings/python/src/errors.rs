@@ -22,7 +22,9 @@ pyo3::import_exception!(kachedb._errors, TimedOut);
 pub fn exception(e: &ClientError, msg: String) -> PyErr {
     match e {
         ClientError::NotFound => NotFound::new_err(msg),
-        ClientError::OutOfMemory | ClientError::ClientLimit(_) => OutOfMemory::new_err(msg),
+        ClientError::OutOfMemory | ClientError::ClientLimit(_) | ClientError::TenantLimit(_) => {
+            OutOfMemory::new_err(msg)
+        }
         ClientError::TooLarge(_) => TooLarge::new_err(msg),
         ClientError::Invalid(_) => InvalidArgument::new_err(msg),
         ClientError::BadHandle => BadHandle::new_err(msg),

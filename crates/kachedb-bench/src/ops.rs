@@ -36,6 +36,12 @@ pub struct OpsArgs {
     /// Blocks in the store for the stats comparison.
     #[arg(long, default_value_t = 100_000, value_name = "N")]
     pub stats_blocks: usize,
+    /// Also time GET round trips against two fresh daemons, one with
+    /// per-tenant accounting (a named tenant with a limit, the request
+    /// window) and one with `--tenant-accounting off`, in alternating
+    /// rounds (same run).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub tenants: bool,
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
@@ -181,6 +187,28 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
                 );
             }
             Err(e) => eprintln!("GET round trip while polling stats: skipped ({e})"),
+        }
+    }
+
+    // The GET round trip with per-tenant accounting on and off (two fresh
+    // daemons, alternating rounds).
+    if a.socket.is_none() && a.tenants {
+        let (rounds, iters) = if a.quick { (4, 5_000) } else { (10, 20_000) };
+        match tenant_get_rtt(rounds, iters) {
+            Ok((on, off)) => {
+                let p = |v: &[u64]| (percentile(v, 0.5), percentile(v, 0.99));
+                let ((on50, on99), (off50, off99)) = (p(&on), p(&off));
+                out.emit(
+                    json!({"bench":"get_rtt_tenants","p50_ns_on":on50,"p99_ns_on":on99,"p50_ns_off":off50,
+                           "p99_ns_off":off99,"iters_each":on.len(),"rounds":rounds}),
+                    format!(
+                        "GET round trip, tenants  p50 {on50:>7} ns on / {off50:>7} ns off ({:+.1} %); p99 {on99} / {off99} ns ({:+.1} %)",
+                        (on50 as f64 / off50.max(1) as f64 - 1.0) * 100.0,
+                        (on99 as f64 / off99.max(1) as f64 - 1.0) * 100.0
+                    ),
+                );
+            }
+            Err(e) => eprintln!("GET round trip with tenant accounting: skipped ({e})"),
         }
     }
 
@@ -368,6 +396,50 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
+}
+
+/// GET-hit round trips (ns, sorted), per-tenant accounting on and off: two
+/// fresh daemons (on: the client is tenant `bench`, limited to 1 GiB, so its
+/// blocks are on a list of their own and every GET is counted for it and in
+/// the request windows; off: `--tenant-accounting off`), 1024 keys of 4 KiB
+/// read in turn, `rounds` alternating rounds of `iters` GETs each.
+fn tenant_get_rtt(rounds: usize, iters: usize) -> Result<(Vec<u64>, Vec<u64>), Box<dyn std::error::Error>> {
+    let on = DaemonProcess::spawn(64 << 20, &["--tenant-limit", "bench=1GiB"])?;
+    let off = DaemonProcess::spawn(64 << 20, &["--tenant-accounting", "off"])?;
+    let connect = |d: &DaemonProcess| {
+        Client::connect(&ConnectOptions {
+            socket: Some(d.socket().to_path_buf()),
+            tenant: Some("bench".into()),
+            ..Default::default()
+        })
+    };
+    let (kon, koff) = (connect(&on)?, connect(&off)?);
+    let keys: Vec<Key> = (0..1024u32).map(|i| Key::from_bytes(format!("bench/tenant/{i}").as_bytes())).collect();
+    for kc in [&kon, &koff] {
+        for &k in &keys {
+            kc.put(k, &[7u8; 4096])?;
+        }
+        for &k in keys.iter().cycle().take(4096) {
+            drop(kc.get(k)?);
+        }
+    }
+    let (mut v_on, mut v_off) = (Vec::with_capacity(rounds * iters), Vec::with_capacity(rounds * iters));
+    for round in 0..rounds {
+        // Alternate which goes first, so neither always follows the other.
+        let order = if round % 2 == 0 { [(&kon, true), (&koff, false)] } else { [(&koff, false), (&kon, true)] };
+        for (kc, is_on) in order {
+            let v = if is_on { &mut v_on } else { &mut v_off };
+            for &k in keys.iter().cycle().skip(round * 37).take(iters) {
+                let t = Instant::now();
+                let view = kc.get(k)?;
+                v.push(t.elapsed().as_nanos() as u64);
+                drop(view);
+            }
+        }
+    }
+    v_on.sort_unstable();
+    v_off.sort_unstable();
+    Ok((v_on, v_off))
 }
 
 /// GET-hit round trips (ns, sorted) of a client on `client_cpu` against a fresh

@@ -95,6 +95,30 @@ pub struct ServeArgs {
     /// cached) or `lru` (least recently used, parents or not). docs/eviction.md.
     #[arg(long, value_enum, default_value_t = Eviction::Chain)]
     pub eviction: Eviction,
+    /// Most megaslab bytes tenant NAME may hold (its blocks and reservations),
+    /// e.g. `team-a=1GiB` (repeatable). A tenant at its limit evicts its own
+    /// blocks first; one whose block cannot fit within it gets OUT_OF_MEMORY
+    /// and nothing is evicted; its blocks are never evicted by another
+    /// tenant. Clients name their tenant at connect (docs/metrics.md "Tenants").
+    #[arg(long = "tenant-limit", value_name = "NAME=SIZE", value_parser = parse_tenant_limit)]
+    pub tenant_limits: Vec<(String, u64)>,
+    /// The limit of every tenant not named by --tenant-limit (`default`,
+    /// the tenant of clients that name none, and `_other` included).
+    /// Default: none.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub tenant_limit_default: Option<u64>,
+    /// Count tenants apart (`on`: per-tenant bytes, hits, misses and request
+    /// windows in stats and metrics) or not (`off`: every client is the
+    /// default tenant's, no request window is kept; --tenant-limit is then
+    /// refused).
+    #[arg(long, value_enum, default_value_t = Switch::On, value_name = "ON|OFF")]
+    pub tenant_accounting: Switch,
+    /// Seconds a request window runs (the distinct keys asked for in it
+    /// give the hit-ratio ceiling; docs/metrics.md "How reusable is the
+    /// cache"); a new one starts at its end.
+    #[arg(long, default_value_t = 300, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub request_window: u64,
     /// A Redis Cluster (any node; the cluster is discovered) or a standalone
     /// Redis behind the megaslab, shared by a fleet of daemons:
     /// `redis://HOST:PORT`, or `rediss://HOST:PORT` for TLS (docs/remote.md).
@@ -206,6 +230,22 @@ pub enum DiskAdmit {
     Second,
 }
 
+/// An on/off option.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    /// On.
+    On,
+    /// Off.
+    Off,
+}
+
+/// `NAME=SIZE` of `--tenant-limit`.
+fn parse_tenant_limit(s: &str) -> Result<(String, u64), String> {
+    let (name, size) = s.split_once('=').ok_or_else(|| format!("{s:?}: give NAME=SIZE, e.g. team-a=1GiB"))?;
+    kachedb_shm::control::check_tenant_name(name)?;
+    Ok((name.to_owned(), parse_size(size)?))
+}
+
 /// `kachedb serve --eviction`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Eviction {
@@ -216,6 +256,33 @@ pub enum Eviction {
 }
 
 /// The disk tier's settings from `a`, if `--disk` is given.
+fn tenant_config(a: &ServeArgs) -> Result<kachedb_daemon::TenantConfig, Box<dyn std::error::Error>> {
+    let accounting = a.tenant_accounting == Switch::On;
+    if !accounting && (!a.tenant_limits.is_empty() || a.tenant_limit_default.is_some()) {
+        return Err("--tenant-limit and --tenant-limit-default need --tenant-accounting on".into());
+    }
+    let mut names = std::collections::BTreeSet::new();
+    for (name, _) in &a.tenant_limits {
+        if !names.insert(name) {
+            return Err(format!("--tenant-limit {name}=…: tenant {name:?} is named twice").into());
+        }
+    }
+    if names.len() > kachedb_shm::control::MAX_TENANTS - 2 {
+        return Err(format!(
+            "--tenant-limit names {} tenants; the daemon counts at most {} besides `default` and `_other`",
+            names.len(),
+            kachedb_shm::control::MAX_TENANTS - 2
+        )
+        .into());
+    }
+    Ok(kachedb_daemon::TenantConfig {
+        limits: a.tenant_limits.clone(),
+        default_limit: a.tenant_limit_default,
+        accounting,
+        request_window: std::time::Duration::from_secs(a.request_window),
+    })
+}
+
 fn disk_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::disk::DiskConfig>, Box<dyn std::error::Error>> {
     let Some(dir) = &a.disk else {
         if a.disk_size.is_some() {
@@ -392,6 +459,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         },
         remote: remote_config(a)?,
         disk: disk_config(a)?,
+        tenants: tenant_config(a)?,
     };
     if a.takeover {
         let (daemon, t) = Daemon::take_over(cfg, shutdown)?;
@@ -561,8 +629,44 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
         human_bytes(store.evicted_bytes),
         store.eviction_policy
     );
+    println!(
+        "reusable          {} reachable, {} orphaned (a block before them in their chain is gone)",
+        human_bytes(store.reachable_bytes),
+        human_bytes(store.orphaned_bytes)
+    );
+    if store.window_key_requests > 0 {
+        println!(
+            "request window    {} key(s) asked for in {:.0} s, ~{} distinct (working set ~{} of {}): hit ratio ceiling {:.1} %",
+            store.window_key_requests,
+            store.window_s,
+            store.window_distinct_keys,
+            human_bytes(store.working_set_bytes),
+            human_bytes(store.bytes_total),
+            store.hit_ratio_ceiling * 100.0
+        );
+    }
     println!("rejected frames   {}", serve.rejected_frames);
     println!("ops               {} total, {:.0}/s over the last second", serve.ops, s.ops_per_s);
+    if s.tenants.len() > 1 || s.tenants.iter().any(|t| t.limit_bytes.is_some()) {
+        println!(
+            "{:<20} {:>7} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "tenant", "clients", "bytes", "limit", "blocks", "hits", "misses", "evicted", "refused"
+        );
+        for t in &s.tenants {
+            println!(
+                "{:<20} {:>7} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                t.name,
+                t.clients,
+                human_bytes(t.bytes),
+                t.limit_bytes.map_or("-".into(), human_bytes),
+                t.blocks,
+                t.get_hits + t.lookup_hits,
+                t.get_misses + t.lookup_misses,
+                t.evictions,
+                t.limit_refusals
+            );
+        }
+    }
     let r = &s.remote;
     if r.remote_enabled {
         println!(

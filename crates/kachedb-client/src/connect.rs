@@ -28,6 +28,11 @@ pub struct ConnectOptions {
     /// [`DEFAULT_ANSWER_TIMEOUT`]); something that accepts and never answers
     /// then fails `connect` instead of hanging it.
     pub answer_timeout: Option<Duration>,
+    /// The tenant this client's blocks and requests count for (sent in the
+    /// hello; a `kachedb_shm::control::check_tenant_name` name); `None`: the
+    /// daemon's default tenant. The daemon's limit for that tenant
+    /// (`kachedb serve --tenant-limit`) bounds what its clients hold.
+    pub tenant: Option<String>,
 }
 
 /// Environment variable naming uids (comma-separated) whose daemons a client trusts
@@ -151,10 +156,13 @@ fn refusal(stream: &UnixStream) -> Option<String> {
 
 /// Says hello on `stream`; returns the daemon's answer and the region fd that
 /// came with it.
-pub(crate) fn hello(stream: &UnixStream) -> Result<(HelloReply, OwnedFd)> {
+pub(crate) fn hello(stream: &UnixStream, tenant: Option<&str>) -> Result<(HelloReply, OwnedFd)> {
+    if let Some(name) = tenant {
+        control::check_tenant_name(name).map_err(ClientError::Invalid)?;
+    }
     send(
         stream,
-        &ControlRequest::hello(),
+        &ControlRequest::hello_as(tenant),
         |why| ClientError::Disconnected(format!("the daemon refused the connection: {why}")),
         |e| ClientError::Disconnected(format!("sending hello: {e}")),
     )?;

@@ -1,7 +1,7 @@
 //! Why an operation failed: [`ClientError`], and how a completion's status
 //! maps to it.
 
-use kachedb_shm::{Completion, Status};
+use kachedb_shm::{Completion, OutOfMemoryCause, Status};
 
 /// Why an operation failed. Messages say what to do.
 #[derive(Debug, thiserror::Error)]
@@ -17,6 +17,10 @@ pub enum ClientError {
     /// allows; other clients are not affected.
     #[error("out of memory: this client (or all clients of its user together) already holds up to the daemon's limit of {0} bytes reserved and pinned (kachedb serve --max-client-bytes, --max-uid-bytes); release views and commit or abort reservations, or ask for a larger limit")]
     ClientLimit(u64),
+    /// The block cannot fit within the limit of this client's tenant, even
+    /// after the tenant's own evictable blocks went; nothing was evicted.
+    #[error("out of memory: the block does not fit within this client's tenant limit of {0} bytes (kachedb serve --tenant-limit), even after evicting the tenant's own unpinned blocks; release the tenant's views and reservations, store less, or ask for a larger limit")]
+    TenantLimit(u64),
     /// The block is larger than the whole megaslab.
     #[error("the block ({0} bytes) is larger than the daemon's megaslab: start the daemon with a larger --size")]
     TooLarge(u64),
@@ -69,8 +73,12 @@ pub(crate) fn status_error(status: Status, len: u64) -> ClientError {
 pub(crate) fn ok_or(c: Completion, len: u64) -> Result<Completion> {
     match c.status {
         Status::Ok => Ok(c),
-        // The daemon names the per-client limit in `offset` when that is why.
-        Status::OutOfMemory if c.offset != 0 => Err(ClientError::ClientLimit(c.offset)),
+        // The daemon names the limit in `handle` and `offset` when that is why.
+        Status::OutOfMemory => Err(match OutOfMemoryCause::of(c.handle, c.offset) {
+            OutOfMemoryCause::NoRoom => ClientError::OutOfMemory,
+            OutOfMemoryCause::ClientLimit(limit) => ClientError::ClientLimit(limit),
+            OutOfMemoryCause::TenantLimit(limit) => ClientError::TenantLimit(limit),
+        }),
         s => Err(status_error(s, len)),
     }
 }

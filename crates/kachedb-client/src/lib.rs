@@ -67,7 +67,7 @@ impl Client {
     /// Connects to the daemon, maps its region and takes a channel.
     pub fn connect(opts: &ConnectOptions) -> Result<Client> {
         let (stream, path) = connect::connect_trusted(opts)?;
-        let (reply, fd) = connect::hello(&stream)?;
+        let (reply, fd) = connect::hello(&stream, opts.tenant.as_deref())?;
         // The data path never reads this stream with a timeout (it polls it
         // for hang-up); writes (release batches) must not give up either.
         stream.set_read_timeout(None).ok();

@@ -425,13 +425,17 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
         }
     };
     match msg {
-        ControlRequest::Hello { version, .. } => {
+        ControlRequest::Hello { version, tenant, .. } => {
             if c.channel.is_some() {
                 reply_err(c, Refused::Protocol, "hello sent twice on one connection");
                 return true;
             }
             if version != PROTOCOL_VERSION {
                 reply_err(c, Refused::Protocol, &format!("control protocol version {version} is not {PROTOCOL_VERSION}: upgrade the client or the daemon so they match"));
+                return true;
+            }
+            if let Some(Err(why)) = tenant.as_deref().map(control::check_tenant_name) {
+                reply_err(c, Refused::Protocol, &format!("{why}: name another tenant in the hello, or none"));
                 return true;
             }
             let Some(ch) = channels.take(c.pid) else {
@@ -446,7 +450,7 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
             // case it was never used.
             region.reset_channel(ch);
             c.channel = Some(ch);
-            events.send(Event::Attach { channel: ch, stream: c.stream.clone(), pid: c.pid, uid: c.uid });
+            events.send(Event::Attach { channel: ch, stream: c.stream.clone(), pid: c.pid, uid: c.uid, tenant });
             let reply = HelloReply {
                 channel: ch,
                 generation: region.generation(),

@@ -68,6 +68,34 @@ pub struct ServeConfig {
     /// The disk tier behind the megaslab, if any (docs/disk.md); asked
     /// before the remote tier.
     pub disk: Option<crate::disk::DiskConfig>,
+    /// Tenants and their limits (`kachedb serve --tenant-limit`, docs/metrics.md "Tenants").
+    pub tenants: TenantConfig,
+}
+
+/// Tenant accounting and limits (`store/tenants.rs`).
+#[derive(Clone, Debug)]
+pub struct TenantConfig {
+    /// Megaslab bytes each named tenant may hold (`--tenant-limit NAME=SIZE`).
+    pub limits: Vec<(String, u64)>,
+    /// The limit of every other tenant, `default` and `_other` included
+    /// (`--tenant-limit-default`); `None`: none.
+    pub default_limit: Option<u64>,
+    /// Count tenants apart (names, hits, misses, request windows); off,
+    /// every client is the default tenant's (`--tenant-accounting off`).
+    pub accounting: bool,
+    /// How long a request window runs (`--request-window`).
+    pub request_window: std::time::Duration,
+}
+
+impl Default for TenantConfig {
+    fn default() -> Self {
+        TenantConfig {
+            limits: Vec::new(),
+            default_limit: None,
+            accounting: true,
+            request_window: crate::serve::DEFAULT_REQUEST_WINDOW,
+        }
+    }
 }
 
 /// Why the daemon could not start.
@@ -263,6 +291,7 @@ impl Daemon {
         store.set_max_session_bytes(cfg.max_client_bytes);
         store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
+        store.set_tenant_limits(cfg.tenants.default_limit, &cfg.tenants.limits, cfg.tenants.accounting);
         let control_lock = lock.dup().map_err(io_err("duplicating the instance lock for", &sock))?;
         let started = Parts {
             channels: Arc::new(Channels::new(cfg.channels)),
@@ -358,6 +387,7 @@ impl Daemon {
         store.set_max_session_bytes(cfg.max_client_bytes);
         store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
+        store.set_tenant_limits(cfg.tenants.default_limit, &cfg.tenants.limits, cfg.tenants.accounting);
         let listener = UnixListener::from(taken.listener.try_clone().map_err(io_err("duplicating the socket", &sock))?);
         let metrics_listener = match (&taken.metrics, cfg.metrics_addr) {
             (Some(fd), _) => Some(std::net::TcpListener::from(
@@ -455,6 +485,7 @@ impl Daemon {
             .with_full_checks(cfg.check_invariants)
             .with_tiers(tiers)
             .with_stuck_client_timeout(cfg.stuck_client_timeout)
+            .with_request_window(cfg.tenants.request_window)
             .run();
         if handed_over {
             // The control thread has returned; this stops the metrics thread.

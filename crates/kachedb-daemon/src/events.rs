@@ -21,6 +21,8 @@ pub enum Event {
         pid: i32,
         /// Peer uid.
         uid: u32,
+        /// The tenant it named in its hello (checked), if any.
+        tenant: Option<String>,
     },
     /// A client's socket closed.
     Detach {

@@ -27,5 +27,5 @@ pub mod takeover;
 pub mod tier;
 mod waits;
 
-pub use daemon::{Daemon, Ended, ServeConfig, ServeError, TakeoverSummary};
+pub use daemon::{Daemon, Ended, ServeConfig, ServeError, TakeoverSummary, TenantConfig};
 pub use store::EvictionPolicy;

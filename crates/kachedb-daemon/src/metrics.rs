@@ -43,8 +43,9 @@
 //! RESERVE and COMMIT alternating). Quantiles and the mean (`_sum / _count`)
 //! are those of the sample; `kachedb_ops_total` counts every frame.
 
-use crate::store::Gauges;
+use crate::store::{Gauges, Store, TenantId};
 use kachedb_shm::control::ServeStats;
+use kachedb_shm::control::MAX_TENANTS;
 use kachedb_shm::{Op, Status, TensorBlockDescriptor};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
@@ -54,6 +55,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// Op and status codes are below this; op code 0 (never an op) counts the
@@ -206,6 +208,32 @@ struct StoreCells {
     stored_bytes: Cell,
     get_hit_bytes: Cell,
     lookup_hit_bytes: Cell,
+    reachable_bytes: Cell,
+    orphaned_bytes: Cell,
+    window_distinct_keys: Cell,
+    window_key_requests: Cell,
+}
+
+/// One tenant row's figures, as last published (`store/tenants.rs`).
+#[derive(Debug, Default)]
+struct TenantCells {
+    /// The limit plus one (0: none).
+    limit_plus_one: Cell,
+    clients: Cell,
+    bytes: Cell,
+    blocks: Cell,
+    reachable_bytes: Cell,
+    orphaned_bytes: Cell,
+    get_hits: Cell,
+    get_misses: Cell,
+    lookup_hits: Cell,
+    lookup_misses: Cell,
+    evictions: Cell,
+    evicted_bytes: Cell,
+    stored_bytes: Cell,
+    limit_refusals: Cell,
+    window_distinct_keys: Cell,
+    window_key_requests: Cell,
 }
 
 /// The serve loop's counters, as last published.
@@ -398,6 +426,8 @@ struct ServeSide {
     remote_fill_us: Histogram,
     /// Time from a local miss to its disk fill landing, microseconds.
     disk_fill_us: Histogram,
+    /// Per tenant row.
+    tenants: Box<[TenantCells]>,
 }
 
 /// Where the daemon is in its life, as `/healthz` reports it.
@@ -456,6 +486,10 @@ pub struct Metrics {
     op_names: [String; OPS],
     /// Label values of `status` by status code.
     status_names: [String; STATUSES],
+    /// The `tenant` label of each tenant row (empty: not in use). Written
+    /// by the serve loop when a client brings a new tenant (a slow path),
+    /// read by scrapes.
+    tenant_names: Mutex<Vec<String>>,
 }
 
 impl Metrics {
@@ -471,7 +505,9 @@ impl Metrics {
                 batch_frames: Histogram::new(&BATCH_BOUNDS),
                 remote_fill_us: Histogram::new(&FILL_BOUNDS_US),
                 disk_fill_us: Histogram::new(&FILL_BOUNDS_US),
+                tenants: (0..MAX_TENANTS).map(|_| TenantCells::default()).collect(),
             },
+            tenant_names: Mutex::new(vec![String::new(); MAX_TENANTS]),
             remote: RemoteCells::default(),
             disk: DiskCells::default(),
             refused: Default::default(),
@@ -629,6 +665,57 @@ impl MetricsWriter {
         c.stored_bytes.set(g.stored_bytes);
         c.get_hit_bytes.set(g.get_hit_bytes);
         c.lookup_hit_bytes.set(g.lookup_hit_bytes);
+        c.reachable_bytes.set(g.reachable_bytes);
+        c.orphaned_bytes.set(g.orphaned_bytes);
+    }
+
+    /// Publishes the figures of the tenant rows that changed since the last
+    /// call (usually the one tenant of the batch just served: a dozen
+    /// stores), and the request window's totals with them.
+    #[inline]
+    pub fn publish_tenants(&self, store: &mut Store) {
+        let mut dirty = store.take_dirty_tenants();
+        if dirty == 0 {
+            return;
+        }
+        let c = &self.m.serve.store;
+        let (distinct, requests) = store.window();
+        c.window_distinct_keys.set(distinct);
+        c.window_key_requests.set(requests);
+        while dirty != 0 {
+            let t = dirty.trailing_zeros() as usize;
+            dirty &= dirty - 1;
+            let Some(cells) = self.m.serve.tenants.get(t) else { continue };
+            let (_, limit, f, (wd, wr)) = store.tenant_figures(t as TenantId);
+            cells.limit_plus_one.set(limit.map_or(0, |l| l.saturating_add(1)));
+            cells.bytes.set(f.bytes);
+            cells.blocks.set(f.blocks);
+            cells.reachable_bytes.set(f.reachable_bytes);
+            cells.orphaned_bytes.set(f.orphaned_bytes);
+            cells.get_hits.set(f.get_hits);
+            cells.get_misses.set(f.get_misses);
+            cells.lookup_hits.set(f.lookup_hits);
+            cells.lookup_misses.set(f.lookup_misses);
+            cells.evictions.set(f.evictions);
+            cells.evicted_bytes.set(f.evicted_bytes);
+            cells.stored_bytes.set(f.stored_bytes);
+            cells.limit_refusals.set(f.limit_refusals);
+            cells.window_distinct_keys.set(wd);
+            cells.window_key_requests.set(wr);
+            cells.clients.set(store.tenant_clients(t as TenantId));
+        }
+    }
+
+    /// Copies the tenant rows' names (after a client brought a tenant; a
+    /// slow path: takes the names' lock).
+    pub fn tenants_renamed(&self, store: &Store) {
+        let Ok(mut names) = self.m.tenant_names.lock() else { return };
+        for (t, name) in names.iter_mut().enumerate() {
+            let now = store.tenant_figures(t as TenantId).0;
+            if name != now {
+                *name = now.to_owned();
+            }
+        }
     }
 
     /// A disk fetch's fill landed `us` microseconds after its local miss.
@@ -658,6 +745,117 @@ impl MetricsWriter {
 /// The [`Collector`] a scrape runs.
 #[derive(Debug)]
 struct Collect(Arc<Metrics>);
+
+impl Collect {
+    /// The `kachedb_tenant_*` families: one series per tenant row in use
+    /// (at most `MAX_TENANTS`), by the `tenant` label.
+    fn encode_tenants(&self, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+        use MetricType::{Counter, Gauge};
+        let m = &*self.0;
+        let names: Vec<(usize, String)> = match m.tenant_names.lock() {
+            Ok(n) => n.iter().enumerate().filter(|(_, n)| !n.is_empty()).map(|(i, n)| (i, n.clone())).collect(),
+            Err(_) => return Ok(()),
+        };
+        let cells = &m.serve.tenants;
+        type Pick = fn(&TenantCells) -> u64;
+        let rows: [(&str, &str, MetricType, Pick); 12] = [
+            ("tenant_clients", "Clients connected as this tenant now.", Gauge, |c| c.clients.get()),
+            (
+                "tenant_bytes",
+                "Megaslab bytes in the tenant's extents: its blocks, deleted-but-pinned blocks and reservations (sums to kachedb_bytes_used).",
+                Gauge,
+                |c| c.bytes.get(),
+            ),
+            ("tenant_blocks", "The tenant's blocks that GET can find (sums to kachedb_blocks).", Gauge, |c| c.blocks.get()),
+            (
+                "tenant_reachable_bytes",
+                "Extent bytes of the tenant's blocks whose chain is whole in the megaslab.",
+                Gauge,
+                |c| c.reachable_bytes.get(),
+            ),
+            (
+                "tenant_orphaned_bytes",
+                "Extent bytes of the tenant's blocks a block before them in their chain is missing for.",
+                Gauge,
+                |c| c.orphaned_bytes.get(),
+            ),
+            (
+                "tenant_evictions",
+                "The tenant's blocks evicted (sums to kachedb_evictions_total).",
+                Counter,
+                |c| c.evictions.get(),
+            ),
+            ("tenant_evicted_bytes", "Extent bytes of the tenant's blocks evicted.", Counter, |c| c.evicted_bytes.get()),
+            ("tenant_stored_bytes", "Tensor bytes the tenant's clients committed.", Counter, |c| c.stored_bytes.get()),
+            (
+                "tenant_limit_refusals",
+                "RESERVEs refused because they could not fit within the tenant's limit (nothing evicted).",
+                Counter,
+                |c| c.limit_refusals.get(),
+            ),
+            (
+                "tenant_window_distinct_keys",
+                "Distinct keys the tenant's clients asked for in the current request window (HyperLogLog estimate, ~1.6 % standard error).",
+                Gauge,
+                |c| c.window_distinct_keys.get(),
+            ),
+            (
+                "tenant_window_key_requests",
+                "Keys the tenant's clients asked for (GET, LOOKUP) in the current request window.",
+                Gauge,
+                |c| c.window_key_requests.get(),
+            ),
+            (
+                "tenant_limit_bytes",
+                "The tenant's limit on kachedb_tenant_bytes (--tenant-limit); absent without one.",
+                Gauge,
+                |c| c.limit_plus_one.get(),
+            ),
+        ];
+        for (name, help, kind, pick) in rows {
+            let mut e = enc.encode_descriptor(name, help, None, kind)?;
+            for (t, tenant) in &names {
+                let Some(c) = cells.get(*t) else { continue };
+                let mut v = pick(c);
+                if name == "tenant_limit_bytes" {
+                    if v == 0 {
+                        continue;
+                    }
+                    v -= 1;
+                }
+                let labels = [("tenant", tenant.as_str())];
+                let fam = e.encode_family(&labels)?;
+                match kind {
+                    MetricType::Counter => ConstCounter::new(v).encode(fam)?,
+                    _ => ConstGauge::new(v as i64).encode(fam)?,
+                }
+            }
+        }
+        for (name, help, hit) in [
+            ("tenant_hit_blocks", "Keys the tenant's clients found, by op (sums to kachedb_hit_blocks_total).", true),
+            (
+                "tenant_miss_blocks",
+                "Keys the tenant's clients did not find, by op (sums to kachedb_miss_blocks_total).",
+                false,
+            ),
+        ] {
+            let mut e = enc.encode_descriptor(name, help, None, Counter)?;
+            for (t, tenant) in &names {
+                let Some(c) = cells.get(*t) else { continue };
+                let (get, lookup) = if hit {
+                    (c.get_hits.get(), c.lookup_hits.get())
+                } else {
+                    (c.get_misses.get(), c.lookup_misses.get())
+                };
+                for (op, v) in [("get", get), ("lookup", lookup)] {
+                    let labels = [("tenant", tenant.as_str()), ("op", op)];
+                    ConstCounter::new(v).encode(e.encode_family(&labels)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
 
 /// Writes one metric without labels.
 fn single(enc: &mut DescriptorEncoder, name: &str, help: &str, kind: MetricType, v: u64) -> std::fmt::Result {
@@ -965,6 +1163,35 @@ impl Collector for Collect {
             )?
             .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
         }
+        single(
+            &mut enc,
+            "reachable_bytes",
+            "Extent bytes of the blocks whose chain back to its root is whole in the megaslab (a LOOKUP from the head reaches them).",
+            Gauge,
+            st.reachable_bytes.get(),
+        )?;
+        single(
+            &mut enc,
+            "orphaned_bytes",
+            "Extent bytes of the blocks a block before them in their chain is missing for (reachable + orphaned = the blocks' bytes).",
+            Gauge,
+            st.orphaned_bytes.get(),
+        )?;
+        single(
+            &mut enc,
+            "window_distinct_keys",
+            "Distinct keys asked for (GET, LOOKUP) in the current request window (HyperLogLog estimate, ~0.8 % standard error).",
+            Gauge,
+            st.window_distinct_keys.get(),
+        )?;
+        single(
+            &mut enc,
+            "window_key_requests",
+            "Keys asked for (GET, LOOKUP) in the current request window.",
+            Gauge,
+            st.window_key_requests.get(),
+        )?;
+        self.encode_tenants(&mut enc)?;
         single(&mut enc, "channels", "Channels (clients connected at once) the region has.", Gauge, m.channels as u64)?;
         single(&mut enc, "ring_capacity_slots", "Slots per ring.", Gauge, m.ring_capacity as u64)?;
         let e = enc.encode_descriptor("start_time_seconds", "When the daemon started, Unix time.", None, Gauge)?;

@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 /// `crate::serve::ServeState` and [`ControlState`] (the store's tables included), encoded
 /// by [`encode`]. Any change to a serialized type, or to the encoding, must
 /// bump it.
-pub const STATE_VERSION: u32 = 3;
+pub const STATE_VERSION: u32 = 4;
 
 /// Encodes a state: postcard (serde's data model as varints, no field
 /// names), which halved the handover of a 100 000-block store against JSON.

@@ -34,6 +34,13 @@ pub enum ControlRequest {
         /// The client's pid, for logs (the daemon trusts `SO_PEERCRED`).
         #[serde(default)]
         pid: u32,
+        /// The tenant this client's blocks and requests count for
+        /// (`"tenant":"NAME"`, a [`check_tenant_name`] name); absent: the
+        /// [`DEFAULT_TENANT`]. Optional both ways: a daemon that does not
+        /// know the field ignores it, a client that does not send it is
+        /// the default tenant's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tenant: Option<String>,
     },
     /// `{"op":"stats"}`: asks for [`Stats`]; answered after every frame
     /// already published on the rings has been served.
@@ -103,8 +110,46 @@ pub struct TakeoverDone {
 impl ControlRequest {
     /// The hello of this process at this protocol version.
     pub fn hello() -> Self {
-        ControlRequest::Hello { version: PROTOCOL_VERSION, pid: std::process::id() }
+        ControlRequest::Hello { version: PROTOCOL_VERSION, pid: std::process::id(), tenant: None }
     }
+
+    /// The hello of this process for `tenant` (`None`: the default tenant).
+    pub fn hello_as(tenant: Option<&str>) -> Self {
+        ControlRequest::Hello { version: PROTOCOL_VERSION, pid: std::process::id(), tenant: tenant.map(str::to_owned) }
+    }
+}
+
+/// The tenant of a client that names none (and the name a client may give
+/// to mean the same).
+pub const DEFAULT_TENANT: &str = "default";
+
+/// The tenant that clients are counted in once the daemon already counts
+/// [`MAX_TENANTS`] tenants; no client can name it (names start with a
+/// letter or digit).
+pub const OTHER_TENANT: &str = "_other";
+
+/// Most tenants the daemon counts apart, [`DEFAULT_TENANT`] and
+/// [`OTHER_TENANT`] included (so the `tenant` label of the metrics has at
+/// most this many values).
+pub const MAX_TENANTS: usize = 64;
+
+/// Longest tenant name, bytes.
+pub const MAX_TENANT_NAME_LEN: usize = 64;
+
+/// Whether `name` may name a tenant: 1 to [`MAX_TENANT_NAME_LEN`] bytes of
+/// ASCII letters, digits, `_`, `-` and `.`, the first a letter or digit
+/// (a Prometheus label value as it is, and never [`OTHER_TENANT`]). The
+/// one place this rule is written: the client checks before its hello, the
+/// daemon at hello and at `--tenant-limit`.
+pub fn check_tenant_name(name: &str) -> Result<(), String> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+    let first_ok = name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());
+    if name.len() > MAX_TENANT_NAME_LEN || !first_ok || !name.chars().all(ok_char) {
+        return Err(format!(
+            "tenant name {name:?} is not 1 to {MAX_TENANT_NAME_LEN} ASCII letters, digits, '_', '-' or '.' starting with a letter or digit"
+        ));
+    }
+    Ok(())
 }
 
 /// The daemon's answer: `{"ok":true, …the fields of T}` or, refused,
@@ -252,6 +297,55 @@ pub struct Stats {
     pub invariants_full: bool,
     /// Channels held back until the process of a client disconnected as corrupt exits.
     pub channels_quarantined: u64,
+    /// Per tenant (`kachedb serve --tenant-limit`, docs/metrics.md
+    /// "Tenants"): one object per tenant the daemon counts now, the default
+    /// tenant first. Their `bytes`, `blocks`, hits, misses and evictions add
+    /// up to the store's totals exactly.
+    pub tenants: Vec<TenantStats>,
+}
+
+/// One tenant's share of the store (an element of [`Stats::tenants`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TenantStats {
+    /// The tenant's name ([`DEFAULT_TENANT`], [`OTHER_TENANT`] or a client's).
+    pub name: String,
+    /// Its limit on `bytes` (`--tenant-limit`, `--tenant-limit-default`);
+    /// absent: none.
+    pub limit_bytes: Option<u64>,
+    /// Clients connected as this tenant now.
+    pub clients: u64,
+    /// Megaslab bytes in its extents: its blocks, its deleted-but-pinned
+    /// blocks and its reservations (what the limit bounds).
+    pub bytes: u64,
+    /// Its committed blocks that GET can find.
+    pub blocks: u64,
+    /// Bytes of those whose chain back to its root is whole in the megaslab.
+    pub reachable_bytes: u64,
+    /// Bytes of the others: a block before them in their chain is gone.
+    pub orphaned_bytes: u64,
+    /// GET requests of its clients that found their key.
+    pub get_hits: u64,
+    /// GET requests of its clients that did not.
+    pub get_misses: u64,
+    /// LOOKUP requests of its clients that found their key.
+    pub lookup_hits: u64,
+    /// LOOKUP requests of its clients that did not.
+    pub lookup_misses: u64,
+    /// Its blocks evicted (by its own RESERVEs or, for a tenant without a
+    /// limit, by anyone's).
+    pub evictions: u64,
+    /// Extent bytes of those.
+    pub evicted_bytes: u64,
+    /// Tensor bytes its clients committed.
+    pub stored_bytes: u64,
+    /// RESERVEs refused because they could not fit within its limit.
+    pub limit_refusals: u64,
+    /// Distinct keys its clients asked for (GET, LOOKUP) in the current
+    /// request window (a HyperLogLog estimate, ~1.6 % standard error).
+    pub window_distinct_keys: u64,
+    /// Keys its clients asked for in the current request window.
+    pub window_key_requests: u64,
 }
 
 impl Stats {
@@ -264,7 +358,7 @@ impl Stats {
 }
 
 /// Counters and gauges of the daemon's block store.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct StoreStats {
     /// Open sessions.
@@ -300,6 +394,30 @@ pub struct StoreStats {
     pub eviction_policy: String,
     /// Linked blocks whose parent (named at COMMIT) is linked: chain links now.
     pub chained_blocks: u64,
+    /// Extent bytes of the linked blocks whose chain back to its root (a
+    /// block committed naming no parent) is whole in the megaslab: what a
+    /// LOOKUP from the chain's head reaches.
+    pub reachable_bytes: u64,
+    /// Extent bytes of the other linked blocks: a block before them in
+    /// their chain was missing at their COMMIT, or was deleted, replaced or
+    /// (under `lru`) evicted since. `reachable_bytes + orphaned_bytes` is
+    /// the bytes of the linked blocks.
+    pub orphaned_bytes: u64,
+    /// Distinct keys asked for (GET, LOOKUP) in the current request window
+    /// (`kachedb serve --request-window`; a HyperLogLog estimate, ~0.8 %
+    /// standard error). 0 with `--tenant-accounting off`.
+    pub window_distinct_keys: u64,
+    /// Keys asked for (GET, LOOKUP) in the current request window.
+    pub window_key_requests: u64,
+    /// Seconds the current request window has run.
+    pub window_s: f64,
+    /// `1 - window_distinct_keys / window_key_requests`: the hit ratio an
+    /// unbounded cache would have had on the window's requests (every
+    /// first request of a key misses); 0 before any request.
+    pub hit_ratio_ceiling: f64,
+    /// The window's distinct keys times the mean extent bytes of a linked
+    /// block: the bytes the window's working set would take.
+    pub working_set_bytes: u64,
     /// COMMITs that named a parent that was not linked (absent, or the block's
     /// own key): committed without a parent.
     pub parents_missing: u64,
@@ -340,6 +458,9 @@ pub struct StoreStats {
     /// Of those, the ones refused by the per-client or per-uid limit
     /// (`--max-client-bytes`, `--max-uid-bytes`).
     pub client_limit_hits: u64,
+    /// Of those, RESERVEs refused because they could not fit within their
+    /// tenant's limit (`--tenant-limit`); nothing was evicted for them.
+    pub tenant_limit_hits: u64,
     /// Completions with status `INVALID`.
     pub invalid: u64,
     /// Completions with status `BAD_HANDLE`.
@@ -568,17 +689,22 @@ mod tests {
 
     #[test]
     fn requests_on_the_wire() {
-        let hello = ControlRequest::Hello { version: 1, pid: 42 };
+        let hello = ControlRequest::Hello { version: 1, pid: 42, tenant: None };
         let line = to_line(&hello).unwrap();
         assert_eq!(line.last(), Some(&b'\n'));
         assert_eq!(json(&line), serde_json::json!({"op": "hello", "version": 1, "pid": 42}));
         assert_eq!(from_line::<ControlRequest>(&line).unwrap(), hello);
+        // A tenant travels as one more field; a daemon that does not know it ignores it.
+        let named = ControlRequest::Hello { version: 1, pid: 42, tenant: Some("team-a".into()) };
+        let line = to_line(&named).unwrap();
+        assert_eq!(json(&line), serde_json::json!({"op": "hello", "version": 1, "pid": 42, "tenant": "team-a"}));
+        assert_eq!(from_line::<ControlRequest>(&line).unwrap(), named);
         assert_eq!(json(&to_line(&ControlRequest::Stats).unwrap()), serde_json::json!({"op": "stats"}));
         assert_eq!(from_line::<ControlRequest>(br#"{"op":"stats"}"#).unwrap(), ControlRequest::Stats);
         // A hello without a version reads as version 0 (which the daemon refuses with a reason).
         assert_eq!(
             from_line::<ControlRequest>(br#"{"op":"hello"}"#).unwrap(),
-            ControlRequest::Hello { version: 0, pid: 0 }
+            ControlRequest::Hello { version: 0, pid: 0, tenant: None }
         );
         for bad in [&b"not json"[..], br#"{"op":"launch"}"#, br#"{"version":1}"#, b"[]"] {
             assert!(from_line::<ControlRequest>(bad).is_err(), "{}", String::from_utf8_lossy(bad));
@@ -645,6 +771,17 @@ mod tests {
         match from_line::<Reply<StatsReply>>(&reply).unwrap() {
             Reply::Accepted(r) => assert_eq!(r.stats, st),
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn tenant_names() {
+        for good in ["default", "a", "team-a.prod_1", "0", &"x".repeat(MAX_TENANT_NAME_LEN)] {
+            assert!(check_tenant_name(good).is_ok(), "{good}");
+        }
+        for bad in ["", OTHER_TENANT, "-a", ".a", "a b", "a\"b", "é", "a{", &"x".repeat(MAX_TENANT_NAME_LEN + 1)] {
+            let e = check_tenant_name(bad).unwrap_err();
+            assert!(e.contains("letters, digits"), "{bad}: {e}");
         }
     }
 

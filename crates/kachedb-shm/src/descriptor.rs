@@ -594,6 +594,47 @@ pub struct Completion {
     pub tensor: Option<(DType, Shape, u64)>,
 }
 
+/// Why an answer is `OUT_OF_MEMORY`, as its `handle` and `offset` say
+/// (docs/PROTOCOL.md, "Statuses"): the one place this rule is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutOfMemoryCause {
+    /// The megaslab has no room (`offset` 0).
+    NoRoom,
+    /// This client, or the clients of its uid, hold the per-client or
+    /// per-uid limit (`--max-client-bytes`, `--max-uid-bytes`): `offset` is
+    /// the limit, `handle` 0.
+    ClientLimit(u64),
+    /// The block cannot fit within the limit of this client's tenant
+    /// (`--tenant-limit`) even after evicting the tenant's own evictable
+    /// blocks; nothing was evicted: `offset` is the limit, `handle`
+    /// [`OutOfMemoryCause::TENANT_LIMIT_HANDLE`]. A client that does not know
+    /// this reads it as a client limit of that many bytes.
+    TenantLimit(u64),
+}
+
+impl OutOfMemoryCause {
+    /// `handle` of an OUT_OF_MEMORY answer refused by the tenant limit.
+    pub const TENANT_LIMIT_HANDLE: u64 = 1;
+
+    /// The cause an OUT_OF_MEMORY completion's `handle` and `offset` name.
+    pub fn of(handle: u64, offset: u64) -> Self {
+        match (handle, offset) {
+            (_, 0) => OutOfMemoryCause::NoRoom,
+            (Self::TENANT_LIMIT_HANDLE, limit) => OutOfMemoryCause::TenantLimit(limit),
+            (_, limit) => OutOfMemoryCause::ClientLimit(limit),
+        }
+    }
+
+    /// The `(handle, offset)` that name this cause.
+    pub fn fields(self) -> (u64, u64) {
+        match self {
+            OutOfMemoryCause::NoRoom => (0, 0),
+            OutOfMemoryCause::ClientLimit(limit) => (0, limit),
+            OutOfMemoryCause::TenantLimit(limit) => (Self::TENANT_LIMIT_HANDLE, limit),
+        }
+    }
+}
+
 impl Completion {
     /// Decodes a completion frame copied out of shared memory.
     pub fn decode(d: &TensorBlockDescriptor) -> Result<Self, DecodeError> {
@@ -624,6 +665,18 @@ impl Completion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn out_of_memory_causes_round_trip() {
+        for cause in
+            [OutOfMemoryCause::NoRoom, OutOfMemoryCause::ClientLimit(1 << 30), OutOfMemoryCause::TenantLimit(3 << 30)]
+        {
+            let (handle, offset) = cause.fields();
+            assert_eq!(OutOfMemoryCause::of(handle, offset), cause);
+        }
+        // What the daemon answered before tenants existed reads as before.
+        assert_eq!(OutOfMemoryCause::of(0, 4096), OutOfMemoryCause::ClientLimit(4096));
+    }
 
     #[test]
     fn reserve_round_trip() {

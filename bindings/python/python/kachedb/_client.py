@@ -137,6 +137,7 @@ def connect(
     size: Union[int, str, None] = None,
     timeout: float = 60.0,
     trust_uid: Optional[int] = None,
+    tenant: Optional[str] = None,
 ) -> "Client":
     """Connects to the KacheDB daemon.
 
@@ -153,16 +154,22 @@ def connect(
     also trusts a daemon of that uid (one shared with ``--allow-gid``). An
     untrusted socket, or one that does not answer within 10 s, raises
     ``KacheDBError`` saying why.
+
+    ``tenant``: the tenant this client's blocks and requests count for (1 to
+    64 ASCII letters, digits, ``_``, ``-``, ``.``, starting with a letter or
+    digit; default: the daemon's ``default`` tenant). The daemon's limit for
+    it (``kachedb serve --tenant-limit``) bounds what its clients hold; a put
+    that cannot fit within it raises ``OutOfMemory`` naming the limit.
     """
     path = socket or default_socket_path(instance)
     proc = None
     try:
-        native = _native.NativeClient.connect(path, instance, trust_uid)
+        native = _native.NativeClient.connect(path, instance, trust_uid, tenant)
     except Disconnected:
         if not start:
             raise
         proc = _spawn_daemon(path, instance, size, timeout)
-        native = _native.NativeClient.connect(path, instance, trust_uid)
+        native = _native.NativeClient.connect(path, instance, trust_uid, tenant)
     return Client(native, proc)
 
 

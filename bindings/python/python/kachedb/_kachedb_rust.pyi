@@ -52,12 +52,17 @@ class NativeClient:
 
     @staticmethod
     def connect(
-        socket: Union[str, "PathLike[str]", None] = None, instance: int = 0, trust_uid: Optional[int] = None
+        socket: Union[str, "PathLike[str]", None] = None,
+        instance: int = 0,
+        trust_uid: Optional[int] = None,
+        tenant: Optional[str] = None,
     ) -> NativeClient:
         """Connects, maps the region and takes a channel; ``Disconnected`` if no
         daemon answers at ``socket`` (default: the instance's socket);
         ``KacheDBError`` if the socket's directory or the daemon's uid is not
-        trusted (own uid, root, ``trust_uid`` or ``$KACHEDB_TRUST_UID``)."""
+        trusted (own uid, root, ``trust_uid`` or ``$KACHEDB_TRUST_UID``);
+        ``InvalidArgument`` for a ``tenant`` name the daemon would refuse.
+        The client counts for ``tenant`` (default: the daemon's default tenant)."""
     @property
     def socket(self) -> str: ...
     @property

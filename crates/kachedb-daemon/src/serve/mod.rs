@@ -27,7 +27,7 @@ use crate::metrics::{Health, Metrics, MetricsWriter};
 use crate::store::Store;
 use crate::tier::TierKind;
 use crate::waits::Waits;
-use kachedb_shm::control::ServeStats;
+use kachedb_shm::control::{ServeStats, DEFAULT_TENANT, MAX_TENANTS, OTHER_TENANT};
 use kachedb_shm::{Completion, Op, Region, SpinThenPark, Stats, Status, TensorBlockDescriptor, Tick, WaitState};
 use session::{answer_wait, unpark_fetch, wake_waits, Session};
 use std::collections::HashSet;
@@ -40,6 +40,15 @@ use tiers::{FetchDone, Tiers};
 
 /// Frames handled per channel per pass (bounds latency for the others).
 const BATCH: usize = 64;
+
+/// The per-tenant metrics are published every this many busy passes, and
+/// whenever the loop goes idle (each publish costs two sketch estimates and
+/// a dozen stores per tenant that changed: too much for every batch of a
+/// latency-bound client).
+const TENANT_PUBLISH_PASSES: u64 = 64;
+
+/// How long a request window runs by default (`kachedb serve --request-window`).
+pub const DEFAULT_REQUEST_WINDOW: Duration = Duration::from_secs(300);
 
 /// What woke an idle serve loop.
 enum Wake {
@@ -88,6 +97,10 @@ pub(crate) struct Serve {
     /// A new daemon took over: stop at once, leaving channels and
     /// connections as they are.
     handed_over: bool,
+    /// How long a request window runs (`kachedb serve --request-window`).
+    window: Duration,
+    /// When the current request window started.
+    window_started: Instant,
 }
 
 impl Serve {
@@ -127,6 +140,8 @@ impl Serve {
             full_checks: false,
             stuck_timeout: None,
             handed_over: false,
+            window: DEFAULT_REQUEST_WINDOW,
+            window_started: Instant::now(),
         }
     }
 
@@ -169,6 +184,21 @@ impl Serve {
         kicked
     }
 
+    /// Restarts the request window every `window` (see `window`).
+    pub(crate) fn with_request_window(mut self, window: Duration) -> Serve {
+        self.window = window.max(Duration::from_secs(1));
+        self
+    }
+
+    /// Starts a new request window if the current one has run its length
+    /// (checked once a second at most, with the ops rate).
+    fn roll_window(&mut self) {
+        if self.window_started.elapsed() >= self.window {
+            self.store.restart_window();
+            self.window_started = Instant::now();
+        }
+    }
+
     /// Whether every stats answer runs the full invariant check (see `full_checks`).
     pub(crate) fn with_full_checks(mut self, on: bool) -> Serve {
         self.full_checks = on;
@@ -188,16 +218,24 @@ impl Serve {
         let doorbell = region.doorbell();
         let mut passes: u64 = 0;
         self.metrics.publish_store(&self.store.gauges());
+        self.metrics.tenants_renamed(&self.store);
+        self.metrics.publish_tenants(&mut self.store);
         self.metrics.set_health(Health::Serving);
         while !self.shutdown.load(Ordering::Relaxed) && !self.handed_over {
             if self.pass() {
                 passes = passes.wrapping_add(1);
+                if passes.is_multiple_of(TENANT_PUBLISH_PASSES) {
+                    self.metrics.publish_tenants(&mut self.store);
+                }
                 if passes.is_multiple_of(1024) {
                     self.rate.tick(self.counters.ops);
+                    self.roll_window();
                 }
                 continue;
             }
             self.rate.tick(self.counters.ops);
+            self.roll_window();
+            self.metrics.publish_tenants(&mut self.store);
             // Idle: wait by the policy on the doorbell, parking no later than
             // the next WAIT deadline.
             let ops = self.counters.ops;
@@ -373,11 +411,22 @@ impl Serve {
 
     fn on_event(&mut self, ev: Event) {
         match ev {
-            Event::Attach { channel, stream, pid, uid } => {
+            Event::Attach { channel, stream, pid, uid, tenant } => {
                 let Some(slot) = self.sessions.get_mut(channel as usize) else { return };
                 let Some((sub, comp)) = self.region.daemon_channel(channel) else { return };
                 let session = self.store.open_session();
                 self.store.set_session_uid(session, uid);
+                let named = tenant.as_deref().unwrap_or(DEFAULT_TENANT);
+                let counted_as = self.store.set_session_tenant(session, named);
+                if counted_as != named && counted_as == OTHER_TENANT {
+                    tracing::warn!(
+                        event = "tenant_folded",
+                        pid,
+                        tenant = named,
+                        "tenant {named:?} is counted as {OTHER_TENANT:?}: the daemon already counts {MAX_TENANTS} tenants"
+                    );
+                }
+                self.metrics.tenants_renamed(&self.store);
                 *slot = Some(Session {
                     session,
                     sub,
@@ -423,13 +472,15 @@ impl Serve {
         }
         // Sessions opened and closed change the gauges outside any batch.
         self.metrics.publish_store(&self.store.gauges());
+        self.metrics.publish_tenants(&mut self.store);
         self.metrics.publish_serve(&self.counters);
     }
 
     fn stats(&self) -> Stats {
         let l = self.region.layout();
         self.channels.release_exited();
-        let store = self.store.stats();
+        let mut store = self.store.stats();
+        store.window_s = self.window_started.elapsed().as_secs_f64();
         let invariants_ok = if self.full_checks {
             self.store.check_invariants().is_ok()
         } else {
@@ -451,6 +502,7 @@ impl Serve {
             invariants_ok,
             invariants_full: self.full_checks,
             channels_quarantined: self.channels.quarantined() as u64,
+            tenants: self.store.tenant_stats(),
         }
     }
 }

@@ -34,14 +34,16 @@ impl Store {
             return Err(Status::OutOfMemory);
         }
         self.within_limit(s, need_len)?;
-        let extent = self.alloc_evicting(need_len)?;
-        let tensor = Tensor { key, dtype, shape, len, data_offset: extent.offset + page_offset, extent };
+        let (tenant, internal) = self.sessions.get(&s).map_or((0, false), |x| (x.tenant, x.internal));
+        let extent = self.alloc_evicting(need_len, tenant, !internal)?;
+        let tensor = Tensor { key, dtype, shape, len, data_offset: extent.offset + page_offset, extent, tenant };
         let Some(index) = self.take_slot(SlotState::Reserved { owner: s, tensor }) else {
             // Unreachable after the check above; give the extent back.
             let _ = self.alloc.try_free(extent);
             return Err(Status::Internal);
         };
         self.counters.reservation_opened();
+        self.tenants.row(tenant).figures.bytes += extent.len;
         let generation = self.slots.get(index as usize).map(|slot| slot.generation).ok_or(Status::Internal)?;
         self.sessions.get_mut(&s).ok_or(Status::Internal)?.reservations.insert(index);
         self.hold(s, extent.len, true);
@@ -67,9 +69,11 @@ impl Store {
             counted: false,
             parent: None,
             children: 0,
+            rooted: false,
         };
         self.counters.reservation_closed();
         self.counters.stored(tensor.len);
+        self.tenants.row(tensor.tenant).figures.stored_bytes += tensor.len;
         if let Some(session) = self.sessions.get_mut(&s) {
             session.reservations.remove(&index);
         }
@@ -81,6 +85,7 @@ impl Store {
         if let Some(parent) = parent {
             self.link_parent(index, parent)?;
         }
+        self.linked_now(index, parent.is_none())?;
         self.lru_touch(index)?;
         Ok(Reply::default())
     }
@@ -228,13 +233,14 @@ impl Store {
     /// the eviction list and its chain links; frees it now if unpinned, else
     /// its last RELEASE will.
     pub(super) fn unlink(&mut self, index: u32, why: Unlink) -> Result<(), Status> {
-        let (key, pins) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
-            Some(SlotState::Block { tensor, linked, pins, .. }) if *linked => {
+        let (key, pins, tenant, len, rooted) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { tensor, linked, pins, rooted, .. }) if *linked => {
                 *linked = false;
-                (tensor.key, *pins)
+                (tensor.key, *pins, tensor.tenant, tensor.extent.len, std::mem::take(rooted))
             }
             _ => return Err(Status::Internal),
         };
+        self.resident(tenant, len, rooted, false)?;
         if self.keys.get(&key) == Some(&index) {
             self.keys.remove(&key);
         }
@@ -258,21 +264,77 @@ impl Store {
                 parent: None,
                 children: 0,
                 ..
-            }) => tensor.extent,
+            }) => (tensor.extent, tensor.tenant),
             _ => return Err(Status::Internal),
         };
+        let (extent, tenant) = extent;
         self.alloc.try_free(extent).map_err(|_| Status::Internal)?;
+        self.tenant_bytes_freed(tenant, extent.len)?;
         self.release_slot(index)
+    }
+
+    /// Tenant `tenant`'s extent of `len` bytes was freed.
+    fn tenant_bytes_freed(&mut self, tenant: super::TenantId, len: u64) -> Result<(), Status> {
+        let f = &mut self.tenants.row(tenant).figures;
+        f.bytes = f.bytes.checked_sub(len).ok_or(Status::Internal)?;
+        Ok(())
+    }
+
+    /// Block `index` was just linked under its key (and to its parent, if
+    /// the COMMIT named one that is linked): counts it for its tenant, as
+    /// reachable if it names no parent or its parent is rooted.
+    fn linked_now(&mut self, index: u32, no_parent: bool) -> Result<(), Status> {
+        let parent = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { parent, linked: true, .. }) => *parent,
+            _ => return Err(Status::Internal),
+        };
+        let parent_rooted = parent.is_some_and(|p| {
+            matches!(self.slots.get(p as usize).map(|slot| &slot.state), Some(SlotState::Block { rooted: true, .. }))
+        });
+        let is_rooted = no_parent || parent_rooted;
+        let (tenant, len) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { tensor, rooted, .. }) => {
+                *rooted = is_rooted;
+                (tensor.tenant, tensor.extent.len)
+            }
+            _ => return Err(Status::Internal),
+        };
+        self.resident(tenant, len, is_rooted, true)
+    }
+
+    /// A linked block of `len` extent bytes of `tenant`, `rooted` or not,
+    /// is `added` to (or taken from) the linked blocks.
+    pub(super) fn resident(
+        &mut self,
+        tenant: super::TenantId,
+        len: u64,
+        rooted: bool,
+        added: bool,
+    ) -> Result<(), Status> {
+        let total = if rooted { &mut self.reachable_bytes } else { &mut self.orphaned_bytes };
+        let f = &mut self.tenants.row(tenant).figures;
+        let (row, blocks) = (if rooted { &mut f.reachable_bytes } else { &mut f.orphaned_bytes }, &mut f.blocks);
+        if added {
+            *total += len;
+            *row += len;
+            *blocks += 1;
+        } else {
+            *total = total.checked_sub(len).ok_or(Status::Internal)?;
+            *row = row.checked_sub(len).ok_or(Status::Internal)?;
+            *blocks = blocks.checked_sub(1).ok_or(Status::Internal)?;
+        }
+        Ok(())
     }
 
     /// Frees the extent and slot of reservation `index` (the caller updates
     /// the owning session's set).
     pub(super) fn free_reservation(&mut self, index: u32) -> Result<(), Status> {
-        let extent = match self.slots.get(index as usize).map(|slot| &slot.state) {
-            Some(SlotState::Reserved { tensor, .. }) => tensor.extent,
+        let (extent, tenant) = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Reserved { tensor, .. }) => (tensor.extent, tensor.tenant),
             _ => return Err(Status::Internal),
         };
         self.alloc.try_free(extent).map_err(|_| Status::Internal)?;
+        self.tenant_bytes_freed(tenant, extent.len)?;
         self.release_slot(index)?;
         self.counters.reservation_closed();
         Ok(())

@@ -8,6 +8,87 @@ use crate::alloc::{round_up_to_pages, Extent, PAGE_LEN};
 use std::collections::{BTreeMap, BTreeSet};
 
 impl Store {
+    /// The tenant figures the tables give (`tenants.rs`): each row's bytes,
+    /// linked blocks, reachable and orphaned bytes, evictable bytes and
+    /// clients; the rows add up to the totals; `rooted` as recomputed from
+    /// the chain links (a linked block is rooted when it names no parent and
+    /// was committed naming none, or its parent is rooted: checked as "a
+    /// rooted block's parent is rooted, and a block rooted without a parent
+    /// never lost one").
+    fn check_tenants(&self) -> Result<(), String> {
+        let n = self.tenants.rows.len();
+        let (mut bytes, mut blocks, mut reach, mut orph, mut evict) =
+            (vec![0u64; n], vec![0u64; n], vec![0u64; n], vec![0u64; n], vec![0u64; n]);
+        for slot in &self.slots {
+            let (t, len) = match &slot.state {
+                SlotState::Free => continue,
+                SlotState::Reserved { tensor, .. } => (tensor.tenant as usize, tensor.extent.len),
+                SlotState::Block { tensor, linked, pins, parent, rooted, .. } => {
+                    let t = tensor.tenant as usize;
+                    if t >= n || self.tenants.rows[t].name.is_empty() {
+                        return Err(format!("block of tenant row {t}, which is not in use"));
+                    }
+                    if *linked {
+                        blocks[t] += 1;
+                        if *rooted {
+                            reach[t] += tensor.extent.len;
+                        } else {
+                            orph[t] += tensor.extent.len;
+                        }
+                        if *pins == 0 {
+                            evict[t] += tensor.extent.len;
+                        }
+                    } else if *rooted {
+                        return Err("an unlinked block is rooted".into());
+                    }
+                    if let (true, Some(p)) = (*rooted, parent) {
+                        let parent_rooted = matches!(
+                            self.slots.get(*p as usize).map(|s| &s.state),
+                            Some(SlotState::Block { rooted: true, .. })
+                        );
+                        if !parent_rooted {
+                            return Err(format!("a rooted block's parent {p} is not rooted"));
+                        }
+                    }
+                    (t, tensor.extent.len)
+                }
+            };
+            if t >= n {
+                return Err(format!("reservation of tenant row {t}, which does not exist"));
+            }
+            bytes[t] += len;
+        }
+        let mut clients = vec![0u64; n];
+        for s in self.sessions.values().filter(|s| !s.internal) {
+            clients[(s.tenant as usize) % n] += 1;
+        }
+        let mut limited_evictable = 0;
+        for (t, r) in self.tenants.rows.iter().enumerate() {
+            let f = &r.figures;
+            let have = (f.bytes, f.blocks, f.reachable_bytes, f.orphaned_bytes, r.evictable_bytes, r.sessions);
+            let want = (bytes[t], blocks[t], reach[t], orph[t], evict[t], clients[t]);
+            if have != want {
+                return Err(format!(
+                    "tenant row {t} ({:?}) counts (bytes, blocks, reachable, orphaned, evictable, clients) {have:?}, the tables hold {want:?}",
+                    r.name
+                ));
+            }
+            if r.limit.is_none() && !r.list.is_empty() {
+                return Err(format!("tenant row {t} has no limit but an eviction list of its own"));
+            }
+            if r.limit.is_some() {
+                limited_evictable += r.evictable_bytes;
+            }
+        }
+        if limited_evictable != self.tenants.limited_evictable_bytes {
+            return Err("limited_evictable_bytes is not the limited tenants' evictable bytes".into());
+        }
+        if (reach.iter().sum::<u64>(), orph.iter().sum::<u64>()) != (self.reachable_bytes, self.orphaned_bytes) {
+            return Err("reachable or orphaned bytes are not the sum of the tenants'".into());
+        }
+        Ok(())
+    }
+
     /// Checks every structural invariant; `Err` names the first one broken.
     ///
     /// The allocator's own invariants; every allocated extent belongs to
@@ -52,7 +133,7 @@ impl Store {
                     }
                     tensor
                 }
-                SlotState::Block { tensor, linked, pins, lru_tick, last_use, counted, parent, children } => {
+                SlotState::Block { tensor, linked, pins, lru_tick, last_use, counted, parent, children, .. } => {
                     if *linked {
                         linked_count += 1;
                         if self.keys.get(&tensor.key) != Some(&index) {
@@ -73,7 +154,12 @@ impl Store {
                     let listed = evictable_now && (self.policy == EvictionPolicy::Lru || *children == 0);
                     match (listed, lru_tick) {
                         (true, Some(tick)) => {
-                            if self.lru.get(tick) != Some(&index) || tick != last_use {
+                            let list = if self.tenants.limited(tensor.tenant) {
+                                &self.tenants.get(tensor.tenant).list
+                            } else {
+                                &self.lru
+                            };
+                            if list.get(tick) != Some(&index) || tick != last_use {
                                 return Err(format!("block {index} has list tick {tick} but is not there"));
                             }
                             lru_count += 1;
@@ -140,7 +226,8 @@ impl Store {
         if linked_count != self.keys.len() {
             return Err(format!("{} keys but {linked_count} linked blocks", self.keys.len()));
         }
-        if lru_count != self.lru.len() {
+        let lists_len = self.lru.len() + self.tenants.rows.iter().map(|r| r.list.len()).sum::<usize>();
+        if lru_count != lists_len {
             return Err(format!("LRU list has {} entries, {lru_count} blocks are on it", self.lru.len()));
         }
         if evictable != self.evictable_bytes {
@@ -150,6 +237,7 @@ impl Store {
             ));
         }
         self.check_chains()?;
+        self.check_tenants()?;
 
         // Pins: records agree with sessions and with block counts.
         let free_pins: BTreeSet<u32> = self.free_pin_slots.iter().copied().collect();

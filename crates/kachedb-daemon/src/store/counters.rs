@@ -34,6 +34,9 @@ pub(super) struct Counters {
     hit_bytes: [u64; CODES],
     /// OUT_OF_MEMORY answers because of the per-client limit.
     client_limit_hits: u64,
+    /// OUT_OF_MEMORY answers because of the tenant limit.
+    #[serde(default)]
+    tenant_limit_hits: u64,
     /// COMMITs whose parent was not linked.
     parents_missing: u64,
     /// Chain links cut because the parent was unlinked.
@@ -138,6 +141,11 @@ impl Counters {
         self.client_limit_hits += 1;
     }
 
+    /// A RESERVE was refused by its tenant's limit.
+    pub(super) fn tenant_limit_hit(&mut self) {
+        self.tenant_limit_hits += 1;
+    }
+
     /// A COMMIT named a parent that is not linked.
     pub(super) fn parent_missing(&mut self) {
         self.parents_missing += 1;
@@ -189,6 +197,7 @@ impl Counters {
         st.not_found = err(Status::NotFound);
         st.out_of_memory = err(Status::OutOfMemory);
         st.client_limit_hits = self.client_limit_hits;
+        st.tenant_limit_hits = self.tenant_limit_hits;
         st.parents_missing = self.parents_missing;
         st.links_cut = self.links_cut;
         st.links_cut_by_eviction = self.links_cut_by_eviction;

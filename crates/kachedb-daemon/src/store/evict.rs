@@ -4,7 +4,7 @@
 //! the module docs of [`store`](super), "Eviction", and `docs/eviction.md`).
 
 use super::slots::SlotState;
-use super::Store;
+use super::{Store, TenantId};
 use crate::alloc::Extent;
 use kachedb_shm::Status;
 
@@ -40,33 +40,72 @@ pub(super) enum Unlink {
 }
 
 impl Store {
-    /// An extent of `need_len` bytes (a page multiple), evicting from the head
-    /// of the eviction list if needed (see the module docs).
-    pub(super) fn alloc_evicting(&mut self, need_len: u64) -> Result<Extent, Status> {
+    /// An extent of `need_len` bytes (a page multiple) for tenant `t`,
+    /// evicting if needed (see the module docs, and `tenants.rs` for the
+    /// tenant's limit, which applies when `limit_applies`).
+    pub(super) fn alloc_evicting(&mut self, need_len: u64, t: TenantId, limit_applies: bool) -> Result<Extent, Status> {
+        if let Some(limit) = self.tenants.get(t).limit.filter(|_| limit_applies) {
+            let used = self.tenants.get(t).figures.bytes;
+            if used.saturating_add(need_len) > limit {
+                let over = used.saturating_add(need_len) - limit;
+                if need_len > limit || !self.tenant_can_free(t, over) {
+                    self.limit_hit = Some(limit);
+                    self.tenant_limit_hit = true;
+                    self.tenants.row(t).figures.limit_refusals += 1;
+                    self.counters.tenant_limit_hit();
+                    return Err(Status::OutOfMemory);
+                }
+                while self.tenants.get(t).figures.bytes.saturating_add(need_len) > limit {
+                    // The dry run above says the list does not run empty first.
+                    let (&tick, &index) = self.tenants.get(t).list.first_key_value().ok_or(Status::Internal)?;
+                    self.evict(index, tick)?;
+                }
+            }
+        }
         if let Some(e) = self.alloc.alloc(need_len) {
             return Ok(e);
         }
-        if self.alloc.free_bytes().saturating_add(self.evictable_bytes) < need_len {
+        // What eviction may take for `t`: the blocks of tenants without a
+        // limit, and `t`'s own.
+        let own = self.tenants.limited(t);
+        let unlimited = self.evictable_bytes.saturating_sub(self.tenants.limited_evictable_bytes);
+        let evictable = unlimited + if own { self.tenants.get(t).evictable_bytes } else { 0 };
+        if self.alloc.free_bytes().saturating_add(evictable) < need_len {
             return Err(Status::OutOfMemory);
         }
         loop {
-            let Some((&tick, &index)) = self.lru.first_key_value() else {
+            let shared = self.lru.first_key_value().map(|(&k, &v)| (k, v));
+            let mine = if own { self.tenants.get(t).list.first_key_value().map(|(&k, &v)| (k, v)) } else { None };
+            let next = match (shared, mine) {
+                (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
+                (a, b) => a.or(b),
+            };
+            let Some((tick, index)) = next else {
                 return Err(Status::OutOfMemory);
             };
-            let extent_len = match self.slots.get(index as usize).map(|slot| &slot.state) {
-                Some(SlotState::Block { tensor, .. }) => tensor.extent.len,
-                _ => return Err(Status::Internal),
-            };
-            self.unlink(index, Unlink::Evicted)?;
-            if self.lru.get(&tick) == Some(&index) {
-                // `unlink` must take it off the list; never loop forever.
-                return Err(Status::Internal);
-            }
-            self.counters.evicted(extent_len);
+            self.evict(index, tick)?;
             if let Some(e) = self.alloc.alloc(need_len) {
                 return Ok(e);
             }
         }
+    }
+
+    /// Evicts block `index`, which is on its list under `tick`.
+    fn evict(&mut self, index: u32, tick: u64) -> Result<(), Status> {
+        let (extent_len, tenant) = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { tensor, .. }) => (tensor.extent.len, tensor.tenant),
+            _ => return Err(Status::Internal),
+        };
+        self.unlink(index, Unlink::Evicted)?;
+        if self.lru.get(&tick) == Some(&index) || self.tenants.get(tenant).list.get(&tick) == Some(&index) {
+            // `unlink` must take it off the list; never loop forever.
+            return Err(Status::Internal);
+        }
+        self.counters.evicted(extent_len);
+        let f = &mut self.tenants.row(tenant).figures;
+        f.evictions += 1;
+        f.evicted_bytes += extent_len;
+        Ok(())
     }
 
     /// Marks block `index` as just used (a fresh tick); if eviction may take
@@ -83,8 +122,9 @@ impl Store {
 
     /// Puts block `index` where its state now says, after a change of
     /// `linked`, `pins` or `children`: counted in `evictable_bytes` when linked
-    /// and unpinned; on the eviction list (under its `last_use`) when, besides,
-    /// the policy is LRU or it has no children.
+    /// and unpinned; on the eviction list of its tenant (its own with a
+    /// limit, else the store's; under its `last_use`) when, besides, the
+    /// policy is LRU or it has no children.
     pub(super) fn resync(&mut self, index: u32) -> Result<(), Status> {
         let lru_policy = self.policy == EvictionPolicy::Lru;
         let Some(SlotState::Block { tensor, linked, pins, lru_tick, last_use, counted, children, .. }) =
@@ -92,26 +132,73 @@ impl Store {
         else {
             return Err(Status::Internal);
         };
-        let len = tensor.extent.len;
+        let (len, t) = (tensor.extent.len, tensor.tenant);
         let evictable = *linked && *pins == 0;
         let listed = evictable && (lru_policy || *children == 0);
         let was_counted = std::mem::replace(counted, evictable);
         let old_tick = if listed { lru_tick.replace(*last_use) } else { lru_tick.take() };
         let new_tick = listed.then_some(*last_use);
+        self.place(index, t, len, old_tick, new_tick, was_counted, evictable)
+    }
+
+    /// Takes block `index` off its eviction list and out of the evictable
+    /// bytes (its state says it is on neither; `resync` puts it back).
+    pub(super) fn unlist(&mut self, index: u32) -> Result<(), Status> {
+        let Some(SlotState::Block { tensor, lru_tick, counted, .. }) =
+            self.slots.get_mut(index as usize).map(|slot| &mut slot.state)
+        else {
+            return Err(Status::Internal);
+        };
+        let (len, t) = (tensor.extent.len, tensor.tenant);
+        let old_tick = lru_tick.take();
+        let was_counted = std::mem::take(counted);
+        self.place(index, t, len, old_tick, None, was_counted, false)
+    }
+
+    /// Moves block `index` of tenant `t` (`len` extent bytes) on its
+    /// eviction list from `old_tick` to `new_tick` and in or out of the
+    /// evictable bytes.
+    #[allow(clippy::too_many_arguments)] // one block's place, field by field
+    fn place(
+        &mut self,
+        index: u32,
+        t: TenantId,
+        len: u64,
+        old_tick: Option<u64>,
+        new_tick: Option<u64>,
+        was_counted: bool,
+        evictable: bool,
+    ) -> Result<(), Status> {
+        let limited = self.tenants.limited(t);
+        let list = if limited { &mut self.tenants.row(t).list } else { &mut self.lru };
         if let Some(old) = old_tick {
-            if self.lru.remove(&old) != Some(index) {
+            if list.remove(&old) != Some(index) {
                 return Err(Status::Internal);
             }
         }
-        if let Some(t) = new_tick {
-            self.lru.insert(t, index);
+        if let Some(tick) = new_tick {
+            list.insert(tick, index);
         }
-        match (was_counted, evictable) {
-            (false, true) => self.evictable_bytes += len,
-            (true, false) => {
-                self.evictable_bytes = self.evictable_bytes.checked_sub(len).ok_or(Status::Internal)?;
+        if was_counted == evictable {
+            return Ok(());
+        }
+        let tenants = &mut self.tenants;
+        if evictable {
+            self.evictable_bytes += len;
+            tenants.row(t).evictable_bytes += len;
+            if limited {
+                tenants.limited_evictable_bytes += len;
             }
-            _ => {}
+        } else {
+            let sub = |x: &mut u64| -> Result<(), Status> {
+                *x = x.checked_sub(len).ok_or(Status::Internal)?;
+                Ok(())
+            };
+            sub(&mut self.evictable_bytes)?;
+            sub(&mut tenants.row(t).evictable_bytes)?;
+            if limited {
+                sub(&mut tenants.limited_evictable_bytes)?;
+            }
         }
         Ok(())
     }
@@ -159,6 +246,7 @@ impl Store {
                 _ => return Err(Status::Internal),
             }
             self.counters.link_cut(why == Unlink::Evicted);
+            self.orphan_subtree(c)?;
         }
         if let Some(p) = parent {
             if !self.links.remove(&(p, index)) {
@@ -171,6 +259,28 @@ impl Store {
                 _ => return Err(Status::Internal),
             }
             self.resync(p)?;
+        }
+        Ok(())
+    }
+
+    /// Block `index`, whose link to its parent was cut, and every rooted
+    /// block below it are rooted no more (their bytes move from reachable to
+    /// orphaned). A block that is not rooted has no rooted descendant, so
+    /// the walk stops there: each block is orphaned at most once in its life.
+    fn orphan_subtree(&mut self, index: u32) -> Result<(), Status> {
+        let mut stack = vec![index];
+        while let Some(i) = stack.pop() {
+            let (tenant, len) = match self.slots.get_mut(i as usize).map(|slot| &mut slot.state) {
+                Some(SlotState::Block { rooted, tensor, .. }) if *rooted => {
+                    *rooted = false;
+                    (tensor.tenant, tensor.extent.len)
+                }
+                Some(SlotState::Block { .. }) => continue,
+                _ => return Err(Status::Internal),
+            };
+            self.resident(tenant, len, true, false)?;
+            self.resident(tenant, len, false, true)?;
+            stack.extend(self.links.range((i, 0)..=(i, u32::MAX)).map(|&(_, c)| c));
         }
         Ok(())
     }

@@ -35,6 +35,10 @@ pub struct Gauges {
     pub get_hit_bytes: u64,
     /// Tensor bytes of the blocks LOOKUP found since start.
     pub lookup_hit_bytes: u64,
+    /// Extent bytes of the linked blocks whose chain is whole.
+    pub reachable_bytes: u64,
+    /// Extent bytes of the other linked blocks.
+    pub orphaned_bytes: u64,
 }
 
 impl Store {
@@ -55,6 +59,8 @@ impl Store {
             stored_bytes: c.stored_bytes(),
             get_hit_bytes: c.hit_bytes(Op::Get),
             lookup_hit_bytes: c.hit_bytes(Op::Lookup),
+            reachable_bytes: self.reachable_bytes,
+            orphaned_bytes: self.orphaned_bytes,
         }
     }
 }

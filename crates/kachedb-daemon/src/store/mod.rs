@@ -83,7 +83,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use kachedb_shm::{Completion, DType, Request, Shape, Status};
+use kachedb_shm::{Completion, DType, Op, OutOfMemoryCause, Request, Shape, Status};
 
 use crate::alloc::{Extent, ExtentAllocator};
 
@@ -101,11 +101,15 @@ mod session;
 mod slots;
 mod state;
 #[cfg(test)]
+mod tenant_tests;
+mod tenants;
+#[cfg(test)]
 mod tests;
 
 pub use evict::EvictionPolicy;
 pub use gauges::Gauges;
 pub use kachedb_shm::control::StoreStats;
+pub use tenants::{TenantFigures, TenantId};
 
 use counters::Counters;
 use session::Session;
@@ -156,6 +160,9 @@ struct Tensor {
     /// less than one page past its start.
     data_offset: u64,
     extent: Extent,
+    /// The tenant it belongs to: the reserving session's.
+    #[serde(default)]
+    tenant: TenantId,
 }
 
 /// What a successful request answers besides `OK`.
@@ -211,6 +218,15 @@ pub struct Store {
     /// Set when the request being handled was refused by that limit: its
     /// OUT_OF_MEMORY answer then carries the limit in `offset`.
     limit_hit: Option<u64>,
+    /// `limit_hit` is the tenant's limit (`tenants.rs`).
+    #[serde(skip)]
+    tenant_limit_hit: bool,
+    /// The tenant table, their limits and eviction lists (`tenants.rs`).
+    tenants: tenants::Tenants,
+    /// Extent bytes of the linked blocks whose chain is whole (`rooted`),
+    /// and of the other linked blocks; the sums of the tenants' figures.
+    reachable_bytes: u64,
+    orphaned_bytes: u64,
 }
 
 impl Store {
@@ -238,6 +254,10 @@ impl Store {
             max_uid_bytes: None,
             uid_held: BTreeMap::new(),
             limit_hit: None,
+            tenant_limit_hit: false,
+            tenants: tenants::Tenants::default(),
+            reachable_bytes: 0,
+            orphaned_bytes: 0,
         }
     }
 
@@ -247,7 +267,12 @@ impl Store {
         let op = req.op();
         self.counters.request(op);
         self.limit_hit = None;
-        let result = if self.sessions.contains_key(&s) {
+        self.tenant_limit_hit = false;
+        let (open, tenant, internal) = match self.sessions.get(&s) {
+            Some(x) => (true, x.tenant, x.internal),
+            None => (false, tenants::DEFAULT_ROW, false),
+        };
+        let result = if open {
             match *req {
                 Request::Ping => Ok(Reply::default()),
                 Request::Reserve { key, dtype, shape, len, page_offset } => {
@@ -257,9 +282,22 @@ impl Store {
                 Request::CommitPin { handle, parent } => self.commit_pin(s, handle, parent),
                 Request::Abort { handle } => self.abort(s, handle),
                 // A WAIT is a GET here; the serve loop parks it while NOT_FOUND.
-                Request::Get { key } | Request::Wait { key, .. } => self.get(s, key),
+                Request::Get { key } => {
+                    let r = self.get(s, key);
+                    if !internal && matches!(r, Ok(_) | Err(Status::NotFound)) {
+                        self.count_request(tenant, Op::Get, key, r.is_ok());
+                    }
+                    r
+                }
+                Request::Wait { key, .. } => self.get(s, key),
                 Request::Release { handle } => self.release(s, handle),
-                Request::Lookup { key } => self.lookup(key),
+                Request::Lookup { key } => {
+                    let r = self.lookup(key);
+                    if !internal {
+                        self.count_request(tenant, Op::Lookup, key, r.is_ok());
+                    }
+                    r
+                }
                 Request::Delete { key } => self.delete(key),
                 Request::Stats => {
                     Ok(Reply { handle: self.keys.len() as u64, offset: self.alloc.used_bytes(), tensor: None })
@@ -282,9 +320,15 @@ impl Store {
             }
             Err(status) => {
                 self.counters.answer(op, status);
-                // OUT_OF_MEMORY because of this client's limit: `offset` names it.
-                let offset = if status == Status::OutOfMemory { self.limit_hit.unwrap_or(0) } else { 0 };
-                Completion { request_id, op, status, handle: 0, offset, tensor: None }
+                // OUT_OF_MEMORY because of a limit: `handle` and `offset` say which.
+                let (handle, offset) = match (status, self.limit_hit) {
+                    (Status::OutOfMemory, Some(limit)) if self.tenant_limit_hit => {
+                        OutOfMemoryCause::TenantLimit(limit).fields()
+                    }
+                    (Status::OutOfMemory, Some(limit)) => OutOfMemoryCause::ClientLimit(limit).fields(),
+                    _ => (0, 0),
+                };
+                Completion { request_id, op, status, handle, offset, tensor: None }
             }
         }
     }
@@ -344,6 +388,16 @@ impl Store {
         st.free_extents = self.alloc.free_extent_count() as u64;
         st.eviction_policy = self.policy.name().to_string();
         st.chained_blocks = self.links.len() as u64;
+        st.reachable_bytes = self.reachable_bytes;
+        st.orphaned_bytes = self.orphaned_bytes;
+        let (distinct, requests) = self.window();
+        st.window_distinct_keys = distinct;
+        st.window_key_requests = requests;
+        if requests > 0 {
+            st.hit_ratio_ceiling = 1.0 - (distinct.min(requests) as f64 / requests as f64);
+        }
+        let resident = self.reachable_bytes + self.orphaned_bytes;
+        st.working_set_bytes = distinct.saturating_mul(resident.checked_div(self.keys.len() as u64).unwrap_or(0));
         st
     }
 

@@ -31,6 +31,9 @@ pub(super) struct Session {
     /// before a handover and opened anew after it.
     #[serde(skip)]
     pub(super) internal: bool,
+    /// Its tenant's row (`tenants.rs`).
+    #[serde(default)]
+    pub(super) tenant: super::TenantId,
 }
 
 impl Store {
@@ -39,6 +42,7 @@ impl Store {
         let id = SessionId(self.next_session);
         self.next_session = self.next_session.wrapping_add(1);
         self.sessions.insert(id, Session::default());
+        self.tenants.row(super::tenants::DEFAULT_ROW).sessions += 1;
         id
     }
 
@@ -48,6 +52,9 @@ impl Store {
         let id = self.open_session();
         if let Some(x) = self.sessions.get_mut(&id) {
             x.internal = true;
+            // Not a client of the default tenant (its blocks are the default tenant's).
+            let row = self.tenants.row(super::tenants::DEFAULT_ROW);
+            row.sessions = row.sessions.saturating_sub(1);
         }
         id
     }
@@ -78,6 +85,10 @@ impl Store {
         };
         if let Some(uid) = session.uid {
             self.uid_take(uid, session.held_bytes, false);
+        }
+        if !session.internal {
+            let row = self.tenants.row(session.tenant);
+            row.sessions = row.sessions.saturating_sub(1);
         }
         let mut pins = 0;
         for (&block_index, &pin_index) in &session.pins {

@@ -35,6 +35,12 @@ pub(super) enum SlotState {
         parent: Option<u32>,
         /// Linked blocks that name it as parent (0 when unlinked).
         children: u32,
+        /// Linked, and its chain back to its root is whole: it was committed
+        /// naming no parent, or linked to a rooted parent, and no link above
+        /// it has been cut since (false when unlinked). A rooted block's
+        /// parent is rooted.
+        #[serde(default)]
+        rooted: bool,
     },
 }
 

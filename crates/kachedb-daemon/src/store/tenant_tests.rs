@@ -1,0 +1,295 @@
+//! Unit tests of tenants (`tenants.rs`): limits evict the tenant's own
+//! blocks leaves first, a block that cannot fit within its limit changes
+//! nothing, other tenants' limited and pinned blocks are never taken, rows
+//! fold into `_other` past the bound, per-tenant figures add up to the
+//! totals, reachable and orphaned bytes follow cuts.
+
+use super::tests::{reserve_req, SLAB_OFFSET};
+use super::*;
+use crate::alloc::PAGE_LEN;
+use kachedb_shm::control::{MAX_TENANTS, OTHER_TENANT};
+
+fn ok(st: &mut Store, s: SessionId, req: Request) -> Completion {
+    let c = st.handle(s, 1, &req);
+    st.check_invariants().unwrap();
+    assert_eq!(c.status, Status::Ok, "{req:?}");
+    c
+}
+
+/// A one-page block `key` of session `s` following `parent`; the answer to its RESERVE.
+fn put(st: &mut Store, s: SessionId, key: u128, parent: Option<u128>) -> Completion {
+    let r = st.handle(s, 1, &reserve_req(key, 100, 0));
+    st.check_invariants().unwrap();
+    if r.status == Status::Ok {
+        ok(st, s, Request::Commit { handle: r.handle, parent });
+    }
+    r
+}
+
+fn row(st: &Store, name: &str) -> TenantStats {
+    st.tenant_stats().into_iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no tenant {name}"))
+}
+
+fn totals_add_up(st: &Store) {
+    let all = st.stats();
+    let rows = st.tenant_stats();
+    let sum = |f: fn(&TenantStats) -> u64| rows.iter().map(f).sum::<u64>();
+    assert_eq!(sum(|t| t.bytes), all.bytes_used);
+    assert_eq!(sum(|t| t.blocks), all.blocks);
+    assert_eq!(sum(|t| t.evictions), all.evictions);
+    assert_eq!(sum(|t| t.evicted_bytes), all.evicted_bytes);
+    assert_eq!(sum(|t| t.get_hits), all.get_hits);
+    assert_eq!(sum(|t| t.lookup_hits), all.lookup_hits);
+    assert_eq!(sum(|t| t.reachable_bytes), all.reachable_bytes);
+    assert_eq!(sum(|t| t.orphaned_bytes), all.orphaned_bytes);
+}
+
+use kachedb_shm::control::TenantStats;
+
+/// Two tenants with limits of 4 and 12 pages on a 16-page megaslab, both
+/// writing chains: each stays within its limit, evicts only its own
+/// blocks, leaves first; the other's pinned block is never touched.
+#[test]
+fn a_tenant_at_its_limit_evicts_its_own_leaves_and_nobody_elses() {
+    let mut st = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
+    st.set_tenant_limits(None, &[("a".into(), 4 * PAGE_LEN), ("b".into(), 12 * PAGE_LEN)], true);
+    let (a, b) = (st.open_session(), st.open_session());
+    assert_eq!(st.set_session_tenant(a, "a"), "a");
+    assert_eq!(st.set_session_tenant(b, "b"), "b");
+    // b pins its first block, then both write far past their limits.
+    put(&mut st, b, 1000, None);
+    let pin = ok(&mut st, b, Request::Get { key: 1000 });
+    for i in 0..40u128 {
+        assert_eq!(put(&mut st, a, i, (i > 0).then(|| i - 1)).status, Status::Ok);
+        assert_eq!(put(&mut st, b, 1001 + i, Some(1000 + i)).status, Status::Ok);
+        assert!(row(&st, "a").bytes <= 4 * PAGE_LEN);
+        assert!(row(&st, "b").bytes <= 12 * PAGE_LEN);
+        assert!(st.peek(1000).is_some(), "b's pinned block is there");
+        totals_add_up(&st);
+    }
+    assert_eq!(row(&st, "a").blocks, 4);
+    assert_eq!(row(&st, "b").blocks, 12);
+    assert!(row(&st, "a").evictions > 0 && row(&st, "b").evictions > 0);
+    ok(&mut st, b, Request::Release { handle: pin.handle });
+    totals_add_up(&st);
+}
+
+/// A block that cannot fit within its tenant's limit even after evicting
+/// the tenant's own evictable blocks is refused with the tenant-limit cause
+/// and nothing is evicted; the other tenant and the megaslab are untouched.
+#[test]
+fn a_block_that_cannot_fit_within_the_limit_changes_nothing() {
+    let mut st = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
+    st.set_tenant_limits(None, &[("a".into(), 3 * PAGE_LEN)], true);
+    let a = st.open_session();
+    st.set_session_tenant(a, "a");
+    put(&mut st, a, 1, None);
+    put(&mut st, a, 2, None);
+    let pins = [ok(&mut st, a, Request::Get { key: 1 }), ok(&mut st, a, Request::Get { key: 2 })];
+    put(&mut st, a, 3, None);
+    // 1 and 2 are pinned, 3 is evictable: a 2-page block needs 4 pages of 3.
+    let before = (st.stats(), st.tenant_stats());
+    let c = st.handle(a, 9, &reserve_req(4, PAGE_LEN + 1, 0));
+    st.check_invariants().unwrap();
+    assert_eq!(c.status, Status::OutOfMemory);
+    assert_eq!(
+        kachedb_shm::OutOfMemoryCause::of(c.handle, c.offset),
+        kachedb_shm::OutOfMemoryCause::TenantLimit(3 * PAGE_LEN)
+    );
+    let after = st.stats();
+    assert_eq!((after.blocks, after.evictions, after.bytes_used), (before.0.blocks, 0, before.0.bytes_used));
+    assert_eq!((after.tenant_limit_hits, after.out_of_memory), (1, 1));
+    assert_eq!(row(&st, "a").limit_refusals, 1);
+    assert!(st.peek(3).is_some());
+    // Larger than the limit itself: refused the same way.
+    let c = st.handle(a, 9, &reserve_req(5, 3 * PAGE_LEN + 1, 0));
+    assert_eq!(
+        kachedb_shm::OutOfMemoryCause::of(c.handle, c.offset),
+        kachedb_shm::OutOfMemoryCause::TenantLimit(3 * PAGE_LEN)
+    );
+    // A one-page block fits by evicting 3.
+    assert_eq!(put(&mut st, a, 6, None).status, Status::Ok);
+    assert!(st.peek(3).is_none() && st.peek(6).is_some());
+    for p in pins {
+        ok(&mut st, a, Request::Release { handle: p.handle });
+    }
+    totals_add_up(&st);
+}
+
+/// Under `chain`, a tenant's blocks that are parents of another tenant's
+/// blocks are not leaves: the dry run sees that evicting the tenant's own
+/// list cannot free them, and refuses without evicting anything.
+#[test]
+fn the_dry_run_follows_the_chain_policy() {
+    let mut st = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
+    st.set_tenant_limits(None, &[("a".into(), 3 * PAGE_LEN)], true);
+    let (a, b) = (st.open_session(), st.open_session());
+    st.set_session_tenant(a, "a");
+    st.set_session_tenant(b, "b");
+    // a: chain 1 <- 2 <- 3; b's block 10 follows a's 3 (a shared prefix).
+    put(&mut st, a, 1, None);
+    put(&mut st, a, 2, Some(1));
+    put(&mut st, a, 3, Some(2));
+    put(&mut st, b, 10, Some(3));
+    let c = st.handle(a, 1, &reserve_req(4, 100, 0));
+    st.check_invariants().unwrap();
+    assert_eq!(c.status, Status::OutOfMemory, "a's chain is held by b's child");
+    assert_eq!(st.stats().evictions, 0);
+    // Once b's block goes, a's chain is evictable tail first.
+    ok(&mut st, b, Request::Delete { key: 10 });
+    assert_eq!(put(&mut st, a, 4, None).status, Status::Ok);
+    assert!(st.peek(3).is_none() && st.peek(1).is_some() && st.peek(2).is_some());
+}
+
+/// A tenant without a limit is evicted by anyone (as before tenants); a
+/// limited tenant's blocks are not, even when the megaslab is full.
+#[test]
+fn only_unlimited_tenants_are_evicted_by_others() {
+    let mut st = Store::new(SLAB_OFFSET, 8 * PAGE_LEN);
+    st.set_tenant_limits(None, &[("a".into(), 4 * PAGE_LEN)], true);
+    let (a, free) = (st.open_session(), st.open_session());
+    st.set_session_tenant(a, "a");
+    st.set_session_tenant(free, "free");
+    for k in 0..4 {
+        put(&mut st, a, k, None);
+    }
+    for k in 10..14 {
+        put(&mut st, free, k, None);
+    }
+    // The megaslab is full; `free` writes on and evicts only its own.
+    for k in 20..30 {
+        assert_eq!(put(&mut st, free, k, None).status, Status::Ok);
+        assert_eq!(row(&st, "a").blocks, 4);
+    }
+    // `a`, within its limit with the megaslab full, evicts the least
+    // recently used of its own and `free`'s blocks: here `free`'s.
+    ok(&mut st, a, Request::Delete { key: 0 });
+    put(&mut st, free, 30, None);
+    for k in 1..4 {
+        ok(&mut st, a, Request::Lookup { key: k });
+    }
+    let before = row(&st, "free").evictions;
+    assert_eq!(put(&mut st, a, 5, None).status, Status::Ok);
+    assert_eq!((row(&st, "a").blocks, row(&st, "a").evictions), (4, 0));
+    assert_eq!(row(&st, "free").evictions, before + 1);
+    totals_add_up(&st);
+}
+
+/// Past `MAX_TENANTS` rows, new names are counted in `_other`; a row whose
+/// tenant has left with nothing held goes to the next new name.
+#[test]
+fn tenants_past_the_bound_fold_into_other() {
+    let mut st = Store::new(SLAB_OFFSET, 256 * PAGE_LEN);
+    let mut sessions = Vec::new();
+    for i in 0..MAX_TENANTS - 2 {
+        let s = st.open_session();
+        assert_eq!(st.set_session_tenant(s, &format!("t{i}")), format!("t{i}"));
+        put(&mut st, s, i as u128, None);
+        sessions.push(s);
+    }
+    let late = st.open_session();
+    assert_eq!(st.set_session_tenant(late, "late"), OTHER_TENANT);
+    put(&mut st, late, 999, None);
+    assert_eq!(row(&st, OTHER_TENANT).blocks, 1);
+    assert_eq!(st.tenant_stats().len(), MAX_TENANTS);
+    totals_add_up(&st);
+    // t0 leaves and its block goes: its row is free for the next name.
+    st.close_session(sessions[0]);
+    ok(&mut st, late, Request::Delete { key: 0 });
+    let next = st.open_session();
+    assert_eq!(st.set_session_tenant(next, "next"), "next");
+    assert!(st.tenant_stats().iter().all(|t| t.name != "t0"));
+    assert_eq!(row(&st, "next").evictions, 0);
+    st.check_invariants().unwrap();
+}
+
+/// Reachable and orphaned bytes: a chain is reachable; deleting a middle
+/// block orphans its descendants (of any tenant); a block whose named
+/// parent is absent is orphaned from its commit; under `lru` an evicted
+/// head orphans its chain.
+#[test]
+fn reachable_and_orphaned_bytes_follow_the_chains() {
+    let mut st = Store::new(SLAB_OFFSET, 6 * PAGE_LEN);
+    let (a, b) = (st.open_session(), st.open_session());
+    st.set_session_tenant(b, "b");
+    put(&mut st, a, 1, None);
+    put(&mut st, a, 2, Some(1));
+    put(&mut st, b, 3, Some(2));
+    put(&mut st, b, 4, Some(3));
+    assert_eq!((st.stats().reachable_bytes, st.stats().orphaned_bytes), (4 * PAGE_LEN, 0));
+    ok(&mut st, a, Request::Delete { key: 2 });
+    assert_eq!((st.stats().reachable_bytes, st.stats().orphaned_bytes), (PAGE_LEN, 2 * PAGE_LEN));
+    assert_eq!((row(&st, "b").reachable_bytes, row(&st, "b").orphaned_bytes), (0, 2 * PAGE_LEN));
+    put(&mut st, a, 5, Some(77));
+    assert_eq!(st.stats().orphaned_bytes, 3 * PAGE_LEN);
+    totals_add_up(&st);
+
+    let mut st = Store::new(SLAB_OFFSET, 3 * PAGE_LEN);
+    st.set_eviction_policy(EvictionPolicy::Lru);
+    let a = st.open_session();
+    put(&mut st, a, 1, None);
+    put(&mut st, a, 2, Some(1));
+    put(&mut st, a, 3, Some(2));
+    ok(&mut st, a, Request::Lookup { key: 3 });
+    ok(&mut st, a, Request::Lookup { key: 2 });
+    put(&mut st, a, 4, None); // evicts the head 1: 2 and 3 are orphaned
+    assert_eq!((st.stats().reachable_bytes, st.stats().orphaned_bytes), (PAGE_LEN, 2 * PAGE_LEN));
+}
+
+/// Hits, misses and the request window per tenant; off, every client is
+/// the default tenant's and no window is kept.
+#[test]
+fn hits_misses_and_the_window_per_tenant() {
+    let mut st = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
+    let (a, b) = (st.open_session(), st.open_session());
+    st.set_session_tenant(a, "a");
+    put(&mut st, a, 1, None);
+    for _ in 0..3 {
+        ok(&mut st, b, Request::Lookup { key: 1 });
+    }
+    assert_eq!(st.handle(a, 1, &Request::Get { key: 2 }).status, Status::NotFound);
+    let g = ok(&mut st, a, Request::Get { key: 1 });
+    ok(&mut st, a, Request::Release { handle: g.handle });
+    let (ra, rd) = (row(&st, "a"), row(&st, "default"));
+    assert_eq!((ra.get_hits, ra.get_misses, rd.lookup_hits), (1, 1, 3));
+    assert_eq!((ra.window_key_requests, ra.window_distinct_keys), (2, 2));
+    assert_eq!((rd.window_key_requests, rd.window_distinct_keys), (3, 1));
+    assert_eq!(st.window(), (2, 5));
+    let s = st.stats();
+    assert!((s.hit_ratio_ceiling - (1.0 - 2.0 / 5.0)).abs() < 1e-9);
+    st.restart_window();
+    assert_eq!(st.window(), (0, 0));
+    totals_add_up(&st);
+
+    let mut off = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
+    off.set_tenant_limits(None, &[], false);
+    let a = off.open_session();
+    assert_eq!(off.set_session_tenant(a, "a"), "default");
+    put(&mut off, a, 1, None);
+    ok(&mut off, a, Request::Lookup { key: 1 });
+    assert_eq!(off.window(), (0, 0));
+    assert_eq!(off.tenant_stats().len(), 2);
+}
+
+/// A store carried through its serialized form keeps its tenants, and a
+/// new limit applied to it moves the blocks to the right lists.
+#[test]
+fn tenants_survive_a_handover() {
+    let mut st = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
+    st.set_tenant_limits(None, &[("a".into(), 8 * PAGE_LEN)], true);
+    let a = st.open_session();
+    st.set_session_tenant(a, "a");
+    for k in 0..6 {
+        put(&mut st, a, k, (k > 0).then(|| k - 1));
+    }
+    let bytes = crate::takeover::encode(&st).unwrap();
+    let mut back: Store = postcard::from_bytes(&bytes).unwrap();
+    back = back.restore_checked(SLAB_OFFSET, 16 * PAGE_LEN).unwrap();
+    assert_eq!(back.tenant_stats(), st.tenant_stats());
+    back.set_tenant_limits(Some(2 * PAGE_LEN), &[], true);
+    back.check_invariants().unwrap();
+    back.set_tenant_limits(None, &[("a".into(), 3 * PAGE_LEN)], true);
+    back.check_invariants().unwrap();
+    assert_eq!(put(&mut back, a, 10, None).status, Status::Ok);
+    assert!(row(&back, "a").bytes <= 3 * PAGE_LEN);
+}
