@@ -355,6 +355,28 @@ fn remote_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::remote::RemoteC
     }))
 }
 
+/// Heap memory the daemon's allocator keeps instead of handing back to the
+/// kernel at once: up to [`HEAP_TRIM_BYTES`] free at the top of a heap, and
+/// allocations below [`HEAP_MMAP_BYTES`] served from the heap (glibc's
+/// defaults adjust both to the last large free, a few MiB). A remote fill
+/// holds a block's chunks (1 MiB each, up to the fill budget) as buffers
+/// until it lands them; with the defaults every fill faulted its buffers in
+/// anew (the kernel zeroing each page) and the fill ran at half the speed
+/// (`kachedb bench remote`, docs/remote.md).
+const HEAP_TRIM_BYTES: i32 = 128 << 20;
+/// See [`HEAP_TRIM_BYTES`].
+const HEAP_MMAP_BYTES: i32 = 4 << 20;
+
+fn keep_heap_pages() {
+    // SAFETY: `mallopt` only sets allocator parameters; it is called before
+    // the daemon starts any thread, and an unknown parameter is refused
+    // (returns 0), never undefined.
+    unsafe {
+        libc::mallopt(libc::M_TRIM_THRESHOLD, HEAP_TRIM_BYTES);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, HEAP_MMAP_BYTES);
+    }
+}
+
 /// The fleet key in `path`: a regular file that group and others can
 /// neither read nor write, holding 32 bytes or 64 hex digits.
 fn read_key_file(path: &std::path::Path) -> Result<kachedb_daemon::remote::format::FleetKey, String> {
@@ -412,6 +434,7 @@ pub fn default_size() -> u64 {
 
 /// Runs the daemon until SIGINT/SIGTERM.
 pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    keep_heap_pages();
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
