@@ -345,8 +345,9 @@ def test_stats_watch_draws_frames_that_fit_80_columns(mdaemon):
 
 
 def test_the_grafana_dashboard_uses_only_exported_names(tmp_path):
-    """Every name the board queries is one a daemon with a disk tier exports
-    (the disk row's names exist only with --disk)."""
+    """Every name the board queries is one a daemon with a disk tier and a
+    tenant limit exports (the disk row's names exist only with --disk, a
+    tenant's limit only with --tenant-limit)."""
     path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "docs", "grafana-dashboard.json")
     if not os.path.exists(path):
         pytest.skip("not run from a KacheDB checkout")
@@ -357,8 +358,11 @@ def test_the_grafana_dashboard_uses_only_exported_names(tmp_path):
     used = {n for e in exprs for n in re.findall(r"\bkachedb_[a-z_]+", e)}
     used |= set(re.findall(r"\bkachedb_[a-z_]+", json.dumps(dash["templating"])))
     assert any(n.startswith("kachedb_disk_") for n in used), "the board has no disk tier row"
+    assert any(n.startswith("kachedb_tenant_") for n in used), "the board has no tenant row"
     port = free_port()
-    d = Daemon("64MiB", "--metrics-addr", f"127.0.0.1:{port}", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB")
+    # A tenant limit: kachedb_tenant_limit_bytes exists only for a tenant with one.
+    d = Daemon("64MiB", "--metrics-addr", f"127.0.0.1:{port}", "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB",
+               "--tenant-limit", "default=48MiB")
     d.metrics_port = port
     try:
         with d.connect() as kc:  # per-op series appear once an op was served

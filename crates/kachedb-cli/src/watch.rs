@@ -213,6 +213,14 @@ pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<St
         row("rejected frames", |s| s.serve.rejected_frames, String::new()),
         row("clients kicked", |s| s.serve.clients_kicked, String::new()),
     ];
+    lines.push(format!(
+        "reuse   reachable {}  orphaned {}  hit ceiling {}  working set {}",
+        human_bytes(st.reachable_bytes),
+        human_bytes(st.orphaned_bytes),
+        if st.window_key_requests == 0 { "-".into() } else { format!("{:.1}%", st.hit_ratio_ceiling * 100.0) },
+        human_bytes(st.working_set_bytes),
+    ));
+    lines.extend(tenant_lines(s, prev));
     let d = &s.disk;
     if d.disk_enabled {
         let on_disk = d.disk_bytes as f64 / d.disk_capacity_bytes.max(1) as f64;
@@ -240,6 +248,48 @@ pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<St
     }
     lines.extend([String::new(), "Ctrl-C to quit".into()]);
     fit(lines)
+}
+
+/// Most tenant rows shown (the largest by bytes).
+const TENANT_ROWS: usize = 8;
+
+/// The tenants' table: shown once a tenant other than `default` exists or a
+/// limit is set; the largest [`TENANT_ROWS`] by bytes.
+fn tenant_lines(s: &Stats, prev: Option<(f64, &Stats)>) -> Vec<String> {
+    let shown = s.tenants.len() > 1 || s.tenants.iter().any(|t| t.limit_bytes.is_some());
+    if !shown {
+        return Vec::new();
+    }
+    let mut ts: Vec<&kachedb_shm::control::TenantStats> = s.tenants.iter().collect();
+    ts.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.name.cmp(&b.name)));
+    let mut lines = vec![
+        String::new(),
+        format!(
+            "{:<16}{:>22}{:>10}{:>9}{:>14}{:>9}",
+            "tenant", "bytes / limit", "blocks", "clients", "evicted/s", "GET hit"
+        ),
+    ];
+    for t in ts.iter().take(TENANT_ROWS) {
+        let before = prev.and_then(|(dt, p)| p.tenants.iter().find(|x| x.name == t.name).map(|x| (dt, x)));
+        let evicted = match before {
+            Some((dt, p)) if dt > 0.0 => grouped((t.evictions.saturating_sub(p.evictions) as f64 / dt).round() as u64),
+            _ => "-".into(),
+        };
+        let limit = t.limit_bytes.map_or("-".into(), human_bytes);
+        lines.push(format!(
+            "{:<16}{:>22}{:>10}{:>9}{:>14}{:>9}",
+            t.name,
+            format!("{} / {}", human_bytes(t.bytes), limit),
+            grouped(t.blocks),
+            t.clients,
+            evicted,
+            percent(t.get_hits, t.get_hits + t.get_misses)
+        ));
+    }
+    if ts.len() > TENANT_ROWS {
+        lines.push(format!("({} more tenants: kachedb stats)", ts.len() - TENANT_ROWS));
+    }
+    lines
 }
 
 #[cfg(test)]
@@ -285,6 +335,34 @@ mod tests {
         assert!(render(&long, None, Duration::from_secs(1)).iter().all(|l| l.chars().count() <= WIDTH));
         // Without a disk tier, no disk rows.
         assert!(!next.iter().any(|l| l.starts_with("disk")), "{next:?}");
+    }
+
+    #[test]
+    fn shows_tenants_once_there_are_several_and_reuse_always() {
+        let a = sample(10, 5, 20);
+        let lines = render(&a, None, Duration::from_secs(1));
+        assert!(lines.iter().any(|l| l.starts_with("reuse")), "{lines:?}");
+        assert!(!lines.iter().any(|l| l.starts_with("tenant")), "one default tenant: no table; {lines:?}");
+        let tenant = |name: &str, bytes: u64, limit: Option<u64>, evictions: u64| kachedb_shm::control::TenantStats {
+            name: name.into(),
+            limit_bytes: limit,
+            bytes,
+            blocks: 3,
+            clients: 1,
+            get_hits: 3,
+            get_misses: 1,
+            evictions,
+            ..Default::default()
+        };
+        let mut b = a.clone();
+        b.tenants = vec![tenant("default", 1 << 20, None, 0), tenant("team-a", 1 << 30, Some(1 << 30), 4)];
+        let mut c = b.clone();
+        c.tenants[1].evictions = 14;
+        let lines = render(&c, Some((1.0, &b)), Duration::from_secs(1));
+        let header = lines.iter().position(|l| l.starts_with("tenant")).expect("a tenant table");
+        assert!(lines[header + 1].starts_with("team-a"), "the largest first: {lines:?}");
+        assert!(lines[header + 1].contains("1.0 GiB / 1.0 GiB") && lines[header + 1].contains("10"), "{lines:?}");
+        assert!(lines.iter().all(|l| l.chars().count() <= 80), "{lines:?}");
     }
 
     #[test]
