@@ -191,7 +191,11 @@ def scenario_lookup(spec: Dict[str, Any]) -> Dict[str, Any]:
     n, seed = spec["prompt"]
     tokens = S.prompt_tokens(n, seed)
     engine = S.build_engine(
-        "lookup", socket=spec["socket"], model=spec.get("model", "kachedb-test/tiny-llama"), namespace=spec.get("namespace")
+        "lookup",
+        socket=spec["socket"],
+        model=spec.get("model", "kachedb-test/tiny-llama"),
+        namespace=spec.get("namespace"),
+        tenant=spec.get("tenant"),
     )
     out = {
         "backends": list(engine.storage_manager.storage_backends),

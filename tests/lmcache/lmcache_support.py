@@ -156,6 +156,7 @@ def build_engine(
     socket: Optional[str],
     model: str = "kachedb-test/tiny-llama",
     namespace: Optional[str] = None,
+    tenant: Optional[str] = None,
     retry_seconds: Optional[float] = None,
     local_cpu_gib: float = 0.25,
     layers: int = NUM_LAYERS,
@@ -166,7 +167,8 @@ def build_engine(
 ) -> Any:
     """An LMCache engine (bfloat16 KV of ``layers`` x ``heads`` x ``head_size``,
     chunks of ``chunk_tokens``, a local CPU tier of ``local_cpu_gib``) with the
-    KacheDB plugin at ``socket`` (``None``: the local CPU tier only),
+    KacheDB plugin at ``socket`` (``None``: the local CPU tier only; ``tenant``:
+    its daemon tenant),
     post-initialised, as vLLM's LMCache connector does when the KV caches are
     registered. ``gpu_connector``: default ``make_cpu_connector``."""
     import torch
@@ -178,7 +180,7 @@ def build_engine(
 
     plugin: Dict[str, Any] = {}
     if socket is not None:
-        plugin = kachedb.lmcache.config(socket, namespace=namespace, retry_seconds=retry_seconds)
+        plugin = kachedb.lmcache.config(socket, namespace=namespace, tenant=tenant, retry_seconds=retry_seconds)
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=chunk_tokens,
         local_cpu=True,

@@ -33,6 +33,16 @@ def test_config_is_accepted_by_lmcache_and_names_the_adapter(tmp_path):
     assert issubclass(mod.KacheDBConnector, RemoteConnector)
 
 
+def test_tenant_option_and_bad_tenant(tmp_path):
+    cfg = kachedb.lmcache.config(str(tmp_path / "d.sock"), tenant="team-a")
+    assert cfg["extra_config"]["remote_storage_plugin.kachedb.tenant"] == "team-a"
+    assert "remote_storage_plugin.kachedb.tenant" not in kachedb.lmcache.config(str(tmp_path / "d.sock"))["extra_config"]
+    with pytest.raises(ValueError, match="not a tenant name"):
+        kachedb.lmcache.config(tenant="no spaces")
+    out = subprocess.run([sys.executable, "-m", "kachedb", "lmcache-config", "--tenant", "_x"], capture_output=True, text=True)
+    assert out.returncode == 2 and "not a tenant name" in out.stderr
+
+
 def test_adapter_claims_kachedb_plugin_urls_only():
     from kachedb.lmcache.connector import KacheDBConnectorAdapter
 

@@ -159,7 +159,9 @@ def test_async_contains_and_get_non_blocking(loaded):
 
 def test_other_model_or_namespace_gets_no_hits(daemon, stored, workdir):
     base = {"scenario": "lookup", "socket": daemon.socket, "prompt": SECOND}
-    same = run_engine(workdir, "lookup-same", base)
+    same = run_engine(workdir, "lookup-same", dict(base, tenant="team-l"))
+    # (a tenant's row is taken by the next new name once it has no client and no bytes: read it now)
+    team_l = {t["name"]: t for t in daemon.stats()["tenants"]}.get("team-l")
     assert_kachedb_serving(same)
     assert same["remote_lookup"] == SECOND[0]  # the control: this lookup can hit
     other = run_engine(workdir, "lookup-other-model", dict(base, model="kachedb-test/other-model"))
@@ -169,6 +171,10 @@ def test_other_model_or_namespace_gets_no_hits(daemon, stored, workdir):
     salted = run_engine(workdir, "lookup-other-namespace", dict(base, namespace="tenant-b"))
     assert_kachedb_serving(salted)
     assert salted["remote_lookup"] == 0
+    # Each plugin connected as its tenant: the `tenant` option, else the namespace label.
+    assert team_l is not None and team_l["lookup_hits"] >= chunks(SECOND[0]), team_l
+    rows = {t["name"]: t for t in daemon.stats()["tenants"]}
+    assert rows["tenant-b"]["lookup_misses"] >= 1 and rows["tenant-b"]["lookup_hits"] == 0, rows.get("tenant-b")
 
 
 def test_no_pins_or_reservations_left(daemon, loaded):

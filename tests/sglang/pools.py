@@ -102,12 +102,12 @@ def storage_config(extra: dict, *, model: str = "test-org/tiny-model", tp_rank: 
 
 
 def backend(socket: str, host: Any, *, retry_seconds: Optional[float] = None, namespace: Optional[str] = None,
-            interface_v1: bool = True, **cfg: Any) -> Any:
+            tenant: Optional[str] = None, interface_v1: bool = True, **cfg: Any) -> Any:
     """The backend as SGLang's cache controller creates and registers it."""
     import kachedb.sglang
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    extra = kachedb.sglang.hicache_config(socket, retry_seconds=retry_seconds, namespace=namespace)
+    extra = kachedb.sglang.hicache_config(socket, retry_seconds=retry_seconds, namespace=namespace, tenant=tenant)
     if not interface_v1:
         extra.pop("interface_v1")
     conf = storage_config(extra, layout=host.layout, **cfg)

@@ -71,6 +71,32 @@ def test_factory_builds_it_and_selects_the_zero_copy_path(daemon, kv):
     b.close()
 
 
+@pytest.mark.parametrize("namespace, tenant, seen", [
+    (None, "team-s", "team-s"),
+    ("team-n", None, "team-n"),  # the default: the namespace label
+    (None, None, "default"),
+])
+def test_the_daemon_sees_the_tenant(daemon, kv, namespace, tenant, seen):
+    host, idx = _host(kv)
+    keys = _prompt(7)
+    b = pools.backend(daemon.socket, host, namespace=namespace, tenant=tenant)
+    assert b.batch_set_v1(keys, idx) == [True] * N
+    assert b.batch_exists(keys) == N
+    rows = {t["name"]: t for t in daemon.stats()["tenants"]}
+    assert rows[seen]["blocks"] == N and rows[seen]["stored_bytes"] > 0, rows
+    assert rows[seen]["lookup_hits"] >= N, rows[seen]
+    if seen != "default":
+        assert rows["default"]["blocks"] == 0, rows["default"]
+    b.close()
+
+
+def test_a_bad_tenant_is_a_clear_error():
+    with pytest.raises(ValueError, match="not a tenant name"):
+        kachedb.sglang.hicache_config("/tmp/x.sock", tenant="no spaces")
+    out = subprocess.run([sys.executable, "-m", "kachedb", "sglang-config", "--tenant", "_x"], capture_output=True, text=True)
+    assert out.returncode == 2 and "not a tenant name" in out.stderr
+
+
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_round_trip_in_one_process(daemon, kv, layout):
     host, idx = _host(kv, layout)

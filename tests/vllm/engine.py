@@ -6,6 +6,7 @@ SPEC is a JSON object::
     {"model": dir, "socket": path or null (null: no KacheDB), "mode": "inproc" | "mp",
      "max_model_len": 2048, "block_size": 32, "load_format": "auto" | "dummy",
      "prefix_caching": true, "tensor_parallel_size": 1, "options": {...kv_transfer_config options},
+     "kv_events_endpoint": null or a ZMQ endpoint (KV events published there, vLLM's --kv-events-config),
      "phases": [ {"prompts": [[ids...], ...], "max_tokens": 8,
                   "before": [actions], "after": [actions]}, ... ],
      "out": path}
@@ -15,7 +16,9 @@ Actions (run in this process, between generate calls): ``{"reset_prefix_cache": 
 another, through the KacheDB API), ``{"delete_on_load": k}`` (from now on, the k-th key of each
 load is deleted from the daemon between vLLM's lookup and the load),
 ``{"start_daemon": {"bin": path, "size": "256MiB"}}``, ``{"kill_daemon": true}``,
-``{"wait_file": path, "timeout": s}``, ``{"touch_file": path}``, ``{"sleep": s}``.
+``{"wait_file": path, "timeout": s}``, ``{"touch_file": path}``, ``{"sleep": s}``,
+``{"fill_daemon": {"bytes": n, "block_bytes": m}}`` (another client puts n bytes of other
+blocks: the daemon evicts its least recently used).
 
 Writes to ``out`` a JSON object: per phase, per prompt ``tokens`` and
 ``num_cached_tokens``, ``ttft_s`` / ``wall_s``; ``stats`` = ``kachedb.vllm.stats()``
@@ -56,6 +59,12 @@ def main():
     from vllm.config import KVTransferConfig
 
     kw = {}
+    if spec.get("kv_events_endpoint"):
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events_endpoint"]
+        )
     if spec.get("socket"):
         import kachedb.vllm
 
@@ -139,11 +148,23 @@ def main():
             open(a["touch_file"], "w").close()
         if a.get("sleep"):
             time.sleep(a["sleep"])
+        if a.get("fill_daemon"):
+            import numpy as np
+
+            import kachedb
+
+            f = a["fill_daemon"]
+            m = int(f.get("block_bytes", 1 << 20))
+            with kachedb.connect(spec["socket"]) as kc:
+                for i in range(int(f["bytes"]) // m):
+                    kc.put(b"fill/%d" % i, np.full(m, i % 251, dtype=np.uint8))
+            result["filled"] = int(f["bytes"]) // m
 
     try:
         for ph in spec["phases"]:
             for a in ph.get("before", []):
                 act(a)
+            t_start = time.time()
             sp = SamplingParams(temperature=0, max_tokens=ph.get("max_tokens", 8), detokenize=False)
             prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
             outs = []
@@ -163,7 +184,7 @@ def main():
                     "wall_s": wall,
                     "ttft_s": ttft,
                 })
-            rec = {"outputs": outs}
+            rec = {"outputs": outs, "t0": t_start, "t1": time.time()}
             if spec.get("socket") and spec.get("mode", "inproc") == "inproc":
                 import kachedb.vllm
 

@@ -119,3 +119,42 @@ def test_forked_child_connects_its_own_client(daemon):
     assert os.waitstatus_to_exitcode(status) == 0
     assert link.client() is parent_kc
     link.close()
+
+
+def test_link_connects_as_its_tenant_after_a_reconnect_too(make_daemon):
+    d = make_daemon()
+    link = DaemonLink(d.socket, logger=logging.getLogger(LOGGER), label="Engine", retry_s=RETRY_S, tenant="team-q")
+    kc = link.client()
+    assert kc.lookup([b"k"]) == 0
+    rows = {t["name"]: t for t in kc.stats()["tenants"]}
+    assert rows["team-q"]["clients"] == 1 and rows["team-q"]["lookup_misses"] == 1, rows
+    link.failed(kachedb.Disconnected("test"))  # dropped: the next client() connects again, as the same tenant
+    time.sleep(2 * RETRY_S)
+    kc = link.client()
+    assert {t["name"]: t for t in kc.stats()["tenants"]}["team-q"]["clients"] == 1
+    link.close()
+
+
+@pytest.mark.parametrize("tenant, namespace, expected", [
+    ("team-a", None, "team-a"),
+    ("team-a", "ns", "team-a"),  # the explicit tenant wins
+    (None, "ns-1.b", "ns-1.b"),  # the namespace label as it is
+    (None, "org/team z", "org_team_z"),  # characters a name cannot hold become _
+    (None, "_x", "x"),  # a name starts with a letter or digit
+    (None, "a" * 80, "a" * 64),
+    (None, "//", None),
+    (None, None, None),  # the daemon's default
+    ("", None, None),
+])
+def test_engine_tenant(tenant, namespace, expected):
+    from kachedb._link import engine_tenant
+
+    assert engine_tenant(tenant, namespace) == expected
+
+
+@pytest.mark.parametrize("bad", ["no spaces", "_other", "a" * 65, "é"])
+def test_engine_tenant_refuses_a_bad_explicit_name(bad):
+    from kachedb._link import engine_tenant
+
+    with pytest.raises(ValueError, match="my_option .* is not a tenant name: 1 to 64"):
+        engine_tenant(bad, None, "my_option")

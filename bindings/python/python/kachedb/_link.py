@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, MutableMapping, Optional, Tuple
@@ -26,6 +27,29 @@ def resolve_socket(socket: Optional[str] = None) -> str:
     """``socket``, else the default path: ``$KACHEDB_SOCKET``, else the native
     default (as ``kachedb.connect``)."""
     return os.fspath(socket) if socket else default_socket_path()
+
+
+#: What the daemon accepts as a tenant name (``kachedb.connect(tenant=...)``).
+_TENANT_RULE = "1 to 64 ASCII letters, digits, '_', '-', '.', starting with a letter or digit"
+_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def engine_tenant(tenant: Optional[str], namespace: Optional[str], option: str = "tenant") -> Optional[str]:
+    """The tenant an engine integration connects as: ``tenant`` when given (it
+    must be a valid name: ``ValueError`` naming ``option`` and the rule
+    otherwise), else the integration's ``namespace`` label made a valid name
+    (characters outside the rule become ``_``, leading ones that cannot start a
+    name are dropped, at most 64 kept), else ``None``: the daemon's ``default``
+    tenant."""
+    if tenant is not None and tenant != "":
+        name = str(tenant)
+        if not _TENANT_RE.fullmatch(name):
+            raise ValueError(f"{option} {name!r} is not a tenant name: {_TENANT_RULE}")
+        return name
+    if not namespace:
+        return None
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(namespace)).lstrip("_.-")[:64]
+    return name or None
 
 
 class WarnScope:
@@ -85,8 +109,10 @@ class DaemonLink:
         retry_s: float = 5.0,
         counters: Optional[MutableMapping[str, Any]] = None,
         scope: Optional[WarnScope] = None,
+        tenant: Optional[str] = None,
     ) -> None:
         self.socket = socket
+        self.tenant = tenant
         self.retry_s = float(retry_s)
         self.logger = logger
         self.label = label
@@ -113,7 +139,7 @@ class DaemonLink:
         with self._lock:
             self._drop_inherited()
             if self._kc is None:
-                self._kc = connect(self.socket)
+                self._kc = connect(self.socket, tenant=self.tenant)
                 self._connected()
             return self._kc
 
@@ -133,7 +159,7 @@ class DaemonLink:
             if self._closed:
                 return None
             try:
-                self._kc = connect(self.socket)
+                self._kc = connect(self.socket, tenant=self.tenant)
             except Exception as e:  # Disconnected, an untrusted socket…: the tier is off
                 self._next_try_s = now + self.retry_s
                 why = f"no KacheDB daemon answers at {self.socket or default_socket_path()} ({e})"

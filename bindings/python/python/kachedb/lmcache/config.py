@@ -9,7 +9,7 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from .._daemon_bin import warn_if_no_daemon
-from .._link import resolve_socket
+from .._link import engine_tenant, resolve_socket
 
 #: The plugin name ``config()`` registers. LMCache hands the adapter a URL
 #: ``plugin://<name>``; the adapter claims names of type ``kachedb`` (``kachedb``
@@ -17,7 +17,7 @@ from .._link import resolve_socket
 PLUGIN_TYPE = "kachedb"
 
 #: Options read from ``extra_config["remote_storage_plugin.<name>.<option>"]``.
-KNOWN_OPTIONS = ("socket", "namespace", "retry_seconds")
+KNOWN_OPTIONS = ("socket", "namespace", "tenant", "retry_seconds")
 
 MODULE_PATH = "kachedb.lmcache.connector"
 ADAPTER_CLASS = "KacheDBConnectorAdapter"
@@ -33,6 +33,7 @@ def config(
     *,
     name: str = PLUGIN_TYPE,
     namespace: Optional[str] = None,
+    tenant: Optional[str] = None,
     retry_seconds: Optional[float] = None,
 ) -> Dict[str, Any]:
     """The LMCache config entries that add the KacheDB daemon at ``socket``
@@ -47,8 +48,10 @@ def config(
     Returns ``{"remote_storage_plugins": [name], "extra_config": {...}}``; merge
     ``extra_config`` into yours if you have one. ``name`` is ``"kachedb"`` or
     ``"kachedb.<instance>"``. ``namespace``: a salt mixed into every key (engines
-    share chunks only with the same one). ``retry_seconds``: how often a daemon
-    that went away is tried again (default 5).
+    share chunks only with the same one). ``tenant``: the daemon tenant the
+    plugin connects as (default: ``namespace`` made a tenant name, else the
+    daemon's ``default``; a bad name raises ``ValueError``). ``retry_seconds``:
+    how often a daemon that went away is tried again (default 5).
     """
     if name != PLUGIN_TYPE and not name.startswith(PLUGIN_TYPE + "."):
         raise ValueError(f"the plugin name must be {PLUGIN_TYPE!r} or {PLUGIN_TYPE!r}.<instance>, not {name!r}")
@@ -59,6 +62,8 @@ def config(
     }
     if namespace is not None:
         extra[option_key(name, "namespace")] = str(namespace)
+    if tenant is not None:
+        extra[option_key(name, "tenant")] = engine_tenant(str(tenant), None)
     if retry_seconds is not None:
         extra[option_key(name, "retry_seconds")] = float(retry_seconds)
     return {"remote_storage_plugins": [name], "extra_config": extra}
@@ -74,11 +79,14 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb lmcache-conf
     p.add_argument("--socket", help="the daemon's control socket (default: $KACHEDB_SOCKET, else the default path)")
     p.add_argument("--name", default=PLUGIN_TYPE, help="the plugin name: kachedb or kachedb.<instance>")
     p.add_argument("--namespace", help="a salt mixed into every key: engines share chunks only with the same one")
+    p.add_argument(
+        "--tenant", help="the daemon tenant the plugin connects as (default: the namespace, else the daemon's default)"
+    )
     p.add_argument("--retry-seconds", type=float, help="how often a daemon that went away is tried again (default: 5)")
     p.add_argument("--indent", type=int, default=None, help="pretty-print with this indent")
     a = p.parse_args(list(argv) if argv is not None else None)
     try:
-        cfg = config(a.socket, name=a.name, namespace=a.namespace, retry_seconds=a.retry_seconds)
+        cfg = config(a.socket, name=a.name, namespace=a.namespace, tenant=a.tenant, retry_seconds=a.retry_seconds)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(cfg, indent=a.indent))

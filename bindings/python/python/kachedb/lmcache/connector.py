@@ -48,7 +48,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from .._link import DaemonLink
+from .._link import DaemonLink, engine_tenant
 from ._stats import COUNTERS
 from .config import PLUGIN_TYPE, option_key, resolve_socket
 from .keys import chunk_key, namespace_digest, namespace_fields
@@ -111,11 +111,13 @@ class KacheDBConnector(RemoteConnector):
 
         self.socket = resolve_socket(opt("socket"))
         self.salt = opt("namespace")
+        #: The daemon tenant this plugin's client connects as.
+        self.tenant = engine_tenant(opt("tenant"), self.salt, option_key(self.plugin_name, "tenant"))
         self._layout_source: Any = _UNSET
         self._refresh_layout()
         self._link = DaemonLink(
             self.socket, logger=logger, label="LMCache", role=f"plugin {self.plugin_name}",
-            retry_s=float(opt("retry_seconds", 5.0)), counters=COUNTERS,
+            retry_s=float(opt("retry_seconds", 5.0)), counters=COUNTERS, tenant=self.tenant,
         )
         # A daemon that does not answer now fails the build: LMCache logs it and
         # serves from its other tiers (and retries the connection later).

@@ -9,11 +9,11 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from .._daemon_bin import warn_if_no_daemon
-from .._link import resolve_socket
+from .._link import engine_tenant, resolve_socket
 
 #: ``--hicache-storage-backend-extra-config`` options the backend reads (SGLang's own
 #: options, e.g. ``tp_lcm_size``, pass through to SGLang).
-KNOWN_OPTIONS = ("socket", "namespace", "retry_seconds")
+KNOWN_OPTIONS = ("socket", "namespace", "tenant", "retry_seconds")
 
 
 def hicache_config(socket: Optional[str] = None, **options: Any) -> Dict[str, Any]:
@@ -27,9 +27,11 @@ def hicache_config(socket: Optional[str] = None, **options: Any) -> Dict[str, An
 
     ``socket``: the daemon's control socket (default: ``$KACHEDB_SOCKET``, else
     ``kachedb.default_socket_path()``). ``options``: ``namespace`` (a salt mixed
-    into every key: servers share pages only with the same one),
-    ``retry_seconds`` (how often a missing daemon is retried, default 5); other
-    entries are passed through to SGLang.
+    into every key: servers share pages only with the same one), ``tenant``
+    (the daemon tenant the backend connects as; default: ``namespace`` made a
+    tenant name, else the daemon's ``default``; a bad name raises
+    ``ValueError``), ``retry_seconds`` (how often a missing daemon is retried,
+    default 5); other entries are passed through to SGLang.
     """
     cfg: Dict[str, Any] = {
         "backend_name": "kachedb",
@@ -42,6 +44,8 @@ def hicache_config(socket: Optional[str] = None, **options: Any) -> Dict[str, An
     for k, v in options.items():
         if v is not None:
             cfg[k] = v
+    if cfg.get("tenant") is not None:
+        engine_tenant(cfg["tenant"], None)  # a bad name fails here, not at server start
     return cfg
 
 
@@ -56,10 +60,16 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb sglang-confi
     )
     p.add_argument("--socket", help="the daemon's control socket (default: $KACHEDB_SOCKET, else the default path)")
     p.add_argument("--namespace", help="a salt mixed into every key: servers share pages only with the same one")
+    p.add_argument(
+        "--tenant", help="the daemon tenant the backend connects as (default: the namespace, else the daemon's default)"
+    )
     p.add_argument("--retry-seconds", type=float, help="how often a missing daemon is retried (default: 5)")
     p.add_argument("--indent", type=int, default=None, help="pretty-print with this indent")
     a = p.parse_args(list(argv) if argv is not None else None)
-    cfg = hicache_config(a.socket, namespace=a.namespace, retry_seconds=a.retry_seconds)
+    try:
+        cfg = hicache_config(a.socket, namespace=a.namespace, tenant=a.tenant, retry_seconds=a.retry_seconds)
+    except ValueError as e:
+        p.error(str(e))
     print(json.dumps(cfg, indent=a.indent))
     warn_if_no_daemon(cfg["socket"], prog)
     return 0

@@ -47,7 +47,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 import kachedb
 
-from .._link import DaemonLink
+from .._link import DaemonLink, engine_tenant
 from . import keys as _keys
 
 logger = logging.getLogger("kachedb.sglang")
@@ -167,7 +167,9 @@ class KacheDBStorage(HiCacheStorage):
 
     ``storage_config.extra_config`` (``kachedb.sglang.hicache_config()`` writes it):
     ``socket`` (the daemon's control socket; default as ``kachedb.connect``),
-    ``namespace`` (a salt mixed into every key), ``retry_seconds`` (how often a
+    ``namespace`` (a salt mixed into every key), ``tenant`` (the daemon tenant
+    it connects as; default: ``namespace`` made a tenant name, else the daemon's
+    ``default``), ``retry_seconds`` (how often a
     missing daemon is retried, default 5), ``interface_v1`` (SGLang's switch to
     the zero-copy page interface; ``batch_exists`` / ``exists`` look in the
     namespace of the interface it selects).
@@ -178,6 +180,8 @@ class KacheDBStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.socket = extra.get("socket") or os.environ.get("KACHEDB_SOCKET") or None
         self.salt = extra.get("namespace")
+        #: The daemon tenant this backend's client connects as.
+        self.tenant = engine_tenant(extra.get("tenant"), self.salt)
         self.retry_s = float(extra.get("retry_seconds", _DEFAULT_RETRY_S))
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
@@ -210,7 +214,9 @@ class KacheDBStorage(HiCacheStorage):
         self._prefetch_gbps: List[float] = []
         self._backup_gbps: List[float] = []
         self._set_namespaces()
-        self._link = DaemonLink(self.socket, logger=logger, label="SGLang", role="HiCache", retry_s=self.retry_s)
+        self._link = DaemonLink(
+            self.socket, logger=logger, label="SGLang", role="HiCache", retry_s=self.retry_s, tenant=self.tenant
+        )
         self._link.client()  # connect now (or warn now); every call retries if it failed
 
     # -- setup -----------------------------------------------------------

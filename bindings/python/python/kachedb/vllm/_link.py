@@ -14,8 +14,9 @@ from ._state import COUNTERS
 _SCOPE = WarnScope()
 
 
-def daemon_link(socket: Optional[str], role: str, retry_s: float = 5.0) -> DaemonLink:
-    """A link of this process's ``role`` (``"scheduler"``, ``"worker rank 0"``)."""
+def daemon_link(socket: Optional[str], role: str, retry_s: float = 5.0, tenant: Optional[str] = None) -> DaemonLink:
+    """A link of this process's ``role`` (``"scheduler"``, ``"worker rank 0"``),
+    connecting as ``tenant`` (``None``: the daemon's default tenant)."""
     return DaemonLink(
         socket,
         logger=logging.getLogger("kachedb.vllm"),
@@ -24,4 +25,5 @@ def daemon_link(socket: Optional[str], role: str, retry_s: float = 5.0) -> Daemo
         retry_s=retry_s,
         counters=COUNTERS,
         scope=_SCOPE,
+        tenant=tenant,
     )

@@ -9,10 +9,18 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from .._daemon_bin import warn_if_no_daemon
-from .._link import resolve_socket
+from .._link import engine_tenant, resolve_socket
 
 #: ``kv_connector_extra_config`` options this integration reads (others pass through to vLLM).
-KNOWN_OPTIONS = ("namespace", "store_mode", "retry_seconds", "stats_file")
+KNOWN_OPTIONS = (
+    "namespace",
+    "tenant",
+    "store_mode",
+    "retry_seconds",
+    "stats_file",
+    "kv_events_max_blocks",
+    "self_describing_kv_events",
+)
 
 
 def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str, Any]:
@@ -28,7 +36,10 @@ def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str
     ``options`` go to ``kv_connector_extra_config``: ``namespace`` (a salt: engines
     share blocks only with the same one), ``store_mode`` (``"batched"`` or
     ``"reserve"``), ``retry_seconds`` (how often a missing daemon is retried),
-    ``stats_file`` (JSON counters written at engine shutdown).
+    ``stats_file`` (JSON counters written at engine shutdown), ``tenant`` (the
+    daemon tenant the engine connects as; default: ``namespace``, else the
+    daemon's ``default``), ``kv_events_max_blocks`` (see docs/vllm.md, "KV events").
+    A ``tenant`` that is not a valid tenant name raises ``ValueError``.
     """
     extra: Dict[str, Any] = {
         "spec_name": "KacheDBOffloadingSpec",
@@ -38,6 +49,8 @@ def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str
     for k, v in options.items():
         if v is not None:
             extra[k] = v
+    if extra.get("tenant") is not None:
+        engine_tenant(extra["tenant"], None)  # a bad name fails here, not at engine start
     return {
         "kv_connector": "KacheDBConnector",
         "kv_connector_module_path": "kachedb.vllm.connector",
@@ -56,14 +69,25 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb vllm-config"
     )
     p.add_argument("--socket", help="the daemon's control socket (default: $KACHEDB_SOCKET, else the default path)")
     p.add_argument("--namespace", help="a salt mixed into every key: engines share blocks only with the same one")
+    p.add_argument(
+        "--tenant", help="the daemon tenant the engine connects as (default: the namespace, else the daemon's default)"
+    )
     p.add_argument("--store-mode", choices=["batched", "reserve"], help="how blocks are written (default: batched)")
     p.add_argument("--retry-seconds", type=float, help="how often a missing daemon is retried (default: 5)")
     p.add_argument("--stats-file", help="a JSON file the engine's worker writes its KacheDB counters to at shutdown")
     p.add_argument("--indent", type=int, default=None, help="pretty-print with this indent")
     a = p.parse_args(list(argv) if argv is not None else None)
-    cfg = kv_transfer_config(
-        a.socket, namespace=a.namespace, store_mode=a.store_mode, retry_seconds=a.retry_seconds, stats_file=a.stats_file
-    )
+    try:
+        cfg = kv_transfer_config(
+            a.socket,
+            namespace=a.namespace,
+            tenant=a.tenant,
+            store_mode=a.store_mode,
+            retry_seconds=a.retry_seconds,
+            stats_file=a.stats_file,
+        )
+    except ValueError as e:
+        p.error(str(e))
     print(json.dumps(cfg, indent=a.indent))
     warn_if_no_daemon(cfg["kv_connector_extra_config"]["socket"], prog)
     return 0

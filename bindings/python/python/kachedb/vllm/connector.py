@@ -9,16 +9,22 @@ the stock connector lacks (vLLM 0.32):
   the daemon when it returns (vLLM drops stores still deferred at shutdown);
 * the spec sees the full engine config and the KV-cache config, so the key
   namespace covers the model's config, dtype, load format and hash algorithm,
-  and knows which tensor-parallel ranks hold the same KV (MLA).
+  and knows which tensor-parallel ranks hold the same KV (MLA);
+* its KV events (``--kv-events-config``: the blocks this engine can load from
+  KacheDB, manager.py) name their medium ``KACHEDB`` (``MEDIUM``), not ``CPU``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Set
+from typing import Any, Iterable, Optional, Set
 
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from . import spec as _spec
+
+#: The ``medium`` of this connector's ``BlockStored`` / ``BlockRemoved`` events.
+MEDIUM = "KACHEDB"
 
 
 class KacheDBConnector(OffloadingConnector):
@@ -77,6 +83,13 @@ class KacheDBConnector(OffloadingConnector):
         failed = take() if take is not None else set()
         w.take_failed_load_jobs()
         return failed
+
+    def take_events(self) -> Iterable[Any]:
+        # Every event of this connector comes from KacheDBOffloadingManager.
+        for ev in super().take_events():
+            if isinstance(ev, (BlockStored, BlockRemoved)):
+                ev.medium = MEDIUM
+            yield ev
 
     def shutdown(self) -> None:
         try:

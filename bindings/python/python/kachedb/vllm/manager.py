@@ -13,11 +13,15 @@ the daemon, so a copy one rank lost is stored again, never missed for ever.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Collection, List, Optional, Set
+import collections
+from typing import TYPE_CHECKING, Any, Collection, Iterable, List, Optional, Set
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    Locality,
     LookupResult,
+    Medium,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -66,12 +70,77 @@ def _set_chain_tail(req_context: ReqContext, key: bytes) -> None:
         put(_ChainTail(key))
 
 
+#: How many blocks the KV events report as loadable from KacheDB at most at once
+#: (``kv_events_max_blocks``; past it the oldest is reported removed): what the
+#: scheduler keeps for them, and vLLM keeps each one's tokens.
+DEFAULT_KV_EVENTS_MAX_BLOCKS = 65536
+
+
+class _Reported:
+    """The offload keys the KV events have reported as loadable from KacheDB and
+    not yet as removed (oldest first, at most ``max_blocks``), and the events
+    not yet taken. Each key is reported stored once and removed once, in that
+    order: consumers of vLLM's events count repeated announcements of a hash.
+
+    vLLM's block hashes chain each block to its prefix, so a block whose key is
+    missing from the daemon makes every later block of its prefix unloadable
+    too; those are reported removed when this engine's lookups or stores reach
+    them (a router matches a prefix block by block and stops at the first gap)."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self.keys: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+        self.events: List[OffloadingEvent] = []
+
+    def _event(self, keys: List[bytes], removed: bool) -> None:
+        if keys:
+            # Medium.CPU for vLLM's event translation; KacheDBConnector.take_events
+            # names the medium KACHEDB. Node-local: LOCAL to the publishing engine.
+            self.events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed, locality=Locality.LOCAL))
+
+    def stored(self, keys: Iterable[bytes]) -> None:
+        new = [k for k in keys if k not in self.keys]
+        for k in new:
+            self.keys[k] = None
+        self._event(new, removed=False)
+        COUNTERS["kv_events_stored_blocks"] += len(new)
+        over = len(self.keys) - self.max_blocks
+        if over > 0:
+            # Past the bound the oldest report is withdrawn (the block may still be
+            # loadable: a router then under-estimates, never over-estimates).
+            self.removed([k for k, _ in zip(self.keys, range(over))])
+
+    def removed(self, keys: Iterable[bytes]) -> None:
+        gone = [k for k in keys if k in self.keys]
+        for k in gone:
+            del self.keys[k]
+        self._event(gone, removed=True)
+        COUNTERS["kv_events_removed_blocks"] += len(gone)
+
+    def take(self) -> List[OffloadingEvent]:
+        out, self.events = self.events, []
+        return out
+
+
 class KacheDBOffloadingManager(OffloadingManager):
     def __init__(self, spec: "KacheDBOffloadingSpec") -> None:
         self.spec = spec
-        self.link = daemon_link(spec.socket, "scheduler", spec.retry_s)
+        self.link = daemon_link(spec.socket, "scheduler", spec.retry_s, getattr(spec, "tenant", None))
         self._storing: Set[bytes] = set()
+        events = getattr(spec, "kv_events_config", None)
+        #: The KV events' record (``None`` unless the engine publishes KV events:
+        #: vLLM drains ``take_events`` only then).
+        on = events is not None and events.enable_kv_cache_events
+        bound = getattr(spec, "kv_events_max_blocks", DEFAULT_KV_EVENTS_MAX_BLOCKS)
+        self._reported: Optional[_Reported] = _Reported(bound) if on else None
         self.link.client()  # connect (or warn once) at engine start
+
+    def _link_failed(self, e: BaseException) -> None:
+        self.link.failed(e)
+        if self._reported is not None:
+            # The daemon went away: whatever it held is gone for this engine (a
+            # restarted daemon starts empty).
+            self._reported.removed(list(self._reported.keys))
 
     def _ranks_keys(self, key: bytes) -> List[bytes]:
         """The block's key in each namespace (one per group of ranks holding the same KV)."""
@@ -93,7 +162,7 @@ class KacheDBOffloadingManager(OffloadingManager):
             n = kc.lookup(keys)
         except Exception as e:
             if _is_disconnected(e):
-                self.link.failed(e)
+                self._link_failed(e)
                 return LookupResult.MISS
             if _is_kachedb_error(e):
                 COUNTERS["lookup_errors"] += 1
@@ -101,7 +170,11 @@ class KacheDBOffloadingManager(OffloadingManager):
             raise
         if n == len(keys):
             COUNTERS["lookup_hits"] += 1
+            if self._reported is not None:
+                self._reported.stored([bytes(key)])
             return LookupResult.HIT
+        if self._reported is not None:
+            self._reported.removed([bytes(key)])
         return LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -125,7 +198,7 @@ class KacheDBOffloadingManager(OffloadingManager):
             present = self._present(kc, keys)
         except Exception as e:
             if _is_disconnected(e):
-                self.link.failed(e)
+                self._link_failed(e)
             elif not _is_kachedb_error(e):
                 raise
             return PrepareStoreOutput(keys_to_store=[], store_spec=KacheDBLoadStoreSpec([]), evicted_keys=[])
@@ -141,7 +214,31 @@ class KacheDBOffloadingManager(OffloadingManager):
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        self._storing.difference_update(bytes(k) for k in keys)
+        keys = [bytes(k) for k in keys]
+        self._storing.difference_update(keys)
+        if self._reported is not None and keys:
+            self._report_store(keys)
+
+    def _report_store(self, keys: List[bytes]) -> None:
+        # A finished store job need not have stored anything (the daemon full,
+        # gone): report what the daemon holds, from the first block on (the
+        # job's blocks are consecutive blocks of one prefix).
+        kc = self.link.client()
+        present = 0
+        if kc is not None:
+            try:
+                present = self._present(kc, keys)
+            except Exception as e:
+                if _is_disconnected(e):
+                    self._link_failed(e)
+                    return
+                if not _is_kachedb_error(e):
+                    raise
+        self._reported.stored(keys[:present])
+        self._reported.removed(keys[present:])
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return self._reported.take() if self._reported is not None else ()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()

@@ -10,11 +10,19 @@ import os
 import threading
 from typing import Any, Dict, Optional
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingKVEventsConfig,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from .. import _identity
+from .._link import engine_tenant
 from . import keys as _keys
+from .manager import DEFAULT_KV_EVENTS_MAX_BLOCKS
 from ._state import NAMESPACES
 
 #: The engine config being built, set by ``KacheDBConnector`` around vLLM's
@@ -82,7 +90,11 @@ class KacheDBOffloadingSpec(OffloadingSpec):
     ``store_mode`` (``"batched"``: one RESERVE and one COMMIT batch per step, the default;
     ``"reserve"``: one reservation per block, written in place), ``retry_seconds`` (how often a
     missing daemon is retried, default 5), ``stats_file`` (a JSON file the worker writes its
-    counters to at shutdown).
+    counters to at shutdown), ``tenant`` (the daemon tenant the engine's clients connect as;
+    default: the ``namespace`` label, else the daemon's ``default``), ``kv_events_max_blocks``
+    (how many blocks the KV events report at most at once, default 65536),
+    ``self_describing_kv_events`` (vLLM's option; default true here: the events carry each
+    block's tokens and parent hash).
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -99,6 +111,16 @@ class KacheDBOffloadingSpec(OffloadingSpec):
             raise ValueError(f"store_mode must be 'batched' or 'reserve', not {self.store_mode!r}")
         self.retry_s: float = float(extra.get("retry_seconds", 5.0))
         self.stats_file: Optional[str] = extra.get("stats_file") or None
+        self.tenant: Optional[str] = engine_tenant(extra.get("tenant"), extra.get("namespace"))
+        self.kv_events_max_blocks: int = int(extra.get("kv_events_max_blocks", DEFAULT_KV_EVENTS_MAX_BLOCKS))
+        if self.kv_events_max_blocks < 1:
+            raise ValueError(f"kv_events_max_blocks must be >= 1, not {self.kv_events_max_blocks}")
+        # KV events (--kv-events-config) carry each block's tokens and parent hash
+        # unless the engine says otherwise: a router needs them to place a block.
+        self.kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=bool(config.enable_kv_cache_events),
+            self_describing_kv_events=bool(extra.get("self_describing_kv_events", True)),
+        )
         self.rank: int = config.parallel.rank
         self.world_size: int = max(1, config.parallel.world_size)
 

@@ -113,7 +113,7 @@ class _Pending:
 class KacheDBOffloadingWorker(OffloadingWorker):
     def __init__(self, spec: "KacheDBOffloadingSpec", kv_caches: CanonicalKVCaches) -> None:
         self.spec = spec
-        self.link = daemon_link(spec.socket, f"worker rank {spec.rank}", spec.retry_s)
+        self.link = daemon_link(spec.socket, f"worker rank {spec.rank}", spec.retry_s, getattr(spec, "tenant", None))
         self.groups: List[_Group] = []
         for refs in kv_caches.group_data_refs:
             layers = []
