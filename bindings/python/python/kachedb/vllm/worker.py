@@ -108,6 +108,7 @@ class _Pending:
     started: float
     hold: List[Any] = field(default_factory=list)  # reservations to commit / views to keep pinned
     commit: bool = False
+    blocks: int = 0  # blocks the reservations in ``hold`` hold (a ``reserve_many`` holds several)
 
 
 class KacheDBOffloadingWorker(OffloadingWorker):
@@ -171,6 +172,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         keys = getattr(dst_spec, "keys", [])
         nbytes = 0
         cuda_hold: List[Any] = []
+        cuda_blocks = 0
         if not getattr(self.spec, "is_store_writer", True):
             # Another rank holds the same KV (MLA) and stores it, once, under the
             # key this rank reads too.
@@ -192,28 +194,19 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                     continue
                 dkeys = [self.spec.daemon_key(k) for k in okeys]
                 parents = [first] + dkeys[:-1]  # consecutive blocks of one request chain
+                held = self._store_blocks(kc, group, ids, dkeys, parents, first)
+                nbytes += len(ids) * group.num_layers * group.page
+                STORED_KEYS.extend(k.hex() for k in dkeys)
                 if self.cuda:
-                    cuda_hold.extend(self._store_cuda(kc, group, ids, dkeys, parents))
-                    nbytes += len(ids) * group.num_layers * group.page
-                    STORED_KEYS.extend(k.hex() for k in dkeys)
+                    # Committed once the copies' event completes (_reap).
+                    cuda_hold.extend(held)
+                    cuda_blocks += len(ids)
                     continue
-                elif self.spec.store_mode == "reserve":
-                    for b, k, p in zip(ids, dkeys, parents):
-                        with kc.reserve(k, group.shape, torch.uint8, parent=p) as out:
-                            group.copy_block_out(out, b)
-                        del out  # a reservation's tensor keeps its block pinned while it lives
-                    nbytes += len(ids) * group.num_layers * group.page
-                else:
-                    # One RESERVE batch, one copy per block straight into shared memory,
-                    # one COMMIT batch: blocks become visible together, fully written.
-                    with kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True) as outs:
-                        for out, b in zip(outs, ids):
-                            group.copy_block_out(out, b)
-                    outs = out = None  # (see above)
-                    nbytes += len(ids) * group.num_layers * group.page
+                for r in held:
+                    r.commit()
+                held = None
                 COUNTERS["store_batches"] += 1
                 COUNTERS["stored_blocks"] += len(ids)
-                STORED_KEYS.extend(k.hex() for k in dkeys)
         except (kachedb.OutOfMemory, kachedb.TooLarge) as e:
             COUNTERS["store_skipped_full"] += 1
             _log_once("store_full", "KacheDB store full (%s): skipping stores until there is room", e)
@@ -227,34 +220,50 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             # Committed (made visible) once the device->shm copies have completed.
             ev = torch.cuda.Event()
             ev.record(self._stream)
-            self._pending.append(_Pending(job_id, ev, nbytes, started, cuda_hold, commit=True))
+            self._pending.append(_Pending(job_id, ev, nbytes, started, cuda_hold, commit=True, blocks=cuda_blocks))
         else:
             self._done(job_id, nbytes, started)
         return True
 
-    def _store_cuda(
-        self, kc: Any, group: _Group, ids: List[int], dkeys: List[bytes], parents: List[Optional[bytes]]
+    def _store_blocks(
+        self,
+        kc: Any,
+        group: _Group,
+        ids: List[int],
+        dkeys: List[bytes],
+        parents: List[Optional[bytes]],
+        first: Optional[bytes],
     ) -> List[Any]:
-        # Reserve in the daemon, copy device->shm on the side stream (after the forward
-        # pass that wrote the blocks); the caller commits when the copies' event completes,
-        # in order (a block's parent first).
-        self._stream.wait_stream(torch.cuda.current_stream(group.device))
-        hold = []
+        """Reserves the blocks of one group and copies them out of the KV cache
+        into the reservations; returns the reservations, not committed yet (the
+        caller commits: at once on CPU, when the copies' event completes on
+        CUDA). One code path for both: ``store_mode`` ``batched`` makes one
+        RESERVE batch (``reserve_many``), ``reserve`` one RESERVE per block; on
+        CUDA the copies run on the side stream after the forward pass that
+        wrote the blocks."""
+        if self.spec.store_mode == "reserve":
+            held = [kc.reserve(k, group.shape, torch.uint8, parent=p) for k, p in zip(dkeys, parents)]
+            outs = [r.out for r in held]
+        else:
+            held = [kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True)]
+            outs = list(held[0].out)
         try:
-            with torch.cuda.stream(self._stream):
-                for b, k, p in zip(ids, dkeys, parents):
-                    r = kc.reserve(k, group.shape, torch.uint8, parent=p)
-                    hold.append(r)
-                    group.copy_block_out(r.out, b, non_blocking=True)
+            if self.cuda:
+                self._stream.wait_stream(torch.cuda.current_stream(group.device))
+            with torch.cuda.stream(self._stream) if self.cuda else _nullctx():
+                for out, b in zip(outs, ids):
+                    group.copy_block_out(out, b, non_blocking=self.cuda)
         except BaseException:
-            self._stream.synchronize()
-            for r in hold:
+            if self.cuda:
+                self._stream.synchronize()
+            outs = None
+            for r in held:
                 try:
                     r.abort()
                 except Exception:
                     pass
             raise
-        return hold
+        return held
 
     # -- loads -----------------------------------------------------------
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
@@ -337,7 +346,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                     for r in p.hold:
                         r.commit()
                     COUNTERS["store_batches"] += 1
-                    COUNTERS["stored_blocks"] += len(p.hold)
+                    COUNTERS["stored_blocks"] += p.blocks
                 except kachedb.Disconnected as e:
                     self.link.failed(e)
                 except kachedb.KacheDBError:
