@@ -33,6 +33,18 @@ def test_config_is_accepted_by_lmcache_and_names_the_adapter(tmp_path):
     assert issubclass(mod.KacheDBConnector, RemoteConnector)
 
 
+def test_max_pinned_bytes_option(tmp_path):
+    sock = str(tmp_path / "d.sock")
+    cfg = kachedb.lmcache.config(sock, max_pinned_bytes=1 << 20)
+    assert cfg["extra_config"]["remote_storage_plugin.kachedb.max_pinned_bytes"] == 1 << 20
+    assert "remote_storage_plugin.kachedb.max_pinned_bytes" not in kachedb.lmcache.config(sock)["extra_config"]
+    with pytest.raises(ValueError):
+        kachedb.lmcache.config(sock, max_pinned_bytes=-1)
+    out = subprocess.run([sys.executable, "-m", "kachedb", "lmcache-config", "--socket", sock, "--max-pinned-bytes", "0"],
+                         check=True, capture_output=True, text=True).stdout
+    assert json.loads(out) == kachedb.lmcache.config(sock, max_pinned_bytes=0)
+
+
 def test_adapter_claims_kachedb_plugin_urls_only():
     from kachedb.lmcache.connector import KacheDBConnectorAdapter
 
