@@ -19,13 +19,24 @@ fills ``--tokens`` slots of a host pool is
   its controller drives it: ``get_data_page`` + ``batch_set`` to store,
   ``batch_exists`` + ``batch_get`` into dummy pages + ``set_from_flat_data_page``
   to retrieve; files under ``--file-dir`` (default: a temporary directory);
+* ``copy`` (the same-run baseline): the same bytes copied between the same
+  buffers, with nothing else: the pages' byte ranges (``get_page_buffer_meta``)
+  copied from the host pool into blocks reserved in the daemon's shared memory
+  (store), and from those blocks into the host pool's other slots (retrieve);
+  the faster of one copy per byte range (``torch._foreach_copy_``) and one copy
+  per page of its ranges' strided view, the views made before the clock starts.
+  KacheDB's figure as a percentage of it is how close its v1 path comes to the
+  cost of the copy itself (100 % = nothing but the copy);
 * ``memcpy``: the same pages copied host slot to host slot with the pool's own
   page copy (``get_data_page`` / ``set_from_flat_data_page``; strided for
   ``layer_first``): what moving the bytes within host memory costs.
 
 Both backends are checked byte-equal after each retrieve. Figures are medians
 over ``--reps`` prompts: milliseconds for the whole prompt and microseconds per
-page. The model geometry defaults to a Llama-3.2-1B-like layer stack
+page. Copies per page: KacheDB's v1 path one each way (host pool to shared
+memory, shared memory to host pool); the file backend's store two (the page
+into a flat tensor, then a file write) and its retrieve two (a file read into a
+flat page, then into the host pool). The model geometry defaults to a Llama-3.2-1B-like layer stack
 (16 layers, 8 KV heads of 64, bfloat16, 64 tokens per page: 32 KiB per token).
 """
 
@@ -62,6 +73,7 @@ def main() -> int:
     import torch
 
     import kachedb.sglang
+    import kachedb.sglang.storage
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -136,12 +148,54 @@ def main() -> int:
                 hit = kdb.batch_exists(keys)
                 return sum(kdb.batch_get_v1(keys[:hit], dst[: hit * ps]))
 
+            # the copy baseline: blocks reserved once, in the daemon's memory
+            baseline_client = kachedb.connect(sock)
+            base_blocks = baseline_client.reserve_many([f"bench-copy-baseline-{layout}-{i}" for i in range(n_pages)],
+                                                       (page_bytes,), torch.uint8)
+            block_views = base_blocks.out
+            src_pages, _ = kachedb.sglang.storage._PoolBytes(host).pages(src, n_pages)
+            dst_pages, _ = kachedb.sglang.storage._PoolBytes(host).pages(dst, n_pages)
+            meta = kachedb.sglang.storage._PoolBytes(host)
+            meta._refresh()
+
+            def ranges_of(indices):
+                ptrs, sizes = host.get_page_buffer_meta(indices)
+                per = len(ptrs) // n_pages
+                return [[meta.slice(int(a), int(n)) for a, n in zip(ptrs[p * per:(p + 1) * per], sizes[p * per:(p + 1) * per])]
+                        for p in range(n_pages)]
+
+            def pairs(pages, to_block):
+                blocks, pool = [], []
+                for block, views in zip(block_views, pages):
+                    off = 0
+                    for v in views:
+                        n = v.numel()
+                        blocks.append(block[off:off + n].view(v.shape))
+                        pool.append(v)
+                        off += n
+                return (blocks, pool) if to_block else (pool, blocks)
+
+            copy_plans = {
+                "store": [pairs(src_pages, True), pairs(ranges_of(src), True)],
+                "retrieve": [pairs(dst_pages, False), pairs(ranges_of(dst), False)],
+            }
+
+            def copy(op):
+                best = None
+                for d, s_ in copy_plans[op]:
+                    t = time.perf_counter()
+                    torch._foreach_copy_(d, s_)
+                    dt = time.perf_counter() - t
+                    best = dt if best is None else min(best, dt)
+                return best
+
             def memcpy():
                 for s in range(0, tokens, ps):
                     host.set_from_flat_data_page(int(dst[s]), host.get_data_page(int(src[s]), flat=True))
                 return n_pages
 
-            rows = {"kachedb": {"store": [], "retrieve": []}, "file": {"store": [], "retrieve": []}, "memcpy": {"retrieve": []}}
+            rows = {"kachedb": {"store": [], "retrieve": []}, "copy": {"store": [], "retrieve": []},
+                    "file": {"store": [], "retrieve": []}, "memcpy": {"retrieve": []}}
             for rep in range(a.reps + 1):  # rep 0 warms up (page-hash extension, allocations)
                 fill()
                 prompt = [rng.randrange(1, 150_000) for _ in range(tokens)]
@@ -163,6 +217,11 @@ def main() -> int:
                     timings[(name, "retrieve")] = time.perf_counter() - t
                     if got != n_pages or not equal():
                         sys.exit(f"{name}: retrieved {got}/{n_pages} pages, equal={equal()}")
+                timings[("copy", "store")] = copy("store")
+                clear_dst()
+                timings[("copy", "retrieve")] = copy("retrieve")
+                if not equal():
+                    sys.exit("copy baseline: the pages differ")
                 clear_dst()
                 t = time.perf_counter()
                 memcpy()
@@ -180,6 +239,11 @@ def main() -> int:
             res["store_file_over_kachedb"] = round(res["file_store_ms"] / res["kachedb_store_ms"], 2)
             res["retrieve_file_over_kachedb"] = round(res["file_retrieve_ms"] / res["kachedb_retrieve_ms"], 2)
             res["retrieve_kachedb_over_memcpy"] = round(res["kachedb_retrieve_ms"] / res["memcpy_retrieve_ms"], 2)
+            for op in ("store", "retrieve"):
+                res[f"{op}_kachedb_pct_of_copy"] = round(100 * res[f"copy_{op}_ms"] / res[f"kachedb_{op}_ms"], 1)
+            base_blocks.abort()
+            del block_views, copy_plans
+            baseline_client.close()
             res["daemon_pins_after"] = kdb._link.client().stats()["pins"]
             results[layout] = res
             kdb.close()
@@ -206,10 +270,12 @@ def main() -> int:
     print(f"{'layout':<12} {'backend':<8} {'store ms':>9} {'µs/page':>9} {'retrieve ms':>12} {'µs/page':>9}")
     for layout, r in results.items():
         print(f"{layout:<12} (prompt {r['prompt_bytes'] / 2**20:.1f} MiB, {r['pages']} pages of {r['page_bytes'] / 2**10:.0f} KiB)")
-        for name in ("kachedb", "file"):
+        for name in ("copy", "kachedb", "file"):
             print(f"{'':<12} {name:<8} {r[f'{name}_store_ms']:>9.2f} {r[f'{name}_store_us_per_page']:>9.1f} "
                   f"{r[f'{name}_retrieve_ms']:>12.2f} {r[f'{name}_retrieve_us_per_page']:>9.1f}")
         print(f"{'':<12} {'memcpy':<8} {'':>9} {'':>9} {r['memcpy_retrieve_ms']:>12.2f} {r['memcpy_retrieve_us_per_page']:>9.1f}")
+        print(f"{'':<12} kachedb at {r['store_kachedb_pct_of_copy']}% of the copy's speed storing, "
+              f"{r['retrieve_kachedb_pct_of_copy']}% retrieving (one copy each way)")
         print(f"{'':<12} file / kachedb: store {r['store_file_over_kachedb']}x, retrieve {r['retrieve_file_over_kachedb']}x; "
               f"kachedb retrieve / memcpy {r['retrieve_kachedb_over_memcpy']}x")
     return 0

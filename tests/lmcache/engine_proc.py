@@ -314,6 +314,80 @@ def scenario_vllm_order(spec: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _local_chunks_in_region(engine: Any, client: Any) -> Dict[str, int]:
+    """How many chunks LMCache's local CPU tier holds, and how many of them are
+    memory of the daemon's shared region (views) rather than LMCache's own."""
+    base, size = client._native.region_span()
+    local = engine.storage_manager.storage_backends["LocalCPUBackend"]
+    with local.cpu_lock:
+        ptrs = [obj.data_ptr for obj in local.hot_cache.values()]
+    return {"chunks": len(ptrs), "in_region": sum(base <= p < base + size for p in ptrs)}
+
+
+def _pins_settled(daemon: Any, want: int, timeout_s: float = 10.0) -> int:
+    """The daemon's pin count once it equals ``want`` or ``timeout_s`` has passed
+    (a client releases pins fire-and-forget: the daemon sees them shortly after)."""
+    start = time.monotonic()
+    pins = daemon.stats()["pins"]
+    while pins != want and time.monotonic() - start < timeout_s:
+        time.sleep(0.01)
+        pins = daemon.stats()["pins"]
+    return pins
+
+
+def scenario_views(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """One engine stores prompts, empties its local CPU tier, and retrieves them
+    from KacheDB: are the retrieved chunks views of shared memory (no copy),
+    pinned while LMCache holds them and only then, within ``max_pinned_bytes``?"""
+    import torch
+
+    import kachedb
+    import kachedb.lmcache
+
+    engine = S.build_engine("views", socket=spec["socket"], max_pinned_bytes=spec.get("max_pinned_bytes"))
+    conn = S.kachedb_connector(engine)
+    observer = kachedb.connect(spec["socket"])
+    out: Dict[str, Any] = {
+        "backends": list(engine.storage_manager.storage_backends),
+        "connector": repr(conn),
+        "retrieves": [],
+    }
+    for n, seed in spec["prompts"]:
+        tokens = S.prompt_tokens(n, seed)
+        engine.store(tokens, kv=S.prompt_kv(n, seed))
+        keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
+        _wait_landed(observer, keys, 10.0)
+        S.clear_local(engine, tokens)
+    out["pins_before"] = _pins_settled(observer, 0)
+    for n, seed in spec["prompts"]:
+        tokens = S.prompt_tokens(n, seed)
+        expect = S.prompt_kv(n, seed)
+        got = torch.zeros_like(expect)
+        mask = engine.retrieve(tokens, kv=got, req_id=f"views-{seed}")
+        r = {
+            "retrieved_tokens": int(mask.sum()),
+            "byte_equal": _bytes(got) == _bytes(expect),
+            # LMCache writes the chunks got from KacheDB back into its local tier
+            "local": _local_chunks_in_region(engine, conn._client()),
+        }
+        r["pins_held"] = _pins_settled(observer, r["local"]["in_region"])
+        # an L1 hit on a view chunk reads the right bytes too
+        again = torch.zeros_like(expect)
+        r["local_lookup"] = _local_lookup(engine, tokens)
+        r["local_hit_byte_equal"] = int(engine.retrieve(tokens, kv=again, req_id="again").sum()) == n and _bytes(
+            again
+        ) == _bytes(expect)
+        out["retrieves"].append(r)
+    out["stats"] = kachedb.lmcache.stats()
+    for n, seed in spec["prompts"]:
+        S.clear_local(engine, S.prompt_tokens(n, seed))
+    out["local_after_clear"] = _local_chunks_in_region(engine, conn._client())
+    out["pins_after_clear"] = _pins_settled(observer, 0)
+    observer.close()
+    _destroy("views")
+    return out
+
+
 def _destroy(instance_id: str) -> None:
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 

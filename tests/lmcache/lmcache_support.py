@@ -164,13 +164,15 @@ def build_engine(
     head_size: int = HEAD_SIZE,
     chunk_tokens: int = CHUNK_TOKENS,
     gpu_connector: Any = None,
+    max_pinned_bytes: Optional[int] = None,
 ) -> Any:
     """An LMCache engine (bfloat16 KV of ``layers`` x ``heads`` x ``head_size``,
     chunks of ``chunk_tokens``, a local CPU tier of ``local_cpu_gib``) with the
     KacheDB plugin at ``socket`` (``None``: the local CPU tier only; ``tenant``:
     its daemon tenant),
     post-initialised, as vLLM's LMCache connector does when the KV caches are
-    registered. ``gpu_connector``: default ``make_cpu_connector``."""
+    registered. ``gpu_connector``: default ``make_cpu_connector``.
+    ``max_pinned_bytes``: the plugin's option (default: the plugin's default)."""
     import torch
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
@@ -180,7 +182,8 @@ def build_engine(
 
     plugin: Dict[str, Any] = {}
     if socket is not None:
-        plugin = kachedb.lmcache.config(socket, namespace=namespace, tenant=tenant, retry_seconds=retry_seconds)
+        pinned = {} if max_pinned_bytes is None else {"max_pinned_bytes": max_pinned_bytes}
+        plugin = kachedb.lmcache.config(socket, namespace=namespace, tenant=tenant, retry_seconds=retry_seconds, **pinned)
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=chunk_tokens,
         local_cpu=True,

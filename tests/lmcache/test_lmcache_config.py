@@ -43,6 +43,18 @@ def test_tenant_option_and_bad_tenant(tmp_path):
     assert out.returncode == 2 and "not a tenant name" in out.stderr
 
 
+def test_max_pinned_bytes_option(tmp_path):
+    sock = str(tmp_path / "d.sock")
+    cfg = kachedb.lmcache.config(sock, max_pinned_bytes=1 << 20)
+    assert cfg["extra_config"]["remote_storage_plugin.kachedb.max_pinned_bytes"] == 1 << 20
+    assert "remote_storage_plugin.kachedb.max_pinned_bytes" not in kachedb.lmcache.config(sock)["extra_config"]
+    with pytest.raises(ValueError):
+        kachedb.lmcache.config(sock, max_pinned_bytes=-1)
+    out = subprocess.run([sys.executable, "-m", "kachedb", "lmcache-config", "--socket", sock, "--max-pinned-bytes", "0"],
+                         check=True, capture_output=True, text=True).stdout
+    assert json.loads(out) == kachedb.lmcache.config(sock, max_pinned_bytes=0)
+
+
 def test_adapter_claims_kachedb_plugin_urls_only():
     from kachedb.lmcache.connector import KacheDBConnectorAdapter
 

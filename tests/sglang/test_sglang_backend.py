@@ -114,6 +114,44 @@ def test_round_trip_in_one_process(daemon, kv, layout):
     b.close()
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("order", ["meta", "reversed"])
+def test_v1_block_holds_the_byte_ranges_in_meta_order(daemon, kv, layout, order, monkeypatch):
+    # A page's ranges as the pool names them form a grid (one strided view, one
+    # copy per page); reversed within each page they do not (one copy per range).
+    # Either way the block is the ranges concatenated in get_page_buffer_meta's order.
+    import ctypes
+
+    host, idx = _host(kv, layout)
+    if order == "reversed":
+        meta = host.get_page_buffer_meta
+
+        def reversed_meta(indices):
+            ptrs, sizes = meta(indices)
+            per = len(ptrs) // (len(indices) // pools.PAGE_SIZE)
+            return [a for i in range(0, len(ptrs), per) for a in reversed(ptrs[i : i + per])], sizes
+
+        monkeypatch.setattr(host, "get_page_buffer_meta", reversed_meta)
+    keys = _prompt(20 + 2 * (layout == "layer_first") + (order == "reversed"))
+    b = pools.backend(daemon.socket, host)
+    assert b.batch_set_v1(keys, idx) == [True] * N
+    ptrs, sizes = host.get_page_buffer_meta(idx)
+    per = len(ptrs) // N
+    kc = kachedb.connect(daemon.socket)
+    for p, dkey in enumerate(b._dkeys(b.ns_v1, keys)):
+        want = b"".join(ctypes.string_at(ptrs[p * per + r], sizes[p * per + r]) for r in range(per))
+        got = kc.get(dkey)
+        assert got.numpy().tobytes() == want
+        del got
+    kc.close()
+    dst = host.alloc(N * pools.PAGE_SIZE)
+    assert b.batch_get_v1(keys, dst) == [True] * N
+    for a, e in zip(pools.pages_bytes(host, dst), pools.pages_bytes(host, idx)):
+        assert torch.equal(a, e)
+    assert daemon.stats()["pins"] == 0
+    b.close()
+
+
 def test_daemon_down_gives_misses_and_the_tier_comes_back(workdir, kv, caplog):
     sock = str(workdir / "down.sock")
     assert not os.path.exists(sock)

@@ -17,7 +17,7 @@ from .._link import engine_tenant, resolve_socket
 PLUGIN_TYPE = "kachedb"
 
 #: Options read from ``extra_config["remote_storage_plugin.<name>.<option>"]``.
-KNOWN_OPTIONS = ("socket", "namespace", "tenant", "retry_seconds")
+KNOWN_OPTIONS = ("socket", "namespace", "tenant", "retry_seconds", "max_pinned_bytes")
 
 MODULE_PATH = "kachedb.lmcache.connector"
 ADAPTER_CLASS = "KacheDBConnectorAdapter"
@@ -35,6 +35,7 @@ def config(
     namespace: Optional[str] = None,
     tenant: Optional[str] = None,
     retry_seconds: Optional[float] = None,
+    max_pinned_bytes: Optional[int] = None,
 ) -> Dict[str, Any]:
     """The LMCache config entries that add the KacheDB daemon at ``socket``
     (default: ``$KACHEDB_SOCKET``, else the default path) as a remote storage
@@ -51,7 +52,10 @@ def config(
     share chunks only with the same one). ``tenant``: the daemon tenant the
     plugin connects as (default: ``namespace`` made a tenant name, else the
     daemon's ``default``; a bad name raises ``ValueError``). ``retry_seconds``:
-    how often a daemon that went away is tried again (default 5).
+    how often a daemon that went away is tried again (default 5). ``max_pinned_bytes``: how many
+    bytes of chunks got from KacheDB LMCache may hold as views of shared memory
+    (each keeps its block pinned; past it a got chunk is copied into LMCache's
+    local CPU tier; 0: always copy; default: ``max_local_cpu_size``).
     """
     if name != PLUGIN_TYPE and not name.startswith(PLUGIN_TYPE + "."):
         raise ValueError(f"the plugin name must be {PLUGIN_TYPE!r} or {PLUGIN_TYPE!r}.<instance>, not {name!r}")
@@ -66,6 +70,10 @@ def config(
         extra[option_key(name, "tenant")] = engine_tenant(str(tenant), None)
     if retry_seconds is not None:
         extra[option_key(name, "retry_seconds")] = float(retry_seconds)
+    if max_pinned_bytes is not None:
+        if int(max_pinned_bytes) < 0:
+            raise ValueError(f"max_pinned_bytes must be >= 0, not {max_pinned_bytes}")
+        extra[option_key(name, "max_pinned_bytes")] = int(max_pinned_bytes)
     return {"remote_storage_plugins": [name], "extra_config": extra}
 
 
@@ -83,10 +91,14 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb lmcache-conf
         "--tenant", help="the daemon tenant the plugin connects as (default: the namespace, else the daemon's default)"
     )
     p.add_argument("--retry-seconds", type=float, help="how often a daemon that went away is tried again (default: 5)")
+    p.add_argument("--max-pinned-bytes", type=int,
+                   help="bytes of got chunks LMCache may hold as views of shared memory, pinned (default: "
+                   "max_local_cpu_size; 0: always copy)")
     p.add_argument("--indent", type=int, default=None, help="pretty-print with this indent")
     a = p.parse_args(list(argv) if argv is not None else None)
     try:
-        cfg = config(a.socket, name=a.name, namespace=a.namespace, tenant=a.tenant, retry_seconds=a.retry_seconds)
+        cfg = config(a.socket, name=a.name, namespace=a.namespace, tenant=a.tenant, retry_seconds=a.retry_seconds,
+                     max_pinned_bytes=a.max_pinned_bytes)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(cfg, indent=a.indent))

@@ -16,9 +16,12 @@ leading-prefix counts (``batched_contains``, ``batched_async_contains``) are one
 LOOKUP; ``put``/``batched_put`` are one ``put_many`` (one RESERVE batch, the
 copies, one COMMIT batch; chunks already present at the head of the batch are
 skipped); ``get``/``batched_get``/``batched_get_non_blocking`` are one
-``get_prefix`` (lookup-and-pin of the leading present chunks), a copy of each
-view into a ``MemoryObj`` allocated from LMCache's local CPU backend, and the
-views dropped (their pins go with them).
+``get_prefix`` (lookup-and-pin of the leading present chunks), each chunk
+returned as a ``MemoryObj`` that is its view of shared memory (``views.ViewPins``:
+no copy; the block stays pinned while LMCache holds the object, within
+``max_pinned_bytes``), or, past that budget and on engines whose KV cache is not
+on the CPU, copied into a ``MemoryObj`` allocated from LMCache's local CPU
+backend (its view dropped at once, and its pin with it).
 
 Reference counts follow LMCache's contract: a ``MemoryObj`` given to ``put`` /
 ``batched_put`` is LMCache's, which drops its reference when the call returns
@@ -40,6 +43,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 import kachedb
+from lmcache import torch_device_type
 from lmcache.utils import CacheEngineKey, get_size_bytes
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
@@ -52,6 +56,7 @@ from .._link import DaemonLink, engine_tenant
 from ._stats import COUNTERS
 from .config import PLUGIN_TYPE, option_key, resolve_socket
 from .keys import chunk_key, namespace_digest, namespace_fields
+from .views import ViewPins
 
 logger = logging.getLogger("kachedb.lmcache")
 
@@ -113,6 +118,16 @@ class KacheDBConnector(RemoteConnector):
         self.salt = opt("namespace")
         #: The daemon tenant this plugin's client connects as.
         self.tenant = engine_tenant(opt("tenant"), self.salt, option_key(self.plugin_name, "tenant"))
+        # Chunks got are views of shared memory (no copy) when the engine's KV
+        # cache is host memory: a device transfer needs LMCache's pinned host
+        # buffers as its source, so there a got chunk is copied into one.
+        default_pinned = int(float(config.max_local_cpu_size or 0) * (1 << 30))
+        max_pinned = int(opt("max_pinned_bytes", default_pinned))
+        if max_pinned < 0:
+            raise ValueError(f"remote_storage_plugin.{self.plugin_name}.max_pinned_bytes must be >= 0, not {max_pinned}")
+        self.views: Optional[ViewPins] = (
+            ViewPins(max_pinned, local_cpu_backend) if max_pinned > 0 and str(torch_device_type) == "cpu" else None
+        )
         self._layout_source: Any = _UNSET
         self._refresh_layout()
         self._link = DaemonLink(
@@ -232,7 +247,7 @@ class KacheDBConnector(RemoteConnector):
         out: List[MemoryObj] = []
         try:
             for i in range(len(views)):
-                obj = self._copy_out(views[i])
+                obj = self._chunk_obj(keys[i], views[i])
                 views[i] = None  # its pin goes with it
                 if obj is None:
                     break
@@ -248,9 +263,11 @@ class KacheDBConnector(RemoteConnector):
         COUNTERS["missed_chunks"] += len(keys) - len(out)
         return out
 
-    def _copy_out(self, view: Any) -> Optional[MemoryObj]:
-        """A ``MemoryObj`` allocated from the local CPU backend holding ``view``'s
-        bytes; ``None`` if the chunk is malformed or no memory is free."""
+    def _chunk_obj(self, key: CacheEngineKey, view: Any) -> Optional[MemoryObj]:
+        """A ``MemoryObj`` holding ``view``'s chunk: the view itself (pinned while
+        LMCache holds it) within the pin budget, else a copy in memory allocated
+        from the local CPU backend; ``None`` if the chunk is malformed or no
+        memory is free."""
         self._refresh_layout()
         nbytes = int(view.numel()) * int(view.element_size())
         if view.dtype != torch.uint8 or view.dim() != 1 or nbytes == 0 or nbytes % self.single_token_size or nbytes > self.full_chunk_size_bytes:
@@ -266,10 +283,16 @@ class KacheDBConnector(RemoteConnector):
             )
             return None
         num_tokens = nbytes // self.single_token_size
+        shapes = self.metadata.get_shapes(num_tokens)
+        if self.views is not None:
+            obj = self.views.wrap(key, view, shapes, self.meta_dtypes, self.meta_fmt)
+            if obj is not None:
+                COUNTERS["loaded_bytes"] += nbytes
+                COUNTERS["loaded_views"] += 1
+                return obj
+            COUNTERS["loaded_copies_over_budget"] += 1
         # No busy wait: this runs on LMCache's event loop, which frees memory too.
-        obj = self.local_cpu_backend.allocate(
-            self.metadata.get_shapes(num_tokens), self.meta_dtypes, self.meta_fmt, eviction=True, busy_loop=False
-        )
+        obj = self.local_cpu_backend.allocate(shapes, self.meta_dtypes, self.meta_fmt, eviction=True, busy_loop=False)
         if obj is None:
             COUNTERS["alloc_failed"] += 1
             _log_once("alloc", "LMCache's local CPU backend has no room for a KacheDB chunk: a miss")

@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -101,8 +102,15 @@ def _server_args() -> Optional[Dict[str, Any]]:
 
 class _PoolBytes:
     """The host pool's memory as flat uint8 views, so that the ``(address,
-    bytes)`` ranges of ``get_page_buffer_meta`` become tensor slices (bounds
-    checked: a range outside the pool's buffers is an error, never a stray copy)."""
+    bytes)`` ranges of ``get_page_buffer_meta`` become tensor views (bounds
+    checked: a range outside the pool's buffers is an error, never a stray copy).
+
+    A page's ranges are one view when they form a regular grid, as the MHA and
+    MLA pools' do (``page_first``: K then V; ``layer_first``: K and V of each
+    layer): equal sizes, the same offsets from the page's first range in every
+    page, at most two constant positive strides. Its elements in row-major order
+    are the ranges concatenated in ``get_page_buffer_meta``'s order, so one copy
+    per page moves them. Any other pattern is one view per range."""
 
     def __init__(self, host_pool: Any) -> None:
         self.pool = host_pool
@@ -135,31 +143,79 @@ class _PoolBytes:
             bases.append((b.data_ptr(), flat.numel(), flat))
         self._bases, self._key = bases, key
 
-    def slice(self, addr: int, nbytes: int) -> torch.Tensor:
+    def _locate(self, addr: int, nbytes: int) -> Tuple[torch.Tensor, int]:
+        """The pool buffer (flat) holding ``nbytes`` from ``addr``, and the offset."""
         for base, size, flat in self._bases:
             off = addr - base
             if 0 <= off and off + nbytes <= size:
-                return flat[off : off + nbytes]
+                return flat, off
         raise kachedb.InvalidArgument(f"get_page_buffer_meta named {nbytes} bytes at {addr:#x}, outside the host pool")
 
+    def slice(self, addr: int, nbytes: int) -> torch.Tensor:
+        flat, off = self._locate(addr, nbytes)
+        return flat[off : off + nbytes]
+
     def pages(self, host_indices: Any, n_pages: int) -> Tuple[List[List[torch.Tensor]], int]:
-        """Per page, the slices of its byte ranges in ``get_page_buffer_meta``'s
-        order, and the bytes of one page."""
+        """Per page, views whose bytes in row-major order are its byte ranges in
+        ``get_page_buffer_meta``'s order (one view for a regular grid, else one
+        per range), and the bytes of one page."""
         self._refresh()
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
-        ptrs, sizes = list(ptrs), [int(s) for s in sizes]
         if n_pages <= 0 or len(ptrs) != len(sizes) or len(ptrs) % n_pages:
             raise kachedb.InvalidArgument(
                 f"get_page_buffer_meta returned {len(ptrs)} ranges ({len(sizes)} sizes) for {n_pages} pages"
             )
         per = len(ptrs) // n_pages
-        row_sizes = sizes[:per]
-        out = []
-        for p in range(n_pages):
-            if sizes[p * per : (p + 1) * per] != row_sizes:
-                raise kachedb.InvalidArgument("the pages of one batch have differently sized byte ranges")
-            out.append([self.slice(int(ptrs[p * per + r]), row_sizes[r]) for r in range(per)])
-        return out, sum(row_sizes)
+        addrs = np.asarray(ptrs, dtype=np.int64).reshape(n_pages, per)
+        lens = np.asarray(sizes, dtype=np.int64).reshape(n_pages, per)
+        if (lens != lens[0]).any():
+            raise kachedb.InvalidArgument("the pages of one batch have differently sized byte ranges")
+        if (lens <= 0).any():
+            raise kachedb.InvalidArgument("get_page_buffer_meta named an empty byte range")
+        page_bytes = int(lens[0].sum())
+        grid = _grid(addrs, lens[0])
+        if grid is not None:
+            shape, strides, extent = grid
+            out = []
+            for first in addrs[:, 0].tolist():
+                flat, off = self._locate(first, extent)
+                out.append([flat.as_strided(shape, strides, flat.storage_offset() + off)])
+            return out, page_bytes
+        row_sizes = lens[0].tolist()
+        return [
+            [self.slice(a, n) for a, n in zip(row, row_sizes)] for row in addrs.tolist()
+        ], page_bytes
+
+
+def _grid(addrs: "np.ndarray", row_sizes: "np.ndarray") -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+    """``(shape, strides, extent)`` of the view that lays each page's ranges out
+    in order, when ``addrs`` (pages x ranges) is the same grid in every page:
+    equal range sizes; offsets from the page's first range ``o * s_outer +
+    i * s_inner`` with positive strides. ``extent``: the bytes from a page's
+    first range that the view reaches. ``None`` for any other pattern."""
+    size = int(row_sizes[0])
+    if (row_sizes != size).any():
+        return None
+    rel = addrs - addrs[:, :1]
+    if (rel != rel[0]).any():
+        return None
+    r = rel[0]
+    per = len(r)
+    if per == 1:
+        return (size,), (1,), size
+    steps = np.diff(r)
+    s_inner = int(steps[0])
+    bad = np.flatnonzero(steps != s_inner)
+    inner = int(bad[0]) + 1 if bad.size else per
+    if per % inner:
+        return None
+    outer = per // inner
+    s_outer = int(r[inner]) if outer > 1 else size
+    want = np.arange(outer, dtype=np.int64)[:, None] * s_outer + np.arange(inner, dtype=np.int64)[None, :] * s_inner
+    if s_inner <= 0 or s_outer <= 0 or (r.reshape(outer, inner) != want).any():
+        return None
+    extent = (outer - 1) * s_outer + (inner - 1) * s_inner + size
+    return (outer, inner, size), (s_outer, s_inner, 1), extent
 
 
 class KacheDBStorage(HiCacheStorage):
@@ -340,13 +396,16 @@ class KacheDBStorage(HiCacheStorage):
                     for out, i in zip(outs, todo):
                         off = 0
                         for s in pages[i]:
-                            dst.append(out[off : off + s.numel()])
+                            nbytes = s.numel()
+                            dst.append(out[off : off + nbytes].view(s.shape))
                             src.append(s)
-                            off += s.numel()
+                            off += nbytes
                     _copy_all(dst, src)
-                    del dst, src
-                # A reservation's tensors keep their blocks pinned while they live.
-                outs = out = None
+                    # Written: with no tensor of the blocks left (``outs`` is the
+                    # reservations' own list), the commit is a plain COMMIT, with
+                    # no pins to take now and release after.
+                    del dst, src, out
+                    outs.clear()
         except Exception as e:
             self._add(set_pages_failed=n)
             self._failed("store", e)
@@ -382,9 +441,10 @@ class KacheDBStorage(HiCacheStorage):
                     flat = v.reshape(-1)
                     off = 0
                     for s in pages[i]:
+                        nbytes = s.numel()
                         dst.append(s)
-                        src.append(flat[off : off + s.numel()])
-                        off += s.numel()
+                        src.append(flat[off : off + nbytes].view(s.shape))
+                        off += nbytes
                     n_ok += 1
                 _copy_all(dst, src)
             finally:
