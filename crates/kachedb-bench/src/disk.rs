@@ -2,9 +2,13 @@
 //! I/O of the same bytes on the same file system, in the same run.
 //!
 //! * **Write-behind**: a daemon with `--disk` takes blocks of 64 KiB, 2 MiB
-//!   and 64 MiB; timed from the first put until the tier reports the last
-//!   one written. Baseline: one thread writing the same bytes to files of
-//!   the same sizes, each `fdatasync`ed (the durability the tier gives).
+//!   and 64 MiB; timed from the commit of the first block (its bytes in RAM,
+//!   as the baseline's are) until the tier reports the last one written.
+//!   Baseline: one thread writing the same bytes to new files of the same
+//!   sizes in a directory next to the tier's (same file system), each
+//!   `fdatasync`ed, and the directory `fsync`ed once at the end (the
+//!   durability the tier gives: data and name). Rounds alternate (a fresh
+//!   set of keys each), medians.
 //! * **Fill**: a second daemon on the same directory (RAM empty) fills them
 //!   with LOOKUPs (a batch of keys per LOOKUP, one per 64 MiB block); each
 //!   round starts a daemon of its own (a DELETE would delete the disk copies
@@ -17,9 +21,14 @@
 //!   how many bytes of the tier's files the page cache holds after the fills.
 //! * **GET latency**: the round trip of a RAM-resident block, in windows
 //!   alternating idle and while another client keeps the tier busy (fills
-//!   and write-behind); medians over the windows. That daemon's megaslab
+//!   and write-behind; an idle window starts once that client has paused
+//!   and the write-behind queue is empty); medians over the windows. That daemon's megaslab
 //!   holds half of the 64 KiB blocks, so the busy client's LOOKUPs, going
 //!   round them in order, miss and fill (least recently used evicted).
+//! * **Priority**: the plain baselines run on a thread as much nicer than
+//!   the benchmark as the tier's threads are than the daemon
+//!   (`--worker-nice`), so that under CPU load both sides of a ratio get the
+//!   same share of it.
 //! * **Restart**: 100 000 block files on disk (written in the tier's format
 //!   by the benchmark itself, `--restart-blocks`), a daemon started on them,
 //!   `kill -9`ed once indexed, and started again: seconds to its first GET
@@ -60,6 +69,39 @@ pub struct DiskArgs {
     /// benchmark's own priority).
     #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_WORKER_NICE, value_name = "N")]
     pub worker_nice: u8,
+    /// Run only some parts (comma-separated: write, fill, get, restart; fill
+    /// and get write their blocks first, unmeasured unless write is named).
+    #[arg(long, value_delimiter = ',', value_name = "PARTS")]
+    pub only: Vec<Part>,
+}
+
+/// A part of `kachedb bench disk` (`--only`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Part {
+    /// Write-behind vs plain write.
+    Write,
+    /// Fill vs plain read, and the page cache after the fills.
+    Fill,
+    /// GET latency of a RAM block, idle vs during disk I/O.
+    Get,
+    /// Restart after `kill -9`.
+    Restart,
+}
+
+/// Runs `f` on a thread whose nice value is the caller's raised by `by`
+/// (capped at 19): the priority the tier's threads get.
+fn at_nice<T: Send>(by: u8, f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            if by > 0 {
+                let own = rustix::process::getpriority_process(None).unwrap_or(0);
+                let _ = rustix::process::setpriority_process(None, (own + i32::from(by)).min(19));
+            }
+            f()
+        })
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    })
 }
 
 /// A `kachedb serve` child with the disk tier; SIGKILLed when dropped.
@@ -185,8 +227,8 @@ impl Aligned {
     }
 }
 
-/// Writes `n` files of `len` bytes under `dir`, each `fdatasync`ed
-/// (buffered + DONTNEED, or `O_DIRECT`); seconds.
+/// Writes `n` new files of `len` bytes under `dir`, each `fdatasync`ed
+/// (buffered + DONTNEED, or `O_DIRECT`), then `fsync`s `dir`; seconds.
 fn plain_write(dir: &Path, n: usize, len: usize, direct: bool) -> Res<f64> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
@@ -205,6 +247,8 @@ fn plain_write(dir: &Path, n: usize, len: usize, direct: bool) -> Res<f64> {
             let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
         }
     }
+    // The new files' names are durable too.
+    std::fs::File::open(dir)?.sync_all()?;
     Ok(t.elapsed().as_secs_f64())
 }
 
@@ -271,41 +315,64 @@ pub fn run(a: &DiskArgs) -> Res<()> {
             std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
         );
     }
+    let part = |p: Part| a.only.is_empty() || a.only.contains(&p);
     let mut keys: Vec<Vec<Key>> = Vec::new();
-    {
+    if part(Part::Write) || part(Part::Fill) || part(Part::Get) {
         let a_node = Serve::start(&tmp.0, "a", slab, &disk, a.worker_nice)?;
         let c = a_node.client()?;
+        let write_rounds = if part(Part::Write) { rounds } else { 1 };
+        let plain_dir = disk.join("plain");
         let mut written = 0;
         for (si, &(label, len, n, _)) in sizes.iter().enumerate() {
-            let ks: Vec<Key> = (0..n as u64).map(|j| Key::from_parts(j, 0xd15c_0000 + si as u64)).collect();
             let data = vec![si as u8 + 1; len];
-            let t = Instant::now();
-            for &k in &ks {
-                c.put(k, &data)?;
+            let (mut tier, mut plain, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+            for round in 0..write_rounds {
+                // A fresh set of keys each round; the first round's are filled below.
+                let ks: Vec<Key> = (0..n as u64)
+                    .map(|j| Key::from_parts(j, 0xd15c_0000 + si as u64 + ((round as u64) << 8)))
+                    .collect();
+                c.put(ks[0], &data)?;
+                let t = Instant::now();
+                for &k in &ks[1..] {
+                    c.put(k, &data)?;
+                }
+                written += n as u64;
+                a_node.until("the writes", |s| s.disk.disk_writes >= written && s.disk.disk_queue_blocks == 0)?;
+                tier.push(t.elapsed().as_secs_f64());
+                if part(Part::Write) {
+                    let file_len = len + format::HEADER_AREA as usize;
+                    plain.push(at_nice(a.worker_nice, || {
+                        plain_write(&plain_dir, n, file_len, false).map_err(|e| e.to_string())
+                    })?);
+                    direct.push(at_nice(a.worker_nice, || {
+                        plain_write(&plain_dir, n, file_len, true).map_err(|e| e.to_string())
+                    })?);
+                }
+                if round == 0 {
+                    keys.push(ks);
+                }
             }
-            written += n as u64;
-            a_node.until("the writes", |s| s.disk.disk_writes >= written && s.disk.disk_queue_blocks == 0)?;
-            let tier_s = t.elapsed().as_secs_f64();
-            let plain_s = plain_write(&tmp.0.join("plain"), n, len + format::HEADER_AREA as usize, false)?;
-            let direct_s = plain_write(&tmp.0.join("plain"), n, len + format::HEADER_AREA as usize, true)?;
-            let bytes = (len * n) as f64;
-            emit(
-                json!({"bench":"disk_write_behind","block":label,"blocks":n,"tier_gb_s":bytes/tier_s/1e9,
-                       "plain_gb_s":bytes/plain_s/1e9,"ratio":plain_s/tier_s,"plain_direct_gb_s":bytes/direct_s/1e9}),
-                format!(
-                    "write-behind {label:>6} x {n:<5} {:.2} GB/s vs plain write+fdatasync {:.2} GB/s ({:.0} %); O_DIRECT plain {:.2} GB/s",
-                    bytes / tier_s / 1e9,
-                    bytes / plain_s / 1e9,
-                    100.0 * plain_s / tier_s,
-                    bytes / direct_s / 1e9
-                ),
-            );
-            keys.push(ks);
+            if part(Part::Write) {
+                let bytes = (len * n) as f64;
+                let (t, p, d) = (median(tier), median(plain), median(direct));
+                emit(
+                    json!({"bench":"disk_write_behind","block":label,"blocks":n,"rounds":write_rounds,"tier_gb_s":bytes/t/1e9,
+                           "plain_gb_s":bytes/p/1e9,"ratio":p/t,"plain_direct_gb_s":bytes/d/1e9}),
+                    format!(
+                        "write-behind {label:>6} x {n:<5} {:.2} GB/s vs plain write+fdatasync {:.2} GB/s ({:.0} %); O_DIRECT plain {:.2} GB/s",
+                        bytes / t / 1e9,
+                        bytes / p / 1e9,
+                        100.0 * p / t,
+                        bytes / d / 1e9
+                    ),
+                );
+            }
         }
-        let _ = std::fs::remove_dir_all(tmp.0.join("plain"));
+        let _ = std::fs::remove_dir_all(&plain_dir);
     }
     // Node B: the same directory, RAM empty (a daemon of its own each round).
-    for (si, &(label, len, n, per)) in sizes.iter().enumerate() {
+    let fill_sizes = if part(Part::Fill) { &sizes[..] } else { &[] };
+    for (si, &(label, len, n, per)) in fill_sizes.iter().enumerate() {
         let ks = &keys[si];
         let files: Vec<PathBuf> = ks.iter().map(|k| format::block_path(&disk.join("blocks"), k.0)).collect();
         let (mut fill, mut plain, mut direct) = (Vec::new(), Vec::new(), Vec::new());
@@ -326,8 +393,8 @@ pub fn run(a: &DiskArgs) -> Res<()> {
             fill.push(t.elapsed().as_secs_f64());
             drop(c);
             drop(b);
-            plain.push(plain_read(&files, len, false)?);
-            direct.push(plain_read(&files, len, true)?);
+            plain.push(at_nice(a.worker_nice, || plain_read(&files, len, false).map_err(|e| e.to_string()))?);
+            direct.push(at_nice(a.worker_nice, || plain_read(&files, len, true).map_err(|e| e.to_string()))?);
         }
         let bytes = (len * n) as f64;
         let (f, p, d) = (median(fill), median(plain), median(direct));
@@ -343,97 +410,113 @@ pub fn run(a: &DiskArgs) -> Res<()> {
             ),
         );
     }
-    let cached = cached_bytes(&disk.join("blocks"));
-    emit(
-        json!({"bench":"disk_page_cache","cached_bytes":cached,"block_bytes":total}),
-        format!(
-            "page cache   {} of the tier's {} of block files cached after the fills",
-            kachedb_shm::units::human_bytes(cached),
-            kachedb_shm::units::human_bytes(total as u64)
-        ),
-    );
-    // GET p99 of a RAM-resident block, idle vs while fills and writes run,
-    // on a daemon whose megaslab holds half of the 64 KiB blocks.
-    let small_bytes = (sizes[0].1 * sizes[0].2) as u64;
-    let b_slab = (small_bytes / 2).max(4 << 20).next_multiple_of(1 << 20);
-    let b = Serve::start_with_queue(&tmp.0, "b", b_slab, b_slab / 8, &disk, a.worker_nice)?;
-    b.until("the index", |s| s.disk.disk_indexed)?;
-    let c = b.client()?;
-    let hot = Key::from_parts(1, 0x4_07);
-    c.put(hot, &[7u8; 4096])?;
-    let small = keys[0].clone();
-    let busy = Arc::new(AtomicBool::new(false));
-    let stop = Arc::new(AtomicBool::new(false));
-    let worker = {
-        let (busy, stop, opts) = (busy.clone(), stop.clone(), b.opts());
-        std::thread::spawn(move || -> Result<(), String> {
-            let c = Client::connect(&opts).map_err(|e| e.to_string())?;
-            let data = vec![9u8; 64 << 10];
-            let mut j = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                if !busy.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_micros(200));
-                    continue;
-                }
-                for ch in small.chunks(64) {
-                    // Evicted since the last round: filled from disk.
-                    c.lookup(ch).map_err(|e| e.to_string())?;
-                    for _ in 0..4 {
-                        j += 1;
-                        c.put(Key::from_parts(j, 0x3717e), &data).map_err(|e| e.to_string())?;
-                    }
-                    if !busy.load(Ordering::Relaxed) {
-                        break;
-                    }
-                }
-            }
-            Ok(())
-        })
-    };
-    let iters = if a.quick { 10_000 } else { 50_000 };
-    let time_gets = || -> Res<Vec<u64>> {
-        let mut v = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            let t = Instant::now();
-            drop(c.get(hot)?);
-            v.push(t.elapsed().as_nanos() as u64);
-        }
-        v.sort_unstable();
-        Ok(v)
-    };
-    let (mut idle, mut during) = (Vec::new(), Vec::new());
-    let s0 = b.stats()?.disk;
-    for _ in 0..rounds {
-        busy.store(false, Ordering::Relaxed);
-        std::thread::sleep(Duration::from_millis(20));
-        let v = time_gets()?;
-        idle.push((percentile(&v, 0.5), percentile(&v, 0.99)));
-        busy.store(true, Ordering::Relaxed);
-        std::thread::sleep(Duration::from_millis(50));
-        let v = time_gets()?;
-        during.push((percentile(&v, 0.5), percentile(&v, 0.99)));
+    if part(Part::Fill) {
+        let cached = cached_bytes(&disk.join("blocks"));
+        emit(
+            json!({"bench":"disk_page_cache","cached_bytes":cached,"block_bytes":total}),
+            format!(
+                "page cache   {} of the tier's {} of block files cached after the fills",
+                kachedb_shm::units::human_bytes(cached),
+                kachedb_shm::units::human_bytes(total as u64)
+            ),
+        );
     }
-    stop.store(true, Ordering::Relaxed);
-    busy.store(false, Ordering::Relaxed);
-    worker.join().map_err(|_| "the busy client panicked")??;
-    let s1 = b.stats()?.disk;
-    let med2 = |v: &[(u64, u64)]| {
-        let (p50, p99): (Vec<u64>, Vec<u64>) = v.iter().copied().unzip();
-        (median(p50.iter().map(|&x| x as f64).collect()), median(p99.iter().map(|&x| x as f64).collect()))
-    };
-    let ((i50, i99), (b50, b99)) = (med2(&idle), med2(&during));
-    let (fills, writes) = (s1.disk_fills - s0.disk_fills, s1.disk_writes - s0.disk_writes);
-    emit(
-        json!({"bench":"disk_get_during_io","iters":iters,"windows":rounds,"idle_p50_ns":i50,"idle_p99_ns":i99,
-               "busy_p50_ns":b50,"busy_p99_ns":b99,"busy_vs_idle_p99":b99/i99.max(1.0),"fills":fills,"writes":writes}),
+    if part(Part::Get) {
+        // GET p99 of a RAM-resident block, idle vs while fills and writes run,
+        // on a daemon whose megaslab holds half of the 64 KiB blocks.
+        let small_bytes = (sizes[0].1 * sizes[0].2) as u64;
+        let b_slab = (small_bytes / 2).max(4 << 20).next_multiple_of(1 << 20);
+        let b = Serve::start_with_queue(&tmp.0, "b", b_slab, b_slab / 8, &disk, a.worker_nice)?;
+        b.until("the index", |s| s.disk.disk_indexed)?;
+        let c = b.client()?;
+        let hot = Key::from_parts(1, 0x4_07);
+        c.put(hot, &[7u8; 4096])?;
+        let small = keys[0].clone();
+        let busy = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        // Set by the busy client while it waits for `busy` (nothing of its in flight).
+        let paused = Arc::new(AtomicBool::new(true));
+        let worker = {
+            let (busy, stop, paused, opts) = (busy.clone(), stop.clone(), paused.clone(), b.opts());
+            std::thread::spawn(move || -> Result<(), String> {
+                let c = Client::connect(&opts).map_err(|e| e.to_string())?;
+                let data = vec![9u8; 64 << 10];
+                let mut j = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    if !busy.load(Ordering::Relaxed) {
+                        paused.store(true, Ordering::Relaxed);
+                        std::thread::sleep(Duration::from_micros(200));
+                        continue;
+                    }
+                    paused.store(false, Ordering::Relaxed);
+                    for ch in small.chunks(64) {
+                        // Evicted since the last round: filled from disk.
+                        c.lookup(ch).map_err(|e| e.to_string())?;
+                        for _ in 0..4 {
+                            j += 1;
+                            c.put(Key::from_parts(j, 0x3717e), &data).map_err(|e| e.to_string())?;
+                        }
+                        if !busy.load(Ordering::Relaxed) {
+                            break;
+                        }
+                    }
+                }
+                Ok(())
+            })
+        };
+        // Many short windows, alternating, so that other load on the machine
+        // falls on both sides alike.
+        let (windows, iters) = if a.quick { (9, 5_000) } else { (15, 20_000) };
+        let time_gets = || -> Res<Vec<u64>> {
+            let mut v = Vec::with_capacity(iters);
+            for _ in 0..iters {
+                let t = Instant::now();
+                drop(c.get(hot)?);
+                v.push(t.elapsed().as_nanos() as u64);
+            }
+            v.sort_unstable();
+            Ok(v)
+        };
+        let (mut idle, mut during) = (Vec::new(), Vec::new());
+        let s0 = b.stats()?.disk;
+        for _ in 0..windows {
+            // Idle: the busy client paused and the write-behind queue empty.
+            busy.store(false, Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(1));
+            while !paused.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            b.until("the write-behind queue to drain", |s| s.disk.disk_queue_blocks == 0)?;
+            std::thread::sleep(Duration::from_millis(5));
+            let v = time_gets()?;
+            idle.push((percentile(&v, 0.5), percentile(&v, 0.99)));
+            busy.store(true, Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(50));
+            let v = time_gets()?;
+            during.push((percentile(&v, 0.5), percentile(&v, 0.99)));
+        }
+        stop.store(true, Ordering::Relaxed);
+        busy.store(false, Ordering::Relaxed);
+        worker.join().map_err(|_| "the busy client panicked")??;
+        let s1 = b.stats()?.disk;
+        let med2 = |v: &[(u64, u64)]| {
+            let (p50, p99): (Vec<u64>, Vec<u64>) = v.iter().copied().unzip();
+            (median(p50.iter().map(|&x| x as f64).collect()), median(p99.iter().map(|&x| x as f64).collect()))
+        };
+        let ((i50, i99), (b50, b99)) = (med2(&idle), med2(&during));
+        let (fills, writes) = (s1.disk_fills - s0.disk_fills, s1.disk_writes - s0.disk_writes);
+        emit(
+        json!({"bench":"disk_get_during_io","iters":iters,"windows":windows,"idle_p50_ns":i50,"idle_p99_ns":i99,
+               "busy_p50_ns":b50,"busy_p99_ns":b99,"busy_vs_idle_p99":b99/i99.max(1.0),"worker_nice":a.worker_nice,"fills":fills,"writes":writes}),
         format!(
             "GET of a RAM block  p50 {i50:.0} / p99 {i99:.0} ns idle; p50 {b50:.0} / p99 {b99:.0} ns during {fills} fills and {writes} writes ({:.2}x p99)",
             b99 / i99.max(1.0)
         ),
     );
-    drop(c);
-    drop(b);
-    if a.restart_blocks > 0 {
+        drop(c);
+        drop(b);
+    }
+    if a.restart_blocks > 0 && part(Part::Restart) {
         restart(a, &tmp.0, &emit)?;
     }
     Ok(())

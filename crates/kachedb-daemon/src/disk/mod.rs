@@ -11,12 +11,14 @@
 //! * **Write-behind** (writer threads): for each block a client commits, the
 //!   serve loop pins it for the tier's session and queues a [`WriteJob`] (or
 //!   drops it, counted, when the queue's bytes would pass
-//!   [`DiskConfig::queue_bytes`]). A writer makes room ([`index`]: leaves
-//!   first), writes the header and the pinned bytes to a temporary file,
-//!   `fdatasync`s it, drops its pages from the page cache
-//!   (`POSIX_FADV_DONTNEED`), renames it into place and syncs the directory;
-//!   only then is the block counted written (`disk_writes`) and indexed. The
-//!   pin goes back with [`TierEvent::Written`].
+//!   [`DiskConfig::queue_bytes`]). A writer takes the jobs queued one
+//!   behind the other as a batch ([`write_batch`], a group commit): for each
+//!   it makes room ([`index`]: leaves first) and writes the header and the
+//!   pinned bytes to a temporary file, then `fdatasync`s each file and drops
+//!   its pages from the page cache (`POSIX_FADV_DONTNEED`), renames each into
+//!   place and syncs the directory once; only then are the blocks counted
+//!   written (`disk_writes`) and indexed. The pins go back with
+//!   [`TierEvent::Written`].
 //! * **Fill** (reader threads): a local miss's [`FetchJob`] is looked up by
 //!   file name (no index needed, so fills work while the index is being
 //!   rebuilt); each header is read and checked ([`format`]), the serve loop
@@ -40,6 +42,7 @@
 //! returns no thread of the tier reads a pin or writes a reservation.
 //!
 //! I/O: plain `pread`/`pwrite` from a few threads, buffered, with
+//! `sync_file_range` (write-out started as each piece is copied),
 //! `fdatasync` + `POSIX_FADV_DONTNEED` so the page cache does not keep a
 //! second copy of the KV (docs/disk.md says why not `O_DIRECT` or io_uring).
 
@@ -72,6 +75,16 @@ pub const DEFAULT_WORKER_NICE: u8 = 10;
 pub const THREAD_NAME: &str = "kachedb-disk";
 /// Writer threads (one syncs while the other copies).
 const WRITERS: usize = 2;
+/// Most blocks a writer takes from the queue at once and makes durable
+/// together: their data synced file by file, then renamed into place, then
+/// one `fsync` of the directory for all of them (a group commit).
+const BATCH_BLOCKS: usize = 64;
+/// Most tensor bytes of such a batch beyond its first block.
+const BATCH_BYTES: u64 = 16 << 20;
+/// A block's bytes are copied to its file in pieces of this size, each
+/// handed to the disk (`sync_file_range`) as soon as it is copied, so the
+/// device writes one piece while the next is copied.
+const WRITE_PIECE_BYTES: u64 = 8 << 20;
 /// Reader threads.
 const READERS: usize = 2;
 /// Threads reading headers at start.
@@ -175,6 +188,16 @@ impl<T> Queue<T> {
     fn push(&self, item: T) {
         lock(&self.items).push_back(item);
         self.ready.notify_one();
+    }
+
+    /// The items at the front, without waiting, while `take` accepts them.
+    fn pop_while(&self, mut take: impl FnMut(&T) -> bool) -> Vec<T> {
+        let mut q = lock(&self.items);
+        let mut out = Vec::new();
+        while q.front().is_some_and(&mut take) {
+            out.extend(q.pop_front());
+        }
+        out
     }
 
     /// The next item, waiting for one; `None` once `stop` is set.
@@ -676,7 +699,8 @@ fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<Found>, u64) {
     (found, torn)
 }
 
-/// A writer thread: waits for the index, then writes queued blocks.
+/// A writer thread: waits for the index, then writes queued blocks, those
+/// queued one behind the other in batches ([`write_batch`]).
 fn write_loop(s: &Shared) {
     {
         let mut done = lock(&s.indexed);
@@ -685,33 +709,54 @@ fn write_loop(s: &Shared) {
         }
     }
     while let Some(job) = s.writes.pop(&s.stop) {
-        let (job, seq) = match job {
+        let first = match job {
             Job::Write(job, seq) => (job, seq),
             Job::Delete(key, seq) => {
                 delete_block(s, key, seq);
                 continue;
             }
         };
+        let (mut bytes, mut more) = (0u64, 0usize);
+        let mut batch = vec![first];
+        batch.extend(
+            s.writes
+                .pop_while(|j| match j {
+                    Job::Write(j, _) if more + 1 < BATCH_BLOCKS && bytes.saturating_add(j.len) <= BATCH_BYTES => {
+                        bytes += j.len;
+                        more += 1;
+                        true
+                    }
+                    _ => false,
+                })
+                .into_iter()
+                .filter_map(|j| match j {
+                    Job::Write(j, seq) => Some((j, seq)),
+                    Job::Delete(..) => None,
+                }),
+        );
+        let results = write_batch(s, &batch);
         let cells = s.cells();
-        match write_block(s, &job, seq) {
-            Ok(true) => {
-                DiskCells::add(&cells.writes, 1);
-                DiskCells::add(&cells.write_bytes, job.len);
+        for ((job, seq), result) in batch.into_iter().zip(results) {
+            match result {
+                Ok(true) => {
+                    DiskCells::add(&cells.writes, 1);
+                    DiskCells::add(&cells.write_bytes, job.len);
+                }
+                Ok(false) => DiskCells::add(&cells.dropped_writes, 1),
+                Err(e) => {
+                    DiskCells::add(&cells.errors, 1);
+                    tracing::debug!(key = %format_args!("{:032x}", job.key), "disk write failed: {e}");
+                }
             }
-            Ok(false) => DiskCells::add(&cells.dropped_writes, 1),
-            Err(e) => {
-                DiskCells::add(&cells.errors, 1);
-                tracing::debug!(key = %format_args!("{:032x}", job.key), "disk write failed: {e}");
+            cells.queue_bytes.fetch_sub(job.len, Relaxed);
+            cells.queue_blocks.fetch_sub(1, Relaxed);
+            {
+                let mut d = lock(&s.deletes);
+                d.writes.remove(&seq);
+                d.prune();
             }
+            s.events.send(TierEvent::Written { pin: job.pin });
         }
-        cells.queue_bytes.fetch_sub(job.len, Relaxed);
-        cells.queue_blocks.fetch_sub(1, Relaxed);
-        {
-            let mut d = lock(&s.deletes);
-            d.writes.remove(&seq);
-            d.prune();
-        }
-        s.events.send(TierEvent::Written { pin: job.pin });
     }
 }
 
@@ -753,49 +798,100 @@ fn delete_block(s: &Shared, key: u128, seq: u64) {
     d.prune();
 }
 
-/// Writes one block (see the module docs), the write numbered `seq`;
-/// `Ok(false)`: not written (the tier stopped, the block does not fit on the
-/// disk, or a later DELETE of its key came first).
-fn write_block(s: &Shared, job: &WriteJob, seq: u64) -> std::io::Result<bool> {
-    if superseded(s, job.key, seq) {
-        return Ok(false);
-    }
-    let bytes = index::disk_bytes(format::file_len(job.len));
-    let victims = {
-        let mut ix = lock(&s.index);
-        let v = ix.make_room(bytes, job.parent);
-        s.publish(&ix);
-        v
-    };
-    let Some(victims) = victims else { return Ok(false) };
-    delete_victims(s, &victims);
-    let tmp = s.tmp_dir.join(format!("{:032x}.{}.tmp", job.key, s.tmp_seq.fetch_add(1, Relaxed)));
-    let written = write_file(s, job, &tmp)
-        .and_then(|ok| if ok { rename_into_place(s, job, seq, &tmp) } else { Ok(false) })
-        .and_then(|renamed| {
-            if renamed {
-                File::open(&s.blocks_dir)?.sync_all()?;
+/// A block of a batch on its way to disk.
+struct Staged {
+    /// Its place in the batch.
+    at: usize,
+    /// Bytes it takes on disk (reserved in the index).
+    bytes: u64,
+    tmp: PathBuf,
+    /// Open while its data is being synced.
+    file: Option<File>,
+}
+
+/// Writes the blocks `batch` (each with its number, see [`Deletes`]);
+/// each one's outcome: `Ok(true)` written, `Ok(false)` not written (the
+/// tier stopped, the block does not fit on the disk, or a later DELETE of
+/// its key came first), or the error.
+///
+/// A group commit: each block's file is written under `tmp/` and handed to
+/// the disk at once, then each file's data is synced (`fdatasync`) and
+/// dropped from the page cache, then each is renamed into place, then the
+/// directory is synced once for all of them; a block counts as written only
+/// after that sync, so only once its bytes and its name are durable.
+fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<bool>> {
+    let mut out: Vec<std::io::Result<bool>> = batch.iter().map(|_| Ok(false)).collect();
+    let mut staged: Vec<Staged> = Vec::with_capacity(batch.len());
+    for (at, (job, seq)) in batch.iter().enumerate() {
+        if superseded(s, job.key, *seq) {
+            continue;
+        }
+        let bytes = index::disk_bytes(format::file_len(job.len));
+        let victims = {
+            let mut ix = lock(&s.index);
+            let v = ix.make_room(bytes, job.parent);
+            s.publish(&ix);
+            v
+        };
+        let Some(victims) = victims else { continue };
+        delete_victims(s, &victims);
+        let tmp = s.tmp_dir.join(format!("{:032x}.{}.tmp", job.key, s.tmp_seq.fetch_add(1, Relaxed)));
+        match write_file(s, job, &tmp) {
+            Ok(file) => staged.push(Staged { at, bytes, tmp, file }),
+            Err(e) => {
+                out[at] = Err(e);
+                staged.push(Staged { at, bytes, tmp, file: None });
             }
-            Ok(renamed)
-        });
+        }
+    }
+    // Data: synced file by file (the first sync waits for the device; the
+    // others find their writes done or in flight).
+    for st in &mut staged {
+        if let Some(f) = st.file.take() {
+            match f.sync_data() {
+                Ok(()) => {
+                    drop_cache(&f);
+                    out[st.at] = Ok(!s.stop.load(Relaxed));
+                }
+                Err(e) => out[st.at] = Err(e),
+            }
+        }
+    }
+    // Names: renamed into place, then one directory sync for the batch.
+    let mut renamed = false;
+    for st in &staged {
+        if matches!(out[st.at], Ok(true)) {
+            let (job, seq) = &batch[st.at];
+            out[st.at] = rename_into_place(s, job, *seq, &st.tmp);
+            renamed |= matches!(out[st.at], Ok(true));
+        }
+    }
+    if renamed {
+        if let Err(e) = File::open(&s.blocks_dir).and_then(|d| d.sync_all()) {
+            for st in &staged {
+                if matches!(out[st.at], Ok(true)) {
+                    out[st.at] = Err(std::io::Error::new(e.kind(), e.to_string()));
+                }
+            }
+        }
+    }
     // Indexed (and so counted in `disk_blocks`) only once synced; under the
     // commit lock, so that a DELETE's removal comes wholly before or after.
     let _commit = lock(&s.commit);
     let mut ix = lock(&s.index);
-    ix.unreserve(bytes);
-    match written {
-        Ok(true) if !superseded(s, job.key, seq) => {
-            ix.insert(job.key, job.parent, bytes);
-            s.publish(&ix);
-            Ok(true)
-        }
-        Ok(true) => Ok(false),
-        other => {
-            drop(ix);
-            let _ = std::fs::remove_file(&tmp);
-            other
+    for st in &staged {
+        let (job, seq) = &batch[st.at];
+        ix.unreserve(st.bytes);
+        match out[st.at] {
+            Ok(true) if !superseded(s, job.key, *seq) => ix.insert(job.key, job.parent, st.bytes),
+            Ok(true) => out[st.at] = Ok(false),
+            _ => {
+                let _ = std::fs::remove_file(&st.tmp);
+            }
         }
     }
+    s.publish(&ix);
+    out
 }
 
 /// Renames the written file `tmp` of `job` (numbered `seq`) into place,
@@ -815,13 +911,14 @@ fn rename_into_place(s: &Shared, job: &WriteJob, seq: u64, tmp: &Path) -> std::i
     Ok(true)
 }
 
-/// Writes `job`'s block to `tmp` and syncs it; `Ok(false)`: the tier stopped.
-fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<bool> {
+/// Writes `job`'s block to the new file `tmp` and hands its pages to the
+/// disk (not yet synced); `None`: the tier stopped.
+fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<Option<File>> {
     let f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(tmp)?;
     {
         let gate = s.running.read().unwrap_or_else(|e| e.into_inner());
         if !*gate {
-            return Ok(false);
+            return Ok(None);
         }
         let Some(ptr) = s.region.slab_ptr(job.data_offset, job.len) else {
             return Err(std::io::Error::other("block outside the megaslab"));
@@ -845,12 +942,33 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<bool> {
             checksum: format::checksum(data),
         };
         f.write_all_at(&header.encode(), 0)?;
-        f.write_all_at(data, format::HEADER_AREA)?;
+        start_writeback(&f, 0, format::HEADER_AREA);
+        let mut at = 0u64;
+        for piece in data.chunks(WRITE_PIECE_BYTES as usize) {
+            f.write_all_at(piece, format::HEADER_AREA + at)?;
+            start_writeback(&f, format::HEADER_AREA + at, piece.len() as u64);
+            at += piece.len() as u64;
+        }
     }
-    f.sync_data()?;
-    drop_cache(&f);
-    drop(f);
-    Ok(!s.stop.load(Relaxed))
+    Ok((!s.stop.load(Relaxed)).then_some(f))
+}
+
+/// Starts the write-out of `len` dirty bytes of `f` at `offset`
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`: no wait, no durability; the
+/// `fdatasync` after it then finds the pages written or in flight). A
+/// failure here shows again at that sync.
+fn start_writeback(f: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: FFI call on a descriptor `f` owns for the call's duration; it
+    // takes no pointers.
+    unsafe {
+        libc::sync_file_range(
+            f.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
+    }
 }
 
 /// A reader thread: runs fetches.

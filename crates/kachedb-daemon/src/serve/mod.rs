@@ -1,6 +1,7 @@
 //! The serve loop: one thread serves every channel.
 //!
-//! Each pass handles the control [`Event`]s queued, then pops a batch of
+//! Each pass handles the control [`Event`]s queued (up to
+//! [`EVENTS_PER_PASS`]), then pops a batch of
 //! submissions from each ring that has work (as many as the client's
 //! completion ring has room for), answers them from the [`Store`], publishes
 //! the completions once per batch and wakes the client only if it parked;
@@ -46,6 +47,8 @@ const BATCH: usize = 64;
 /// a dozen stores per tenant that changed: too much for every batch of a
 /// latency-bound client).
 const TENANT_PUBLISH_PASSES: u64 = 64;
+/// Most control and tier events a pass handles before it serves the rings.
+const EVENTS_PER_PASS: usize = 16;
 
 /// How long a request window runs by default (`kachedb serve --request-window`).
 pub const DEFAULT_REQUEST_WINDOW: Duration = Duration::from_secs(300);
@@ -300,7 +303,10 @@ impl Serve {
     /// Control events, then every channel once; whether anything was done.
     fn pass(&mut self) -> bool {
         let mut did_work = false;
-        while let Ok(ev) = self.events.try_recv() {
+        // A bounded number per pass: a tier reports a batch of writes at once
+        // (one event each), and the rings are served between the slices.
+        for _ in 0..EVENTS_PER_PASS {
+            let Ok(ev) = self.events.try_recv() else { break };
             did_work = true;
             self.on_event(ev);
             if self.handed_over {
