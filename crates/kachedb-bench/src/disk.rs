@@ -533,6 +533,7 @@ fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -
     for j in 0..n {
         let key = Key::from_parts(j, 0x5e57a47);
         let h = Header {
+            tenant: None,
             key: key.0,
             parent: (j % 16 != 0).then(|| Key::from_parts(j - 1, 0x5e57a47).0),
             dtype: kachedb_shm::DType::U8,

@@ -107,6 +107,19 @@ pub struct ServeArgs {
     /// Default: none.
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub tenant_limit_default: Option<u64>,
+    /// Most disk-tier bytes tenant NAME's blocks may take (file-system bytes,
+    /// as --disk-size counts them), e.g. `team-a=100GiB` (repeatable; needs
+    /// --disk). A tenant at its disk limit evicts its own blocks on disk
+    /// (leaves first); a block that cannot fit within it is not written.
+    /// Without it, a tenant with a --tenant-limit gets the same share of the
+    /// disk as of the megaslab (limit / --size × --disk-size). docs/disk.md "Tenants".
+    #[arg(long = "tenant-disk-limit", value_name = "NAME=SIZE", value_parser = parse_tenant_limit)]
+    pub tenant_disk_limits: Vec<(String, u64)>,
+    /// The disk limit of every tenant not named by --tenant-disk-limit or
+    /// --tenant-limit (`default` and `_other` included). Default: the share
+    /// --tenant-limit-default gives, else none.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub tenant_disk_limit_default: Option<u64>,
     /// Count tenants apart (`on`: per-tenant bytes, hits, misses and request
     /// windows in stats and metrics) or not (`off`: every client is the
     /// default tenant's, no request window is kept; --tenant-limit is then
@@ -261,11 +274,31 @@ fn tenant_config(a: &ServeArgs) -> Result<kachedb_daemon::TenantConfig, Box<dyn 
     if !accounting && (!a.tenant_limits.is_empty() || a.tenant_limit_default.is_some()) {
         return Err("--tenant-limit and --tenant-limit-default need --tenant-accounting on".into());
     }
+    if !accounting && (!a.tenant_disk_limits.is_empty() || a.tenant_disk_limit_default.is_some()) {
+        return Err("--tenant-disk-limit and --tenant-disk-limit-default need --tenant-accounting on".into());
+    }
+    if a.disk.is_none() && (!a.tenant_disk_limits.is_empty() || a.tenant_disk_limit_default.is_some()) {
+        return Err("--tenant-disk-limit and --tenant-disk-limit-default need --disk DIR".into());
+    }
     let mut names = std::collections::BTreeSet::new();
     for (name, _) in &a.tenant_limits {
         if !names.insert(name) {
             return Err(format!("--tenant-limit {name}=…: tenant {name:?} is named twice").into());
         }
+    }
+    let mut disk_names = std::collections::BTreeSet::new();
+    for (name, _) in &a.tenant_disk_limits {
+        if !disk_names.insert(name) {
+            return Err(format!("--tenant-disk-limit {name}=…: tenant {name:?} is named twice").into());
+        }
+    }
+    if names.union(&disk_names).count() > kachedb_shm::control::MAX_TENANTS - 2 {
+        return Err(format!(
+            "--tenant-limit and --tenant-disk-limit name {} tenants; the daemon counts at most {} besides `default` and `_other`",
+            names.union(&disk_names).count(),
+            kachedb_shm::control::MAX_TENANTS - 2
+        )
+        .into());
     }
     if names.len() > kachedb_shm::control::MAX_TENANTS - 2 {
         return Err(format!(
@@ -281,6 +314,27 @@ fn tenant_config(a: &ServeArgs) -> Result<kachedb_daemon::TenantConfig, Box<dyn 
         accounting,
         request_window: std::time::Duration::from_secs(a.request_window),
     })
+}
+
+/// The tenants' limits on disk bytes: `--tenant-disk-limit` (and its
+/// default) where given, else each `--tenant-limit`'s share of the megaslab
+/// (`megaslab_bytes`) applied to the disk (`disk_bytes`), rounded down to
+/// 4 KiB (a block file's unit).
+fn tenant_disk_limits(a: &ServeArgs, megaslab_bytes: u64, disk_bytes: u64) -> kachedb_daemon::disk::index::Limits {
+    let share = |limit: u64| {
+        let b = u128::from(limit) * u128::from(disk_bytes) / u128::from(megaslab_bytes.max(1));
+        (b.min(u128::from(disk_bytes)) as u64) / 4096 * 4096
+    };
+    let mut named = a.tenant_disk_limits.clone();
+    for (name, limit) in &a.tenant_limits {
+        if !named.iter().any(|(n, _)| n == name) {
+            named.push((name.clone(), share(*limit)));
+        }
+    }
+    kachedb_daemon::disk::index::Limits {
+        named,
+        default: a.tenant_disk_limit_default.or(a.tenant_limit_default.map(share)),
+    }
 }
 
 fn disk_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::disk::DiskConfig>, Box<dyn std::error::Error>> {
@@ -308,6 +362,7 @@ fn disk_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::disk::DiskConfig>
             DiskAdmit::First => kachedb_daemon::tier::Admission::First,
             DiskAdmit::Second => kachedb_daemon::tier::Admission::Second,
         },
+        tenant_limits: tenant_disk_limits(a, a.size.unwrap_or_else(default_size), size_bytes),
     }))
 }
 
@@ -687,6 +742,23 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
                 t.get_misses + t.lookup_misses,
                 t.evictions,
                 t.limit_refusals
+            );
+        }
+    }
+    if s.disk.disk_enabled && (s.tenants.len() > 1 || s.tenants.iter().any(|t| t.disk_limit_bytes.is_some())) {
+        println!(
+            "{:<20} {:>10} {:>10} {:>9} {:>9} {:>9}",
+            "tenant on disk", "bytes", "limit", "blocks", "evicted", "refused"
+        );
+        for t in s.tenants.iter().filter(|t| t.disk_blocks > 0 || t.disk_limit_bytes.is_some()) {
+            println!(
+                "{:<20} {:>10} {:>10} {:>9} {:>9} {:>9}",
+                t.name,
+                human_bytes(t.disk_bytes),
+                t.disk_limit_bytes.map_or("-".into(), human_bytes),
+                t.disk_blocks,
+                t.disk_evictions,
+                t.disk_limit_refusals
             );
         }
     }

@@ -10,7 +10,7 @@
 mod common;
 
 use common::*;
-use kachedb_client::{Client, Key};
+use kachedb_client::{Client, ConnectOptions, Key};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -474,7 +474,8 @@ fn a_takeover_hands_the_disk_tier_over() {
     let args = ["--disk", disk.to_str().unwrap(), "--disk-size", "64MiB"];
     let mut old = disk_daemon(&tmp, "16MiB", &disk, "64MiB", &[]);
     indexed(&socket);
-    let c = Client::connect(&old.opts()).expect("connect");
+    // A tenant's client: its blocks keep their tenant on disk across the takeover.
+    let c = Client::connect(&ConnectOptions { tenant: Some("team-t".into()), ..old.opts() }).expect("connect");
     let keys: Vec<Key> = (0..6).map(|j| tkey(21, j)).collect();
     let len = 300_000;
     let mut parent = None;
@@ -496,6 +497,9 @@ fn a_takeover_hands_the_disk_tier_over() {
     assert!(old.wait_exit(Duration::from_secs(30)).expect("the old daemon exits").success(), "{}", old.log());
     let s = indexed(&socket);
     assert_eq!(num(&s, "disk_recovered"), 6, "{s}");
+    let team = |s: &Value| s["tenants"].as_array().and_then(|a| a.iter().find(|t| t["name"] == "team-t")).cloned();
+    let t = team(&s).unwrap_or_else(|| panic!("no row of team-t after the takeover: {s}"));
+    assert_eq!((num(&t, "disk_blocks"), num(&t, "disk_bytes")), (6, num(&s, "disk_bytes")), "{s}");
     assert_eq!(std::fs::read_to_string(disk.join("lock")).unwrap().trim(), new.pid().to_string());
     // The client kept its connection; its blocks pushed out of RAM come back from disk, chained.
     push_out_of_ram(&c, &socket, 23, 20);
@@ -505,6 +509,9 @@ fn a_takeover_hands_the_disk_tier_over() {
     }
     let s = stats_fast(&socket);
     assert_eq!((num(&s, "disk_fills"), num(&s, "parents_missing")), (6, 0), "{s}");
+    // Filled back for their tenant, not for `default` (the only client is team-t's).
+    let default = s["tenants"].as_array().and_then(|a| a.iter().find(|t| t["name"] == "default")).cloned();
+    assert_eq!(default.map(|d| num(&d, "blocks")), Some(0), "{s}");
     // The new daemon writes behind as the old one did.
     let before = num(&s, "disk_writes");
     c.put(tkey(22, 0), &pattern(tkey(22, 0), 5000)).expect("put");

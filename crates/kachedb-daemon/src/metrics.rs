@@ -370,6 +370,9 @@ pub struct DiskCells {
     pub indexed: AtomicBool,
     /// Microseconds the start-up index rebuild took.
     pub index_us: AtomicU64,
+    /// Per tenant (set from the index with `blocks` and `bytes`, under
+    /// this mutex: a reader holding it sees rows that add up to them).
+    pub tenants: Mutex<Vec<crate::disk::index::TenantDisk>>,
 }
 
 impl DiskCells {
@@ -556,6 +559,36 @@ impl Metrics {
     /// The disk tier's counters as stats.
     pub fn disk_stats(&self) -> kachedb_shm::control::DiskStats {
         self.disk.stats(&self.serve.disk_fill_us)
+    }
+
+    /// The disk tier's counters as stats, and `tenants` (the megaslab's
+    /// rows) with each tenant's disk figures added, and a row for each
+    /// tenant the disk holds blocks of that the megaslab does not count now
+    /// (after them). Read under the disk tenants' lock, so the rows add up
+    /// to the totals.
+    pub fn disk_stats_and_tenants(
+        &self,
+        mut tenants: Vec<kachedb_shm::control::TenantStats>,
+    ) -> (kachedb_shm::control::DiskStats, Vec<kachedb_shm::control::TenantStats>) {
+        let Ok(disk) = self.disk.tenants.lock() else { return (self.disk_stats(), tenants) };
+        let stats = self.disk_stats();
+        for d in disk.iter() {
+            let i = match tenants.iter().position(|t| t.name == d.name) {
+                Some(i) => i,
+                None if d.blocks == 0 && d.limit.is_none() && d.evictions == 0 && d.limit_refusals == 0 => continue,
+                None => {
+                    tenants.push(kachedb_shm::control::TenantStats { name: d.name.clone(), ..Default::default() });
+                    tenants.len() - 1
+                }
+            };
+            let t = &mut tenants[i];
+            t.disk_bytes = d.bytes;
+            t.disk_blocks = d.blocks;
+            t.disk_limit_bytes = d.limit;
+            t.disk_evictions = d.evictions;
+            t.disk_limit_refusals = d.limit_refusals;
+        }
+        (stats, tenants)
     }
 
     /// A registry holding these metrics (prefix `kachedb_`) for
@@ -857,6 +890,59 @@ impl Collect {
     }
 }
 
+/// The `kachedb_tenant_disk_*` families: one series per tenant row of the
+/// disk tier's table in use (at most `MAX_TENANTS`), by the `tenant` label.
+fn encode_disk_tenants(enc: &mut DescriptorEncoder, rows: &[crate::disk::index::TenantDisk]) -> std::fmt::Result {
+    use crate::disk::index::TenantDisk;
+    use MetricType::{Counter, Gauge};
+    type Pick = fn(&TenantDisk) -> Option<u64>;
+    let families: [(&str, &str, MetricType, Pick); 5] = [
+        (
+            "tenant_disk_bytes",
+            "File-system bytes of the tenant's blocks on the disk tier (sums to kachedb_disk_bytes).",
+            Gauge,
+            |t| Some(t.bytes),
+        ),
+        (
+            "tenant_disk_blocks",
+            "The tenant's blocks on the disk tier (sums to kachedb_disk_blocks).",
+            Gauge,
+            |t| Some(t.blocks),
+        ),
+        (
+            "tenant_disk_limit_bytes",
+            "The tenant's limit on kachedb_tenant_disk_bytes (--tenant-disk-limit, or its --tenant-limit share); absent without one.",
+            Gauge,
+            |t| t.limit,
+        ),
+        (
+            "tenant_disk_evictions",
+            "The tenant's blocks evicted from disk to make room (by its own writes, or, without a disk limit, by anyone's).",
+            Counter,
+            |t| Some(t.evictions),
+        ),
+        (
+            "tenant_disk_limit_refusals",
+            "The tenant's blocks not written to disk: its own blocks there could not make room within its disk limit (counted in kachedb_disk_dropped_writes too).",
+            Counter,
+            |t| Some(t.limit_refusals),
+        ),
+    ];
+    for (name, help, kind, pick) in families {
+        let mut e = enc.encode_descriptor(name, help, None, kind)?;
+        for t in rows {
+            let Some(v) = pick(t) else { continue };
+            let labels = [("tenant", t.name.as_str())];
+            let fam = e.encode_family(&labels)?;
+            match kind {
+                MetricType::Counter => ConstCounter::new(v).encode(fam)?,
+                _ => ConstGauge::new(v as i64).encode(fam)?,
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Writes one metric without labels.
 fn single(enc: &mut DescriptorEncoder, name: &str, help: &str, kind: MetricType, v: u64) -> std::fmt::Result {
     let e = enc.encode_descriptor(name, help, None, kind)?;
@@ -1110,6 +1196,10 @@ impl Collector for Collect {
         }
         if m.disk.enabled.load(Relaxed) {
             let d = &m.disk;
+            // Held while the totals are read too: the tier publishes totals
+            // and tenant rows under it, so the rows add up to the totals.
+            let published = d.tenants.lock();
+            let disk_tenants = published.as_ref().map(|t| (*t).clone()).unwrap_or_default();
             let rows: [(&str, &str, MetricType, &AtomicU64); 19] = [
                 ("disk_blocks", "Blocks on the disk tier.", Gauge, &d.blocks),
                 ("disk_bytes", "File-system bytes the disk tier's blocks take.", Gauge, &d.bytes),
@@ -1123,7 +1213,7 @@ impl Collector for Collect {
                 ("disk_write_bytes", "Tensor bytes of the blocks written to disk.", Counter, &d.write_bytes),
                 (
                     "disk_dropped_writes",
-                    "Committed blocks not written to disk: the write-behind queue was full, the block is larger than the disk, or its key was deleted first.",
+                    "Committed blocks not written to disk: the write-behind queue was full, the block is larger than the disk or its tenant's disk limit allows, or its key was deleted first.",
                     Counter,
                     &d.dropped_writes,
                 ),
@@ -1154,6 +1244,8 @@ impl Collector for Collect {
             for (name, help, kind, cell) in rows {
                 single(&mut enc, name, help, kind, cell.load(Relaxed))?;
             }
+            drop(published);
+            encode_disk_tenants(&mut enc, &disk_tenants)?;
             let (sum, count, buckets) = s.disk_fill_us.load(1e6);
             enc.encode_descriptor(
                 "disk_fill_duration_seconds",

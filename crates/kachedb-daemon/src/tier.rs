@@ -20,8 +20,11 @@ use std::time::Duration;
 pub type TierId = usize;
 
 /// A block a client committed, pinned for the tier's session, to write behind.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct WriteJob {
+    /// The tenant whose block it is (the name of its row in the megaslab's
+    /// tenant table: `_other` for a tenant counted there).
+    pub tenant: String,
     /// Key.
     pub key: u128,
     /// The parent the client named when it committed the block (its chain's
@@ -49,8 +52,11 @@ pub struct FetchJob {
 }
 
 /// A block a fill found: what the serve loop needs to reserve room for it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct FillSpec {
+    /// The tenant the block is counted for once filled, if the tier keeps
+    /// it; `None`: the default tenant.
+    pub tenant: Option<String>,
     /// Key.
     pub key: u128,
     /// Element type.

@@ -346,6 +346,20 @@ pub struct TenantStats {
     pub window_distinct_keys: u64,
     /// Keys its clients asked for in the current request window.
     pub window_key_requests: u64,
+    /// File-system bytes of its blocks on the disk tier (`--disk`; these
+    /// add up to `disk_bytes` exactly).
+    pub disk_bytes: u64,
+    /// Its blocks on the disk tier (these add up to `disk_blocks`).
+    pub disk_blocks: u64,
+    /// Its limit on `disk_bytes` (`--tenant-disk-limit`, or its share by
+    /// `--tenant-limit`); absent: none.
+    pub disk_limit_bytes: Option<u64>,
+    /// Its blocks evicted from disk (by its own writes or, for a tenant
+    /// without a disk limit, by anyone's).
+    pub disk_evictions: u64,
+    /// Its blocks not written to disk because its own blocks there could not
+    /// make room within its disk limit.
+    pub disk_limit_refusals: u64,
 }
 
 impl Stats {

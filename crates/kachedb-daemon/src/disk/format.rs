@@ -16,7 +16,7 @@
 //! its checks); a file under `tmp/` is a write the daemon did not finish
 //! and is deleted at start.
 //!
-//! # Header, little-endian
+//! # Header, little-endian (format version 2)
 //!
 //! ```text
 //! 0   magic b"KDBD"
@@ -30,27 +30,46 @@
 //! 64  u128 parent key (zero without a parent)
 //! 80  u64 when written, Unix milliseconds (informational)
 //! 88  u64 xxh3-64 of the tensor bytes
-//! 96  u64 xxh3-64 of header bytes 0..96
-//! 104 24 zero bytes
+//! 96  u8  tenant name length (1..=64), 7 zero bytes
+//! 104 tenant name (ASCII, `check_tenant_name`), zero-padded to 64 bytes
+//! 168 u64 xxh3-64 of header bytes 0..168
+//! 176 80 zero bytes
 //! ```
+//!
+//! Version 1 (written before tenants reached the disk) is read too: its
+//! header is 128 bytes, bytes 0..96 as above (version 1, length 128), the
+//! xxh3-64 of bytes 0..96 at 96, then 24 zero bytes; it names no tenant, so
+//! its block is the default tenant's ([`Header::tenant`] is `None`).
 //!
 //! The header checksum covers the payload checksum, so together they cover
 //! header and payload. A reader checks everything: [`Header::decode`]
 //! refuses a wrong magic, version, length, key, dtype, shape (vs. length),
-//! payload offset or header checksum; the payload is refused by the fill if
-//! the file is not exactly `HEADER_AREA + len` bytes or its bytes do not hash
-//! to the header's checksum.
+//! payload offset, tenant name or header checksum; the payload is refused by
+//! the fill if the file is not exactly `HEADER_AREA + len` bytes or its
+//! bytes do not hash to the header's checksum.
 
+use kachedb_shm::control::{check_tenant_name, DEFAULT_TENANT, MAX_TENANT_NAME_LEN, OTHER_TENANT};
 use kachedb_shm::{DType, Shape};
 use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// First bytes of every header.
 pub const MAGIC: [u8; 4] = *b"KDBD";
-/// The format this code writes and the only one it reads.
-pub const FORMAT_VERSION: u16 = 1;
-/// Header bytes.
-pub const HEADER_LEN: usize = 128;
+/// The format this code writes.
+pub const FORMAT_VERSION: u16 = 2;
+/// The older format it reads too (no tenant: the default tenant's blocks).
+pub const FORMAT_VERSION_V1: u16 = 1;
+/// Header bytes (version 2); a reader reads this many (a version 1 header
+/// is shorter, and zeros follow it in the header area).
+pub const HEADER_LEN: usize = 256;
+/// Header bytes of version 1.
+const HEADER_LEN_V1: usize = 128;
+/// Where the tenant name's length and the name are (version 2).
+const TENANT_LEN_AT: usize = 96;
+const TENANT_AT: usize = 104;
+/// Where the header checksum is (version 2), and what it covers (`0..`).
+const CHECKSUM_AT: usize = TENANT_AT + MAX_TENANT_NAME_LEN;
+const _: () = assert!(CHECKSUM_AT + 8 <= HEADER_LEN && MAX_TENANT_NAME_LEN <= u8::MAX as usize);
 /// Bytes before the payload (the header, then zeros).
 pub const HEADER_AREA: u64 = 4096;
 /// Most dims a shape has.
@@ -68,7 +87,7 @@ pub enum FormatError {
     #[error("not a kachedb disk block (bad magic)")]
     Magic,
     /// A format version this daemon does not read.
-    #[error("format version {0} (this daemon reads {FORMAT_VERSION})")]
+    #[error("format version {0} (this daemon reads {FORMAT_VERSION_V1} and {FORMAT_VERSION})")]
     Version(u16),
     /// The header checksum does not match.
     #[error("header checksum mismatch")]
@@ -93,8 +112,11 @@ pub enum FormatError {
 }
 
 /// A block's header, as written or as decoded and checked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// The tenant whose block it is; `None`: the default tenant's (a
+    /// version 1 file, which names none).
+    pub tenant: Option<String>,
     /// Block key.
     pub key: u128,
     /// The parent the client named at its commit, if any.
@@ -154,17 +176,23 @@ impl Header {
         b[64..80].copy_from_slice(&self.parent.unwrap_or(0).to_le_bytes());
         b[80..88].copy_from_slice(&self.written_ms.to_le_bytes());
         b[88..96].copy_from_slice(&self.checksum.to_le_bytes());
-        let hc = xxh3_64(&b[..96]);
-        b[96..104].copy_from_slice(&hc.to_le_bytes());
+        let tenant = self.tenant.as_deref().unwrap_or(DEFAULT_TENANT).as_bytes();
+        // Names are checked (`check_tenant_name`) before they reach a block;
+        // a longer one would be cut here and refused at its read.
+        let n = tenant.len().min(MAX_TENANT_NAME_LEN);
+        b[TENANT_LEN_AT] = n as u8;
+        b[TENANT_AT..TENANT_AT + n].copy_from_slice(&tenant[..n]);
+        let hc = xxh3_64(&b[..CHECKSUM_AT]);
+        b[CHECKSUM_AT..CHECKSUM_AT + 8].copy_from_slice(&hc.to_le_bytes());
         b
     }
 
     /// Decodes and checks the header at the start of the file of `key`.
     pub fn decode(bytes: &[u8], key: u128) -> Result<Header, FormatError> {
-        if bytes.len() < HEADER_LEN {
+        if bytes.len() < HEADER_LEN_V1 {
             return Err(FormatError::Short(bytes.len()));
         }
-        let b = &bytes[..HEADER_LEN];
+        let b = bytes;
         let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
         let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
@@ -173,15 +201,31 @@ impl Header {
             return Err(FormatError::Magic);
         }
         let version = u16_at(4);
-        if version != FORMAT_VERSION {
-            return Err(FormatError::Version(version));
-        }
-        if usize::from(u16_at(6)) != HEADER_LEN {
+        let (header_len, checksum_at) = match version {
+            FORMAT_VERSION => (HEADER_LEN, CHECKSUM_AT),
+            FORMAT_VERSION_V1 => (HEADER_LEN_V1, 96),
+            v => return Err(FormatError::Version(v)),
+        };
+        if usize::from(u16_at(6)) != header_len {
             return Err(FormatError::Inconsistent("header length"));
         }
-        if xxh3_64(&b[..96]) != u64_at(96) {
+        if b.len() < header_len {
+            return Err(FormatError::Short(b.len()));
+        }
+        if xxh3_64(&b[..checksum_at]) != u64_at(checksum_at) {
             return Err(FormatError::HeaderChecksum);
         }
+        let tenant = if version == FORMAT_VERSION {
+            let n = usize::from(b[TENANT_LEN_AT]);
+            let name = b.get(TENANT_AT..TENANT_AT + n).filter(|_| n <= MAX_TENANT_NAME_LEN);
+            let name = name.and_then(|n| std::str::from_utf8(n).ok());
+            match name {
+                Some(name) if check_tenant_name(name).is_ok() || name == OTHER_TENANT => Some(name.to_owned()),
+                _ => return Err(FormatError::Inconsistent("tenant name")),
+            }
+        } else {
+            None
+        };
         if u128_at(48) != key {
             return Err(FormatError::Key);
         }
@@ -207,7 +251,7 @@ impl Header {
             1 => Some(u128_at(64)),
             _ => return Err(FormatError::Inconsistent("flags")),
         };
-        Ok(Header { key, parent, dtype, shape, len, written_ms: u64_at(80), checksum: u64_at(88) })
+        Ok(Header { tenant, key, parent, dtype, shape, len, written_ms: u64_at(80), checksum: u64_at(88) })
     }
 
     /// Checks that a file of `got` bytes holds this header's block whole.
@@ -227,6 +271,7 @@ mod tests {
 
     fn header() -> Header {
         Header {
+            tenant: Some("team-a".into()),
             key: 0x1234_5678_9abc_def0_1122_3344_5566_7788,
             parent: Some(42),
             dtype: DType::F16,
@@ -242,17 +287,55 @@ mod tests {
         let h = header();
         let b = h.encode();
         assert_eq!(b.len() as u64, HEADER_AREA);
-        assert_eq!(Header::decode(&b, h.key), Ok(h));
-        let no_parent = Header { parent: None, ..h };
+        assert_eq!(Header::decode(&b, h.key), Ok(h.clone()));
+        let no_parent = Header { parent: None, ..h.clone() };
         assert_eq!(Header::decode(&no_parent.encode(), h.key), Ok(no_parent));
+        let other = Header { tenant: Some(OTHER_TENANT.into()), ..h.clone() };
+        assert_eq!(Header::decode(&other.encode(), h.key), Ok(other));
         // Any flipped bit of the header (checksummed bytes) is refused.
-        for i in 0..104 {
+        for i in 0..CHECKSUM_AT + 8 {
             let mut bad = b.clone();
             bad[i] ^= 0x10;
             assert!(Header::decode(&bad, h.key).is_err(), "byte {i} flipped was accepted");
         }
         assert_eq!(Header::decode(&b, h.key + 1), Err(FormatError::Key));
         assert_eq!(Header::decode(&b[..100], h.key), Err(FormatError::Short(100)));
+        assert_eq!(Header::decode(&b[..200], h.key), Err(FormatError::Short(200)));
+        // A tenant name that is no tenant name, checksummed right, is refused.
+        let mut bad = b.clone();
+        bad[TENANT_AT] = b' ';
+        let hc = xxh3_64(&bad[..CHECKSUM_AT]);
+        bad[CHECKSUM_AT..CHECKSUM_AT + 8].copy_from_slice(&hc.to_le_bytes());
+        assert_eq!(Header::decode(&bad, h.key), Err(FormatError::Inconsistent("tenant name")));
+    }
+
+    /// A version 1 header as the daemon before tenants reached the disk wrote it.
+    fn encode_v1(h: &Header) -> Vec<u8> {
+        let mut b = h.encode();
+        b[4..6].copy_from_slice(&FORMAT_VERSION_V1.to_le_bytes());
+        b[6..8].copy_from_slice(&(HEADER_LEN_V1 as u16).to_le_bytes());
+        b[96..].fill(0);
+        let hc = xxh3_64(&b[..96]);
+        b[96..104].copy_from_slice(&hc.to_le_bytes());
+        b
+    }
+
+    #[test]
+    fn a_version_1_header_is_read_as_the_default_tenants_block() {
+        let h = header();
+        let b = encode_v1(&h);
+        assert_eq!(Header::decode(&b, h.key), Ok(Header { tenant: None, ..h.clone() }));
+        // Its 128 bytes alone are enough, and every checksummed byte is checked.
+        assert!(Header::decode(&b[..HEADER_LEN_V1], h.key).is_ok());
+        for i in 0..104 {
+            let mut bad = b.clone();
+            bad[i] ^= 0x10;
+            assert!(Header::decode(&bad, h.key).is_err(), "byte {i} flipped was accepted");
+        }
+        // A version this daemon does not know is refused.
+        let mut v3 = h.encode();
+        v3[4] = 3;
+        assert_eq!(Header::decode(&v3, h.key), Err(FormatError::Version(3)));
     }
 
     #[test]

@@ -109,6 +109,9 @@ pub struct DiskConfig {
     pub worker_nice: u8,
     /// Which committed blocks are written (`--disk-admit`).
     pub admission: Admission,
+    /// The tenants' limits on disk bytes (`--tenant-disk-limit`, or their
+    /// share by `--tenant-limit`; docs/disk.md "Tenants").
+    pub tenant_limits: index::Limits,
 }
 
 /// Why the disk tier could not start.
@@ -310,8 +313,12 @@ impl Shared {
         &self.metrics.disk
     }
 
-    /// Publishes the index's block and byte counts.
+    /// Publishes the index's block and byte counts, in total and per
+    /// tenant (together, under the tenants' mutex, so that a reader holding
+    /// it sees rows that add up to the totals).
     fn publish(&self, ix: &Index) {
+        let mut tenants = lock(&self.cells().tenants);
+        *tenants = ix.tenants();
         self.cells().blocks.store(ix.blocks(), Relaxed);
         self.cells().bytes.store(ix.used(), Relaxed);
     }
@@ -405,7 +412,7 @@ impl DiskTier {
         cells.indexed.store(false, Relaxed);
         cells.index_us.store(0, Relaxed);
         let shared = Arc::new(Shared {
-            index: Mutex::new(Index::new(cfg.size_bytes)),
+            index: Mutex::new(Index::new(cfg.size_bytes, &cfg.tenant_limits)),
             deletes: Mutex::new(Deletes::default()),
             commit: Mutex::new(()),
             cfg,
@@ -636,8 +643,9 @@ fn rebuild_index(s: &Shared) {
     let bytes: u64 = found.iter().map(|f| f.3).sum();
     let victims = {
         let mut ix = lock(&s.index);
-        for &(_, key, parent, b) in &found {
-            ix.insert(key, parent, b);
+        for (_, key, parent, b, tenant) in &found {
+            let t = ix.tenant(tenant.as_deref().unwrap_or(kachedb_shm::control::DEFAULT_TENANT));
+            ix.insert(*key, *parent, *b, t);
         }
         let v = ix.shrink_to_fit();
         s.publish(&ix);
@@ -666,8 +674,9 @@ fn rebuild_index(s: &Shared) {
     s.indexed_cv.notify_all();
 }
 
-/// A block file that verified at start: when written, key, parent, bytes on disk.
-type Found = (SystemTime, u128, Option<u128>, u64);
+/// A block file that verified at start: when written, key, parent, bytes on
+/// disk, tenant (`None`: a version 1 file, the default tenant's).
+type Found = (SystemTime, u128, Option<u128>, u64, Option<String>);
 
 /// Checks the headers of the block files `names`: those that verify (when
 /// written, key, parent, bytes on disk), and how many did not (deleted).
@@ -688,7 +697,7 @@ fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<Found>, u64) {
             Ok((meta.modified().unwrap_or(UNIX_EPOCH), h, meta.len()))
         })();
         match checked {
-            Ok((mtime, h, len)) => found.push((mtime, *key, h.parent, index::disk_bytes(len))),
+            Ok((mtime, h, len)) => found.push((mtime, *key, h.parent, index::disk_bytes(len), h.tenant)),
             Err(why) => {
                 torn += 1;
                 tracing::warn!(key = %format_args!("{key:032x}"), "disk tier: block file refused at start and deleted: {why}");
@@ -804,6 +813,8 @@ struct Staged {
     at: usize,
     /// Bytes it takes on disk (reserved in the index).
     bytes: u64,
+    /// Its tenant's row in the index.
+    tenant: index::TenantRow,
     tmp: PathBuf,
     /// Open while its data is being synced.
     file: Option<File>,
@@ -827,20 +838,21 @@ fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<boo
             continue;
         }
         let bytes = index::disk_bytes(format::file_len(job.len));
-        let victims = {
+        let (victims, tenant) = {
             let mut ix = lock(&s.index);
-            let v = ix.make_room(bytes, job.parent);
+            let tenant = ix.tenant(&job.tenant);
+            let v = ix.make_room(bytes, job.parent, tenant);
             s.publish(&ix);
-            v
+            (v, tenant)
         };
-        let Some(victims) = victims else { continue };
+        let Ok(victims) = victims else { continue };
         delete_victims(s, &victims);
         let tmp = s.tmp_dir.join(format!("{:032x}.{}.tmp", job.key, s.tmp_seq.fetch_add(1, Relaxed)));
         match write_file(s, job, &tmp) {
-            Ok(file) => staged.push(Staged { at, bytes, tmp, file }),
+            Ok(file) => staged.push(Staged { at, bytes, tenant, tmp, file }),
             Err(e) => {
                 out[at] = Err(e);
-                staged.push(Staged { at, bytes, tmp, file: None });
+                staged.push(Staged { at, bytes, tenant, tmp, file: None });
             }
         }
     }
@@ -881,9 +893,9 @@ fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<boo
     let mut ix = lock(&s.index);
     for st in &staged {
         let (job, seq) = &batch[st.at];
-        ix.unreserve(st.bytes);
+        ix.unreserve(st.bytes, st.tenant);
         match out[st.at] {
-            Ok(true) if !superseded(s, job.key, *seq) => ix.insert(job.key, job.parent, st.bytes),
+            Ok(true) if !superseded(s, job.key, *seq) => ix.insert(job.key, job.parent, st.bytes, st.tenant),
             Ok(true) => out[st.at] = Ok(false),
             _ => {
                 let _ = std::fs::remove_file(&st.tmp);
@@ -933,6 +945,7 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<Option<
         let data: &[u8] = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), job.len as usize) };
         let written_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
         let header = Header {
+            tenant: Some(job.tenant.clone()),
             key: job.key,
             parent: job.parent,
             dtype: job.dtype,
@@ -1029,7 +1042,14 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     }
     let specs = found
         .iter()
-        .map(|(h, _)| FillSpec { key: h.key, dtype: h.dtype, shape: h.shape, len: h.len, parent: h.parent })
+        .map(|(h, _)| FillSpec {
+            key: h.key,
+            dtype: h.dtype,
+            shape: h.shape,
+            len: h.len,
+            parent: h.parent,
+            tenant: h.tenant.clone(),
+        })
         .collect();
     let (tx, rx) = tokio::sync::oneshot::channel();
     s.events.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });

@@ -138,6 +138,9 @@ async fn land_all(ctx: &Ctx, fetch: u64, blocks: &[Verified], filled: &mut Vec<(
             shape: b.header.shape,
             len: b.header.len,
             parent: None,
+            // The remote format names no tenant (the cluster is the
+            // fleet's): a block filled from it is the default tenant's.
+            tenant: None,
         })
         .collect();
     ctx.send(TierEvent::Reserve { fetch, blocks: specs, reply: tx });

@@ -492,11 +492,12 @@ impl Serve {
         } else {
             self.store.check_counters(&store).is_ok()
         };
+        let (disk, tenants) = self.metrics.metrics().disk_stats_and_tenants(self.store.tenant_stats());
         Stats {
             store,
             serve: self.counters.clone(),
             remote: self.metrics.metrics().remote_stats(),
-            disk: self.metrics.metrics().disk_stats(),
+            disk,
             ops_per_s: self.rate.per_second(),
             region_bytes: l.region_len,
             slab_bytes: l.slab_len,
@@ -508,7 +509,7 @@ impl Serve {
             invariants_ok,
             invariants_full: self.full_checks,
             channels_quarantined: self.channels.quarantined() as u64,
-            tenants: self.store.tenant_stats(),
+            tenants,
         }
     }
 }

@@ -147,8 +147,10 @@ impl TierSide {
         let Some(b) = store.peek(key) else { return };
         let session = self.session;
         self.tier.write_behind(b.len, &mut || {
+            let tenant = store.block_tenant(key)?.to_owned();
             let c = store.handle_internal(session, &Request::Get { key });
             (c.status == Status::Ok).then_some(WriteJob {
+                tenant,
                 key,
                 parent,
                 pin: c.handle,
@@ -306,6 +308,8 @@ impl Tiers {
                             let answer = if store.peek(b.key).is_some() || lost(deleted, b.key, fetch) {
                                 None
                             } else {
+                                // Counted for the block's tenant, within its limit.
+                                store.set_fill_tenant(r.session, b.tenant.as_deref());
                                 let c = store.handle_internal(
                                     r.session,
                                     &Request::Reserve {
@@ -503,7 +507,14 @@ mod tests {
         // The fetch asks for room for K, which is missing.
         let fetch = tiers.start_fetch(0, vec![key]).unwrap();
         let (tx, mut rx) = tokio::sync::oneshot::channel();
-        let spec = FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(300).unwrap(), len: 300, parent: None };
+        let spec = FillSpec {
+            key,
+            dtype: DType::U8,
+            shape: Shape::for_bytes(300).unwrap(),
+            len: 300,
+            parent: None,
+            tenant: None,
+        };
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch, blocks: vec![spec], reply: tx });
         drain(&mut tiers, &mut store);
         let reserved = rx.try_recv().unwrap()[0].expect("room for the fill");
@@ -541,8 +552,14 @@ mod tests {
     fn a_fill_in_flight_never_brings_back_a_key_deleted_meanwhile() {
         let mut store = Store::new(0, 64 * 4096);
         let mut tiers = Tiers::new(vec![Box::new(Scripted)], &mut store);
-        let spec =
-            |key| FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(300).unwrap(), len: 300, parent: None };
+        let spec = |key| FillSpec {
+            key,
+            dtype: DType::U8,
+            shape: Shape::for_bytes(300).unwrap(),
+            len: 300,
+            parent: None,
+            tenant: None,
+        };
         let (a, b) = (1u128, 2u128);
         // A: deleted before the reservation; B: after it.
         let fa = tiers.start_fetch(0, vec![a]).unwrap();

@@ -34,8 +34,9 @@ impl Store {
             return Err(Status::OutOfMemory);
         }
         self.within_limit(s, need_len)?;
-        let (tenant, internal) = self.sessions.get(&s).map_or((0, false), |x| (x.tenant, x.internal));
-        let extent = self.alloc_evicting(need_len, tenant, !internal)?;
+        let (tenant, limit_applies) =
+            self.sessions.get(&s).map_or((0, true), |x| (x.tenant, !x.internal || x.fills_for_tenant));
+        let extent = self.alloc_evicting(need_len, tenant, limit_applies)?;
         let tensor = Tensor { key, dtype, shape, len, data_offset: extent.offset + page_offset, extent, tenant };
         let Some(index) = self.take_slot(SlotState::Reserved { owner: s, tensor }) else {
             // Unreachable after the check above; give the extent back.

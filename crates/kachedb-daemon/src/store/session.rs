@@ -34,6 +34,10 @@ pub(super) struct Session {
     /// Its tenant's row (`tenants.rs`).
     #[serde(default)]
     pub(super) tenant: super::TenantId,
+    /// A session of the daemon's own whose reservations are fills of a
+    /// tenant's blocks (`Store::set_fill_tenant`): its tenant's limit applies.
+    #[serde(skip)]
+    pub(super) fills_for_tenant: bool,
 }
 
 impl Store {

@@ -283,6 +283,32 @@ impl Store {
         self.tenants.get(t).name.clone()
     }
 
+    /// Says whose block session `s` (one of the daemon's own: a tier's)
+    /// reserves next: tenant `name` (a name a block file gave; `None`, or
+    /// with accounting off: the default tenant). A fill reserved so counts
+    /// for its tenant, within its limit (evicting its own blocks, or refused
+    /// as its client's RESERVE would be); a fill for the default tenant
+    /// (`None`) is not held to a limit, as before tenants reached the tiers.
+    pub fn set_fill_tenant(&mut self, s: SessionId, name: Option<&str>) {
+        let t = match name {
+            Some(n) if self.tenants.accounting => self.tenants.resolve(n),
+            _ => DEFAULT_ROW,
+        };
+        if let Some(session) = self.sessions.get_mut(&s).filter(|x| x.internal) {
+            session.tenant = t;
+            session.fills_for_tenant = name.is_some() && self.tenants.accounting;
+        }
+    }
+
+    /// The name of the tenant row block `key` is counted in, if it is a block.
+    pub fn block_tenant(&self, key: u128) -> Option<&str> {
+        let &index = self.keys.get(&key)?;
+        match &self.slots.get(index as usize)?.state {
+            SlotState::Block { tensor, .. } => Some(&self.tenants.get(tensor.tenant).name),
+            _ => None,
+        }
+    }
+
     /// The rows whose figures changed since the last call, as a bit mask
     /// (bit `t` for row `t`), cleared; for the serve loop to publish only those.
     pub fn take_dirty_tenants(&mut self) -> u64 {
@@ -341,6 +367,7 @@ impl Store {
                     limit_refusals: f.limit_refusals,
                     window_distinct_keys: r.window.sketch.estimate() as u64,
                     window_key_requests: r.window.requests,
+                    ..TenantStats::default()
                 }
             })
             .collect()
