@@ -13,7 +13,8 @@
 //!   drops it, counted, when the queue's bytes would pass
 //!   [`DiskConfig::queue_bytes`]). A writer takes the jobs queued one
 //!   behind the other as a batch ([`write_batch`], a group commit): for each
-//!   it makes room ([`index`]: leaves first) and writes the header and the
+//!   it makes room ([`index`]: leaves first, within the limit of the block's
+//!   tenant, whose name the header carries) and writes the header and the
 //!   pinned bytes to a temporary file, then `fdatasync`s each file and drops
 //!   its pages from the page cache (`POSIX_FADV_DONTNEED`), renames each into
 //!   place and syncs the directory once; only then are the blocks counted
@@ -25,7 +26,8 @@
 //!   reserves room ([`TierEvent::Reserve`]), the payload is read straight
 //!   into the reservation and hashed there; a block that does not verify is
 //!   left out (its file deleted, counted in `disk_torn`) and its reservation
-//!   aborted. [`TierEvent::Filled`] commits the rest with their parents.
+//!   aborted. [`TierEvent::Filled`] commits the rest with their parents, each
+//!   counted for the tenant its header names ([`FillSpec::tenant`]).
 //! * **Delete** (writer threads): a client's DELETE of a key reaches the
 //!   tier ([`Tier::delete`]) as a tombstone, at once: fills treat the key as
 //!   missing from then on, and a write of it queued before the DELETE does
@@ -34,7 +36,7 @@
 //! * **Start**: the directory is locked (`DIR/lock`, `flock`, holding the
 //!   pid), `DIR/tmp` (unfinished writes) is emptied and the index is rebuilt
 //!   from the headers of `DIR/blocks` on a thread of its own (one open and
-//!   one 128-byte read per file; payloads are checked at fill time); writes
+//!   one 256-byte read per file; payloads are checked at fill time); writes
 //!   wait for it, fills do not.
 //!
 //! The megaslab is touched only under the read side of a gate
