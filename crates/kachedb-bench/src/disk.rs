@@ -69,10 +69,32 @@ pub struct DiskArgs {
     /// benchmark's own priority).
     #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_WORKER_NICE, value_name = "N")]
     pub worker_nice: u8,
+    /// `--disk-worker-class` of the daemons; the plain baselines and the
+    /// floor load run in the same class.
+    #[arg(long, value_enum, default_value_t = WorkerClass::Idle, value_name = "CLASS")]
+    pub worker_class: WorkerClass,
     /// Run only some parts (comma-separated: write, fill, get, restart; fill
     /// and get write their blocks first, unmeasured unless write is named).
     #[arg(long, value_delimiter = ',', value_name = "PARTS")]
     pub only: Vec<Part>,
+}
+
+/// The scheduling class of the tier's threads (`--worker-class`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WorkerClass {
+    /// `SCHED_IDLE`.
+    Idle,
+    /// `SCHED_OTHER` at the nice value.
+    Normal,
+}
+
+impl WorkerClass {
+    fn arg(self) -> &'static str {
+        match self {
+            WorkerClass::Idle => "idle",
+            WorkerClass::Normal => "normal",
+        }
+    }
 }
 
 /// A part of `kachedb bench disk` (`--only`).
@@ -88,15 +110,24 @@ pub enum Part {
     Restart,
 }
 
-/// Runs `f` on a thread whose nice value is the caller's raised by `by`
-/// (capped at 19): the priority the tier's threads get.
-fn at_nice<T: Send>(by: u8, f: impl FnOnce() -> T + Send) -> T {
+/// Gives the calling thread the tier threads' priority: its nice value
+/// raised by `by` (capped at 19), in `class`.
+fn lower_priority(by: u8, class: WorkerClass) {
+    if by > 0 {
+        let own = rustix::process::getpriority_process(None).unwrap_or(0);
+        let _ = rustix::process::setpriority_process(None, (own + i32::from(by)).min(19));
+    }
+    if class == WorkerClass::Idle {
+        let _ = kachedb_daemon::disk::set_sched_idle();
+    }
+}
+
+/// Runs `f` on a thread at the priority the tier's threads get
+/// ([`lower_priority`]).
+fn at_nice<T: Send>(by: u8, class: WorkerClass, f: impl FnOnce() -> T + Send) -> T {
     std::thread::scope(|sc| {
         sc.spawn(|| {
-            if by > 0 {
-                let own = rustix::process::getpriority_process(None).unwrap_or(0);
-                let _ = rustix::process::setpriority_process(None, (own + i32::from(by)).min(19));
-            }
+            lower_priority(by, class);
             f()
         })
         .join()
@@ -111,12 +142,12 @@ struct Serve {
 }
 
 impl Serve {
-    fn start(dir: &Path, name: &str, size: u64, disk: &Path, nice: u8) -> Res<Serve> {
-        Serve::start_with_queue(dir, name, size, size, disk, nice)
+    fn start(dir: &Path, name: &str, size: u64, disk: &Path, a: &DiskArgs) -> Res<Serve> {
+        Serve::start_with_queue(dir, name, size, size, disk, a)
     }
 
     /// As [`start`](Self::start), with `--disk-queue-bytes` `queue`.
-    fn start_with_queue(dir: &Path, name: &str, size: u64, queue: u64, disk: &Path, nice: u8) -> Res<Serve> {
+    fn start_with_queue(dir: &Path, name: &str, size: u64, queue: u64, disk: &Path, a: &DiskArgs) -> Res<Serve> {
         let socket = dir.join(format!("{name}.sock"));
         let child = Command::new(std::env::current_exe()?)
             .args(["serve", "--size", &size.to_string(), "--socket"])
@@ -124,7 +155,8 @@ impl Serve {
             .arg("--disk")
             .arg(disk)
             .args(["--disk-size", "64GiB", "--disk-queue-bytes", &queue.to_string()])
-            .args(["--disk-worker-nice", &nice.to_string()])
+            .args(["--disk-worker-nice", &a.worker_nice.to_string()])
+            .args(["--disk-worker-class", a.worker_class.arg()])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -307,18 +339,19 @@ pub fn run(a: &DiskArgs) -> Res<()> {
     let slab = (total as u64 + (256 << 20)).next_multiple_of(1 << 20);
     if !a.json {
         println!(
-            "kachedb bench disk — {} ({} of blocks, megaslab {} MiB, tier threads at nice +{}), {rounds} rounds, medians; load {}",
+            "kachedb bench disk — {} ({} of blocks, megaslab {} MiB, tier threads at nice +{}, class {}), {rounds} rounds, medians; load {}",
             disk.display(),
             kachedb_shm::units::human_bytes(total as u64),
             slab >> 20,
             a.worker_nice,
+            a.worker_class.arg(),
             std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
         );
     }
     let part = |p: Part| a.only.is_empty() || a.only.contains(&p);
     let mut keys: Vec<Vec<Key>> = Vec::new();
     if part(Part::Write) || part(Part::Fill) || part(Part::Get) {
-        let a_node = Serve::start(&tmp.0, "a", slab, &disk, a.worker_nice)?;
+        let a_node = Serve::start(&tmp.0, "a", slab, &disk, a)?;
         let c = a_node.client()?;
         let write_rounds = if part(Part::Write) { rounds } else { 1 };
         let plain_dir = disk.join("plain");
@@ -341,10 +374,10 @@ pub fn run(a: &DiskArgs) -> Res<()> {
                 tier.push(t.elapsed().as_secs_f64());
                 if part(Part::Write) {
                     let file_len = len + format::HEADER_AREA as usize;
-                    plain.push(at_nice(a.worker_nice, || {
+                    plain.push(at_nice(a.worker_nice, a.worker_class, || {
                         plain_write(&plain_dir, n, file_len, false).map_err(|e| e.to_string())
                     })?);
-                    direct.push(at_nice(a.worker_nice, || {
+                    direct.push(at_nice(a.worker_nice, a.worker_class, || {
                         plain_write(&plain_dir, n, file_len, true).map_err(|e| e.to_string())
                     })?);
                 }
@@ -377,7 +410,7 @@ pub fn run(a: &DiskArgs) -> Res<()> {
         let files: Vec<PathBuf> = ks.iter().map(|k| format::block_path(&disk.join("blocks"), k.0)).collect();
         let (mut fill, mut plain, mut direct) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
-            let b = Serve::start(&tmp.0, "b", slab, &disk, a.worker_nice)?;
+            let b = Serve::start(&tmp.0, "b", slab, &disk, a)?;
             b.until("the index", |s| s.disk.disk_indexed)?;
             let c = b.client()?;
             for f in &files {
@@ -393,8 +426,12 @@ pub fn run(a: &DiskArgs) -> Res<()> {
             fill.push(t.elapsed().as_secs_f64());
             drop(c);
             drop(b);
-            plain.push(at_nice(a.worker_nice, || plain_read(&files, len, false).map_err(|e| e.to_string()))?);
-            direct.push(at_nice(a.worker_nice, || plain_read(&files, len, true).map_err(|e| e.to_string()))?);
+            plain.push(at_nice(a.worker_nice, a.worker_class, || {
+                plain_read(&files, len, false).map_err(|e| e.to_string())
+            })?);
+            direct.push(at_nice(a.worker_nice, a.worker_class, || {
+                plain_read(&files, len, true).map_err(|e| e.to_string())
+            })?);
         }
         let bytes = (len * n) as f64;
         let (f, p, d) = (median(fill), median(plain), median(direct));
@@ -422,103 +459,353 @@ pub fn run(a: &DiskArgs) -> Res<()> {
         );
     }
     if part(Part::Get) {
-        // GET p99 of a RAM-resident block, idle vs while fills and writes run,
-        // on a daemon whose megaslab holds half of the 64 KiB blocks.
-        let small_bytes = (sizes[0].1 * sizes[0].2) as u64;
-        let b_slab = (small_bytes / 2).max(4 << 20).next_multiple_of(1 << 20);
-        let b = Serve::start_with_queue(&tmp.0, "b", b_slab, b_slab / 8, &disk, a.worker_nice)?;
-        b.until("the index", |s| s.disk.disk_indexed)?;
-        let c = b.client()?;
-        let hot = Key::from_parts(1, 0x4_07);
-        c.put(hot, &[7u8; 4096])?;
-        let small = keys[0].clone();
-        let busy = Arc::new(AtomicBool::new(false));
-        let stop = Arc::new(AtomicBool::new(false));
-        // Set by the busy client while it waits for `busy` (nothing of its in flight).
-        let paused = Arc::new(AtomicBool::new(true));
-        let worker = {
-            let (busy, stop, paused, opts) = (busy.clone(), stop.clone(), paused.clone(), b.opts());
-            std::thread::spawn(move || -> Result<(), String> {
-                let c = Client::connect(&opts).map_err(|e| e.to_string())?;
-                let data = vec![9u8; 64 << 10];
-                let mut j = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    if !busy.load(Ordering::Relaxed) {
-                        paused.store(true, Ordering::Relaxed);
-                        std::thread::sleep(Duration::from_micros(200));
-                        continue;
-                    }
-                    paused.store(false, Ordering::Relaxed);
-                    for ch in small.chunks(64) {
-                        // Evicted since the last round: filled from disk.
-                        c.lookup(ch).map_err(|e| e.to_string())?;
-                        for _ in 0..4 {
-                            j += 1;
-                            c.put(Key::from_parts(j, 0x3717e), &data).map_err(|e| e.to_string())?;
-                        }
-                        if !busy.load(Ordering::Relaxed) {
-                            break;
-                        }
-                    }
-                }
-                Ok(())
-            })
-        };
-        // Many short windows, alternating, so that other load on the machine
-        // falls on both sides alike.
-        let (windows, iters) = if a.quick { (9, 5_000) } else { (15, 20_000) };
-        let time_gets = || -> Res<Vec<u64>> {
-            let mut v = Vec::with_capacity(iters);
-            for _ in 0..iters {
-                let t = Instant::now();
-                drop(c.get(hot)?);
-                v.push(t.elapsed().as_nanos() as u64);
-            }
-            v.sort_unstable();
-            Ok(v)
-        };
-        let (mut idle, mut during) = (Vec::new(), Vec::new());
-        let s0 = b.stats()?.disk;
-        for _ in 0..windows {
-            // Idle: the busy client paused and the write-behind queue empty.
-            busy.store(false, Ordering::Relaxed);
-            std::thread::sleep(Duration::from_millis(1));
-            while !paused.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            b.until("the write-behind queue to drain", |s| s.disk.disk_queue_blocks == 0)?;
-            std::thread::sleep(Duration::from_millis(5));
-            let v = time_gets()?;
-            idle.push((percentile(&v, 0.5), percentile(&v, 0.99)));
-            busy.store(true, Ordering::Relaxed);
-            std::thread::sleep(Duration::from_millis(50));
-            let v = time_gets()?;
-            during.push((percentile(&v, 0.5), percentile(&v, 0.99)));
-        }
-        stop.store(true, Ordering::Relaxed);
-        busy.store(false, Ordering::Relaxed);
-        worker.join().map_err(|_| "the busy client panicked")??;
-        let s1 = b.stats()?.disk;
-        let med2 = |v: &[(u64, u64)]| {
-            let (p50, p99): (Vec<u64>, Vec<u64>) = v.iter().copied().unzip();
-            (median(p50.iter().map(|&x| x as f64).collect()), median(p99.iter().map(|&x| x as f64).collect()))
-        };
-        let ((i50, i99), (b50, b99)) = (med2(&idle), med2(&during));
-        let (fills, writes) = (s1.disk_fills - s0.disk_fills, s1.disk_writes - s0.disk_writes);
-        emit(
-        json!({"bench":"disk_get_during_io","iters":iters,"windows":windows,"idle_p50_ns":i50,"idle_p99_ns":i99,
-               "busy_p50_ns":b50,"busy_p99_ns":b99,"busy_vs_idle_p99":b99/i99.max(1.0),"worker_nice":a.worker_nice,"fills":fills,"writes":writes}),
-        format!(
-            "GET of a RAM block  p50 {i50:.0} / p99 {i99:.0} ns idle; p50 {b50:.0} / p99 {b99:.0} ns during {fills} fills and {writes} writes ({:.2}x p99)",
-            b99 / i99.max(1.0)
-        ),
-    );
-        drop(c);
-        drop(b);
+        get_during_io(a, &tmp.0, &disk, &sizes, &keys, &emit)?;
     }
     if a.restart_blocks > 0 && part(Part::Restart) {
         restart(a, &tmp.0, &emit)?;
     }
+    Ok(())
+}
+
+/// Scheduler counters of one thread (`/proc/PID/task/TID/{schedstat,status}`).
+#[derive(Clone, Copy, Debug, Default)]
+struct Sched {
+    /// Nanoseconds on a CPU.
+    run_ns: u64,
+    /// Nanoseconds runnable but waiting for a CPU.
+    queued_ns: u64,
+    /// Switches away while runnable (preempted, or a yield that gave the CPU away).
+    involuntary: u64,
+}
+
+impl Sched {
+    fn read(task: &Path) -> Sched {
+        let ss = std::fs::read_to_string(task.join("schedstat")).unwrap_or_default();
+        let mut f = ss.split_whitespace().map(|x| x.parse::<u64>().unwrap_or(0));
+        let (run_ns, queued_ns) = (f.next().unwrap_or(0), f.next().unwrap_or(0));
+        let involuntary = std::fs::read_to_string(task.join("status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("nonvoluntary_ctxt_switches:").map(|v| v.trim().parse().unwrap_or(0)))
+            .unwrap_or(0);
+        Sched { run_ns, queued_ns, involuntary }
+    }
+
+    fn add(&mut self, o: Sched) {
+        self.run_ns += o.run_ns;
+        self.queued_ns += o.queued_ns;
+        self.involuntary += o.involuntary;
+    }
+
+    fn since(self, before: Sched) -> Sched {
+        Sched {
+            run_ns: self.run_ns.saturating_sub(before.run_ns),
+            queued_ns: self.queued_ns.saturating_sub(before.queued_ns),
+            involuntary: self.involuntary.saturating_sub(before.involuntary),
+        }
+    }
+}
+
+/// The scheduler counters of the threads a GET's latency depends on: the
+/// GET client (this thread), the daemon's serve loop (its main thread) and
+/// the disk tier's threads (together).
+#[derive(Clone, Copy, Debug, Default)]
+struct Threads {
+    client: Sched,
+    serve: Sched,
+    tier: Sched,
+}
+
+impl Threads {
+    fn read(daemon: u32, client_tid: i32) -> Threads {
+        let client = Sched::read(&PathBuf::from(format!("/proc/self/task/{client_tid}")));
+        let serve = Sched::read(&PathBuf::from(format!("/proc/{daemon}/task/{daemon}")));
+        let mut tier = Sched::default();
+        if let Ok(rd) = std::fs::read_dir(format!("/proc/{daemon}/task")) {
+            for e in rd.flatten() {
+                let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+                if comm.trim() == kachedb_daemon::disk::THREAD_NAME {
+                    tier.add(Sched::read(&e.path()));
+                }
+            }
+        }
+        Threads { client, serve, tier }
+    }
+
+    fn since(self, before: Threads) -> Threads {
+        Threads {
+            client: self.client.since(before.client),
+            serve: self.serve.since(before.serve),
+            tier: self.tier.since(before.tier),
+        }
+    }
+}
+
+/// What a kind of window measured: GET p50/p99 per window, and the
+/// threads' scheduler counters summed over the windows.
+#[derive(Default)]
+struct Windows {
+    lat: Vec<(u64, u64)>,
+    threads: Vec<Threads>,
+    wall_s: f64,
+}
+
+impl Windows {
+    fn push(&mut self, v: &[u64], t: Threads, wall_s: f64) {
+        self.lat.push((percentile(v, 0.5), percentile(v, 0.99)));
+        self.threads.push(t);
+        self.wall_s += wall_s;
+    }
+
+    /// Median p50 and p99 over the windows.
+    fn medians(&self) -> (f64, f64) {
+        let (p50, p99): (Vec<u64>, Vec<u64>) = self.lat.iter().copied().unzip();
+        (median(p50.iter().map(|&x| x as f64).collect()), median(p99.iter().map(|&x| x as f64).collect()))
+    }
+
+    /// Per second of window: microseconds the GET client and the serve loop
+    /// waited runnable for a CPU, their involuntary switches, and the tier
+    /// threads' CPU milliseconds.
+    fn per_s(&self) -> serde_json::Value {
+        let mut sum = Threads::default();
+        for t in &self.threads {
+            sum.client.add(t.client);
+            sum.serve.add(t.serve);
+            sum.tier.add(t.tier);
+        }
+        let s = self.wall_s.max(1e-9);
+        json!({
+            "client_queued_us_per_s": sum.client.queued_ns as f64 / 1e3 / s,
+            "client_involuntary_per_s": sum.client.involuntary as f64 / s,
+            "serve_queued_us_per_s": sum.serve.queued_ns as f64 / 1e3 / s,
+            "serve_involuntary_per_s": sum.serve.involuntary as f64 / s,
+            "serve_cpu_ms_per_s": sum.serve.run_ns as f64 / 1e6 / s,
+            "tier_cpu_ms_per_s": sum.tier.run_ns as f64 / 1e6 / s,
+        })
+    }
+}
+
+/// The floor load: the disk I/O and the copies of a busy window without
+/// the tier. Each round reads `per` of `files`' payloads (a fill: open, read
+/// into a buffer, hash, drop from the page cache), writes `writes_per` new
+/// 64 KiB files (a write-behind: `fdatasync`, drop from the page cache,
+/// rename into place, directory `fsync`) and copies as many 64 KiB blocks
+/// as the busy client puts; rounds paced to `rounds_per_s` (as fast as it
+/// can go if that is more than it does).
+fn floor_load(
+    files: &[PathBuf],
+    per: usize,
+    writes_per: usize,
+    dir: &Path,
+    rounds_per_s: &std::sync::atomic::AtomicU64,
+    on: &AtomicBool,
+    stop: &AtomicBool,
+) -> Res<()> {
+    let len = 64 << 10;
+    let mut buf = vec![0u8; len];
+    let src = vec![9u8; len];
+    let mut dst = vec![0u8; len];
+    let payload = vec![5u8; len + format::HEADER_AREA as usize];
+    std::fs::create_dir_all(dir)?;
+    let (mut at, mut w) = (0usize, 0u64);
+    while !stop.load(Ordering::Relaxed) {
+        if !on.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_micros(200));
+            continue;
+        }
+        let t = Instant::now();
+        for _ in 0..per {
+            let p = &files[at % files.len()];
+            at += 1;
+            let f = std::fs::File::open(p)?;
+            f.read_exact_at(&mut buf, format::HEADER_AREA)?;
+            std::hint::black_box(format::checksum(&buf));
+            let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
+        }
+        for _ in 0..writes_per {
+            w += 1;
+            let tmp = dir.join(format!("{}.tmp", w % 64));
+            let f = std::fs::File::create(&tmp)?;
+            f.write_all_at(&payload, 0)?;
+            f.sync_data()?;
+            let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
+            std::fs::rename(&tmp, dir.join(format!("{}.plain", w % 64)))?;
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&dst);
+        }
+        std::fs::File::open(dir)?.sync_all()?;
+        let rate = f64::from_bits(rounds_per_s.load(Ordering::Relaxed));
+        if rate > 0.0 {
+            let due = Duration::from_secs_f64(1.0 / rate);
+            if let Some(rest) = due.checked_sub(t.elapsed()) {
+                std::thread::sleep(rest);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The GET latency measurement (see the module docs): windows of idle,
+/// busy (the tier filling and writing for another client) and floor (the
+/// same daemon idle but for the GETs, while a plain thread of this process
+/// does the disk I/O and copies of a busy window at the tier's priority).
+fn get_during_io(
+    a: &DiskArgs,
+    tmp: &Path,
+    disk: &Path,
+    sizes: &[(&str, usize, usize, usize)],
+    keys: &[Vec<Key>],
+    emit: &dyn Fn(serde_json::Value, String),
+) -> Res<()> {
+    // On a daemon whose megaslab holds half of the 64 KiB blocks.
+    let small_bytes = (sizes[0].1 * sizes[0].2) as u64;
+    let b_slab = (small_bytes / 2).max(4 << 20).next_multiple_of(1 << 20);
+    let b = Serve::start_with_queue(tmp, "b", b_slab, b_slab / 8, disk, a)?;
+    b.until("the index", |s| s.disk.disk_indexed)?;
+    let c = b.client()?;
+    let hot = Key::from_parts(1, 0x4_07);
+    c.put(hot, &[7u8; 4096])?;
+    let small = keys[0].clone();
+    let busy = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    // Set by the busy client while it waits for `busy` (nothing of its in flight).
+    let paused = Arc::new(AtomicBool::new(true));
+    const LOOKUP_KEYS: usize = 64;
+    const PUTS_PER_LOOKUP: usize = 4;
+    let worker = {
+        let (busy, stop, paused, opts) = (busy.clone(), stop.clone(), paused.clone(), b.opts());
+        std::thread::spawn(move || -> Result<(), String> {
+            let c = Client::connect(&opts).map_err(|e| e.to_string())?;
+            let data = vec![9u8; 64 << 10];
+            let mut j = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if !busy.load(Ordering::Relaxed) {
+                    paused.store(true, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_micros(200));
+                    continue;
+                }
+                paused.store(false, Ordering::Relaxed);
+                for ch in small.chunks(LOOKUP_KEYS) {
+                    // Evicted since the last round: filled from disk.
+                    c.lookup(ch).map_err(|e| e.to_string())?;
+                    for _ in 0..PUTS_PER_LOOKUP {
+                        j += 1;
+                        c.put(Key::from_parts(j, 0x3717e), &data).map_err(|e| e.to_string())?;
+                    }
+                    if !busy.load(Ordering::Relaxed) {
+                        break;
+                    }
+                }
+            }
+            Ok(())
+        })
+    };
+    // The floor load's thread, at the tier threads' priority; paced to the
+    // fills per second the busy windows saw.
+    let floor_on = Arc::new(AtomicBool::new(false));
+    let floor_rate = Arc::new(std::sync::atomic::AtomicU64::new(0f64.to_bits()));
+    let floor = {
+        let (on, stop, rate) = (floor_on.clone(), stop.clone(), floor_rate.clone());
+        let files: Vec<PathBuf> = keys[0].iter().map(|k| format::block_path(&disk.join("blocks"), k.0)).collect();
+        let dir = tmp.join("floor");
+        let (nice, class) = (a.worker_nice, a.worker_class);
+        std::thread::spawn(move || -> Result<(), String> {
+            lower_priority(nice, class);
+            floor_load(&files, LOOKUP_KEYS, PUTS_PER_LOOKUP, &dir, &rate, &on, &stop).map_err(|e| e.to_string())
+        })
+    };
+    let client_tid = rustix::thread::gettid().as_raw_nonzero().get();
+    let daemon = b.child.id();
+    // Many short windows, alternating, so that other load on the machine
+    // falls on every kind alike.
+    let (windows, iters) = if a.quick { (9, 5_000) } else { (15, 20_000) };
+    let time_gets = |w: &mut Windows| -> Res<()> {
+        let mut v = Vec::with_capacity(iters);
+        let before = Threads::read(daemon, client_tid);
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            let t = Instant::now();
+            drop(c.get(hot)?);
+            v.push(t.elapsed().as_nanos() as u64);
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        let th = Threads::read(daemon, client_tid).since(before);
+        v.sort_unstable();
+        w.push(&v, th, wall);
+        Ok(())
+    };
+    let (mut idle, mut during, mut floor_w) = (Windows::default(), Windows::default(), Windows::default());
+    let s0 = b.stats()?.disk;
+    let mut fills_seen = 0u64;
+    for _ in 0..windows {
+        // Idle: the busy client paused and the write-behind queue empty.
+        busy.store(false, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(1));
+        while !paused.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        b.until("the write-behind queue to drain", |s| s.disk.disk_queue_blocks == 0)?;
+        std::thread::sleep(Duration::from_millis(5));
+        time_gets(&mut idle)?;
+        // Busy.
+        let f0 = b.stats()?.disk.disk_fills;
+        busy.store(true, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+        time_gets(&mut during)?;
+        let f1 = b.stats()?.disk.disk_fills;
+        fills_seen += f1 - f0;
+        // Fills per second of busy time so far (with the 50 ms lead-ins).
+        let rounds_per_s = (fills_seen as f64 / LOOKUP_KEYS as f64) / (during.wall_s + 0.05 * during.lat.len() as f64);
+        // Floor: the busy client paused, the queue drained, the plain load on.
+        busy.store(false, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(1));
+        while !paused.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        b.until("the write-behind queue to drain", |s| s.disk.disk_queue_blocks == 0)?;
+        floor_rate.store(rounds_per_s.to_bits(), Ordering::Relaxed);
+        floor_on.store(true, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(50));
+        time_gets(&mut floor_w)?;
+        floor_on.store(false, Ordering::Relaxed);
+    }
+    stop.store(true, Ordering::Relaxed);
+    busy.store(false, Ordering::Relaxed);
+    worker.join().map_err(|_| "the busy client panicked")??;
+    floor.join().map_err(|_| "the floor load panicked")??;
+    let s1 = b.stats()?.disk;
+    let ((i50, i99), (b50, b99), (f50, f99)) = (idle.medians(), during.medians(), floor_w.medians());
+    let (fills, writes) = (s1.disk_fills - s0.disk_fills, s1.disk_writes - s0.disk_writes);
+    emit(
+        json!({"bench":"disk_get_during_io","iters":iters,"windows":windows,"idle_p50_ns":i50,"idle_p99_ns":i99,
+               "busy_p50_ns":b50,"busy_p99_ns":b99,"busy_vs_idle_p99":b99/i99.max(1.0),
+               "floor_p50_ns":f50,"floor_p99_ns":f99,"floor_vs_idle_p99":f99/i99.max(1.0),
+               "worker_nice":a.worker_nice,"worker_class":a.worker_class.arg(),"fills":fills,"writes":writes,
+               "sched_idle":idle.per_s(),"sched_busy":during.per_s(),"sched_floor":floor_w.per_s()}),
+        format!(
+            "GET of a RAM block  p50 {i50:.0} / p99 {i99:.0} ns idle; p50 {b50:.0} / p99 {b99:.0} ns during {fills} fills and {writes} writes ({:.2}x p99); \
+             floor (the same disk I/O and copies by a plain thread, no tier): p50 {f50:.0} / p99 {f99:.0} ns ({:.2}x p99)",
+            b99 / i99.max(1.0),
+            f99 / i99.max(1.0)
+        ),
+    );
+    if !a.json {
+        for (what, w) in [("idle", &idle), ("busy", &during), ("floor", &floor_w)] {
+            let v = w.per_s();
+            let g = |k: &str| v[k].as_f64().unwrap_or(0.0);
+            println!(
+                "  {what:<5} per second: GET client waited {:.0} µs for a CPU ({:.0} preemptions/yields away), serve loop {:.0} µs ({:.0}), serve loop CPU {:.0} ms, tier threads CPU {:.0} ms",
+                g("client_queued_us_per_s"),
+                g("client_involuntary_per_s"),
+                g("serve_queued_us_per_s"),
+                g("serve_involuntary_per_s"),
+                g("serve_cpu_ms_per_s"),
+                g("tier_cpu_ms_per_s")
+            );
+        }
+    }
+    drop(c);
+    drop(b);
     Ok(())
 }
 
@@ -550,11 +837,11 @@ fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -
     let made_s = t.elapsed().as_secs_f64();
     let first = Key::from_parts(n / 2, 0x5e57a47);
     // A first daemon indexes them, then dies.
-    let d = Serve::start(tmp, "r1", 64 << 20, &disk, a.worker_nice)?;
+    let d = Serve::start(tmp, "r1", 64 << 20, &disk, a)?;
     d.until("the index", |s| s.disk.disk_indexed)?;
     drop(d);
     let t = Instant::now();
-    let d = Serve::start(tmp, "r2", 64 << 20, &disk, a.worker_nice)?;
+    let d = Serve::start(tmp, "r2", 64 << 20, &disk, a)?;
     let c = d.client()?;
     loop {
         if c.get(first)?.is_some() {

@@ -203,6 +203,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_WORKER_NICE, value_name = "N",
           value_parser = clap::value_parser!(u8).range(0..=19))]
     pub disk_worker_nice: u8,
+    /// The scheduling class of the disk tier's threads: `idle`
+    /// (`SCHED_IDLE`: they run only on a core the serve loop and the clients
+    /// leave free, so disk work does not slow GETs of RAM blocks down) or
+    /// `normal` (the nice value above shares a busy core by weight).
+    #[arg(long, value_enum, default_value_t = DiskWorkerClass::Idle, value_name = "CLASS")]
+    pub disk_worker_class: DiskWorkerClass,
     /// Which committed blocks the disk tier writes: `first`, every one at
     /// its commit; `second`, only a block requested again (GET, LOOKUP or
     /// WAIT) while still in RAM after its commit, written at that request,
@@ -241,6 +247,15 @@ pub enum DiskAdmit {
     First,
     /// Only blocks requested again after their commit.
     Second,
+}
+
+/// `kachedb serve --disk-worker-class`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DiskWorkerClass {
+    /// `SCHED_IDLE`.
+    Idle,
+    /// `SCHED_OTHER` at `--disk-worker-nice`.
+    Normal,
 }
 
 /// An on/off option.
@@ -358,6 +373,10 @@ fn disk_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::disk::DiskConfig>
             .unwrap_or((a.size.unwrap_or_else(default_size) / 4).min(kachedb_daemon::disk::DEFAULT_QUEUE_BYTES)),
         timeout: std::time::Duration::from_millis(a.disk_timeout_ms),
         worker_nice: a.disk_worker_nice,
+        worker_class: match a.disk_worker_class {
+            DiskWorkerClass::Idle => kachedb_daemon::disk::WorkerClass::Idle,
+            DiskWorkerClass::Normal => kachedb_daemon::disk::WorkerClass::Normal,
+        },
         admission: match a.disk_admit {
             DiskAdmit::First => kachedb_daemon::tier::Admission::First,
             DiskAdmit::Second => kachedb_daemon::tier::Admission::Second,

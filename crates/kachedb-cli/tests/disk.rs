@@ -895,3 +895,50 @@ fn a_stalled_disk_is_misses_while_blocks_in_ram_are_served() {
     drop(throttle);
     drop(mnt);
 }
+
+/// The scheduling policies (`/proc/PID/task/TID/stat`, field 41) of the
+/// daemon `pid`'s disk-tier threads (named `kachedb-disk`).
+fn disk_thread_policies(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's threads").flatten() {
+        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        if comm.trim() != "kachedb-disk" {
+            continue;
+        }
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        // After the ")" that ends the name: field 3 onwards; the policy is field 41.
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+        out.push(rest.split_whitespace().nth(41 - 3).and_then(|p| p.parse().ok()).expect("a policy"));
+    }
+    out
+}
+
+/// The disk tier's threads run `SCHED_IDLE` (policy 5) by default, so that
+/// its copies, checksums and syscalls take only CPU the serve loop and the
+/// clients leave free; `--disk-worker-class normal` keeps them in the
+/// normal class (policy 0) at `--disk-worker-nice`; a bad class is refused.
+#[test]
+fn the_disk_tiers_threads_run_sched_idle_unless_told_otherwise() {
+    let tmp = TempDir::new("disk-class");
+    let disk = tmp.0.join("disk");
+    {
+        let d = disk_daemon(&tmp, "8MiB", &disk, "64MiB", &[]);
+        indexed(&tmp.socket());
+        let p = disk_thread_policies(d.pid());
+        assert!(p.len() >= 4, "the tier's threads: {p:?}");
+        assert!(p.iter().all(|&p| p == 5), "not all SCHED_IDLE (5): {p:?}");
+    }
+    {
+        let d = disk_daemon(&tmp, "8MiB", &disk, "64MiB", &["--disk-worker-class", "normal"]);
+        indexed(&tmp.socket());
+        let p = disk_thread_policies(d.pid());
+        assert!(p.len() >= 4 && p.iter().all(|&p| p == 0), "not all SCHED_OTHER (0): {p:?}");
+    }
+    let mut bad = Daemon::spawn_with(
+        &tmp.socket(),
+        "8MiB",
+        &["--disk", disk.to_str().expect("utf-8"), "--disk-size", "64MiB", "--disk-worker-class", "realtime"],
+    );
+    assert!(!bad.wait_exit(Duration::from_secs(30)).expect("exits").success());
+    assert!(bad.log().contains("--disk-worker-class"), "{}", bad.log());
+}

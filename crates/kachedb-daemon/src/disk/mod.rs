@@ -109,11 +109,27 @@ pub struct DiskConfig {
     /// How much nicer (`setpriority`) than the thread that starts the tier
     /// its threads run, capped at nice 19; 0: the same priority.
     pub worker_nice: u8,
+    /// The scheduling class of the tier's threads (`--disk-worker-class`).
+    pub worker_class: WorkerClass,
     /// Which committed blocks are written (`--disk-admit`).
     pub admission: Admission,
     /// The tenants' limits on disk bytes (`--tenant-disk-limit`, or their
     /// share by `--tenant-limit`; docs/disk.md "Tenants").
     pub tenant_limits: index::Limits,
+}
+
+/// The scheduling class the tier's threads run in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WorkerClass {
+    /// `SCHED_IDLE`: a thread runs only on a core no thread of the normal
+    /// class wants (the serve loop and the clients), and a thread of that
+    /// class waking up preempts it at once; the nice value still sets the
+    /// threads' default I/O priority.
+    #[default]
+    Idle,
+    /// `SCHED_OTHER` at the nice value (`worker_nice`): the kernel shares a
+    /// busy core between the serve loop and the tier by weight.
+    Normal,
 }
 
 /// Why the disk tier could not start.
@@ -382,6 +398,17 @@ fn worker_nice_value(by: u8) -> Option<i32> {
     Some((own + i32::from(by)).min(19))
 }
 
+/// Puts the calling thread in the `SCHED_IDLE` class (see [`WorkerClass::Idle`]).
+pub fn set_sched_idle() -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: FFI call on the calling thread (pid 0) with a valid pointer to
+    // a `sched_param` that lives across the call.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 impl DiskTier {
     /// Checks `cfg`, makes and locks the directory and starts the tier's
     /// threads (the index is rebuilt in the background).
@@ -432,12 +459,18 @@ impl DiskTier {
             tmp_seq: AtomicU64::new(0),
         });
         let nice = worker_nice_value(shared.cfg.worker_nice);
+        let class = shared.cfg.worker_class;
         let spawn = |f: fn(&Shared)| {
             let s = shared.clone();
             std::thread::Builder::new().name(THREAD_NAME.into()).spawn(move || {
                 if let Some(n) = nice {
                     if let Err(e) = rustix::process::setpriority_process(None, n) {
                         tracing::warn!("disk tier: setting its threads' nice value to {n}: {e}");
+                    }
+                }
+                if class == WorkerClass::Idle {
+                    if let Err(e) = set_sched_idle() {
+                        tracing::warn!("disk tier: running its threads SCHED_IDLE: {e}");
                     }
                 }
                 f(&s)
@@ -691,6 +724,10 @@ fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<Found>, u64) {
         let checked = (|| -> Result<(SystemTime, Header, u64), String> {
             let f = File::open(path).map_err(|e| e.to_string())?;
             let meta = f.metadata().map_err(|e| e.to_string())?;
+            // No readahead: the read below brings in the header's page only,
+            // and that page is uptodate and unlocked when the `DONTNEED` after
+            // it runs (a readahead still in flight then would stay cached).
+            let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::Random);
             let mut b = [0u8; format::HEADER_LEN];
             f.read_exact_at(&mut b, 0).map_err(|e| e.to_string())?;
             drop_cache(&f);
