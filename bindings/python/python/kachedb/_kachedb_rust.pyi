@@ -154,7 +154,8 @@ class NativeReservation:
     def buffer(self) -> DLPackBuffer:
         """A writable DLPack exporter of the reserved bytes (write before commit;
         ``.typed(code, shape)`` exports them as the block)."""
-    def commit(self) -> None: ...
+    def commit(self, key: Optional[Any] = None) -> None:
+        """Commits (under ``key``, in place of the reserved key, when given)."""
     def abort(self) -> None: ...
 
 class NativeReservations:
@@ -170,6 +171,11 @@ class NativeReservations:
 
 def default_socket_path(instance: int = 0) -> str:
     """The default control socket path of ``instance`` (``$KACHEDB_SOCKET`` for 0)."""
+
+def commit_reservations(reservations: Sequence[NativeReservation], keys: Sequence[Any]) -> List[bool]:
+    """Commits open reservations of one client in one batch, each under its key
+    (COMMIT_PIN with COMMIT_NAMES_KEY; the pin goes with the last tensor):
+    one bool per reservation, whether it was committed."""
 
 def key_of(key: Union[bytes, bytearray, memoryview, str, int]) -> int:
     """The 128-bit key ``key`` is stored under (docs/PROTOCOL.md, "Keys")."""
