@@ -444,7 +444,9 @@ def scenario_store_in_place(spec: Dict[str, Any]) -> Dict[str, Any]:
         r: Dict[str, Any] = {"landed": _wait_landed(observer, keys, 10.0)}
         _settled_ref_counts(engine, 10.0)
         r["local"] = _local_chunks_in_region(engine, conn._client())
-        r["held"] = _daemon_held(observer, r["local"]["in_region"], 0)
+        # (the next store's full chunks are reserved ahead once a commit is done)
+        r["pooled"] = conn.region.pooled
+        r["held"] = _daemon_held(observer, r["local"]["in_region"], r["pooled"])
         plain.store(tokens, kv=kv)
         lcb = plain.storage_manager.storage_backends["LocalCPUBackend"]
         with lcb.cpu_lock:
@@ -456,7 +458,8 @@ def scenario_store_in_place(spec: Dict[str, Any]) -> Dict[str, Any]:
     # Emptied local tier: the pins go; the chunks stay in the daemon and come back byte-equal.
     for n, seed in spec["prompts"]:
         S.clear_local(engine, S.prompt_tokens(n, seed))
-    out["held_after_clear"] = _daemon_held(observer, 0, 0)
+    out["pooled_after_clear"] = conn.region.pooled
+    out["held_after_clear"] = _daemon_held(observer, 0, out["pooled_after_clear"])
     out["present_after_clear"] = observer.lookup(all_keys) if all_keys else 0
     out["retrieves"] = []
     for n, seed in spec["prompts"]:
@@ -466,7 +469,9 @@ def scenario_store_in_place(spec: Dict[str, Any]) -> Dict[str, Any]:
         mask = engine.retrieve(tokens, kv=got, req_id=f"in-place-{seed}")
         out["retrieves"].append({"retrieved_tokens": int(mask.sum()), "byte_equal": _bytes(got) == _bytes(expect)})
         S.clear_local(engine, tokens)
-    # A chunk LMCache allocates and lets go without storing it.
+    # The reservations kept ready go back; then a chunk LMCache allocates and
+    # lets go without storing it.
+    conn.region.drain()
     shapes, dtypes = engine.metadata.get_shapes(S.CHUNK_TOKENS), engine.metadata.get_dtypes()
     held0 = _daemon_held(observer, 0, 0)
     obj = engine.storage_manager.allocate(shapes, dtypes, busy_loop=False)

@@ -13,7 +13,9 @@ LMCache allocates and drops unstored gives its reservation back. With
 ``max_pinned_bytes`` of three chunks at most three are in the region at once:
 the rest go to LMCache's own memory and are copied as before, and the next
 prompt's store drops the previous prompt's committed chunks from LMCache's
-tier to make room. Nothing is left pinned or reserved at the end."""
+tier to make room. Once a store is committed, the next store's full chunks
+are reserved ahead (one store's worth); nothing is left pinned or reserved once
+the engine is gone."""
 
 import pytest
 
@@ -61,9 +63,11 @@ def test_stored_chunks_are_committed_in_place_byte_equal(unbounded):
     assert r["held_before"] == {"pins": 0, "reserved": 0}
     for i, s in enumerate(r["stores"]):
         assert s["landed"]["present"] == CHUNKS
-        # every chunk LMCache holds is the daemon's memory, committed: pinned, not reserved
+        # every chunk LMCache holds is the daemon's memory, committed: pinned; what is
+        # reserved is the next store's chunks, reserved ahead (one store's worth)
         assert s["local"] == {"chunks": CHUNKS * (i + 1), "in_region": CHUNKS * (i + 1)}
-        assert s["held"] == {"pins": CHUNKS * (i + 1), "reserved": 0}
+        assert s["pooled"] == CHUNKS
+        assert s["held"] == {"pins": CHUNKS * (i + 1), "reserved": CHUNKS}
         assert s["daemon_bytes_equal"]
     st = r["stats_after_store"]
     assert st["stored_in_place"] == st["stored_chunks"] == 2 * CHUNKS
@@ -72,7 +76,7 @@ def test_stored_chunks_are_committed_in_place_byte_equal(unbounded):
 
 def test_lmcache_letting_go_releases_every_pin_and_the_chunks_stay(unbounded):
     r = unbounded
-    assert r["held_after_clear"] == {"pins": 0, "reserved": 0}
+    assert r["held_after_clear"] == {"pins": 0, "reserved": r["pooled_after_clear"]}
     assert r["present_after_clear"] == 2 * CHUNKS
     for got in r["retrieves"]:
         assert got["retrieved_tokens"] == PROMPTS[0][0]
@@ -94,7 +98,8 @@ def test_region_chunks_stay_within_max_pinned_bytes(bounded):
     for s in (first, second):
         assert s["landed"]["present"] == CHUNKS
         assert s["daemon_bytes_equal"]
-        assert s["local"]["in_region"] == 3 and s["held"] == {"pins": 3, "reserved": 0}
+        # the budget is spent: nothing reserved ahead
+        assert s["local"]["in_region"] == 3 and s["pooled"] == 0 and s["held"] == {"pins": 3, "reserved": 0}
     # the first prompt's committed chunks were dropped from LMCache's tier for the second's
     assert first["local"]["chunks"] == CHUNKS
     assert second["local"]["chunks"] == 2 * CHUNKS - 3
@@ -103,5 +108,5 @@ def test_region_chunks_stay_within_max_pinned_bytes(bounded):
     assert st["stored_chunks"] == 2 * CHUNKS  # the other ten copied into the daemon
     for got in r["retrieves"]:
         assert got["retrieved_tokens"] == PROMPTS[0][0] and got["byte_equal"]
-    assert r["held_after_clear"] == {"pins": 0, "reserved": 0}
+    assert r["held_after_clear"] == {"pins": 0, "reserved": r["pooled_after_clear"]}
     assert r["held_after_destroy"] == {"pins": 0, "reserved": 0}

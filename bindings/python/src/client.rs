@@ -363,6 +363,27 @@ impl NativeClient {
         Ok(NativeReservations { extents: std::mem::ManuallyDrop::new(ReservedExtents::new(rs)), code, dims })
     }
 
+    /// Reserves `count` blocks, each `dims` of dtype `code`, in one batch,
+    /// all with key 0 (their keys are named when they are committed:
+    /// `commit_reservations`); all or nothing. Each is a `NativeReservation`
+    /// of its own, finished on its own.
+    fn reserve_each(&self, py: Python<'_>, count: usize, code: u8, dims: Vec<u64>) -> PyResult<Vec<NativeReservation>> {
+        let (dt, sh) = (dtype(code)?, shape(&dims)?);
+        let items: Vec<_> = (0..count).map(|_| (Key(0), dt, sh, 0)).collect();
+        let rs = py.allow_threads(|| self.inner.reserve_many_with_parents(&items, &[])).map_err(client_err)?;
+        rs.into_iter()
+            .map(|mut r| {
+                let ptr = NonNull::new(r.as_mut_ptr()).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
+                let len = r.len();
+                Ok(NativeReservation {
+                    extents: std::mem::ManuallyDrop::new(ReservedExtents::new(vec![r])),
+                    ptr: ptr.as_ptr() as usize,
+                    len,
+                })
+            })
+            .collect()
+    }
+
     /// Waits (GIL released) until `key` is committed, then returns it as
     /// `get_view` does. `timeout` in seconds (`None`: no deadline);
     /// `TimedOut` when it passes.

@@ -457,6 +457,20 @@ class Client:
         r = native.reserve(0 if key is None else key, code, list(dims), parent)
         return Reservation(r, code, dims, as_numpy, keyless=key is None)
 
+    def reserve_each(self, count: int, shape: ShapeLike, dtype: Any) -> List[Reservation]:
+        """``count`` reservations of ``shape`` and ``dtype`` (torch) made
+        without a key, in one batch (all or nothing), each finished on its own:
+        ``commit_as`` names their keys (one batch for many), ``abort`` or
+        dropping one gives it back."""
+        native = self._check()
+        dims = check_shape(shape)
+        if not is_torch_dtype(dtype) and not isinstance(dtype, str):
+            raise TypeError(f"reserve_each yields torch tensors: pass a torch dtype or a dtype name, not {dtype!r}")
+        if count < 0:
+            raise InvalidArgument(f"count must be >= 0, not {count}")
+        code = dtype_code(dtype)
+        return [Reservation(r, code, dims, False, keyless=True) for r in native.reserve_each(count, code, list(dims))]
+
     def commit_as(self, reservations: Sequence[Reservation], keys: Sequence[KeyLike]) -> List[bool]:
         """Commits reservations of this client (from separate ``reserve``
         calls, ``key=None`` ones included) in one batch, each under its key in

@@ -82,6 +82,8 @@ class NativeClient:
         """Copies ``nbytes`` at ``address`` into a new block (by several threads for
         large blocks), naming the key ``parent`` as the block it follows. The
         caller keeps the source alive and unmodified during the call."""
+    def reserve_each(self, count: int, code: int, dims: Sequence[int]) -> List[NativeReservation]:
+        """``count`` reservations of key 0 in one batch, each finished on its own."""
     def reserve(self, key: Any, code: int, dims: Sequence[int], parent: Optional[Any] = None) -> NativeReservation:
         """Reserves a block; the key ``parent`` is named at its COMMIT."""
     def get(self, key: Any) -> Optional[NativeBlock]:

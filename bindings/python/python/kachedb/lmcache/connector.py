@@ -13,9 +13,12 @@ partial last chunk needs no side metadata. Keys: ``keys.chunk_key``.
 
 The operations map onto the store as follows: ``exists``/``exists_sync`` and the
 leading-prefix counts (``batched_contains``, ``batched_async_contains``) are one
-LOOKUP; ``put``/``batched_put`` are one ``put_many`` (one RESERVE batch, the
-copies, one COMMIT batch; chunks already present at the head of the batch are
-skipped); ``get``/``batched_get``/``batched_get_non_blocking`` are one
+LOOKUP; ``put``/``batched_put`` commit the chunks whose ``MemoryObj`` is a
+reservation in the daemon's region (``region.RegionAllocator``, LMCache's chunk
+allocator while this connector runs) under their keys in one batch, with no
+copy, and store the others with one ``put_many`` (one RESERVE batch, the copies,
+one COMMIT batch; chunks already present at the head of the batch are skipped);
+``get``/``batched_get``/``batched_get_non_blocking`` are one
 ``get_prefix`` (lookup-and-pin of the leading present chunks), each chunk
 returned as a ``MemoryObj`` that is its view of shared memory (``views.ViewPins``:
 no copy; the block stays pinned while LMCache holds the object, within
@@ -144,7 +147,9 @@ class KacheDBConnector(RemoteConnector):
         if self.views is not None and local_cpu_backend is not None:
             current = local_cpu_backend.memory_allocator
             original = current.original if isinstance(current, RegionAllocator) else current
-            self.region = RegionAllocator(original, self._link.current, self._fits_alloc, self.views)
+            self.region = RegionAllocator(
+                original, self._link.current, self._fits_alloc, self.views, lambda: self.full_chunk_size_bytes
+            )
             local_cpu_backend.memory_allocator = self.region
         logger.info(
             "KacheDB tier %s on %s (namespace %s, %d bytes per full chunk)",
@@ -393,6 +398,8 @@ class KacheDBConnector(RemoteConnector):
             COUNTERS["stored_chunks"] += n
             COUNTERS["stored_in_place"] += n
             COUNTERS["stored_bytes"] += sum(o.get_size() for (_, o, _), good in zip(items, ok) if good)
+        # The next store's chunks, reserved now (this is LMCache's event loop, not its store path).
+        self.region.refill(kc)
 
     def _put_copies(self, kc: Any, items: Sequence[Any]) -> None:
         """Stores chunks in LMCache's own memory: one ``put_many`` (a copy each)."""
@@ -429,6 +436,8 @@ class KacheDBConnector(RemoteConnector):
         raise NotImplementedError("KacheDB keys are 128-bit hashes: the daemon cannot list LMCache keys")
 
     async def close(self) -> None:
+        if self.region is not None:
+            self.region.drain()
         self._link.close()
 
     def support_ping(self) -> bool:

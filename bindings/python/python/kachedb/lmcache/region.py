@@ -27,6 +27,13 @@ committed ones only LMCache's local tier holds are dropped from it
 the chunk goes to the original allocator (and is copied when stored, as
 before).
 
+Full chunks are reserved ahead, in one batch: after a store's commit (on
+LMCache's event loop, off the engine's store path) as many full-chunk
+reservations as that commit had are made for the next store (``refill``; at
+most ``POOL_MAX_CHUNKS`` and a quarter of the budget, taken from the budget),
+so a store's allocations make no round trip to the daemon. ``drain`` (and
+``close``) gives them back.
+
 Thread-safe: LMCache allocates on the engine's thread and its event loop, and
 frees from either and from its eviction; no LMCache lock is taken here.
 """
@@ -49,6 +56,9 @@ from lmcache.v1.memory_management import (
 
 from ._stats import COUNTERS
 
+#: Most full-chunk reservations kept ready for the next store.
+POOL_MAX_CHUNKS = 32
+
 
 class RegionAllocator(MemoryAllocatorInterface):
     """The local CPU backend's allocator with its chunks in the daemon's region
@@ -63,12 +73,17 @@ class RegionAllocator(MemoryAllocatorInterface):
         client: Callable[[], Any],
         fits: Callable[[Sequence[torch.Size], Sequence[torch.dtype], MemoryFormat], bool],
         budget: Any,
+        full_chunk_bytes: Callable[[], int],
     ) -> None:
         self.original = original
         self._client = client
         self._fits = fits
         self.budget = budget
+        self._full_chunk_bytes = full_chunk_bytes
         self._lock = threading.Lock()
+        # (reservation, client, bytes) of full chunks reserved ahead
+        self._pool: List[Tuple[Any, Any, int]] = []
+        self._last_batch = 0
         # id(obj) -> (reservation, client, bytes) of every live region object
         self._live: Dict[int, Tuple[Any, Any, int]] = {}
         self._bypass = threading.local()
@@ -89,6 +104,12 @@ class RegionAllocator(MemoryAllocatorInterface):
         with self._lock:
             return len(self._live)
 
+    @property
+    def pooled(self) -> int:
+        """Full-chunk reservations kept ready for the next store."""
+        with self._lock:
+            return len(self._pool)
+
     # -- LMCache's allocator interface -------------------------------------
     def allocate(
         self,
@@ -104,17 +125,19 @@ class RegionAllocator(MemoryAllocatorInterface):
         nbytes = sum(s.numel() * d.itemsize for s, d in zip(shapes_l, dtypes_l))
         if nbytes <= 0:
             return self.original.allocate(shapes, dtypes, fmt, allocator_type)
-        if not self.budget.take(nbytes):
-            self.budget.make_room(nbytes)
+        r = self._from_pool(kc, nbytes)
+        if r is None:
             if not self.budget.take(nbytes):
-                COUNTERS["region_budget_full"] += 1
+                self.budget.make_room(nbytes)
+                if not self.budget.take(nbytes):
+                    COUNTERS["region_budget_full"] += 1
+                    return self.original.allocate(shapes, dtypes, fmt, allocator_type)
+            try:
+                r = kc.reserve(None, (nbytes,), torch.uint8)
+            except kachedb.KacheDBError:
+                self.budget.give(nbytes)
+                COUNTERS["region_reserve_failed"] += 1
                 return self.original.allocate(shapes, dtypes, fmt, allocator_type)
-        try:
-            r = kc.reserve(None, (nbytes,), torch.uint8)
-        except kachedb.KacheDBError:
-            self.budget.give(nbytes)
-            COUNTERS["region_reserve_failed"] += 1
-            return self.original.allocate(shapes, dtypes, fmt, allocator_type)
         view = r.out
         meta = MemoryObjMetadata(
             shapes_l[0], dtypes_l[0], view.data_ptr(), nbytes, 1, 0, fmt, shapes=list(shapes_l), dtypes=list(dtypes_l)
@@ -166,6 +189,7 @@ class RegionAllocator(MemoryAllocatorInterface):
                 self.original.free(obj)
 
     def close(self) -> None:
+        self.drain()
         self.original.close()
 
     def memcheck(self) -> bool:
@@ -200,7 +224,63 @@ class RegionAllocator(MemoryAllocatorInterface):
                 self.budget.track(chunk_keys[i], objs[i], entries[i][2])
         with self._lock:
             self.committed += sum(ok)
+            self._last_batch = sum(ok)
         return ok
+
+    # -- full chunks reserved ahead -------------------------------------------
+    def _from_pool(self, kc: Any, nbytes: int) -> Optional[Any]:
+        """A reservation of ``nbytes`` kept ready by ``refill`` (its budget
+        taken), or ``None``. Ones of another client than ``kc`` are dropped."""
+        stale = []
+        with self._lock:
+            while self._pool and self._pool[-1][1] is not kc:
+                stale.append(self._pool.pop())
+            got = self._pool.pop() if self._pool and self._pool[-1][2] == nbytes else None
+        for r, _, n in stale:
+            self.budget.give(n)
+            r.abort()
+        return None if got is None else got[0]
+
+    def refill(self, kc: Any) -> None:
+        """Reserves ahead, in one batch, as many full chunks as the last commit
+        had (at most ``POOL_MAX_CHUNKS`` and a quarter of the budget, within
+        what the budget has free). Errors are the caller's (a full daemon is
+        not one: nothing is reserved then)."""
+        full = int(self._full_chunk_bytes())
+        if full <= 0:
+            return
+        with self._lock:
+            if self._pool and self._pool[-1][1] is not kc or any(n != full for _, _, n in self._pool):
+                stale, self._pool = self._pool, []
+            else:
+                stale = []
+            want = min(POOL_MAX_CHUNKS, self._last_batch, self.budget.max_bytes // 4 // full) - len(self._pool)
+        for r, _, n in stale:
+            self.budget.give(n)
+            r.abort()
+        taken = 0
+        while taken < want and self.budget.take(full):
+            taken += 1
+        if taken == 0:
+            return
+        try:
+            rs = kc.reserve_each(taken, (full,), torch.uint8)
+        except (kachedb.OutOfMemory, kachedb.TooLarge):
+            self.budget.give(taken * full)
+            return
+        except BaseException:
+            self.budget.give(taken * full)
+            raise
+        with self._lock:
+            self._pool.extend((r, kc, full) for r in rs)
+
+    def drain(self) -> None:
+        """Gives back every reservation kept ready (aborts them)."""
+        with self._lock:
+            pool, self._pool = self._pool, []
+        for r, _, n in pool:
+            self.budget.give(n)
+            r.abort()
 
     def bypass(self) -> "_Bypass":
         """``with alloc.bypass(): ...``: allocations of this thread go to the
