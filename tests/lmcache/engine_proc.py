@@ -388,6 +388,114 @@ def scenario_views(spec: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _daemon_held(daemon: Any, pins: int, reserved: int, timeout_s: float = 10.0) -> Dict[str, int]:
+    """The daemon's pin and open-reservation counts once they are ``pins`` and
+    ``reserved`` or ``timeout_s`` has passed (releases are fire-and-forget)."""
+    start = time.monotonic()
+    st = daemon.stats()
+    while (st["pins"], st["reserved"]) != (pins, reserved) and time.monotonic() - start < timeout_s:
+        time.sleep(0.01)
+        st = daemon.stats()
+    return {"pins": st["pins"], "reserved": st["reserved"]}
+
+
+def _chunk_bytes_in_daemon(daemon: Any, keys: List[bytes]) -> List[bytes]:
+    out = []
+    for k in keys:
+        v = daemon.get(k)
+        out.append(v.numpy().tobytes())
+        del v
+    return out
+
+
+def scenario_store_in_place(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """One engine stores prompts: are the chunks LMCache allocates reservations
+    in the daemon's region, committed in place under their keys when LMCache
+    puts them (no copy), pinned while its local tier holds them and only then,
+    within ``max_pinned_bytes``? Their bytes in the daemon are the engine's KV
+    (the same bytes as a copy-path engine's chunks), retrieved byte-equal by
+    the engine once its local tier is emptied; a chunk LMCache allocates and
+    drops unstored gives its reservation back; nothing stays pinned or
+    reserved once LMCache lets go."""
+    import torch
+
+    import kachedb
+    import kachedb.lmcache
+
+    engine = S.build_engine("in-place", socket=spec["socket"], max_pinned_bytes=spec.get("max_pinned_bytes"))
+    conn = S.kachedb_connector(engine)
+    observer = kachedb.connect(spec["socket"])
+    out: Dict[str, Any] = {
+        "backends": list(engine.storage_manager.storage_backends),
+        "connector": repr(conn),
+        "allocator": type(engine.storage_manager.storage_backends["LocalCPUBackend"].memory_allocator).__name__,
+        "held_before": _daemon_held(observer, 0, 0),
+        "stores": [],
+    }
+    # A copy-path engine (local tier only): the bytes LMCache lays out for each chunk.
+    plain = S.build_engine("in-place-plain", socket=None)
+    all_keys: List[bytes] = []
+    for n, seed in spec["prompts"]:
+        tokens = S.prompt_tokens(n, seed)
+        kv = S.prompt_kv(n, seed)
+        engine.store(tokens, kv=kv)
+        keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
+        all_keys += keys
+        r: Dict[str, Any] = {"landed": _wait_landed(observer, keys, 10.0)}
+        _settled_ref_counts(engine, 10.0)
+        r["local"] = _local_chunks_in_region(engine, conn._client())
+        # (the next store's full chunks are reserved ahead once a commit is done)
+        r["pooled"] = conn.region.pooled
+        r["held"] = _daemon_held(observer, r["local"]["in_region"], r["pooled"])
+        plain.store(tokens, kv=kv)
+        lcb = plain.storage_manager.storage_backends["LocalCPUBackend"]
+        with lcb.cpu_lock:
+            want = [_bytes(lcb.hot_cache[k].tensor) for k in S.chunk_keys(plain, tokens)]
+        r["daemon_bytes_equal"] = _chunk_bytes_in_daemon(observer, keys) == want
+        out["stores"].append(r)
+    out["stats_after_store"] = kachedb.lmcache.stats()
+    out["region_chunks_held"] = _local_chunks_in_region(engine, conn._client())["in_region"]
+    # Emptied local tier: the pins go; the chunks stay in the daemon and come back byte-equal.
+    for n, seed in spec["prompts"]:
+        S.clear_local(engine, S.prompt_tokens(n, seed))
+    out["pooled_after_clear"] = conn.region.pooled
+    out["held_after_clear"] = _daemon_held(observer, 0, out["pooled_after_clear"])
+    out["present_after_clear"] = observer.lookup(all_keys) if all_keys else 0
+    out["retrieves"] = []
+    for n, seed in spec["prompts"]:
+        tokens = S.prompt_tokens(n, seed)
+        expect = S.prompt_kv(n, seed)
+        got = torch.zeros_like(expect)
+        mask = engine.retrieve(tokens, kv=got, req_id=f"in-place-{seed}")
+        out["retrieves"].append({"retrieved_tokens": int(mask.sum()), "byte_equal": _bytes(got) == _bytes(expect)})
+        S.clear_local(engine, tokens)
+    # The reservations kept ready go back; then a chunk LMCache allocates and
+    # lets go without storing it.
+    conn.region.drain()
+    shapes, dtypes = engine.metadata.get_shapes(S.CHUNK_TOKENS), engine.metadata.get_dtypes()
+    held0 = _daemon_held(observer, 0, 0)
+    obj = engine.storage_manager.allocate(shapes, dtypes, busy_loop=False)
+    out["dropped"] = {
+        "held_before": held0,
+        "in_region": _in_region(obj, conn._client()),
+        "held_while_allocated": _daemon_held(observer, 0, 1),
+    }
+    obj.ref_count_down()
+    del obj
+    out["dropped"]["held_after_free"] = _daemon_held(observer, 0, 0)
+    out["stats"] = kachedb.lmcache.stats()
+    _destroy("in-place-plain")
+    _destroy("in-place")
+    out["held_after_destroy"] = _daemon_held(observer, 0, 0)
+    observer.close()
+    return out
+
+
+def _in_region(obj: Any, client: Any) -> bool:
+    base, size = client._native.region_span()
+    return base <= obj.data_ptr < base + size
+
+
 def _destroy(instance_id: str) -> None:
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 

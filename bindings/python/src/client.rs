@@ -363,6 +363,27 @@ impl NativeClient {
         Ok(NativeReservations { extents: std::mem::ManuallyDrop::new(ReservedExtents::new(rs)), code, dims })
     }
 
+    /// Reserves `count` blocks, each `dims` of dtype `code`, in one batch,
+    /// all with key 0 (their keys are named when they are committed:
+    /// `commit_reservations`); all or nothing. Each is a `NativeReservation`
+    /// of its own, finished on its own.
+    fn reserve_each(&self, py: Python<'_>, count: usize, code: u8, dims: Vec<u64>) -> PyResult<Vec<NativeReservation>> {
+        let (dt, sh) = (dtype(code)?, shape(&dims)?);
+        let items: Vec<_> = (0..count).map(|_| (Key(0), dt, sh, 0)).collect();
+        let rs = py.allow_threads(|| self.inner.reserve_many_with_parents(&items, &[])).map_err(client_err)?;
+        rs.into_iter()
+            .map(|mut r| {
+                let ptr = NonNull::new(r.as_mut_ptr()).ok_or_else(|| KacheDBError::new_err("null reservation"))?;
+                let len = r.len();
+                Ok(NativeReservation {
+                    extents: std::mem::ManuallyDrop::new(ReservedExtents::new(vec![r])),
+                    ptr: ptr.as_ptr() as usize,
+                    len,
+                })
+            })
+            .collect()
+    }
+
     /// Waits (GIL released) until `key` is committed, then returns it as
     /// `get_view` does. `timeout` in seconds (`None`: no deadline);
     /// `TimedOut` when it passes.
@@ -592,9 +613,23 @@ impl ReservedExtents {
     }
 
     /// Commits, pinning the blocks (COMMIT_PIN) if tensors of them may live:
-    /// then the pins go with the last tensor.
-    fn commit(this: &Arc<Self>, py: Python<'_>, what: &str) -> PyResult<()> {
-        let rs = this.take(what)?;
+    /// then the pins go with the last tensor. `keys`: the key of each block
+    /// to commit under (`COMMIT_NAMES_KEY`), in place of its reserved key;
+    /// empty: the reserved keys.
+    fn commit(this: &Arc<Self>, py: Python<'_>, what: &str, keys: &[Key]) -> PyResult<()> {
+        let mut rs = this.take(what)?;
+        if !keys.is_empty() {
+            if keys.len() != rs.len() {
+                let n = rs.len();
+                if let Ok(mut g) = this.state.lock() {
+                    *g = Extents::Open(rs);
+                }
+                return Err(InvalidArgument::new_err(format!("{} keys to commit {n} reservations under", keys.len())));
+            }
+            for (r, k) in rs.iter_mut().zip(keys) {
+                r.commit_as(Some(*k));
+            }
+        }
         if !Self::exported(this) {
             return py.allow_threads(|| Reservation::commit_all(rs)).map_err(client_err);
         }
@@ -665,8 +700,12 @@ impl NativeReservation {
         // region mapped for as long as any tensor made from it lives.
         Ok(unsafe { DLPackBuffer::new(ptr, self.len, owner, false) })
     }
-    fn commit(&self, py: Python<'_>) -> PyResult<()> {
-        ReservedExtents::commit(&self.extents, py, "the reservation was")
+    /// Commits (under `key` instead of the reserved key, if given: see
+    /// `commit_reservations`).
+    #[pyo3(signature = (key=None))]
+    fn commit(&self, py: Python<'_>, key: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let keys: Vec<Key> = opt_key_of(key)?.into_iter().collect();
+        ReservedExtents::commit(&self.extents, py, "the reservation was", &keys)
     }
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
         ReservedExtents::abort(&self.extents, py, "the reservation was")
@@ -755,13 +794,80 @@ impl NativeReservations {
     /// Commits every reservation in one batch (COMMIT_PINs while tensors of
     /// them live).
     fn commit(&self, py: Python<'_>) -> PyResult<()> {
-        ReservedExtents::commit(&self.extents, py, "the reservations were")
+        ReservedExtents::commit(&self.extents, py, "the reservations were", &[])
     }
 
     /// Aborts every reservation in one batch, or, while tensors of them live,
     /// when the last of them goes.
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
         ReservedExtents::abort(&self.extents, py, "the reservations were")
+    }
+}
+
+/// commit_reservations(reservations, keys)
+/// --
+///
+/// Commits open reservations of one client (``NativeReservation``s, from
+/// separate ``reserve`` calls) in one batch, each under its key in ``keys``
+/// (``COMMIT_NAMES_KEY``: the key it was reserved with set aside), pinning
+/// each (COMMIT_PIN): the pin goes with the reservation's last tensor, as for
+/// a ``commit`` while tensors live. Returns one bool per reservation:
+/// committed, or not (the daemon refused its COMMIT_PIN: it stays reserved,
+/// its extent kept from reuse, until its last tensor goes, which aborts it).
+/// ``Disconnected`` once every reservation is so if the daemon is gone.
+/// ``InvalidArgument`` (nothing sent) if one of them is not open, or the
+/// counts differ.
+#[pyfunction]
+pub fn commit_reservations(
+    py: Python<'_>,
+    reservations: Vec<PyRef<'_, NativeReservation>>,
+    keys: &Bound<'_, PyAny>,
+) -> PyResult<Vec<bool>> {
+    let keys = keys_of(keys)?;
+    if keys.len() != reservations.len() {
+        return Err(InvalidArgument::new_err(format!(
+            "{} keys to commit {} reservations under",
+            keys.len(),
+            reservations.len()
+        )));
+    }
+    for r in &reservations {
+        if !matches!(r.extents.state.lock().as_deref(), Ok(Extents::Open(rs)) if rs.len() == 1) {
+            return Err(InvalidArgument::new_err("a reservation was already committed or aborted"));
+        }
+    }
+    // The GIL is held from the check above to here: only this call finishes them.
+    let mut batch = Vec::with_capacity(reservations.len());
+    for (r, k) in reservations.iter().zip(&keys) {
+        let mut taken = r.extents.take("a reservation was")?;
+        let Some(mut x) = taken.pop() else {
+            return Err(KacheDBError::new_err("internal: an empty reservation"));
+        };
+        x.commit_as(Some(*k));
+        batch.push(x);
+    }
+    let (done, first_err) = py.allow_threads(|| Reservation::commit_each_pinned(batch));
+    let mut ok = Vec::with_capacity(done.len());
+    for (r, d) in reservations.iter().zip(done) {
+        let Ok(mut g) = r.extents.state.lock() else {
+            ok.push(false);
+            continue;
+        };
+        match d {
+            Ok(view) => {
+                *g = Extents::Pinned(vec![view]);
+                ok.push(true);
+            }
+            Err(open) => {
+                // Aborted when its last tensor (or this object) goes.
+                *g = Extents::Aborting(vec![open]);
+                ok.push(false);
+            }
+        }
+    }
+    match first_err {
+        Some(e @ kachedb_client::ClientError::Disconnected(_)) => Err(client_err(e)),
+        _ => Ok(ok),
     }
 }
 

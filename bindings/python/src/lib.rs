@@ -36,6 +36,7 @@ fn _kachedb_rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::NativeReservations>()?;
     m.add_function(wrap_pyfunction!(client::default_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(client::key_of_py, m)?)?;
+    m.add_function(wrap_pyfunction!(client::commit_reservations, m)?)?;
     #[cfg(feature = "testing")]
     {
         m.add_function(wrap_pyfunction!(testing::_test_buffer, m)?)?;

@@ -107,9 +107,23 @@ pub struct Reservation {
     len: u64,
     dtype: DType,
     shape: Shape,
-    /// The key of the block this one follows in a prefix chain, sent with the COMMIT.
-    parent: Option<Key>,
+    /// What the COMMIT names besides the handle: a parent, or the key to
+    /// commit under (one key field on the wire: never both).
+    names: CommitNames,
     done: bool,
+}
+
+/// What a reservation's COMMIT names (docs/PROTOCOL.md, "COMMIT and the
+/// parent", "COMMIT and the key").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum CommitNames {
+    /// Nothing: committed under the reserved key, without a parent.
+    #[default]
+    Nothing,
+    /// The block this one follows in a prefix chain.
+    Parent(Key),
+    /// The key to commit under, in place of the reserved one.
+    Key(Key),
 }
 
 // SAFETY: the reserved extent belongs to this reservation alone until commit or
@@ -142,7 +156,7 @@ impl Reservation {
             len,
             dtype,
             shape,
-            parent: None,
+            names: CommitNames::Nothing,
             done: false,
         })
     }
@@ -181,18 +195,48 @@ impl Reservation {
     /// Names the block this one follows in a prefix chain (the block of key
     /// `parent`, which must be committed before this one is; `None`: no
     /// parent). The daemon's chain-aware eviction keeps a block's ancestors
-    /// cached while it is (`docs/eviction.md`).
+    /// cached while it is (`docs/eviction.md`). Replaces a key named with
+    /// [`commit_as`](Self::commit_as) (a COMMIT names one or the other).
     pub fn set_parent(&mut self, parent: Option<Key>) {
-        self.parent = parent;
+        self.names = parent.map_or(CommitNames::Nothing, CommitNames::Parent);
     }
     /// The parent named with [`set_parent`](Self::set_parent).
     pub fn parent(&self) -> Option<Key> {
-        self.parent
+        match self.names {
+            CommitNames::Parent(k) => Some(k),
+            _ => None,
+        }
+    }
+    /// Commits the block under `key` rather than the key it was reserved
+    /// with (COMMIT with `COMMIT_NAMES_KEY`): for a writer that places its
+    /// bytes before it knows their key (reserve with any key, e.g. 0). The
+    /// block has no parent. [`commit`](Self::commit) and the batch commits
+    /// then send it; `None` goes back to the reserved key.
+    pub fn commit_as(&mut self, key: Option<Key>) {
+        self.names = key.map_or(CommitNames::Nothing, CommitNames::Key);
+    }
+    /// The COMMIT (`pin`: COMMIT_PIN) of this reservation, marking it finished.
+    fn commit_request(&mut self, pin: bool) -> Request {
+        let handle = self.take_handle();
+        match self.names {
+            CommitNames::Key(key) => Request::CommitAs { handle, key: key.0, pin },
+            names => {
+                let parent = match names {
+                    CommitNames::Parent(k) => Some(k.0),
+                    _ => None,
+                };
+                if pin {
+                    Request::CommitPin { handle, parent }
+                } else {
+                    Request::Commit { handle, parent }
+                }
+            }
+        }
     }
     /// Makes the block visible under its key (linked to its parent, if any).
     pub fn commit(mut self) -> Result<()> {
-        self.done = true;
-        self.finish(Request::Commit { handle: self.handle, parent: self.parent.map(|k| k.0) })
+        let req = self.commit_request(false);
+        self.finish(req)
     }
     /// Makes the block visible under its key and returns a pinned view of
     /// it, in one request (COMMIT_PIN): the extent stays out of eviction and
@@ -201,8 +245,8 @@ impl Reservation {
     /// past the commit; such a pointer must not be written through after the
     /// commit (readers see the block as immutable), only kept valid.
     pub fn commit_pinned(mut self) -> Result<BlockView> {
-        self.done = true;
-        let c = self.channel.finish(Request::CommitPin { handle: self.handle, parent: self.parent.map(|k| k.0) })?;
+        let req = self.commit_request(true);
+        let c = self.channel.finish(req)?;
         BlockView::from_get(&self.channel, c)?
             .ok_or_else(|| ClientError::Protocol("COMMIT_PIN answered NOT_FOUND".into()))
     }
@@ -217,8 +261,7 @@ impl Reservation {
     /// error is returned. Reservations of different clients are refused
     /// (`Invalid`, and dropped: aborted one by one).
     pub fn commit_all(reservations: Vec<Reservation>) -> Result<()> {
-        finish_all(reservations, |r| Request::Commit { handle: r.take_handle(), parent: r.parent.map(|k| k.0) })
-            .map(|_| ())
+        finish_all(reservations, |r| r.commit_request(false)).map(|_| ())
     }
 
     /// [`commit_pinned`](Self::commit_pinned) of many reservations of one
@@ -227,10 +270,7 @@ impl Reservation {
     /// released and the first error returned.
     pub fn commit_all_pinned(reservations: Vec<Reservation>) -> Result<Vec<BlockView>> {
         let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(Vec::new()) };
-        let done = finish_all(reservations, |r| Request::CommitPin {
-            handle: r.take_handle(),
-            parent: r.parent.map(|k| k.0),
-        })?;
+        let done = finish_all(reservations, |r| r.commit_request(true))?;
         let mut views = Vec::with_capacity(done.len());
         let mut first_err = None;
         for c in done {
@@ -248,6 +288,56 @@ impl Reservation {
             Some(e) => Err(e),
             None => Ok(views),
         }
+    }
+
+    /// [`commit_pinned`](Self::commit_pinned) of many reservations of one
+    /// client with one batch of COMMIT_PINs, each answered on its own: in
+    /// order, a view of each block committed, and each reservation whose
+    /// COMMIT_PIN failed given back unfinished (still reserved when the daemon
+    /// refused it, OUT_OF_MEMORY: nothing reuses its extent until it is
+    /// dropped, which aborts it); with the first error. Reservations of
+    /// different clients are all given back, with `Invalid`.
+    pub fn commit_each_pinned(
+        mut reservations: Vec<Reservation>,
+    ) -> (Vec<std::result::Result<BlockView, Reservation>>, Option<ClientError>) {
+        let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return (Vec::new(), None) };
+        if reservations.iter().any(|r| !Arc::ptr_eq(&r.channel, &channel)) {
+            let e = ClientError::Invalid("a batch of reservations must all come from one client".into());
+            return (reservations.into_iter().map(Err).collect(), Some(e));
+        }
+        let reqs: Vec<Request> = reservations.iter_mut().map(|r| r.commit_request(true)).collect();
+        let done = match channel.finish_many(&reqs) {
+            Ok(done) if done.len() == reservations.len() => done,
+            Ok(_) => {
+                let e = ClientError::Protocol("a COMMIT_PIN batch answered with another count".into());
+                return (reservations.into_iter().map(|r| Err(r.unfinished())).collect(), Some(e));
+            }
+            Err(e) => return (reservations.into_iter().map(|r| Err(r.unfinished())).collect(), Some(e)),
+        };
+        let mut first_err = None;
+        let out = reservations
+            .into_iter()
+            .zip(done)
+            .map(|(r, c)| match BlockView::from_get(&channel, c) {
+                Ok(Some(v)) => Ok(v),
+                Ok(None) => {
+                    first_err.get_or_insert(ClientError::Protocol("COMMIT_PIN answered NOT_FOUND".into()));
+                    Err(r.unfinished())
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    Err(r.unfinished())
+                }
+            })
+            .collect();
+        (out, first_err)
+    }
+
+    /// This reservation marked unfinished again (its COMMIT failed): dropped,
+    /// it sends its ABORT.
+    fn unfinished(mut self) -> Reservation {
+        self.done = false;
+        self
     }
 
     /// Aborts many reservations of one client with one batch of ABORTs.

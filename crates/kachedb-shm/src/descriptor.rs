@@ -7,8 +7,9 @@
 //! The layout is the wire contract of `docs/PROTOCOL.md`, and each of its
 //! rules is written here once: the RESERVE page offset
 //! ([`page_offset_is_valid`], [`page_offset_of`]), a tensor's byte length
-//! ([`Shape::len_bytes`], [`Shape::check_len`]), the COMMIT parent
-//! ([`COMMIT_HAS_PARENT`]). Everything read from shared
+//! ([`Shape::len_bytes`], [`Shape::check_len`]), what a COMMIT's key fields
+//! name ([`COMMIT_HAS_PARENT`], [`COMMIT_NAMES_KEY`], in `commit_flags`).
+//! Everything read from shared
 //! memory is untrusted: decoding never panics and never indexes with an
 //! unchecked value.
 
@@ -43,9 +44,17 @@ pub fn page_offset_of(addr: *const u8) -> u64 {
 /// COMMIT flag (the frame's `offset` field): the key fields carry the
 /// committed block's **parent**, the block that precedes it in a prefix chain
 /// (`docs/PROTOCOL.md`, "COMMIT and the parent"; `docs/eviction.md`). Without
-/// it the key fields of a COMMIT are ignored (old clients send zero there).
-/// Any other bit of a COMMIT's `offset` makes the frame invalid.
+/// it (and without [`COMMIT_NAMES_KEY`]) the key fields of a COMMIT are
+/// ignored (old clients send zero there). Any other bit of a COMMIT's `offset`,
+/// or both flags at once, makes the frame invalid.
 pub const COMMIT_HAS_PARENT: u64 = 1;
+
+/// COMMIT flag (the frame's `offset` field): the key fields carry the key the
+/// block is committed under, in place of the key it was reserved with
+/// (`docs/PROTOCOL.md`, "COMMIT and the key"): a writer that must place its
+/// bytes before it knows their key reserves with any key and names the real
+/// one here. Decoded as [`Request::CommitAs`]; such a block has no parent.
+pub const COMMIT_NAMES_KEY: u64 = 2;
 
 /// One ring slot: 64 bytes, plain old data, every bit pattern valid.
 #[repr(C)]
@@ -365,8 +374,9 @@ pub enum DecodeError {
     /// RESERVE: the wanted page offset fails [`page_offset_is_valid`].
     #[error("page offset {0} is not a multiple of {PAGE_OFFSET_ALIGN} below {PAGE_LEN}")]
     BadPageOffset(u64),
-    /// COMMIT: the `offset` field holds bits other than [`COMMIT_HAS_PARENT`].
-    #[error("COMMIT flags {0:#x} hold bits other than COMMIT_HAS_PARENT (1)")]
+    /// COMMIT: the `offset` field is neither 0, [`COMMIT_HAS_PARENT`] nor
+    /// [`COMMIT_NAMES_KEY`].
+    #[error("COMMIT flags {0:#x} are not 0, COMMIT_HAS_PARENT (1) or COMMIT_NAMES_KEY (2)")]
     BadCommitFlags(u64),
     /// A request carried a non-zero status.
     #[error("request frames must carry status 0, got {0}")]
@@ -406,6 +416,16 @@ pub enum Request {
         handle: u64,
         /// As for [`Request::Commit`].
         parent: Option<u128>,
+    },
+    /// COMMIT (`pin`: COMMIT_PIN) a reservation under `key`, whatever key it
+    /// was reserved with ([`COMMIT_NAMES_KEY`]); without a parent.
+    CommitAs {
+        /// Reservation handle.
+        handle: u64,
+        /// The key the block becomes visible under.
+        key: u128,
+        /// COMMIT_PIN (the answer carries a pin) rather than COMMIT.
+        pin: bool,
     },
     /// ABORT a reservation.
     Abort {
@@ -475,14 +495,19 @@ impl Op {
     }
 }
 
-/// The parent a COMMIT or COMMIT_PIN frame names: its key fields with
-/// [`COMMIT_HAS_PARENT`] in `offset`, none with 0; other bits are invalid.
-fn commit_parent(d: &TensorBlockDescriptor) -> Result<Option<u128>, DecodeError> {
-    match d.offset {
-        0 => Ok(None),
-        COMMIT_HAS_PARENT => Ok(Some(d.key())),
-        flags => Err(DecodeError::BadCommitFlags(flags)),
-    }
+/// A COMMIT or COMMIT_PIN frame (`pin`) as the request it is: the one place
+/// its flags are read. `offset` 0: the key fields are ignored;
+/// [`COMMIT_HAS_PARENT`]: they name the parent; [`COMMIT_NAMES_KEY`]: the
+/// key to commit under ([`Request::CommitAs`]); anything else is invalid.
+fn commit_request(d: &TensorBlockDescriptor, pin: bool) -> Result<Request, DecodeError> {
+    let handle = d.handle;
+    let parent = match d.offset {
+        0 => None,
+        COMMIT_HAS_PARENT => Some(d.key()),
+        COMMIT_NAMES_KEY => return Ok(Request::CommitAs { handle, key: d.key(), pin }),
+        flags => return Err(DecodeError::BadCommitFlags(flags)),
+    };
+    Ok(if pin { Request::CommitPin { handle, parent } } else { Request::Commit { handle, parent } })
 }
 
 impl Request {
@@ -510,7 +535,8 @@ impl Request {
             Request::Ping => Op::Ping,
             Request::Reserve { .. } => Op::Reserve,
             Request::Commit { .. } => Op::Commit,
-            Request::CommitPin { .. } => Op::CommitPin,
+            Request::CommitPin { .. } | Request::CommitAs { pin: true, .. } => Op::CommitPin,
+            Request::CommitAs { pin: false, .. } => Op::Commit,
             Request::Abort { .. } => Op::Abort,
             Request::Get { .. } => Op::Get,
             Request::Release { .. } => Op::Release,
@@ -534,8 +560,8 @@ impl Request {
                 let (dtype, shape) = checked_dims(d)?;
                 Request::reserve(key, dtype, shape, d.offset)?
             }
-            Op::Commit => Request::Commit { handle: d.handle, parent: commit_parent(d)? },
-            Op::CommitPin => Request::CommitPin { handle: d.handle, parent: commit_parent(d)? },
+            Op::Commit => commit_request(d, false)?,
+            Op::CommitPin => commit_request(d, true)?,
             Op::Abort => Request::Abort { handle: d.handle },
             Op::Get => Request::Get { key },
             Op::Release => Request::Release { handle: d.handle },
@@ -565,6 +591,11 @@ impl Request {
                     d.set_key(parent);
                     d.offset = COMMIT_HAS_PARENT;
                 }
+            }
+            Request::CommitAs { handle, key, pin: _ } => {
+                d.handle = handle;
+                d.set_key(key);
+                d.offset = COMMIT_NAMES_KEY;
             }
             Request::Abort { handle } | Request::Release { handle } => d.handle = handle,
             Request::Get { key } | Request::Lookup { key } | Request::Delete { key } => d.set_key(key),
@@ -751,6 +782,8 @@ mod tests {
             Request::Commit { handle: 1 << 62 | 9, parent: Some(u128::MAX) },
             Request::CommitPin { handle: 1 << 62 | 10, parent: None },
             Request::CommitPin { handle: 1 << 62 | 11, parent: Some(5) },
+            Request::CommitAs { handle: 1 << 62 | 12, key, pin: false },
+            Request::CommitAs { handle: 1 << 62 | 13, key: 0, pin: true },
             Request::Abort { handle: u64::MAX },
             Request::Get { key },
             Request::Release { handle: 2 << 62 },
@@ -775,7 +808,12 @@ mod tests {
         assert_eq!(Request::decode(&d), Ok(Request::Commit { handle: 5, parent: None }));
         d.offset = COMMIT_HAS_PARENT;
         assert_eq!(Request::decode(&d), Ok(Request::Commit { handle: 5, parent: Some(77) }));
-        for flags in [2, 3, 1 << 63] {
+        d.offset = COMMIT_NAMES_KEY;
+        assert_eq!(Request::decode(&d), Ok(Request::CommitAs { handle: 5, key: 77, pin: false }));
+        d.op = Op::CommitPin as u8;
+        assert_eq!(Request::decode(&d), Ok(Request::CommitAs { handle: 5, key: 77, pin: true }));
+        // Both flags (a parent and a key: one key field) or an unknown bit: invalid.
+        for flags in [3, 4, 6, 1 << 63] {
             d.offset = flags;
             assert_eq!(Request::decode(&d), Err(DecodeError::BadCommitFlags(flags)));
         }

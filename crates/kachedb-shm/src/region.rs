@@ -21,7 +21,7 @@ use std::sync::Arc;
 /// First bytes of every region.
 pub const MAGIC: [u8; 8] = *b"KACHEDB\0";
 /// Bumped on any change to this layout or to `docs/PROTOCOL.md`.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 /// Page size the layout aligns to.
 pub use crate::descriptor::PAGE_LEN;
 /// The megaslab starts on a 2 MiB boundary.

@@ -109,6 +109,11 @@ fn check_request(f: &TensorBlockDescriptor) {
                         assert_eq!(parent, f.key());
                     }
                 }
+                Request::CommitAs { handle, key, pin } => {
+                    assert_eq!(op, if pin { Op::CommitPin } else { Op::Commit });
+                    assert_eq!((handle, key), (f.handle, f.key()));
+                    assert_eq!(f.offset, kachedb_shm::COMMIT_NAMES_KEY);
+                }
                 Request::Abort { handle } | Request::Release { handle } => {
                     assert!(matches!(op, Op::Abort | Op::Release));
                     assert_eq!(handle, f.handle);
@@ -144,7 +149,9 @@ fn check_request(f: &TensorBlockDescriptor) {
                 assert!(
                     (f.op == Op::Commit as u8 || f.op == Op::CommitPin as u8)
                         && flags == f.offset
-                        && flags & !kachedb_shm::COMMIT_HAS_PARENT != 0
+                        && flags != kachedb_shm::COMMIT_HAS_PARENT
+                        && flags != kachedb_shm::COMMIT_NAMES_KEY
+                        && flags != 0
                 )
             }
         },
@@ -254,6 +261,8 @@ proptest! {
                 prop_assume!(r.is_ok());
                 r.unwrap()
             }
+            Op::Commit if page % 3 == 2 => Request::CommitAs { handle, key, pin: false },
+            Op::CommitPin if page % 3 == 2 => Request::CommitAs { handle, key, pin: true },
             Op::Commit => Request::Commit { handle, parent: (page % 2 == 1).then_some(key) },
             Op::CommitPin => Request::CommitPin { handle, parent: (page % 2 == 1).then_some(key) },
             Op::Abort => Request::Abort { handle },
@@ -268,11 +277,13 @@ proptest! {
         prop_assert_eq!((f.op, f.status, f.request_id), (op as u8, 0, request_id));
         prop_assert_eq!(Request::decode(&f), Ok(r));
         if !matches!(op, Op::Reserve) {
-            // A COMMIT's or COMMIT_PIN's `offset` holds its flags: COMMIT_HAS_PARENT exactly when it names a parent.
+            // A COMMIT's or COMMIT_PIN's `offset` holds its flags: COMMIT_HAS_PARENT exactly when it
+            // names a parent, COMMIT_NAMES_KEY exactly when it names the key to commit under.
             let flags = match r {
                 Request::Commit { parent: Some(_), .. } | Request::CommitPin { parent: Some(_), .. } => {
                     kachedb_shm::COMMIT_HAS_PARENT
                 }
+                Request::CommitAs { .. } => kachedb_shm::COMMIT_NAMES_KEY,
                 _ => 0,
             };
             prop_assert_eq!((f.dtype, f.ndim, f.shape, f.offset), (0, 0, [0; MAX_DIMS], flags));

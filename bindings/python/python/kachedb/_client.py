@@ -200,8 +200,18 @@ class _Pending:
     _native: Any
     _done: bool
     out: Any
+    #: made with no key (``Client.reserve(None, ...)``): committed only under a
+    #: key given then; leaving ``with`` without one aborts it
+    _keyless: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """Whether it was committed or aborted (by this object)."""
+        return self._done
 
     def commit(self) -> None:
+        if self._keyless:
+            raise InvalidArgument("a reservation made without a key is committed with commit_as(key)")
         self._done = True
         self._native.commit()
 
@@ -215,7 +225,7 @@ class _Pending:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._done:
             return
-        if exc_type is None:
+        if exc_type is None and not self._keyless:
             self.commit()
         else:
             self.abort()
@@ -237,17 +247,26 @@ class Reservation(_Pending):
 
     _no_out: Any = None
 
-    def __init__(self, native: Any, code: int, shape: tuple, as_numpy: bool) -> None:
+    def __init__(self, native: Any, code: int, shape: tuple, as_numpy: bool, keyless: bool = False) -> None:
         self._native = native
         buf = native.buffer()
         if as_numpy:
             self.out = numpy_from_dlpack(buf, code, shape, writeable=True)
         else:
             self.out = torch_from_dlpack(buf, code, shape)
+        self._keyless = keyless
         self._done = False
 
     def __enter__(self) -> Any:
         return self.out
+
+    def commit_as(self, key: KeyLike) -> None:
+        """Commits the block under ``key``, whatever key it was reserved with
+        (docs/PROTOCOL.md, "COMMIT and the key"); it has no parent. Pinned
+        (COMMIT_PIN) while ``out`` or a tensor made from it lives, as
+        ``commit``. ``Client.commit_as`` does this for many in one batch."""
+        self._done = True
+        self._native.commit(key)
 
 
 class Reservations(_Pending):
@@ -418,19 +437,62 @@ class Client:
         self._check().put_many_values(keys, values, _torch_codes(), _batch_source, parents)
 
     def reserve(
-        self, key: KeyLike, shape: ShapeLike, dtype: Any, *, parent: Optional[KeyLike] = None
+        self, key: Optional[KeyLike], shape: ShapeLike, dtype: Any, *, parent: Optional[KeyLike] = None
     ) -> Reservation:
         """Reserves a block to be written in place: ``with kc.reserve(k, shape,
         torch.float16) as out: out.copy_(src)``. ``out`` is a torch tensor, or a
         numpy array when ``dtype`` is a numpy dtype. Invisible to readers until
         committed (normal exit of ``with``); aborted if the block raises.
-        ``parent`` as for ``put`` (named when the block is committed)."""
+        ``parent`` as for ``put`` (named when the block is committed).
+
+        ``key=None``: the key is not known yet; the block is committed with
+        ``Reservation.commit_as(key)`` or ``Client.commit_as`` once it is
+        (no parent then), and leaving ``with`` without that aborts it."""
         native = self._check()
         dims = check_shape(shape)
         code = dtype_code(dtype)
         as_numpy = not is_torch_dtype(dtype) and not isinstance(dtype, str)
-        r = native.reserve(key, code, list(dims), parent)
-        return Reservation(r, code, dims, as_numpy)
+        if key is None and parent is not None:
+            raise InvalidArgument("a reservation without a key has no parent (a block committed under a key named at commit has none)")
+        r = native.reserve(0 if key is None else key, code, list(dims), parent)
+        return Reservation(r, code, dims, as_numpy, keyless=key is None)
+
+    def reserve_each(self, count: int, shape: ShapeLike, dtype: Any) -> List[Reservation]:
+        """``count`` reservations of ``shape`` and ``dtype`` (torch) made
+        without a key, in one batch (all or nothing), each finished on its own:
+        ``commit_as`` names their keys (one batch for many), ``abort`` or
+        dropping one gives it back."""
+        native = self._check()
+        dims = check_shape(shape)
+        if not is_torch_dtype(dtype) and not isinstance(dtype, str):
+            raise TypeError(f"reserve_each yields torch tensors: pass a torch dtype or a dtype name, not {dtype!r}")
+        if count < 0:
+            raise InvalidArgument(f"count must be >= 0, not {count}")
+        code = dtype_code(dtype)
+        return [Reservation(r, code, dims, False, keyless=True) for r in native.reserve_each(count, code, list(dims))]
+
+    def commit_as(self, reservations: Sequence[Reservation], keys: Sequence[KeyLike]) -> List[bool]:
+        """Commits reservations of this client (from separate ``reserve``
+        calls, ``key=None`` ones included) in one batch, each under its key in
+        ``keys``, the key it was reserved with set aside; each is pinned while
+        its ``out`` or a tensor made from it lives (COMMIT_PIN). One bool per
+        reservation: committed, or refused by the daemon (it then stays
+        reserved until its tensors go, and is aborted); ``Disconnected`` when
+        the daemon is gone. ``InvalidArgument`` (nothing committed) if one is
+        not open or the counts differ."""
+        self._check()
+        reservations = list(reservations)
+        if any(not isinstance(r, Reservation) or r._done for r in reservations):
+            raise InvalidArgument("commit_as takes open reservations of Client.reserve")
+        natives, keys = [r._native for r in reservations], list(keys)
+        if len(keys) != len(natives):
+            raise InvalidArgument(f"{len(keys)} keys to commit {len(natives)} reservations under")
+        try:
+            return _native.commit_reservations(natives, keys)
+        finally:
+            # Committed or handed to the native side (aborted with their tensors).
+            for r in reservations:
+                r._done = True
 
     def reserve_many(
         self,

@@ -82,6 +82,8 @@ class NativeClient:
         """Copies ``nbytes`` at ``address`` into a new block (by several threads for
         large blocks), naming the key ``parent`` as the block it follows. The
         caller keeps the source alive and unmodified during the call."""
+    def reserve_each(self, count: int, code: int, dims: Sequence[int]) -> List[NativeReservation]:
+        """``count`` reservations of key 0 in one batch, each finished on its own."""
     def reserve(self, key: Any, code: int, dims: Sequence[int], parent: Optional[Any] = None) -> NativeReservation:
         """Reserves a block; the key ``parent`` is named at its COMMIT."""
     def get(self, key: Any) -> Optional[NativeBlock]:
@@ -154,7 +156,8 @@ class NativeReservation:
     def buffer(self) -> DLPackBuffer:
         """A writable DLPack exporter of the reserved bytes (write before commit;
         ``.typed(code, shape)`` exports them as the block)."""
-    def commit(self) -> None: ...
+    def commit(self, key: Optional[Any] = None) -> None:
+        """Commits (under ``key``, in place of the reserved key, when given)."""
     def abort(self) -> None: ...
 
 class NativeReservations:
@@ -170,6 +173,11 @@ class NativeReservations:
 
 def default_socket_path(instance: int = 0) -> str:
     """The default control socket path of ``instance`` (``$KACHEDB_SOCKET`` for 0)."""
+
+def commit_reservations(reservations: Sequence[NativeReservation], keys: Sequence[Any]) -> List[bool]:
+    """Commits open reservations of one client in one batch, each under its key
+    (COMMIT_PIN with COMMIT_NAMES_KEY; the pin goes with the last tensor):
+    one bool per reservation, whether it was committed."""
 
 def key_of(key: Union[bytes, bytearray, memoryview, str, int]) -> int:
     """The 128-bit key ``key`` is stored under (docs/PROTOCOL.md, "Keys")."""

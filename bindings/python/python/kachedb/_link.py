@@ -169,6 +169,12 @@ class DaemonLink:
         self._off(why, -1)  # an outage seen now: the scope's current epoch
         return None
 
+    def current(self) -> Any:
+        """The client if connected now, else ``None``, never trying to connect
+        (for a caller on an engine's critical path)."""
+        kc = self._kc
+        return kc if kc is not None and self._pid == os.getpid() else None
+
     def failed(self, exc: BaseException) -> None:
         """An operation raised ``Disconnected``: the tier goes off until the next
         try, ``retry_s`` from now."""

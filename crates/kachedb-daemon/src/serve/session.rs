@@ -246,10 +246,16 @@ pub(super) fn serve_channel(
     for (i, frame) in req[..n].iter().enumerate() {
         counters.ops += 1;
         let c = match Request::decode(frame) {
-            Ok(r @ (Request::Commit { handle, parent } | Request::CommitPin { handle, parent }))
+            Ok(r @ (Request::Commit { .. } | Request::CommitPin { .. } | Request::CommitAs { .. }))
                 if !waits.is_empty() || !tiers.is_empty() =>
             {
-                let key = store.reservation_key(s.session, handle);
+                let (key, parent) = match r {
+                    Request::Commit { handle, parent } | Request::CommitPin { handle, parent } => {
+                        (store.reservation_key(s.session, handle), parent)
+                    }
+                    Request::CommitAs { key, .. } => (Some(key), None),
+                    _ => (None, None),
+                };
                 let c = store.handle(s.session, frame.request_id, &r);
                 if let (Some(key), Status::Ok) = (key, c.status) {
                     if !waits.is_empty() {

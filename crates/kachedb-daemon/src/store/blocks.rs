@@ -111,6 +111,28 @@ impl Store {
         self.get(s, key)
     }
 
+    /// COMMIT (`pin`: COMMIT_PIN) of session `s`'s reservation `handle` under
+    /// `key`, the key it was reserved with set aside (`COMMIT_NAMES_KEY`):
+    /// from here on exactly a COMMIT (COMMIT_PIN) of a reservation made
+    /// with `key`, without a parent. An unknown or finished handle is
+    /// `BAD_HANDLE` and changes nothing; an OUT_OF_MEMORY (no pin slot)
+    /// leaves the reservation open under its old key.
+    pub(super) fn commit_as(&mut self, s: SessionId, handle: u64, key: u128, pin: bool) -> Result<Reply, Status> {
+        let index = self.own_reservation(s, handle)?;
+        if pin && self.free_pin_slots.is_empty() && self.pin_slots.len() >= MAX_SLOTS {
+            return Err(Status::OutOfMemory);
+        }
+        match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Reserved { tensor, .. }) => tensor.key = key,
+            _ => return Err(Status::Internal),
+        }
+        if pin {
+            self.commit_pin(s, handle, None)
+        } else {
+            self.commit(s, handle, None)
+        }
+    }
+
     pub(super) fn abort(&mut self, s: SessionId, handle: u64) -> Result<Reply, Status> {
         let index = self.own_reservation(s, handle)?;
         if let Some(session) = self.sessions.get_mut(&s) {

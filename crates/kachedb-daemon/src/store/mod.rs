@@ -280,6 +280,7 @@ impl Store {
                 }
                 Request::Commit { handle, parent } => self.commit(s, handle, parent),
                 Request::CommitPin { handle, parent } => self.commit_pin(s, handle, parent),
+                Request::CommitAs { handle, key, pin } => self.commit_as(s, handle, key, pin),
                 Request::Abort { handle } => self.abort(s, handle),
                 // A WAIT is a GET here; the serve loop parks it while NOT_FOUND.
                 Request::Get { key } => {

@@ -52,6 +52,7 @@ pub fn check_decode(bytes: &[u8]) -> Result<(), String> {
             }
             Request::Commit { handle, .. }
             | Request::CommitPin { handle, .. }
+            | Request::CommitAs { handle, .. }
             | Request::Abort { handle }
             | Request::Release { handle }
                 if handle != d.handle =>
@@ -244,12 +245,15 @@ pub fn run_frames(data: &[u8]) -> Result<Figures, String> {
                 }
                 issued.push(c.handle);
             }
-            Request::Commit { handle, .. } | Request::Abort { handle } | Request::CommitPin { handle, .. } => {
+            Request::Commit { handle, .. }
+            | Request::Abort { handle }
+            | Request::CommitPin { handle, .. }
+            | Request::CommitAs { handle, .. } => {
                 let own = reservations.get(&handle).is_some_and(|(owner, _)| *owner == i);
                 match (own, c.status) {
                     (true, Status::Ok) => {
                         let (_, reserved) = reservations.remove(&handle).unwrap_or((i, (0, 0)));
-                        if matches!(req, Request::CommitPin { .. }) {
+                        if matches!(req, Request::CommitPin { .. } | Request::CommitAs { pin: true, .. }) {
                             let Some((_, _, len)) = c.tensor else {
                                 return Err(format!("COMMIT_PIN OK without a tensor: {c:?}"));
                             };

@@ -13,9 +13,12 @@ partial last chunk needs no side metadata. Keys: ``keys.chunk_key``.
 
 The operations map onto the store as follows: ``exists``/``exists_sync`` and the
 leading-prefix counts (``batched_contains``, ``batched_async_contains``) are one
-LOOKUP; ``put``/``batched_put`` are one ``put_many`` (one RESERVE batch, the
-copies, one COMMIT batch; chunks already present at the head of the batch are
-skipped); ``get``/``batched_get``/``batched_get_non_blocking`` are one
+LOOKUP; ``put``/``batched_put`` commit the chunks whose ``MemoryObj`` is a
+reservation in the daemon's region (``region.RegionAllocator``, LMCache's chunk
+allocator while this connector runs) under their keys in one batch, with no
+copy, and store the others with one ``put_many`` (one RESERVE batch, the copies,
+one COMMIT batch; chunks already present at the head of the batch are skipped);
+``get``/``batched_get``/``batched_get_non_blocking`` are one
 ``get_prefix`` (lookup-and-pin of the leading present chunks), each chunk
 returned as a ``MemoryObj`` that is its view of shared memory (``views.ViewPins``:
 no copy; the block stays pinned while LMCache holds the object, within
@@ -56,6 +59,7 @@ from .._link import DaemonLink, engine_tenant
 from ._stats import COUNTERS
 from .config import PLUGIN_TYPE, option_key, resolve_socket
 from .keys import chunk_key, namespace_digest, namespace_fields
+from .region import RegionAllocator
 from .views import ViewPins
 
 logger = logging.getLogger("kachedb.lmcache")
@@ -137,6 +141,16 @@ class KacheDBConnector(RemoteConnector):
         # A daemon that does not answer now fails the build: LMCache logs it and
         # serves from its other tiers (and retries the connection later).
         self._link.connect()
+        # Chunks LMCache stores are allocated in the daemon's region, so a
+        # store commits them in place (region.py); on the same terms as views.
+        self.region: Optional[RegionAllocator] = None
+        if self.views is not None and local_cpu_backend is not None:
+            current = local_cpu_backend.memory_allocator
+            original = current.original if isinstance(current, RegionAllocator) else current
+            self.region = RegionAllocator(
+                original, self._link.current, self._fits_alloc, self.views, lambda: self.full_chunk_size_bytes
+            )
+            local_cpu_backend.memory_allocator = self.region
         logger.info(
             "KacheDB tier %s on %s (namespace %s, %d bytes per full chunk)",
             self.plugin_name,
@@ -190,16 +204,24 @@ class KacheDBConnector(RemoteConnector):
     def _fits_layout(self, obj: MemoryObj) -> bool:
         """Whether ``obj`` is laid out as this engine's chunks are now (format,
         dtypes, shapes but for the token count)."""
-        if obj.get_memory_format() != self.meta_fmt:
-            return False
         try:
             shapes, dtypes = list(obj.get_shapes()), list(obj.get_dtypes())
         except (AssertionError, AttributeError):
-            return obj.get_size() % self.single_token_size == 0 and obj.get_size() <= self.full_chunk_size_bytes
-        if dtypes != list(self.meta_dtypes) or len(shapes) != len(self.meta_shapes):
+            return (
+                obj.get_memory_format() == self.meta_fmt
+                and obj.get_size() % self.single_token_size == 0
+                and obj.get_size() <= self.full_chunk_size_bytes
+            )
+        return self._fits_alloc(shapes, dtypes, obj.get_memory_format())
+
+    def _fits_alloc(self, shapes: Sequence[Any], dtypes: Sequence[Any], fmt: MemoryFormat) -> bool:
+        """Whether a chunk of ``shapes``, ``dtypes`` and ``fmt`` is laid out as
+        this engine's chunks are now (the token count, dimension 2, is the
+        chunk's own; the rest is the layout)."""
+        self._refresh_layout()
+        if fmt != self.meta_fmt or list(dtypes) != list(self.meta_dtypes) or len(shapes) != len(self.meta_shapes):
             return False
         for got, want in zip(shapes, self.meta_shapes):
-            # the token count (dimension 2) is the chunk's own; the rest is the layout
             if len(got) != len(want) or any(g != w for i, (g, w) in enumerate(zip(got, want)) if i != 2):
                 return False
         return True
@@ -292,7 +314,14 @@ class KacheDBConnector(RemoteConnector):
                 return obj
             COUNTERS["loaded_copies_over_budget"] += 1
         # No busy wait: this runs on LMCache's event loop, which frees memory too.
-        obj = self.local_cpu_backend.allocate(shapes, self.meta_dtypes, self.meta_fmt, eviction=True, busy_loop=False)
+        # (LMCache's own memory: the chunk is in the daemon already.)
+        if self.region is not None:
+            with self.region.bypass():
+                obj = self.local_cpu_backend.allocate(
+                    shapes, self.meta_dtypes, self.meta_fmt, eviction=True, busy_loop=False
+                )
+        else:
+            obj = self.local_cpu_backend.allocate(shapes, self.meta_dtypes, self.meta_fmt, eviction=True, busy_loop=False)
         if obj is None:
             COUNTERS["alloc_failed"] += 1
             _log_once("alloc", "LMCache's local CPU backend has no room for a KacheDB chunk: a miss")
@@ -331,31 +360,59 @@ class KacheDBConnector(RemoteConnector):
                     getattr(obj.metadata, "shapes", None) or obj.get_shape(),
                 )
                 continue
-            items.append((self.daemon_key(k), obj))
+            items.append((self.daemon_key(k), obj, k))
         if not items:
             return
+        region = self.region
+        in_place = [x for x in items if region is not None and region.owns_open(x[1])]
+        copied = [x[:2] for x in items if region is None or not region.owns_open(x[1])]
         try:
-            # Chunks chain over the prompt: the head of the batch present in the
-            # daemon (stored by this or another engine) is not copied again.
-            present = int(kc.lookup([k for k, _ in items]))
-            if present:
-                COUNTERS["store_skipped_present"] += present
-                items = items[present:]
-            if not items:
-                return
-            values = [_bytes_of(obj) for _, obj in items]
-            kc.put_many([k for k, _ in items], values)
+            if in_place:
+                self._commit_in_place(kc, in_place)
+            if copied:
+                self._put_copies(kc, copied)
         except (kachedb.OutOfMemory, kachedb.TooLarge) as e:
             COUNTERS["store_skipped_full"] += len(items)
             _log_once("full", "KacheDB store full (%s): skipping stores until there is room", e)
-            return
         except kachedb.Disconnected as e:
             self._link.failed(e)
-            return
         except kachedb.KacheDBError as e:
             COUNTERS["store_errors"] += 1
             _log_once("store_error", "KacheDB store failed (%s): skipped", e)
+
+    def _commit_in_place(self, kc: Any, items: Sequence[Any]) -> None:
+        """Stores chunks whose ``MemoryObj``s are reservations in the region
+        (``RegionAllocator``): one batch of COMMIT_PINs naming their keys, no
+        copy. A chunk already in the daemon is committed all the same (the
+        newer block replaces the older one of its key, which its readers keep
+        while they hold it): that costs no copy, where looking it up first
+        would cost a round trip."""
+        assert self.region is not None
+        ok = self.region.commit_objects(kc, [o for _, o, _ in items], [k for k, _, _ in items], [c for _, _, c in items])
+        n = sum(ok)
+        if n < len(ok):
+            COUNTERS["store_skipped_full"] += len(ok) - n
+            _log_once("commit", "KacheDB refused %d in-place commits: those chunks are not stored", len(ok) - n)
+        if n:
+            COUNTERS["store_batches"] += 1
+            COUNTERS["stored_chunks"] += n
+            COUNTERS["stored_in_place"] += n
+            COUNTERS["stored_bytes"] += sum(o.get_size() for (_, o, _), good in zip(items, ok) if good)
+        # The next store's chunks, reserved now (this is LMCache's event loop, not its store path).
+        self.region.refill(kc)
+
+    def _put_copies(self, kc: Any, items: Sequence[Any]) -> None:
+        """Stores chunks in LMCache's own memory: one ``put_many`` (a copy each)."""
+        # Chunks chain over the prompt: the head of the batch present in the
+        # daemon (stored by this or another engine) is not copied again.
+        present = int(kc.lookup([k for k, _ in items]))
+        if present:
+            COUNTERS["store_skipped_present"] += present
+            items = items[present:]
+        if not items:
             return
+        values = [_bytes_of(obj) for _, obj in items]
+        kc.put_many([k for k, _ in items], values)
         COUNTERS["store_batches"] += 1
         COUNTERS["stored_chunks"] += len(values)
         COUNTERS["stored_bytes"] += sum(len(v) for v in values)
@@ -379,6 +436,8 @@ class KacheDBConnector(RemoteConnector):
         raise NotImplementedError("KacheDB keys are 128-bit hashes: the daemon cannot list LMCache keys")
 
     async def close(self) -> None:
+        if self.region is not None:
+            self.region.drain()
         self._link.close()
 
     def support_ping(self) -> bool:

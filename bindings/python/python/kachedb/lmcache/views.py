@@ -10,12 +10,16 @@ object; ``ViewPins`` is the object's parent allocator, and LMCache's ``free``
 LMCache writes a chunk got from a remote tier back into its local CPU tier
 (``StorageManager.batched_get``), where it stays until LMCache evicts it. Those
 objects hold pins without using the local tier's memory, so LMCache's own
-eviction (driven by that memory) does not bound them: ``ViewPins`` does. The
-bytes of live view objects stay within ``max_bytes``; to make room it drops the
-oldest ones that only the local CPU tier holds (``LocalCPUBackend.remove``, as
-any external removal; the chunk stays in the daemon, where a later lookup finds
-it), and when nothing can be dropped the caller copies the chunk into the local
-CPU tier's own memory instead (``wrap`` returns ``None``).
+eviction (driven by that memory) does not bound them: ``ViewPins`` does, for
+them and for the chunks LMCache stores in the region (``region.py``), which
+share its budget (``take``/``give``). The bytes of live view and region objects
+stay within ``max_bytes``; to make room it drops the oldest ones that only the
+local CPU tier holds and the daemon has (views, and stored chunks once
+committed: ``track``) with ``LocalCPUBackend.remove``, as any external removal
+(the chunk stays in the daemon, where a later lookup finds it), and when
+nothing can be dropped the caller copies the chunk into the local CPU tier's
+own memory instead (``wrap`` returns ``None``; the region allocator hands the
+chunk to LMCache's own allocator).
 
 The objects are read-only by contract, as every KacheDB view: LMCache reads a
 retrieved chunk (into the KV cache, or to serialise it for another tier) and
@@ -45,9 +49,11 @@ class ViewPins:
         self.max_bytes = int(max_bytes)
         self.local_cpu_backend = local_cpu_backend
         self._lock = threading.Lock()
-        # id(obj) -> (key, weak reference to obj, bytes), oldest first; an entry
-        # leaves in ``free`` (weak: an object LMCache loses without freeing it is
-        # still collected, and its ``__del__`` frees it)
+        # id(obj) -> (key, weak reference to obj, bytes) of the objects that may
+        # be dropped, oldest first: views (``wrap``) and committed region objects
+        # (``track``); an entry leaves when the object is freed (weak: an object
+        # LMCache loses without freeing it is still collected, and its
+        # ``__del__`` frees it)
         self._live: "OrderedDict[int, Tuple[CacheEngineKey, Any, int]]" = OrderedDict()
         self._bytes = 0
         #: objects made, objects freed, objects dropped from LMCache's local tier to make room
@@ -57,7 +63,8 @@ class ViewPins:
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of the view objects alive now (their blocks pinned)."""
+        """Bytes of the view and region objects alive now (their blocks pinned
+        or reserved)."""
         with self._lock:
             return self._bytes
 
@@ -82,7 +89,7 @@ class ViewPins:
         if nbytes > self.max_bytes:
             return None
         if not self._reserve(nbytes):
-            self._drop_oldest(nbytes)
+            self.make_room(nbytes)
             if not self._reserve(nbytes):
                 return None
         shapes, dtypes = list(shapes), list(dtypes)
@@ -95,6 +102,16 @@ class ViewPins:
             self.made += 1
         return obj
 
+    def take(self, nbytes: int) -> bool:
+        """Takes ``nbytes`` of the budget for an object made elsewhere (the
+        ``RegionAllocator``'s chunks share it); ``False`` if they do not fit."""
+        return self._reserve(nbytes)
+
+    def give(self, nbytes: int) -> None:
+        """Gives back what ``take`` took."""
+        with self._lock:
+            self._bytes -= nbytes
+
     def _reserve(self, nbytes: int) -> bool:
         with self._lock:
             if self._bytes + nbytes > self.max_bytes:
@@ -102,10 +119,21 @@ class ViewPins:
             self._bytes += nbytes
             return True
 
-    def _drop_oldest(self, nbytes: int) -> None:
-        """Asks LMCache's local CPU tier to drop its oldest view objects that
-        nothing else holds (one reference, no LMCache pin) until ``nbytes`` more
-        would fit. Their ``free`` gives the room back."""
+    def track(self, key: CacheEngineKey, obj: Any, nbytes: int) -> None:
+        """Registers a region object committed under ``key`` (its bytes taken
+        with ``take``) as one ``make_room`` may drop; ``forget`` when it is freed."""
+        with self._lock:
+            self._live[id(obj)] = (key, weakref.ref(obj), nbytes)
+
+    def forget(self, obj: Any) -> None:
+        """Unregisters what ``track`` registered (no bytes given back)."""
+        with self._lock:
+            self._live.pop(id(obj), None)
+
+    def make_room(self, nbytes: int) -> None:
+        """Asks LMCache's local CPU tier to drop its oldest registered objects
+        that nothing else holds (one reference, no LMCache pin) until ``nbytes``
+        more would fit. Their ``free`` gives the room back."""
         with self._lock:
             need = self._bytes + nbytes - self.max_bytes
             candidates: List[Tuple[CacheEngineKey, Any, int]] = list(self._live.values())
