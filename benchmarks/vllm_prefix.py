@@ -16,9 +16,9 @@ Three engine processes, each fresh, on one daemon (the real binary) and one mode
    the prompt's blocks), then the same prompt again (in-engine hit with the connector on).
    ``baseline`` and ``writer`` run at the same time and take turns, prompt by prompt
    (the other one idle), so that cold with and without the connector are measured
-   in the same minutes. The prefill runs in chunks of ``--max-batched-tokens``
-   (default 512): the stores of a chunk's blocks are submitted at the next step,
-   inside the cold request.
+   in the same minutes. The connector submits a step's stores when the step
+   ends, before its token is returned: they are inside the cold request's step,
+   and run there (synchronous) or on the worker's store thread (off the step).
 3. ``reader``: KacheDB on, a fresh process. Each prompt's first request: a KacheDB hit
    (the prompt's blocks loaded from the daemon).
 4. ``disk reader`` (``--disk-restart``, the default): the daemon runs with a disk tier
@@ -194,9 +194,8 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--store-mode", default="batched", choices=["batched", "reserve"])
-    ap.add_argument("--max-batched-tokens", type=int, default=512,
-                    help="vLLM's max_num_batched_tokens: a prompt's prefill in chunks of this many tokens, so that "
-                         "the stores of each chunk's blocks fall inside the cold request (default 512)")
+    ap.add_argument("--max-batched-tokens", type=int, default=None,
+                    help="vLLM's max_num_batched_tokens (default: the model length, one prefill step per prompt)")
     ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "kachedb"), help="the daemon binary")
     ap.add_argument("--disk-restart", action=argparse.BooleanOptionalAction, default=True,
                     help="also kill -9 the daemon after the writer stored, restart it on the same --disk DIR and time "
@@ -223,7 +222,7 @@ def main():
     daemon = Daemon(sock, "2GiB", extra, binary=a.bin).start()
     disk = None
     try:
-        common = dict(model=model, max_model_len=max_len, max_batched_tokens=a.max_batched_tokens, prompts=prompts,
+        common = dict(model=model, max_model_len=max_len, max_batched_tokens=a.max_batched_tokens or max_len, prompts=prompts,
                       options={"store_mode": a.store_mode})
         pair = run_in_turns(tmp, [("baseline", dict(common, socket=None, repeat=True)),
                                   ("writer", dict(common, socket=sock, repeat=True))])
