@@ -269,7 +269,7 @@ def main() -> int:
             for r in base_held:
                 r.out.clear()
                 r.abort()
-            del base_held, plan_views
+            base_held.clear()
             baseline_client.close()
             res["daemon_pins_after"] = kdb._link.client().stats()["pins"]
             results[layout] = res
