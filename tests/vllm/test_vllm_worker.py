@@ -121,6 +121,10 @@ def test_shutdown_finishes_the_queued_stores(daemon):
     w.shutdown()
     with kachedb.connect(daemon.socket) as kc:
         assert kc.lookup([spec.daemon_key(k) for k in keys(8, 800)]) == 8
+    assert sorted(r.job_id for r in w.get_finished()) == [0, 1, 2, 3]
+    # a store submitted after shutdown is not left queued: it is reported at once
+    w.submit_store(9, GPULoadStoreSpec([20, 21], [2], [0]), KacheDBLoadStoreSpec(keys(2, 820)))
+    assert [r.job_id for r in w.get_finished()] == [9]
 
 
 def test_missing_block_is_a_failed_load_from_there_on(daemon):

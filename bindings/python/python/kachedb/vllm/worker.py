@@ -141,9 +141,13 @@ class _StoreThread:
 
     def submit(self, job_id: int, src_spec: Any, dst_spec: Any) -> None:
         with self._cv:
-            self._open.add(job_id)
-            self._queue.append((job_id, src_spec, dst_spec, time.perf_counter()))
-            self._cv.notify_all()
+            if not self._closing:
+                self._open.add(job_id)
+                self._queue.append((job_id, src_spec, dst_spec, time.perf_counter()))
+                self._cv.notify_all()
+                return
+        # closed (a store after shutdown): run here, so that it is still reported
+        self._run_one(job_id, src_spec, dst_spec, time.perf_counter())
 
     def busy(self) -> bool:
         with self._cv:
@@ -166,16 +170,19 @@ class _StoreThread:
                 if not self._queue:
                     return
                 job_id, src_spec, dst_spec, started = self._queue.popleft()
-            nbytes = 0
-            try:
-                nbytes = self._run(src_spec, dst_spec)
-            except BaseException as e:  # never lose the thread: the job is reported, as a skipped store
-                COUNTERS["store_errors"] += 1
-                _log_once("store_thread", "KacheDB store failed (%r): skipped", e)
-            self._on_done(job_id, nbytes, started)
+            self._run_one(job_id, src_spec, dst_spec, started)
             with self._cv:
                 self._open.discard(job_id)
                 self._cv.notify_all()
+
+    def _run_one(self, job_id: int, src_spec: Any, dst_spec: Any, started: float) -> None:
+        nbytes = 0
+        try:
+            nbytes = self._run(src_spec, dst_spec)
+        except BaseException as e:  # never lose the thread: the job is reported, as a skipped store
+            COUNTERS["store_errors"] += 1
+            _log_once("store_thread", "KacheDB store failed (%r): skipped", e)
+        self._on_done(job_id, nbytes, started)
 
 
 class KacheDBOffloadingWorker(OffloadingWorker):
