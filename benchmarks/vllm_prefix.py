@@ -223,7 +223,7 @@ def main():
     disk = None
     try:
         common = dict(model=model, max_model_len=max_len, max_batched_tokens=a.max_batched_tokens or max_len, prompts=prompts,
-                      options={"store_mode": a.store_mode})
+                      options={"store_mode": a.store_mode, "store_thread": True})
         pair = run_in_turns(tmp, [("baseline", dict(common, socket=None, repeat=True)),
                                   ("writer", dict(common, socket=sock, repeat=True))])
         base, writer = pair["baseline"], pair["writer"]

@@ -30,10 +30,10 @@ def caches(one_buffer=True):
     return c, layers
 
 
-def worker(sock, c):
+def worker(sock, c, store_thread=False):
     ns = os.urandom(16)
     spec = SimpleNamespace(socket=sock, rank=0, retry_s=0.2, store_mode="batched", stats_file=None,
-                           daemon_key=lambda k, rank=None: ns + bytes(k))
+                           store_thread=store_thread, daemon_key=lambda k, rank=None: ns + bytes(k))
     return KacheDBOffloadingWorker(spec, c), spec
 
 
@@ -50,9 +50,10 @@ def daemon(workdir):
 
 @pytest.mark.parametrize("one_buffer", [True, False])
 @pytest.mark.parametrize("mode", ["batched", "reserve"])
-def test_store_then_load_is_lossless_and_batched(daemon, one_buffer, mode):
+@pytest.mark.parametrize("store_thread", [False, True])
+def test_store_then_load_is_lossless_and_batched(daemon, one_buffer, mode, store_thread):
     c, layers = caches(one_buffer)
-    w, spec = worker(daemon.socket, c)
+    w, spec = worker(daemon.socket, c, store_thread)
     spec.store_mode = mode
     before = dict(_state.COUNTERS)
     n = 16
@@ -77,7 +78,7 @@ def test_store_runs_off_the_step_and_is_reported_once_committed(daemon, monkeypa
     # get_finished does not report the job until they are committed; then the
     # job is reported once and the bytes load back equal.
     c, layers = caches()
-    w, spec = worker(daemon.socket, c)
+    w, spec = worker(daemon.socket, c, store_thread=True)
     gate, reached = threading.Event(), threading.Event()
     reserve_many = kachedb.Client.reserve_many
 
@@ -115,7 +116,7 @@ def test_store_runs_off_the_step_and_is_reported_once_committed(daemon, monkeypa
 
 def test_shutdown_finishes_the_queued_stores(daemon):
     c, layers = caches()
-    w, spec = worker(daemon.socket, c)
+    w, spec = worker(daemon.socket, c, store_thread=True)
     for j in range(4):
         w.submit_store(j, GPULoadStoreSpec([2 * j, 2 * j + 1], [2], [0]), KacheDBLoadStoreSpec(keys(2, 800 + 2 * j)))
     w.shutdown()

@@ -5,10 +5,10 @@ the stock connector lacks (vLLM 0.32):
   which recomputes those blocks (``kv_load_failure_policy="recompute"``); the
   stock connector asserts that every transfer succeeds;
 * a step's stores are submitted when the step ends (``wait_for_save``), not at
-  the start of the next step, so the blocks of a finished ``generate()`` are on
-  their way to the daemon when it returns (committed by the worker's store
-  thread, off the step; ``kachedb.vllm.flush_stores()`` waits for them) and
-  none is dropped at shutdown (vLLM drops stores still deferred then; the
+  the start of the next step, so the blocks of a finished ``generate()`` are in
+  the daemon when it returns (with ``store_thread``: on their way, committed by
+  the worker's store thread off the step; ``kachedb.vllm.flush_stores()`` waits
+  for them) and none is dropped at shutdown (vLLM drops stores still deferred then; the
   worker's shutdown finishes the queued ones);
 * the spec sees the full engine config and the KV-cache config, so the key
   namespace covers the model's config, dtype, load format and hash algorithm,

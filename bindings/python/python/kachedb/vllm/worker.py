@@ -17,11 +17,15 @@ follow it (docs/eviction.md). A load is
 one ``get_prefix`` (lookup-and-pin of the leading present blocks, one round trip)
 whose views are copied straight into the KV cache and then dropped (their pins go
 with them). On vLLM's CPU engine the copies are plain tensor copies, done
-before ``submit_load`` returns; a store runs on the worker's store thread
-(``_StoreThread``: reserve, copy, commit, in submission order, the GIL released
-in the daemon calls and the copies), so ``submit_store`` returns at once and
-the step goes on; ``get_finished`` reports the job once its blocks are
-committed, ``wait`` blocks until then. vLLM leaves the blocks of a store job
+before ``submit_*`` returns, so a block is in the daemon by the time the step
+that stored it returns. With the ``store_thread`` option a store runs on the
+worker's store thread instead (``_StoreThread``: reserve, copy, commit, in
+submission order, the GIL released in the daemon calls and the copies), so
+``submit_store`` returns at once and the step goes on; ``get_finished``
+reports the job once its blocks are committed, ``wait`` blocks until then.
+(Off by default: vLLM learns of a finished store only at its next step, so the
+stores of a request's last step are reported — ``complete_store``, KV events —
+only when the engine steps again.) vLLM leaves the blocks of a store job
 untouched until the job is reported finished: its scheduler frees or reuses
 a stored block only after the job's completion, and flushes a job whose
 blocks it must reuse sooner (preemption) through ``wait`` before the step's
@@ -206,7 +210,8 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         self._failed_jobs: Set[int] = set()
         # ``_finished`` is appended to by the store thread too
         self._finished_lock = threading.Lock()
-        self._stores: Optional[_StoreThread] = None if self.cuda else _StoreThread(self._store_job, self._done)
+        threaded = bool(getattr(spec, "store_thread", False)) and not self.cuda
+        self._stores: Optional[_StoreThread] = _StoreThread(self._store_job, self._done) if threaded else None
         _WORKERS.add(self)
         self.link.client()
 
