@@ -21,17 +21,21 @@ fills ``--tokens`` slots of a host pool is
   to retrieve; files under ``--file-dir`` (default: a temporary directory);
 * ``copy`` (the same-run baseline): the same bytes copied between the same
   buffers, with nothing else: the pages' byte ranges (``get_page_buffer_meta``)
-  copied from the host pool into blocks reserved in the daemon's shared memory
-  (store), and from those blocks into the host pool's other slots (retrieve);
-  the faster of one copy per byte range (``torch._foreach_copy_``) and one copy
-  per page of its ranges' strided view, the views made before the clock starts.
-  KacheDB's figure as a percentage of it is how close its v1 path comes to the
-  cost of the copy itself (100 % = nothing but the copy);
+  copied from the host pool into blocks freshly reserved in the daemon's shared
+  memory for each prompt (never written before, as the blocks KacheDB stores
+  into) (store), and from those blocks into the host pool's other slots
+  (retrieve); the faster of one copy per byte range (``torch._foreach_copy_``)
+  and one copy per page of its ranges' strided view, the views made before the
+  clock starts. KacheDB's figure as a percentage of it is how close its v1 path
+  comes to the cost of the copy itself (100 % = nothing but the copy);
 * ``memcpy``: the same pages copied host slot to host slot with the pool's own
   page copy (``get_data_page`` / ``set_from_flat_data_page``; strided for
   ``layer_first``): what moving the bytes within host memory costs.
 
-Both backends are checked byte-equal after each retrieve. Figures are medians
+Before each timed operation ``--evict-mib`` MiB are written, so that every
+operation starts with the prompt's bytes out of the CPU caches (as after the
+GPU wrote the host pages), not with what the operation before it left there.
+Both backends and the baseline are checked byte-equal after each retrieve. Figures are medians
 over ``--reps`` prompts: milliseconds for the whole prompt and microseconds per
 page. Copies per page: KacheDB's v1 path one each way (host pool to shared
 memory, shared memory to host pool); the file backend's store two (the page
@@ -68,6 +72,9 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--daemon-size", default="2GiB", help="the daemon's megaslab (default 2GiB)")
     ap.add_argument("--file-dir", default=None, help="directory of SGLang's file backend (default: a temporary one)")
+    ap.add_argument("--evict-mib", type=int, default=256,
+                    help="MiB written before each timed operation so that every one starts with the prompt's "
+                         "bytes out of the CPU caches (default 256; 0: no eviction)")
     a = ap.parse_args()
 
     import torch
@@ -148,15 +155,16 @@ def main() -> int:
                 hit = kdb.batch_exists(keys)
                 return sum(kdb.batch_get_v1(keys[:hit], dst[: hit * ps]))
 
-            # the copy baseline: blocks reserved once, in the daemon's memory
+            # the copy baseline: per rep and plan, blocks freshly reserved in the
+            # daemon's memory (never written before, as the blocks KacheDB stores
+            # into), written by the store copy and read by the retrieve copy;
+            # aborted when the layout is done
             baseline_client = kachedb.connect(sock)
-            base_blocks = baseline_client.reserve_many([f"bench-copy-baseline-{layout}-{i}" for i in range(n_pages)],
-                                                       (page_bytes,), torch.uint8)
-            block_views = base_blocks.out
-            src_pages, _ = kachedb.sglang.storage._PoolBytes(host).pages(src, n_pages)
-            dst_pages, _ = kachedb.sglang.storage._PoolBytes(host).pages(dst, n_pages)
+            base_held = []
             meta = kachedb.sglang.storage._PoolBytes(host)
             meta._refresh()
+            src_pages, _ = meta._from_meta(src, n_pages)
+            dst_pages, _ = meta._from_meta(dst, n_pages)
 
             def ranges_of(indices):
                 ptrs, sizes = host.get_page_buffer_meta(indices)
@@ -164,7 +172,9 @@ def main() -> int:
                 return [[meta.slice(int(a), int(n)) for a, n in zip(ptrs[p * per:(p + 1) * per], sizes[p * per:(p + 1) * per])]
                         for p in range(n_pages)]
 
-            def pairs(pages, to_block):
+            plan_views = {"strided": (src_pages, dst_pages), "ranges": (ranges_of(src), ranges_of(dst))}
+
+            def pairs(block_views, pages, to_block):
                 blocks, pool = [], []
                 for block, views in zip(block_views, pages):
                     off = 0
@@ -175,19 +185,44 @@ def main() -> int:
                         off += n
                 return (blocks, pool) if to_block else (pool, blocks)
 
-            copy_plans = {
-                "store": [pairs(src_pages, True), pairs(ranges_of(src), True)],
-                "retrieve": [pairs(dst_pages, False), pairs(ranges_of(dst), False)],
-            }
+            def copy_plans(rep):
+                """Per plan (one strided view per page, or one view per byte range):
+                (store pairs, retrieve pairs) on fresh blocks."""
+                plans = {}
+                for name, (s_pages, d_pages) in plan_views.items():
+                    r = baseline_client.reserve_many([f"bench-copy-{layout}-{rep}-{name}-{i}" for i in range(n_pages)],
+                                                     (page_bytes,), torch.uint8)
+                    base_held.append(r)
+                    views = r.out
+                    plans[name] = (pairs(views, s_pages, True), pairs(views, d_pages, False))
+                return plans
 
-            def copy(op):
+            def copy(plans):
+                """The faster plan's store and retrieve times."""
                 best = None
-                for d, s_ in copy_plans[op]:
-                    t = time.perf_counter()
-                    torch._foreach_copy_(d, s_)
-                    dt = time.perf_counter() - t
-                    best = dt if best is None else min(best, dt)
+                for name, (store_pairs, retrieve_pairs) in plans.items():
+                    st, _ = timed(torch._foreach_copy_, *store_pairs)
+                    clear_dst()
+                    rt, _ = timed(torch._foreach_copy_, *retrieve_pairs)
+                    if not equal():
+                        sys.exit(f"copy baseline ({name}): the pages differ")
+                    best = (st, rt) if best is None else (min(best[0], st), min(best[1], rt))
                 return best
+
+            scratch = torch.empty(a.evict_mib << 20, dtype=torch.uint8)
+
+            def evict():
+                """Every timed operation starts from the same state: the pool's
+                and the blocks' bytes out of the caches (as after a GPU wrote the
+                pages), not whatever the previous operation left there."""
+                if scratch.numel():
+                    scratch.fill_(1)
+
+            def timed(f, *args):
+                evict()
+                t = time.perf_counter()
+                r = f(*args)
+                return time.perf_counter() - t, r
 
             def memcpy():
                 for s in range(0, tokens, ps):
@@ -207,25 +242,15 @@ def main() -> int:
                     ("file", file_store, file_retrieve),
                 ):
                     clear_dst()
-                    t = time.perf_counter()
-                    ok = store(keys)
-                    timings[(name, "store")] = time.perf_counter() - t
+                    timings[(name, "store")], ok = timed(store, keys)
                     if not ok:
                         sys.exit(f"{name}: store failed")
-                    t = time.perf_counter()
-                    got = retrieve(keys)
-                    timings[(name, "retrieve")] = time.perf_counter() - t
+                    timings[(name, "retrieve")], got = timed(retrieve, keys)
                     if got != n_pages or not equal():
                         sys.exit(f"{name}: retrieved {got}/{n_pages} pages, equal={equal()}")
-                timings[("copy", "store")] = copy("store")
+                timings[("copy", "store")], timings[("copy", "retrieve")] = copy(copy_plans(rep))
                 clear_dst()
-                timings[("copy", "retrieve")] = copy("retrieve")
-                if not equal():
-                    sys.exit("copy baseline: the pages differ")
-                clear_dst()
-                t = time.perf_counter()
-                memcpy()
-                timings[("memcpy", "retrieve")] = time.perf_counter() - t
+                timings[("memcpy", "retrieve")], _ = timed(memcpy)
                 if rep == 0:
                     continue
                 for (name, op), s in timings.items():
@@ -241,8 +266,10 @@ def main() -> int:
             res["retrieve_kachedb_over_memcpy"] = round(res["kachedb_retrieve_ms"] / res["memcpy_retrieve_ms"], 2)
             for op in ("store", "retrieve"):
                 res[f"{op}_kachedb_pct_of_copy"] = round(100 * res[f"copy_{op}_ms"] / res[f"kachedb_{op}_ms"], 1)
-            base_blocks.abort()
-            del block_views, copy_plans
+            for r in base_held:
+                r.out.clear()
+                r.abort()
+            base_held.clear()
             baseline_client.close()
             res["daemon_pins_after"] = kdb._link.client().stats()["pins"]
             results[layout] = res

@@ -14,6 +14,11 @@ Three engine processes, each fresh, on one daemon (the real binary) and one mode
    vLLM's in-engine prefix-cache hit (the upper bound).
 2. ``writer``: KacheDB on, empty daemon. Cold TTFT of each prompt (it also stores
    the prompt's blocks), then the same prompt again (in-engine hit with the connector on).
+   ``baseline`` and ``writer`` run at the same time and take turns, prompt by prompt
+   (the other one idle), so that cold with and without the connector are measured
+   in the same minutes. The connector submits a step's stores when the step
+   ends, before its token is returned: they are inside the cold request's step,
+   and run there (synchronous) or on the worker's store thread (off the step).
 3. ``reader``: KacheDB on, a fresh process. Each prompt's first request: a KacheDB hit
    (the prompt's blocks loaded from the daemon).
 4. ``disk reader`` (``--disk-restart``, the default): the daemon runs with a disk tier
@@ -58,7 +63,7 @@ def engine_main(spec_path):
 
         kw["kv_transfer_config"] = KVTransferConfig(**kachedb.vllm.kv_transfer_config(spec["socket"], **spec.get("options", {})))
     llm = LLM(model=spec["model"], load_format="dummy", seed=0, skip_tokenizer_init=True, dtype="float32",
-              max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_model_len"], enforce_eager=True,
+              max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_batched_tokens"], enforce_eager=True,
               distributed_executor_backend="uni", block_size=32, enable_prefix_caching=True, **kw)
     startup = time.perf_counter() - t0
     sp = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
@@ -72,18 +77,83 @@ def engine_main(spec_path):
     ttft([7] * 64)
     llm.reset_prefix_cache()
     res = {"startup_s": startup, "runs": []}
-    for p in spec["prompts"]:
+    turns = spec.get("turn_dir")  # taking turns with another engine (see ``run_in_turns``)
+    if turns:
+        Path(turns, f"{spec['name']}.ready").touch()
+    for i, p in enumerate(spec["prompts"]):
+        if turns:
+            _wait_file(Path(turns, f"{spec['name']}.go{i}"))
         first = ttft(p)
         second = ttft(p) if spec.get("repeat") else None
         res["runs"].append({"first": first, "second": second})
+        if turns:
+            Path(turns, f"{spec['name']}.done{i}").touch()
     if spec["socket"]:
         import kachedb.vllm
 
+        kachedb.vllm.flush_stores()  # the last stores run off the step: counted once committed
         st = kachedb.vllm.stats()
         for k in ("stored_keys", "loaded_keys"):
             st.pop(k, None)
         res["stats"] = st
     json.dump(res, open(spec["out"], "w"))
+
+
+def _wait_file(path, timeout_s=900.0, proc=None):
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            sys.exit(f"timed out waiting for {path}")
+        time.sleep(0.01)
+    return True
+
+
+def run_in_turns(tmp, names_specs, pause_s=0.5):
+    """Engines started together, each prompt taken in turns: engine A's prompt i,
+    then B's (B first for odd i), the other engine idle meanwhile. Cold TTFT with
+    and without the connector are then measured in the same minutes, not one
+    engine's run after the other's (the machine's load drifts between them)."""
+    turn_dir = Path(tmp) / "turns"
+    turn_dir.mkdir(exist_ok=True)
+    procs = {}
+    for name, spec in names_specs:
+        spec = dict(spec, name=name, turn_dir=str(turn_dir), out=str(Path(tmp) / f"{name}.json"))
+        path = Path(tmp) / f"{name}.spec.json"
+        path.write_text(json.dumps(spec))
+        log = open(Path(tmp) / f"{name}.log", "wb")
+        procs[name] = (subprocess.Popen([sys.executable, __file__, "--engine", str(path)], stdout=log,
+                                        stderr=subprocess.STDOUT), spec)
+
+    def failed(name):
+        p, _ = procs[name]
+        p.kill()
+        sys.exit(f"engine {name} failed ({p.wait()}):\n" +
+                 (Path(tmp) / f"{name}.log").read_text(errors="replace")[-4000:])
+
+    try:
+        for name, (p, _) in procs.items():
+            if not _wait_file(turn_dir / f"{name}.ready", proc=p):
+                failed(name)
+        names = [n for n, _ in names_specs]
+        for i in range(len(names_specs[0][1]["prompts"])):
+            for name in (names if i % 2 == 0 else names[::-1]):
+                time.sleep(pause_s)  # the other engine's threads gone idle
+                (turn_dir / f"{name}.go{i}").touch()
+                if not _wait_file(turn_dir / f"{name}.done{i}", proc=procs[name][0]):
+                    failed(name)
+        out = {}
+        for name, (p, spec) in procs.items():
+            if p.wait() != 0:
+                failed(name)
+            out[name] = json.loads(Path(spec["out"]).read_text())
+        return out
+    finally:
+        for p, _ in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def run_engine(tmp, name, spec):
@@ -124,6 +194,8 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--store-mode", default="batched", choices=["batched", "reserve"])
+    ap.add_argument("--max-batched-tokens", type=int, default=None,
+                    help="vLLM's max_num_batched_tokens (default: the model length, one prefill step per prompt)")
     ap.add_argument("--bin", default=str(ROOT / "target" / "release" / "kachedb"), help="the daemon binary")
     ap.add_argument("--disk-restart", action=argparse.BooleanOptionalAction, default=True,
                     help="also kill -9 the daemon after the writer stored, restart it on the same --disk DIR and time "
@@ -150,9 +222,11 @@ def main():
     daemon = Daemon(sock, "2GiB", extra, binary=a.bin).start()
     disk = None
     try:
-        common = dict(model=model, max_model_len=max_len, prompts=prompts, options={"store_mode": a.store_mode})
-        base = run_engine(tmp, "baseline", dict(common, socket=None, repeat=True))
-        writer = run_engine(tmp, "writer", dict(common, socket=sock, repeat=True))
+        common = dict(model=model, max_model_len=max_len, max_batched_tokens=a.max_batched_tokens or max_len, prompts=prompts,
+                      options={"store_mode": a.store_mode, "store_thread": True})
+        pair = run_in_turns(tmp, [("baseline", dict(common, socket=None, repeat=True)),
+                                  ("writer", dict(common, socket=sock, repeat=True))])
+        base, writer = pair["baseline"], pair["writer"]
         reader = run_engine(tmp, "reader", dict(common, socket=sock))
         if a.disk_restart:
             stored = writer["stats"]["stored_blocks"]

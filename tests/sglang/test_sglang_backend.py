@@ -114,6 +114,53 @@ def test_round_trip_in_one_process(daemon, kv, layout):
     b.close()
 
 
+def _zero(host, indices):
+    for s in range(0, len(indices), pools.PAGE_SIZE):
+        page = host.get_data_page(int(indices[s]), flat=True)
+        host.set_from_flat_data_page(int(indices[s]), torch.zeros_like(page))
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_page_views_are_kept_until_the_pool_buffer_moves(daemon, kv, layout, monkeypatch):
+    # A page's views come from get_page_buffer_meta once and are kept: storing or
+    # loading pages seen before asks the pool nothing. A pool whose buffer moved
+    # is asked again, and the bytes go to the new buffer, never the old one.
+    host, idx = _host(kv, layout)
+    calls = []
+    meta = host.get_page_buffer_meta
+
+    def counting_meta(indices):
+        calls.append(int(len(indices)))
+        return meta(indices)
+
+    monkeypatch.setattr(host, "get_page_buffer_meta", counting_meta)
+    b = pools.backend(daemon.socket, host)
+    keys = _prompt(40 + (layout == "layer_first"))
+    assert b.batch_set_v1(keys, idx) == [True] * N
+    assert len(calls) == 1
+    dst = host.alloc(N * pools.PAGE_SIZE)
+    assert b.batch_get_v1(keys, dst) == [True] * N  # pages not seen yet: asked
+    assert len(calls) == 2
+    _zero(host, dst)
+    assert b.batch_get_v1(keys, dst) == [True] * N
+    assert b.batch_set_v1(keys, idx) == [True] * N  # present: skipped, and asked nothing
+    assert len(calls) == 2, "pages seen before were asked for again"
+    want = [p.clone() for p in pools.pages_bytes(host, idx)]
+    assert all(torch.equal(a, e) for a, e in zip(pools.pages_bytes(host, dst), want))
+
+    _zero(host, dst)
+    old = host.kv_buffer
+    host.kv_buffer = torch.zeros_like(old)  # the pool's memory moved
+    assert b.batch_get_v1(keys, dst) == [True] * N
+    assert len(calls) == 3
+    assert all(torch.equal(a, e) for a, e in zip(pools.pages_bytes(host, dst), want))
+    assert not any(torch.equal(a, torch.zeros_like(a)) for a in want)
+    host.kv_buffer = old  # the old buffer: untouched by the load
+    assert all(torch.equal(a, torch.zeros_like(a)) for a in pools.pages_bytes(host, dst))
+    assert daemon.stats()["pins"] == 0
+    b.close()
+
+
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("order", ["meta", "reversed"])
 def test_v1_block_holds_the_byte_ranges_in_meta_order(daemon, kv, layout, order, monkeypatch):

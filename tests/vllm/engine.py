@@ -188,6 +188,9 @@ def main():
             if spec.get("socket") and spec.get("mode", "inproc") == "inproc":
                 import kachedb.vllm
 
+                # The stores run off the engine's step: the phase's blocks are
+                # in the daemon once they are committed.
+                kachedb.vllm.flush_stores()
                 st = kachedb.vllm.stats()
                 st.pop("stored_keys", None)
                 rec["stats"] = st

@@ -121,6 +121,7 @@ def _run(daemon, model, mla, salt):
     src, dst = list(range(N)), list(range(16, 16 + N))
     for w in workers:  # every rank is handed the store job, as vLLM does
         w.submit_store(1, GPULoadStoreSpec(src, [N], [0]), KacheDBLoadStoreSpec(k))
+        w.wait({1})
         assert [r.success for r in w.get_finished()] == [True]
     stored = daemon.stats()["blocks"] - before
     hits = sum(manager.lookup(key, None).name == "HIT" for key in k)

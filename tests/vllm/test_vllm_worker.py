@@ -3,6 +3,7 @@ lossless round trip, one batch per direction, failed loads reported, full store 
 daemon absent."""
 
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -29,10 +30,10 @@ def caches(one_buffer=True):
     return c, layers
 
 
-def worker(sock, c):
+def worker(sock, c, store_thread=False):
     ns = os.urandom(16)
     spec = SimpleNamespace(socket=sock, rank=0, retry_s=0.2, store_mode="batched", stats_file=None,
-                           daemon_key=lambda k, rank=None: ns + bytes(k))
+                           store_thread=store_thread, daemon_key=lambda k, rank=None: ns + bytes(k))
     return KacheDBOffloadingWorker(spec, c), spec
 
 
@@ -49,14 +50,16 @@ def daemon(workdir):
 
 @pytest.mark.parametrize("one_buffer", [True, False])
 @pytest.mark.parametrize("mode", ["batched", "reserve"])
-def test_store_then_load_is_lossless_and_batched(daemon, one_buffer, mode):
+@pytest.mark.parametrize("store_thread", [False, True])
+def test_store_then_load_is_lossless_and_batched(daemon, one_buffer, mode, store_thread):
     c, layers = caches(one_buffer)
-    w, spec = worker(daemon.socket, c)
+    w, spec = worker(daemon.socket, c, store_thread)
     spec.store_mode = mode
     before = dict(_state.COUNTERS)
     n = 16
     src, dst = list(range(n)), list(range(32, 32 + n))
     w.submit_store(1, GPULoadStoreSpec(src, [n], [0]), KacheDBLoadStoreSpec(keys(n)))
+    w.wait({1})  # vLLM loads a block only once its store is reported finished
     w.submit_load(2, KacheDBLoadStoreSpec(keys(n)), GPULoadStoreSpec(dst, [n], [0]))
     assert sorted(r.job_id for r in w.get_finished()) == [1, 2]
     for t in layers:
@@ -69,10 +72,67 @@ def test_store_then_load_is_lossless_and_batched(daemon, one_buffer, mode):
     assert st["pins"] == 0 and st["reserved"] == 0
 
 
+def test_store_runs_off_the_step_and_is_reported_once_committed(daemon, monkeypatch):
+    # submit_store returns while the store is still to be done (here: held at its
+    # RESERVE on the store thread); the blocks are not in the daemon and
+    # get_finished does not report the job until they are committed; then the
+    # job is reported once and the bytes load back equal.
+    c, layers = caches()
+    w, spec = worker(daemon.socket, c, store_thread=True)
+    gate, reached = threading.Event(), threading.Event()
+    reserve_many = kachedb.Client.reserve_many
+
+    def held_reserve_many(self, *a, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            reached.set()
+            assert gate.wait(60)
+        return reserve_many(self, *a, **kw)
+
+    monkeypatch.setattr(kachedb.Client, "reserve_many", held_reserve_many)
+    n = 8
+    src, dst = list(range(n)), list(range(48, 48 + n))
+    dkeys = [spec.daemon_key(k) for k in keys(n, 700)]
+    try:
+        assert w.submit_store(7, GPULoadStoreSpec(src, [n], [0]), KacheDBLoadStoreSpec(keys(n, 700)))
+        assert reached.wait(60), "the store did not reach the daemon on a thread of its own"
+        assert w.get_finished() == []
+        with kachedb.connect(daemon.socket) as kc:
+            assert kc.lookup(dkeys) == 0
+    finally:
+        gate.set()
+    w.wait({7})
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(7, True)]
+    assert w.get_finished() == []
+    with kachedb.connect(daemon.socket) as kc:
+        assert kc.lookup(dkeys) == n
+    w.submit_load(8, KacheDBLoadStoreSpec(keys(n, 700)), GPULoadStoreSpec(dst, [n], [0]))
+    assert [r.job_id for r in w.get_finished()] == [8]
+    for t in layers:
+        assert torch.equal(t[src], t[dst])
+    w.shutdown()
+    st = daemon.stats()
+    assert st["pins"] == 0 and st["reserved"] == 0
+
+
+def test_shutdown_finishes_the_queued_stores(daemon):
+    c, layers = caches()
+    w, spec = worker(daemon.socket, c, store_thread=True)
+    for j in range(4):
+        w.submit_store(j, GPULoadStoreSpec([2 * j, 2 * j + 1], [2], [0]), KacheDBLoadStoreSpec(keys(2, 800 + 2 * j)))
+    w.shutdown()
+    with kachedb.connect(daemon.socket) as kc:
+        assert kc.lookup([spec.daemon_key(k) for k in keys(8, 800)]) == 8
+    assert sorted(r.job_id for r in w.get_finished()) == [0, 1, 2, 3]
+    # a store submitted after shutdown is not left queued: it is reported at once
+    w.submit_store(9, GPULoadStoreSpec([20, 21], [2], [0]), KacheDBLoadStoreSpec(keys(2, 820)))
+    assert [r.job_id for r in w.get_finished()] == [9]
+
+
 def test_missing_block_is_a_failed_load_from_there_on(daemon):
     c, layers = caches()
     w, spec = worker(daemon.socket, c)
     w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), KacheDBLoadStoreSpec(keys(4)))
+    w.wait({1})
     with kachedb.connect(daemon.socket) as kc:
         assert kc.delete(spec.daemon_key(keys(4)[2]))
     snapshot = [t[40:44].clone() for t in layers]
@@ -95,6 +155,7 @@ def test_stored_blocks_chain_on_from_the_spec_parent(daemon, mode):
     before = daemon.stats()
     w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), KacheDBLoadStoreSpec(keys(4, 500)))
     w.submit_store(2, GPULoadStoreSpec([4, 5, 6], [3], [0]), KacheDBLoadStoreSpec(keys(3, 504), parent=keys(4, 500)[3]))
+    w.wait({1, 2})
     assert sorted(r.job_id for r in w.get_finished()) == [1, 2]
     st = daemon.stats()
     assert st["chained_blocks"] - before["chained_blocks"] == 6  # 3 in each job
@@ -136,6 +197,7 @@ def test_full_store_skips(daemon):
             before = _state.COUNTERS.get("store_skipped_full", 0)
             n = 48
             w.submit_store(10, GPULoadStoreSpec(list(range(n)), [n], [0]), KacheDBLoadStoreSpec(keys(n, 1000)))
+            w.wait({10})
             assert [r.success for r in w.get_finished()] == [True]
             assert _state.COUNTERS["store_skipped_full"] == before + 1
             assert kc.lookup([spec.daemon_key(k) for k in keys(n, 1000)]) == 0
@@ -149,6 +211,7 @@ def test_daemon_absent_loads_fail_stores_skip(workdir):
     c, layers = caches()
     w, spec = worker(str(workdir / "nobody.sock"), c)
     w.submit_store(1, GPULoadStoreSpec([0, 1], [2], [0]), KacheDBLoadStoreSpec(keys(2)))
+    w.wait({1})
     w.submit_load(2, KacheDBLoadStoreSpec(keys(2)), GPULoadStoreSpec([5, 6], [2], [0]))
     assert sorted(r.job_id for r in w.get_finished()) == [1, 2]
     assert w.take_invalid_block_ids() == {5, 6}

@@ -112,10 +112,18 @@ class _PoolBytes:
     are the ranges concatenated in ``get_page_buffer_meta``'s order, so one copy
     per page moves them. Any other pattern is one view per range."""
 
+    #: Pages whose views are kept (a page is named by its first token index;
+    #: a pool holds at most ``size / page_size`` of them): past it the cache
+    #: starts over.
+    MAX_CACHED_PAGES = 1 << 16
+
     def __init__(self, host_pool: Any) -> None:
         self.pool = host_pool
         self._bases: List[Tuple[int, int, torch.Tensor]] = []
         self._key: Tuple[int, ...] = ()
+        # first token index of a page -> (its views, its bytes); valid for the
+        # buffers named by ``_key`` (emptied when they change)
+        self._pages: Dict[int, Tuple[List[torch.Tensor], int]] = {}
 
     def _buffers(self) -> List[torch.Tensor]:
         kv = getattr(self.pool, "kv_buffer", None)
@@ -142,6 +150,7 @@ class _PoolBytes:
             flat = _flat_bytes(b)
             bases.append((b.data_ptr(), flat.numel(), flat))
         self._bases, self._key = bases, key
+        self._pages = {}
 
     def _locate(self, addr: int, nbytes: int) -> Tuple[torch.Tensor, int]:
         """The pool buffer (flat) holding ``nbytes`` from ``addr``, and the offset."""
@@ -158,8 +167,32 @@ class _PoolBytes:
     def pages(self, host_indices: Any, n_pages: int) -> Tuple[List[List[torch.Tensor]], int]:
         """Per page, views whose bytes in row-major order are its byte ranges in
         ``get_page_buffer_meta``'s order (one view for a regular grid, else one
-        per range), and the bytes of one page."""
+        per range), and the bytes of one page.
+
+        A page's views are made once and kept, named by the page's first token
+        index, for as long as the pool's buffers stay where they are: SGLang's
+        host pools (MHA, MLA; both layouts) derive a page's ranges from its
+        first token index and the buffers' addresses alone. A batch with a page
+        not seen yet asks ``get_page_buffer_meta`` for all its pages."""
         self._refresh()
+        if n_pages > 0 and int(host_indices.numel()) % n_pages == 0:
+            page_size = int(host_indices.numel()) // n_pages
+            firsts = host_indices[::page_size].tolist() if page_size > 0 else []
+            got = [self._pages.get(f) for f in firsts]
+            if got and None not in got:
+                page_bytes = got[0][1]  # type: ignore[index]
+                if all(g[1] == page_bytes for g in got):  # type: ignore[index]
+                    return [g[0] for g in got], page_bytes  # type: ignore[index]
+            out, page_bytes = self._from_meta(host_indices, n_pages)
+            if len(self._pages) + len(firsts) > self.MAX_CACHED_PAGES:
+                self._pages = {}
+            for f, views in zip(firsts, out):
+                self._pages[f] = (views, page_bytes)
+            return out, page_bytes
+        return self._from_meta(host_indices, n_pages)
+
+    def _from_meta(self, host_indices: Any, n_pages: int) -> Tuple[List[List[torch.Tensor]], int]:
+        """``pages`` from ``get_page_buffer_meta`` (nothing kept)."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
         if n_pages <= 0 or len(ptrs) != len(sizes) or len(ptrs) % n_pages:
             raise kachedb.InvalidArgument(

@@ -8,6 +8,8 @@ through the KacheDB daemon (``pip install "kachedb-shm[vllm]"``; see docs/vllm.m
   failed-load reporting and eager stores; ``kachedb.vllm.spec.KacheDBOffloadingSpec``:
   the out-of-tree offloading spec (manager in the scheduler, worker in each GPU/CPU worker).
 * ``stats()``: this process's counters (lookups, hits, stored/loaded/failed blocks, …).
+* ``flush_stores()``: waits until the stores this process's workers submitted are
+  committed (they run on a store thread, off the engine's step).
 
 Importing this package checks that vLLM is installed (a clear ``ImportError``
 naming the extra to install if not) but does not import vLLM or torch.
@@ -40,7 +42,7 @@ if not _vllm_installed():
 from .config import kv_transfer_config, resolve_socket
 from .keys import LAYOUT_VERSION
 
-__all__ = ["kv_transfer_config", "stats", "LAYOUT_VERSION", "resolve_socket"]
+__all__ = ["kv_transfer_config", "stats", "flush_stores", "LAYOUT_VERSION", "resolve_socket"]
 
 
 def stats() -> Dict[str, Any]:
@@ -49,3 +51,12 @@ def stats() -> Dict[str, Any]:
     from ._state import snapshot
 
     return snapshot()
+
+
+def flush_stores() -> None:
+    """Waits until every store submitted so far by the KacheDB workers of this
+    process (the engine process in vLLM's in-process mode) is committed or
+    skipped."""
+    from .worker import flush_stores as _flush
+
+    _flush()

@@ -20,6 +20,7 @@ KNOWN_OPTIONS = (
     "stats_file",
     "kv_events_max_blocks",
     "self_describing_kv_events",
+    "store_thread",
 )
 
 
@@ -38,7 +39,8 @@ def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str
     ``"reserve"``), ``retry_seconds`` (how often a missing daemon is retried),
     ``stats_file`` (JSON counters written at engine shutdown), ``tenant`` (the
     daemon tenant the engine connects as; default: ``namespace``, else the
-    daemon's ``default``), ``kv_events_max_blocks`` (see docs/vllm.md, "KV events").
+    daemon's ``default``), ``kv_events_max_blocks`` (see docs/vllm.md, "KV events"),
+    ``store_thread`` (CPU: stores off the engine's step; see docs/vllm.md).
     A ``tenant`` that is not a valid tenant name raises ``ValueError``.
     """
     extra: Dict[str, Any] = {

@@ -94,7 +94,8 @@ class KacheDBOffloadingSpec(OffloadingSpec):
     default: the ``namespace`` label, else the daemon's ``default``), ``kv_events_max_blocks``
     (how many blocks the KV events report at most at once, default 65536),
     ``self_describing_kv_events`` (vLLM's option; default true here: the events carry each
-    block's tokens and parent hash).
+    block's tokens and parent hash), ``store_thread`` (CPU: stores run on the worker's
+    store thread, off the step; default false, see the worker).
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -110,6 +111,8 @@ class KacheDBOffloadingSpec(OffloadingSpec):
         if self.store_mode not in ("batched", "reserve"):
             raise ValueError(f"store_mode must be 'batched' or 'reserve', not {self.store_mode!r}")
         self.retry_s: float = float(extra.get("retry_seconds", 5.0))
+        st = extra.get("store_thread", False)
+        self.store_thread: bool = st.strip().lower() in ("1", "true", "yes", "on") if isinstance(st, str) else bool(st)
         self.stats_file: Optional[str] = extra.get("stats_file") or None
         self.tenant: Optional[str] = engine_tenant(extra.get("tenant"), extra.get("namespace"))
         self.kv_events_max_blocks: int = int(extra.get("kv_events_max_blocks", DEFAULT_KV_EVENTS_MAX_BLOCKS))

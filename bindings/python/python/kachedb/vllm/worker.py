@@ -18,9 +18,20 @@ one ``get_prefix`` (lookup-and-pin of the leading present blocks, one round trip
 whose views are copied straight into the KV cache and then dropped (their pins go
 with them). On vLLM's CPU engine the copies are plain tensor copies, done
 before ``submit_*`` returns, so a block is in the daemon by the time the step
-that stored it returns. On CUDA the copies run on a side stream from the
-registered region (``register_cuda``); reservations and pins are held until the
-copy's event has completed.
+that stored it returns. With the ``store_thread`` option a store runs on the
+worker's store thread instead (``_StoreThread``: reserve, copy, commit, in
+submission order, the GIL released in the daemon calls and the copies), so
+``submit_store`` returns at once and the step goes on; ``get_finished``
+reports the job once its blocks are committed, ``wait`` blocks until then.
+(Off by default: vLLM learns of a finished store only at its next step, so the
+stores of a request's last step are reported — ``complete_store``, KV events —
+only when the engine steps again.) vLLM leaves the blocks of a store job
+untouched until the job is reported finished: its scheduler frees or reuses
+a stored block only after the job's completion, and flushes a job whose
+blocks it must reuse sooner (preemption) through ``wait`` before the step's
+forward pass (``jobs_to_flush``). On CUDA the copies run on a side stream from
+the registered region (``register_cuda``); reservations and pins are held
+until the copy's event has completed.
 
 With tensor parallelism every rank stores and loads its own blocks under its
 own namespace, except ranks that hold the same KV as a lower rank (MLA: every
@@ -35,6 +46,10 @@ the store; a daemon that is gone turns the tier off (``_link``).
 
 from __future__ import annotations
 
+import atexit
+import collections
+import threading
+import weakref
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Set, Tuple
@@ -111,6 +126,69 @@ class _Pending:
     blocks: int = 0  # blocks the reservations in ``hold`` hold (a ``reserve_many`` holds several)
 
 
+class _StoreThread:
+    """Runs store jobs one at a time, in submission order, off the engine's
+    step: ``submit`` queues a job and returns; the thread runs it and
+    ``on_done(job_id, nbytes, started)`` reports it. ``wait(ids)`` blocks
+    until none of ``ids`` is queued or running; ``close()`` finishes the
+    queued jobs, then stops the thread."""
+
+    def __init__(self, run: Any, on_done: Any) -> None:
+        self._run = run
+        self._on_done = on_done
+        self._cv = threading.Condition()
+        self._queue: "collections.deque[Tuple[int, Any, Any, float]]" = collections.deque()
+        self._open: Set[int] = set()  # queued or running
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="kachedb-vllm-store", daemon=True)
+        self._thread.start()
+
+    def submit(self, job_id: int, src_spec: Any, dst_spec: Any) -> None:
+        with self._cv:
+            if not self._closing:
+                self._open.add(job_id)
+                self._queue.append((job_id, src_spec, dst_spec, time.perf_counter()))
+                self._cv.notify_all()
+                return
+        # closed (a store after shutdown): run here, so that it is still reported
+        self._run_one(job_id, src_spec, dst_spec, time.perf_counter())
+
+    def busy(self) -> bool:
+        with self._cv:
+            return bool(self._open)
+
+    def wait(self, job_ids: Optional[Set[int]] = None) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: not (self._open if job_ids is None else self._open & set(job_ids)))
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                job_id, src_spec, dst_spec, started = self._queue.popleft()
+            self._run_one(job_id, src_spec, dst_spec, started)
+            with self._cv:
+                self._open.discard(job_id)
+                self._cv.notify_all()
+
+    def _run_one(self, job_id: int, src_spec: Any, dst_spec: Any, started: float) -> None:
+        nbytes = 0
+        try:
+            nbytes = self._run(src_spec, dst_spec)
+        except BaseException as e:  # never lose the thread: the job is reported, as a skipped store
+            COUNTERS["store_errors"] += 1
+            _log_once("store_thread", "KacheDB store failed (%r): skipped", e)
+        self._on_done(job_id, nbytes, started)
+
+
 class KacheDBOffloadingWorker(OffloadingWorker):
     def __init__(self, spec: "KacheDBOffloadingSpec", kv_caches: CanonicalKVCaches) -> None:
         self.spec = spec
@@ -130,6 +208,11 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         self._pending: List[_Pending] = []
         self._invalid: Set[int] = set()
         self._failed_jobs: Set[int] = set()
+        # ``_finished`` is appended to by the store thread too
+        self._finished_lock = threading.Lock()
+        threaded = bool(getattr(spec, "store_thread", False)) and not self.cuda
+        self._stores: Optional[_StoreThread] = _StoreThread(self._store_job, self._done) if threaded else None
+        _WORKERS.add(self)
         self.link.client()
 
     # -- helpers ---------------------------------------------------------
@@ -160,12 +243,36 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         return out
 
     def _done(self, job_id: int, nbytes: int, started: float) -> None:
-        self._finished.append(
-            TransferResult(job_id=job_id, success=True, transfer_size=nbytes, transfer_time=time.perf_counter() - started)
-        )
+        r = TransferResult(job_id=job_id, success=True, transfer_size=nbytes, transfer_time=time.perf_counter() - started)
+        with self._finished_lock:
+            self._finished.append(r)
 
     # -- stores ----------------------------------------------------------
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        """Queues the store on the store thread (CPU: reported by
+        ``get_finished`` once committed), or starts its copies on the side
+        stream (CUDA: committed once they complete)."""
+        if self._stores is not None:
+            self._stores.submit(job_id, src_spec, dst_spec)
+            return True
+        started = time.perf_counter()
+        nbytes, cuda_hold, cuda_blocks = self._store(src_spec, dst_spec)
+        if cuda_hold:
+            # Committed (made visible) once the device->shm copies have completed.
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            self._pending.append(_Pending(job_id, ev, nbytes, started, cuda_hold, commit=True, blocks=cuda_blocks))
+        else:
+            self._done(job_id, nbytes, started)
+        return True
+
+    def _store_job(self, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> int:
+        """One store job on the store thread (CPU): its bytes."""
+        return self._store(src_spec, dst_spec)[0]
+
+    def _store(self, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> Tuple[int, List[Any], int]:
+        """Reserves, copies and (CPU) commits one job's blocks; ``(bytes,
+        reservations to commit once the copies complete (CUDA), their blocks)``."""
         import kachedb
 
         started = time.perf_counter()
@@ -177,13 +284,11 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             # Another rank holds the same KV (MLA) and stores it, once, under the
             # key this rank reads too.
             COUNTERS["store_skipped_replica_blocks"] += len(keys)
-            self._done(job_id, 0, started)
-            return True
+            return 0, [], 0
         kc = self._client()
         if kc is None:
             COUNTERS["store_skipped_off_blocks"] += len(keys)
-            self._done(job_id, 0, started)
-            return True
+            return 0, [], 0
         # The block before the first one stored (one KV-cache group: with several,
         # each group's run starts without a parent).
         first = getattr(dst_spec, "parent", None)
@@ -216,14 +321,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             COUNTERS["store_errors"] += 1
             _log_once("store_error", "KacheDB store failed (%s): skipped", e)
         COUNTERS["store_seconds"] += time.perf_counter() - started
-        if cuda_hold:
-            # Committed (made visible) once the device->shm copies have completed.
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-            self._pending.append(_Pending(job_id, ev, nbytes, started, cuda_hold, commit=True, blocks=cuda_blocks))
-        else:
-            self._done(job_id, nbytes, started)
-        return True
+        return nbytes, cuda_hold, cuda_blocks
 
     def _store_blocks(
         self,
@@ -362,10 +460,20 @@ class KacheDBOffloadingWorker(OffloadingWorker):
     def get_finished(self) -> List[TransferResult]:
         if self._pending:
             self._reap(block=False)
-        out, self._finished = self._finished, []
+        with self._finished_lock:
+            out, self._finished = self._finished, []
         return out
 
     def wait(self, job_ids: Set[int]) -> None:
+        if self._stores is not None:
+            self._stores.wait(set(job_ids))
+        if self._pending:
+            self._reap(block=True)
+
+    def flush(self) -> None:
+        """Waits until every store submitted so far is committed (or skipped)."""
+        if self._stores is not None:
+            self._stores.wait()
         if self._pending:
             self._reap(block=True)
 
@@ -380,6 +488,8 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         return out
 
     def shutdown(self) -> None:
+        if self._stores is not None:
+            self._stores.close()  # the queued stores first
         if self._pending:
             self._reap(block=True)
         if self.spec.stats_file:
@@ -388,6 +498,21 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             except OSError:
                 pass
         self.link.close()
+
+
+#: The workers of this process (``flush_stores``; at exit, their queued stores
+#: are finished before the interpreter stops their threads).
+_WORKERS: "weakref.WeakSet[KacheDBOffloadingWorker]" = weakref.WeakSet()
+
+
+def flush_stores() -> None:
+    """Waits until every store submitted by this process's workers so far is
+    committed (or skipped)."""
+    for w in list(_WORKERS):
+        w.flush()
+
+
+atexit.register(flush_stores)
 
 
 class _nullctx:
