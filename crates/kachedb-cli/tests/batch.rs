@@ -282,12 +282,15 @@ fn chains_name_their_parent_at_commit_and_lose_their_tail_first() {
             assert_eq!(kc.lookup(&keys).expect("lookup"), 0);
             assert!(num(&v, "links_cut_by_eviction") >= 1);
         }
-        // A COMMIT frame with flags other than COMMIT_HAS_PARENT is refused.
+        // A COMMIT frame with an unknown flag bit, or with both COMMIT_HAS_PARENT
+        // and COMMIT_NAMES_KEY, is refused.
         let r = kc.reserve(k("raw", 0), DType::U8, &shape, 0).expect("reserve");
-        let mut f = kachedb_shm::Request::Commit { handle: r.handle(), parent: None }.encode(0);
-        f.offset = 2;
-        let c = kc.call_raw(&[f]).expect("raw commit");
-        assert_eq!(c[0].status, kachedb_shm::Status::Invalid as u8);
+        for flags in [4, 3] {
+            let mut f = kachedb_shm::Request::Commit { handle: r.handle(), parent: None }.encode(0);
+            f.offset = flags;
+            let c = kc.call_raw(&[f]).expect("raw commit");
+            assert_eq!(c[0].status, kachedb_shm::Status::Invalid as u8, "flags {flags}");
+        }
         r.abort().expect("abort");
     }
 }
