@@ -357,8 +357,14 @@ def test_key_of_wrong_type(kc, key):
         kc.lookup([key])
     with pytest.raises(TypeError):
         kc.delete(key)
-    with pytest.raises(TypeError):
-        kc.reserve(key, (1,), torch.uint8)
+    if key is None:
+        # None is a keyless reservation (its key named by commit_as); leaving
+        # `with` without one aborts it.
+        with kc.reserve(key, (1,), torch.uint8) as out:
+            assert tuple(out.shape) == (1,)
+    else:
+        with pytest.raises(TypeError):
+            kc.reserve(key, (1,), torch.uint8)
     with pytest.raises(TypeError):
         kc.put_many([key], [torch.zeros(1)])
 
