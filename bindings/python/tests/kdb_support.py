@@ -269,3 +269,20 @@ def assert_no_pins(daemon, timeout=10.0):
         poll_until(clean, timeout, "pins and reservations to drop to 0")
     except AssertionError:
         raise AssertionError(f"pins={last.get('pins')} reserved={last.get('reserved')} after the test") from None
+
+
+def metric_samples(port: int) -> dict:
+    """Every sample of the daemon's ``/metrics`` on ``port``, read with a real
+    HTTP client and parsed with prometheus_client's parser: ``{(name, sorted
+    label pairs): value}``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as r:
+        text = r.read().decode()
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples

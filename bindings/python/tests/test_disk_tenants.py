@@ -13,13 +13,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 import time
-import urllib.request
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 import kachedb
-from kdb_support import Daemon, poll_until
+from kdb_support import Daemon, poll_until, metric_samples
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -49,16 +47,6 @@ def writer(sock: str, tenant: str, blocks: int, ready, go, out) -> None:
     kc.close()
 
 
-def scrape(port: int):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as r:
-        text = r.read().decode()
-    samples = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
 def by_tenant(samples, name):
     return {dict(ls)["tenant"]: v for (n, ls), v in samples.items() if n == name and "tenant" in dict(ls)}
 
@@ -86,7 +74,7 @@ def check_adds_up(st, port: int) -> None:
     rows = disk_rows(st)
     assert sum(t["disk_bytes"] for t in rows.values()) == st["disk_bytes"] > 0
     assert sum(t["disk_blocks"] for t in rows.values()) == st["disk_blocks"] > 0
-    s = scrape(port)
+    s = metric_samples(port)
     for name, total in [("kachedb_tenant_disk_bytes", "kachedb_disk_bytes"),
                         ("kachedb_tenant_disk_blocks", "kachedb_disk_blocks")]:
         per = by_tenant(s, name)

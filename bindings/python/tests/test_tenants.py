@@ -11,14 +11,12 @@ import multiprocessing as mp
 import os
 import socket
 import time
-import urllib.request
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import kachedb
-from kdb_support import Daemon
+from kdb_support import Daemon, metric_samples
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -62,16 +60,6 @@ def writer(sock: str, tenant: str, total_bytes: int, ready, go, out) -> None:
     del pinned
     out.put((tenant, written, refused, intact))
     kc.close()
-
-
-def scrape(port: int):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as r:
-        text = r.read().decode()
-    samples = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
 
 
 def by_tenant(samples, name, **labels):
@@ -139,7 +127,7 @@ def test_two_tenants_stay_within_their_limits_and_add_up():
         assert sum(t["get_misses"] for t in rows.values()) == st["gets"] - st["get_hits"]
         assert st["window_key_requests"] == sum(t["window_key_requests"] for t in rows.values()) > 0
 
-        s = scrape(port)
+        s = metric_samples(port)
         for name, total in [
             ("kachedb_tenant_bytes", "kachedb_bytes_used"),
             ("kachedb_tenant_blocks", "kachedb_blocks"),
