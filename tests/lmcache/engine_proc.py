@@ -399,6 +399,16 @@ def _daemon_held(daemon: Any, pins: int, reserved: int, timeout_s: float = 10.0)
     return {"pins": st["pins"], "reserved": st["reserved"]}
 
 
+def _pooled_settled(conn: Any, want: Any, timeout_s: float = 10.0) -> int:
+    """The connector's reservations kept ready for the next store, once they
+    are ``want`` (``None``: at once) or ``timeout_s`` has passed (they are made
+    on LMCache's event loop after the commit)."""
+    start = time.monotonic()
+    while want is not None and conn.region.pooled != want and time.monotonic() - start < timeout_s:
+        time.sleep(0.005)
+    return conn.region.pooled
+
+
 def _chunk_bytes_in_daemon(daemon: Any, keys: List[bytes]) -> List[bytes]:
     out = []
     for k in keys:
@@ -444,8 +454,9 @@ def scenario_store_in_place(spec: Dict[str, Any]) -> Dict[str, Any]:
         r: Dict[str, Any] = {"landed": _wait_landed(observer, keys, 10.0)}
         _settled_ref_counts(engine, 10.0)
         r["local"] = _local_chunks_in_region(engine, conn._client())
-        # (the next store's full chunks are reserved ahead once a commit is done)
-        r["pooled"] = conn.region.pooled
+        # (the next store's full chunks are reserved ahead once a commit is
+        # done, on LMCache's event loop shortly after)
+        r["pooled"] = _pooled_settled(conn, len(keys) if spec.get("max_pinned_bytes") is None else None)
         r["held"] = _daemon_held(observer, r["local"]["in_region"], r["pooled"])
         plain.store(tokens, kv=kv)
         lcb = plain.storage_manager.storage_backends["LocalCPUBackend"]
@@ -487,6 +498,54 @@ def scenario_store_in_place(spec: Dict[str, Any]) -> Dict[str, Any]:
     _destroy("in-place-plain")
     _destroy("in-place")
     out["held_after_destroy"] = _daemon_held(observer, 0, 0)
+    observer.close()
+    return out
+
+
+def scenario_direct(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """On which thread do the KacheDB connector's gets and stores run? One
+    engine stores a prompt and retrieves it with its local tier emptied; the
+    connector's calls record their thread. Stores of chunks in the region and
+    every get run on the thread that called LMCache (its event loop is not
+    involved), and a stored prompt is in the daemon when ``engine.store``
+    returns; with ``max_pinned_bytes`` 0 (chunks in LMCache's memory: copies)
+    the stores run on LMCache's event loop, as LMCache runs remote puts."""
+    import threading
+
+    import torch
+
+    import kachedb
+
+    engine = S.build_engine("direct", socket=spec["socket"], max_pinned_bytes=spec.get("max_pinned_bytes"))
+    conn = S.kachedb_connector(engine)
+    observer = kachedb.connect(spec["socket"])
+    calls: List[Any] = []
+    for name in ("_store", "_load_prefix"):
+        inner = getattr(conn, name)
+
+        def record(*a: Any, _inner: Any = inner, _name: str = name, **k: Any) -> Any:
+            calls.append((_name, threading.get_ident()))
+            return _inner(*a, **k)
+
+        setattr(conn, name, record)
+    me = threading.get_ident()
+    n, seed = spec["prompt"]
+    tokens, kv = S.prompt_tokens(n, seed), S.prompt_kv(n, seed)
+    keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
+    engine.store(tokens, kv=kv)
+    out: Dict[str, Any] = {"present_when_store_returned": observer.lookup(keys), "chunks": len(keys)}
+    out["backends"] = list(engine.storage_manager.storage_backends)
+    out["connector"] = repr(conn)
+    out["landed"] = _wait_landed(observer, keys, 10.0)
+    S.clear_local(engine, tokens)
+    got = torch.zeros_like(kv)
+    mask = engine.retrieve(tokens, kv=got, req_id="direct")
+    out["retrieved_tokens"] = int(mask.sum())
+    out["byte_equal"] = _bytes(got) == _bytes(kv)
+    out["calls"] = [[name, "caller" if tid == me else "other"] for name, tid in calls]
+    out["stats"] = kachedb.lmcache.stats()
+    S.clear_local(engine, tokens)
+    _destroy("direct")
     observer.close()
     return out
 

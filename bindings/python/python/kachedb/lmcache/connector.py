@@ -34,7 +34,8 @@ Failures never reach the engine as wrong KV: a chunk whose size is not a whole
 number of tokens is a miss; a full store skips the store; a daemon that is gone
 turns every operation into a miss or a skipped store until it answers again
 (tried at most every ``retry_seconds``). The calls are short (shared-memory
-copies and one ring round trip) and run on LMCache's event-loop thread.
+copies and one ring round trip); gets and stores in place run on the engine's
+thread (``direct.py``), the rest on LMCache's event-loop thread.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from .._link import DaemonLink, engine_tenant
 from ._stats import COUNTERS
+from . import direct
 from .config import PLUGIN_TYPE, option_key, resolve_socket
 from .keys import chunk_key, namespace_digest, namespace_fields
 from .region import RegionAllocator
@@ -68,6 +70,10 @@ logger = logging.getLogger("kachedb.lmcache")
 _UNSET = object()
 
 _PLUGIN_SCHEME = "plugin://"
+
+#: How long after a commit made on the engine's thread the next store's
+#: chunks are reserved ahead (on LMCache's event loop), in seconds.
+REFILL_DELAY_S = 0.002
 
 
 def _log_once(tag: str, msg: str, *args: Any) -> None:
@@ -132,6 +138,9 @@ class KacheDBConnector(RemoteConnector):
         self.views: Optional[ViewPins] = (
             ViewPins(max_pinned, local_cpu_backend) if max_pinned > 0 and str(torch_device_type) == "cpu" else None
         )
+        #: Whether a store made on the engine's thread reserves the next
+        #: store's chunks on LMCache's event loop (else at once, on that thread).
+        self.refill_on_loop = True
         self._layout_source: Any = _UNSET
         self._refresh_layout()
         self._link = DaemonLink(
@@ -141,6 +150,9 @@ class KacheDBConnector(RemoteConnector):
         # A daemon that does not answer now fails the build: LMCache logs it and
         # serves from its other tiers (and retries the connection later).
         self._link.connect()
+        # LMCache's remote backend calls this connector's gets and in-place
+        # stores on the engine's thread, not through its event loop (direct.py).
+        direct.install()
         # Chunks LMCache stores are allocated in the daemon's region, so a
         # store commits them in place (region.py); on the same terms as views.
         self.region: Optional[RegionAllocator] = None
@@ -313,7 +325,7 @@ class KacheDBConnector(RemoteConnector):
                 COUNTERS["loaded_views"] += 1
                 return obj
             COUNTERS["loaded_copies_over_budget"] += 1
-        # No busy wait: this runs on LMCache's event loop, which frees memory too.
+        # No busy wait: this may run on LMCache's event loop, which frees memory too.
         # (LMCache's own memory: the chunk is in the daemon already.)
         if self.region is not None:
             with self.region.bypass():
@@ -340,7 +352,9 @@ class KacheDBConnector(RemoteConnector):
         COUNTERS["loaded_bytes"] += nbytes
         return obj
 
-    def _store(self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj]) -> None:
+    def _store(
+        self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj], refill_on_loop: bool = False
+    ) -> None:
         kc = self._client()
         if kc is None:
             COUNTERS["store_skipped_off"] += len(keys)
@@ -368,7 +382,7 @@ class KacheDBConnector(RemoteConnector):
         copied = [x[:2] for x in items if region is None or not region.owns_open(x[1])]
         try:
             if in_place:
-                self._commit_in_place(kc, in_place)
+                self._commit_in_place(kc, in_place, refill_on_loop)
             if copied:
                 self._put_copies(kc, copied)
         except (kachedb.OutOfMemory, kachedb.TooLarge) as e:
@@ -380,7 +394,7 @@ class KacheDBConnector(RemoteConnector):
             COUNTERS["store_errors"] += 1
             _log_once("store_error", "KacheDB store failed (%s): skipped", e)
 
-    def _commit_in_place(self, kc: Any, items: Sequence[Any]) -> None:
+    def _commit_in_place(self, kc: Any, items: Sequence[Any], refill_on_loop: bool = False) -> None:
         """Stores chunks whose ``MemoryObj``s are reservations in the region
         (``RegionAllocator``): one batch of COMMIT_PINs naming their keys, no
         copy. A chunk already in the daemon is committed all the same (the
@@ -398,8 +412,31 @@ class KacheDBConnector(RemoteConnector):
             COUNTERS["stored_chunks"] += n
             COUNTERS["stored_in_place"] += n
             COUNTERS["stored_bytes"] += sum(o.get_size() for (_, o, _), good in zip(items, ok) if good)
-        # The next store's chunks, reserved now (this is LMCache's event loop, not its store path).
-        self.region.refill(kc)
+        # The next store's chunks, reserved off the engine's store path: here
+        # on LMCache's event loop, or (a commit on the engine's thread) on the
+        # loop once the engine's store call has had REFILL_DELAY_S to return,
+        # so that the reservations' Python work does not contend for the GIL
+        # with the rest of that call.
+        if not refill_on_loop:
+            self.region.refill(kc)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.loop.call_later, REFILL_DELAY_S, self._refill)
+        except RuntimeError:  # the loop is closed: the engine is shutting down
+            pass
+
+    def _refill(self) -> None:
+        """``RegionAllocator.refill`` on LMCache's event loop (errors are a skipped refill)."""
+        kc = self._client()
+        if kc is None or self.region is None:
+            return
+        try:
+            self.region.refill(kc)
+        except kachedb.Disconnected as e:
+            self._link.failed(e)
+        except kachedb.KacheDBError as e:
+            COUNTERS["store_errors"] += 1
+            _log_once("refill_error", "KacheDB reserve ahead failed (%s): the next store reserves on demand", e)
 
     def _put_copies(self, kc: Any, items: Sequence[Any]) -> None:
         """Stores chunks in LMCache's own memory: one ``put_many`` (a copy each)."""
@@ -416,6 +453,17 @@ class KacheDBConnector(RemoteConnector):
         COUNTERS["store_batches"] += 1
         COUNTERS["stored_chunks"] += len(values)
         COUNTERS["stored_bytes"] += sum(len(v) for v in values)
+
+    # -- called on the engine's thread (direct.py) ----------------------------
+    def load_now(self, keys: Sequence[CacheEngineKey]) -> List[MemoryObj]:
+        """The leading present chunks of ``keys`` (``batched_get`` without
+        ``None``s), on the calling thread."""
+        return self._load_prefix(keys)
+
+    def store_now(self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj]) -> None:
+        """``batched_put`` on the calling thread; the next store's reservations
+        are made on LMCache's event loop."""
+        self._store(keys, memory_objs, refill_on_loop=self.refill_on_loop)
 
     # -- RemoteConnector -------------------------------------------------
     async def exists(self, key: CacheEngineKey) -> bool:
