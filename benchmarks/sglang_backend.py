@@ -24,10 +24,11 @@ fills ``--tokens`` slots of a host pool is
   copied from the host pool into blocks freshly reserved in the daemon's shared
   memory for each prompt (never written before, as the blocks KacheDB stores
   into) (store), and from those blocks into the host pool's other slots
-  (retrieve); the faster of one copy per byte range (``torch._foreach_copy_``)
-  and one copy per page of its ranges' strided view, the views made before the
-  clock starts. KacheDB's figure as a percentage of it is how close its v1 path
-  comes to the cost of the copy itself (100 % = nothing but the copy);
+  (retrieve), through the very page views KacheDB's v1 path copies between
+  (the backend's kept views: one strided view per page for the MHA pools) in
+  one ``torch._foreach_copy_`` call, as that path does, the views made before
+  the clock starts. KacheDB's figure as a percentage of it is how close its v1
+  path comes to the cost of the copy itself (100 % = nothing but the copy);
 * ``memcpy``: the same pages copied host slot to host slot with the pool's own
   page copy (``get_data_page`` / ``set_from_flat_data_page``; strided for
   ``layer_first``): what moving the bytes within host memory costs.
@@ -35,6 +36,10 @@ fills ``--tokens`` slots of a host pool is
 Before each timed operation ``--evict-mib`` MiB are written, so that every
 operation starts with the prompt's bytes out of the CPU caches (as after the
 GPU wrote the host pages), not with what the operation before it left there.
+KacheDB and the copy run back to back (both stores, then both retrieves),
+each of them first in every other rep; the file backend and ``memcpy`` follow,
+and the file backend's dirty pages are written back (``os.sync``) before the
+next rep, so that no rep's figures pay for the previous rep's writeback.
 Both backends and the baseline are checked byte-equal after each retrieve. Figures are medians
 over ``--reps`` prompts: milliseconds for the whole prompt and microseconds per
 page. Copies per page: KacheDB's v1 path one each way (host pool to shared
@@ -155,24 +160,15 @@ def main() -> int:
                 hit = kdb.batch_exists(keys)
                 return sum(kdb.batch_get_v1(keys[:hit], dst[: hit * ps]))
 
-            # the copy baseline: per rep and plan, blocks freshly reserved in the
+            # the copy baseline: per rep, blocks freshly reserved in the
             # daemon's memory (never written before, as the blocks KacheDB stores
             # into), written by the store copy and read by the retrieve copy;
             # aborted when the layout is done
             baseline_client = kachedb.connect(sock)
             base_held = []
-            meta = kachedb.sglang.storage._PoolBytes(host)
-            meta._refresh()
-            src_pages, _ = meta._from_meta(src, n_pages)
-            dst_pages, _ = meta._from_meta(dst, n_pages)
-
-            def ranges_of(indices):
-                ptrs, sizes = host.get_page_buffer_meta(indices)
-                per = len(ptrs) // n_pages
-                return [[meta.slice(int(a), int(n)) for a, n in zip(ptrs[p * per:(p + 1) * per], sizes[p * per:(p + 1) * per])]
-                        for p in range(n_pages)]
-
-            plan_views = {"strided": (src_pages, dst_pages), "ranges": (ranges_of(src), ranges_of(dst))}
+            # the very views KacheDB's v1 path copies between (its kept page views)
+            src_pages, _ = kdb._pool_bytes.pages(src, n_pages)
+            dst_pages, _ = kdb._pool_bytes.pages(dst, n_pages)
 
             def pairs(block_views, pages, to_block):
                 blocks, pool = [], []
@@ -185,29 +181,16 @@ def main() -> int:
                         off += n
                 return (blocks, pool) if to_block else (pool, blocks)
 
-            def copy_plans(rep):
-                """Per plan (one strided view per page, or one view per byte range):
-                (store pairs, retrieve pairs) on fresh blocks."""
-                plans = {}
-                for name, (s_pages, d_pages) in plan_views.items():
-                    r = baseline_client.reserve_many([f"bench-copy-{layout}-{rep}-{name}-{i}" for i in range(n_pages)],
-                                                     (page_bytes,), torch.uint8)
-                    base_held.append(r)
-                    views = r.out
-                    plans[name] = (pairs(views, s_pages, True), pairs(views, d_pages, False))
-                return plans
+            def copy_all(pairs_):
+                torch._foreach_copy_(*pairs_)
 
-            def copy(plans):
-                """The faster plan's store and retrieve times."""
-                best = None
-                for name, (store_pairs, retrieve_pairs) in plans.items():
-                    st, _ = timed(torch._foreach_copy_, *store_pairs)
-                    clear_dst()
-                    rt, _ = timed(torch._foreach_copy_, *retrieve_pairs)
-                    if not equal():
-                        sys.exit(f"copy baseline ({name}): the pages differ")
-                    best = (st, rt) if best is None else (min(best[0], st), min(best[1], rt))
-                return best
+            def copy_pairs(rep):
+                """(store pairs, retrieve pairs) between the pool's page views and
+                blocks freshly reserved for this prompt, as KacheDB's path lays them."""
+                r = baseline_client.reserve_many([f"bench-copy-{layout}-{rep}-{i}" for i in range(n_pages)],
+                                                 (page_bytes,), torch.uint8)
+                base_held.append(r)
+                return pairs(r.out, src_pages, True), pairs(r.out, dst_pages, False)
 
             scratch = torch.empty(a.evict_mib << 20, dtype=torch.uint8)
 
@@ -237,20 +220,34 @@ def main() -> int:
                 keys = list(get_hash_str(prompt, None, page_size=ps))
                 assert len(keys) == n_pages
                 timings = {}
-                for name, store, retrieve in (
+                store_pairs, retrieve_pairs = copy_pairs(rep)
+                # KacheDB and its baseline back to back, each first in every other rep
+                both = [
                     ("kachedb", lambda k: all(kdb.batch_set_v1(k, src)), kdb_retrieve),
-                    ("file", file_store, file_retrieve),
-                ):
-                    clear_dst()
+                    ("copy", lambda k: copy_all(store_pairs) or True, lambda k: copy_all(retrieve_pairs) or n_pages),
+                ]
+                if rep % 2:
+                    both.reverse()
+                for name, store, _ in both:
                     timings[(name, "store")], ok = timed(store, keys)
                     if not ok:
                         sys.exit(f"{name}: store failed")
+                for name, _, retrieve in both:
+                    clear_dst()
                     timings[(name, "retrieve")], got = timed(retrieve, keys)
                     if got != n_pages or not equal():
                         sys.exit(f"{name}: retrieved {got}/{n_pages} pages, equal={equal()}")
-                timings[("copy", "store")], timings[("copy", "retrieve")] = copy(copy_plans(rep))
+                clear_dst()
+                timings[("file", "store")], ok = timed(file_store, keys)
+                if not ok:
+                    sys.exit("file: store failed")
+                timings[("file", "retrieve")], got = timed(file_retrieve, keys)
+                if got != n_pages or not equal():
+                    sys.exit(f"file: retrieved {got}/{n_pages} pages, equal={equal()}")
                 clear_dst()
                 timings[("memcpy", "retrieve")], _ = timed(memcpy)
+                # the file backend's dirty pages written back now, not during the next rep's figures
+                os.sync()
                 if rep == 0:
                     continue
                 for (name, op), s in timings.items():
@@ -261,6 +258,7 @@ def main() -> int:
                     med = statistics.median(xs)
                     res[f"{name}_{op}_ms"] = round(med * 1e3, 3)
                     res[f"{name}_{op}_us_per_page"] = round(med * 1e6 / n_pages, 2)
+                    res[f"{name}_{op}_samples_ms"] = [round(x * 1e3, 3) for x in xs]
             res["store_file_over_kachedb"] = round(res["file_store_ms"] / res["kachedb_store_ms"], 2)
             res["retrieve_file_over_kachedb"] = round(res["file_retrieve_ms"] / res["kachedb_retrieve_ms"], 2)
             res["retrieve_kachedb_over_memcpy"] = round(res["kachedb_retrieve_ms"] / res["memcpy_retrieve_ms"], 2)
