@@ -5,7 +5,7 @@ load time per block and per scheduler step.
 
 Run with the vLLM environment (``make vllm-env``)::
 
-    .venv-vllm/bin/python benchmarks/vllm_prefix.py [--json] [--tokens 2048] [--reps 3]
+    .venv-vllm/bin/python benchmarks/vllm_prefix.py [--json] [--tokens 2048] [--reps 6]
 
 Three engine processes, each fresh, on one daemon (the real binary) and one model
 (a Llama of ~94 M parameters built from a config alone, ``load_format="dummy"``):
@@ -15,10 +15,13 @@ Three engine processes, each fresh, on one daemon (the real binary) and one mode
 2. ``writer``: KacheDB on, empty daemon. Cold TTFT of each prompt (it also stores
    the prompt's blocks), then the same prompt again (in-engine hit with the connector on).
    ``baseline`` and ``writer`` run at the same time and take turns, prompt by prompt
-   (the other one idle), so that cold with and without the connector are measured
-   in the same minutes. The connector submits a step's stores when the step
-   ends, before its token is returned: they are inside the cold request's step,
-   and run there (synchronous) or on the worker's store thread (off the step).
+   (the other one idle; each goes first in half the turns; neither exits before
+   the other's last prompt), so that cold with and without the connector are
+   measured in the same minutes and machine state. The connector submits a step's
+   stores when the step ends, before its token is returned; they run on the
+   worker's store thread (off the step): ``store_thread`` is set true, since
+   these engines run in-process, where ``"auto"`` keeps stores inside the step
+   (in vLLM's engine-core process ``"auto"`` chooses the thread).
 3. ``reader``: KacheDB on, a fresh process. Each prompt's first request: a KacheDB hit
    (the prompt's blocks loaded from the daemon).
 4. ``disk reader`` (``--disk-restart``, the default): the daemon runs with a disk tier
@@ -27,7 +30,10 @@ Three engine processes, each fresh, on one daemon (the real binary) and one mode
    A fresh engine's first request of each prompt: its blocks filled from the disk tier.
 
 TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` (in-process engine).
-Figures are medians over ``--reps`` prompts. Goals (issue 10): KacheDB hit within
+Each engine first serves one unmeasured cold prompt of the same length (its own;
+the two taking turns here too).
+Figures are medians over ``--reps`` prompts; ``--json`` also has each prompt's cold
+TTFT with the engine process's CPU time, page faults and context switches. Goals (issue 10): KacheDB hit within
 1.5x of the in-engine hit and at most 10 % of cold.
 """
 
@@ -68,18 +74,37 @@ def engine_main(spec_path):
     startup = time.perf_counter() - t0
     sp = SamplingParams(temperature=0, max_tokens=1, detokenize=False)
 
+    import resource
+
     def ttft(prompt):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t = time.perf_counter()
         o = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
-        return time.perf_counter() - t, o.num_cached_tokens, list(o.outputs[0].token_ids)
+        wall = time.perf_counter() - t
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        # where the process's time went (all its threads): CPU seconds, page faults, context switches
+        usage = {"user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
+                 "minflt": r1.ru_minflt - r0.ru_minflt, "majflt": r1.ru_majflt - r0.ru_majflt,
+                 "nvcsw": r1.ru_nvcsw - r0.ru_nvcsw, "nivcsw": r1.ru_nivcsw - r0.ru_nivcsw}
+        return wall, o.num_cached_tokens, list(o.outputs[0].token_ids), usage
 
-    # warm-up on an unrelated short prompt (first-call overheads)
-    ttft([7] * 64)
-    llm.reset_prefix_cache()
-    res = {"startup_s": startup, "runs": []}
     turns = spec.get("turn_dir")  # taking turns with another engine (see ``run_in_turns``)
     if turns:
         Path(turns, f"{spec['name']}.ready").touch()
+        _wait_file(Path(turns, f"{spec['name']}.warm"))
+    # warm-up (a turn of its own): a cold prompt of the measured length, unrelated
+    # to the measured ones and different in each engine (first-call overheads,
+    # first touch of the pages a prefill writes), not counted
+    rng = random.Random(spec["name"] if "name" in spec else spec["out"])
+    ttft([rng.randrange(8192) for _ in range(len(spec["prompts"][0]))])
+    if spec["socket"]:
+        import kachedb.vllm
+
+        kachedb.vllm.flush_stores()
+    llm.reset_prefix_cache()
+    res = {"startup_s": startup, "runs": []}
+    if turns:
+        Path(turns, f"{spec['name']}.warmed").touch()
     for i, p in enumerate(spec["prompts"]):
         if turns:
             _wait_file(Path(turns, f"{spec['name']}.go{i}"))
@@ -97,6 +122,10 @@ def engine_main(spec_path):
             st.pop(k, None)
         res["stats"] = st
     json.dump(res, open(spec["out"], "w"))
+    if turns:
+        # Exit (engine shutdown, freeing its memory: seconds of CPU) only once the
+        # other engine's last prompt is done, never during it.
+        _wait_file(Path(turns, f"{spec['name']}.exit"))
 
 
 def _wait_file(path, timeout_s=900.0, proc=None):
@@ -112,9 +141,10 @@ def _wait_file(path, timeout_s=900.0, proc=None):
 
 def run_in_turns(tmp, names_specs, pause_s=0.5):
     """Engines started together, each prompt taken in turns: engine A's prompt i,
-    then B's (B first for odd i), the other engine idle meanwhile. Cold TTFT with
-    and without the connector are then measured in the same minutes, not one
-    engine's run after the other's (the machine's load drifts between them)."""
+    then B's (B first for odd i), the other engine idle meanwhile (it exits only
+    after the last turn: an engine's shutdown takes seconds of CPU). Cold TTFT
+    with and without the connector are then measured in the same minutes, not
+    one engine's run after the other's (the machine's load drifts between them)."""
     turn_dir = Path(tmp) / "turns"
     turn_dir.mkdir(exist_ok=True)
     procs = {}
@@ -137,12 +167,19 @@ def run_in_turns(tmp, names_specs, pause_s=0.5):
             if not _wait_file(turn_dir / f"{name}.ready", proc=p):
                 failed(name)
         names = [n for n, _ in names_specs]
+        for name in names[::-1]:  # the warm-up turn (then the first measured turn's order)
+            time.sleep(pause_s)
+            (turn_dir / f"{name}.warm").touch()
+            if not _wait_file(turn_dir / f"{name}.warmed", proc=procs[name][0]):
+                failed(name)
         for i in range(len(names_specs[0][1]["prompts"])):
             for name in (names if i % 2 == 0 else names[::-1]):
                 time.sleep(pause_s)  # the other engine's threads gone idle
                 (turn_dir / f"{name}.go{i}").touch()
                 if not _wait_file(turn_dir / f"{name}.done{i}", proc=procs[name][0]):
                     failed(name)
+        for name in names:
+            (turn_dir / f"{name}.exit").touch()
         out = {}
         for name, (p, spec) in procs.items():
             if p.wait() != 0:
@@ -190,7 +227,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
-    ap.add_argument("--reps", type=int, default=3, help="prompts (default 3)")
+    ap.add_argument("--reps", type=int, default=6,
+                    help="prompts (default 6: even, so that each of the two engines taking turns goes first as often)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--store-mode", default="batched", choices=["batched", "reserve"])
@@ -267,6 +305,12 @@ def main():
         "kachedb_hit_vs_prefix_hit": kdb_hit / prefix_hit,
         "cold_with_vs_without_kachedb": cold / cold_plain,
         "kachedb_hit_vs_cold": kdb_hit / cold_plain,
+        "ttft_cold_per_prompt_s": {"no_kachedb": [r["first"][0] for r in base["runs"]],
+                                   "kachedb": [r["first"][0] for r in writer["runs"]],
+                                   "first_in_turn": ["no_kachedb" if i % 2 == 0 else "kachedb" for i in range(a.reps)],
+                                   # per prompt: the engine process's CPU seconds, page faults, context switches
+                                   "usage_no_kachedb": [r["first"][3] for r in base["runs"]],
+                                   "usage_kachedb": [r["first"][3] for r in writer["runs"]]},
         "num_cached_tokens_kachedb_hit": [r["first"][1] for r in reader["runs"]],
         "same_tokens_everywhere": same_tokens,
         "store_ms_per_block": 1e3 * ws["store_seconds"] / max(1, ws["stored_blocks"]),
@@ -294,6 +338,9 @@ def main():
     print(f"prompt {a.tokens} tokens, {a.layers} layers x hidden {a.hidden} (float32), {a.reps} prompts, medians")
     print(f"  TTFT cold, no KacheDB        {cold_plain * 1e3:9.1f} ms")
     print(f"  TTFT cold, KacheDB storing   {cold * 1e3:9.1f} ms  = {cold / cold_plain:.2f}x cold without (goal <= 1.05)")
+    print("  cold per prompt, no KacheDB / KacheDB (ms): " + ", ".join(
+        f"{b * 1e3:.0f} / {w * 1e3:.0f}" for b, w in zip(out["ttft_cold_per_prompt_s"]["no_kachedb"],
+                                                       out["ttft_cold_per_prompt_s"]["kachedb"])))
     print(f"  TTFT vLLM prefix-cache hit   {prefix_hit * 1e3:9.1f} ms  (in the KacheDB engine: {prefix_hit_conn * 1e3:.1f} ms)")
     print(f"  TTFT KacheDB hit (fresh eng) {kdb_hit * 1e3:9.1f} ms  = {kdb_hit / prefix_hit:.2f}x prefix hit (goal <= 1.5), "
           f"{100 * kdb_hit / cold_plain:.1f} % of cold")

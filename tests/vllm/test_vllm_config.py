@@ -33,6 +33,23 @@ def test_kv_transfer_config_is_accepted_by_vllm(tmp_path):
     assert issubclass(KacheDBConnector, OffloadingConnector) and issubclass(KacheDBOffloadingSpec, OffloadingSpec)
 
 
+@pytest.mark.parametrize("value, parsed", [
+    (None, "auto"), ("auto", "auto"), (" Auto ", "auto"), (True, True), ("on", True), (1, True),
+    (False, False), ("no", False), (0, False),
+])
+def test_store_thread_option(value, parsed):
+    from kachedb.vllm.config import parse_store_thread
+
+    assert parse_store_thread(value) == parsed
+
+
+def test_a_bad_store_thread_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="store_thread must be 'auto', true or false"):
+        kachedb.vllm.kv_transfer_config(str(tmp_path / "x.sock"), store_thread="sometimes")
+    with pytest.raises(ValueError, match="store_thread"):
+        kachedb.vllm.kv_transfer_config(str(tmp_path / "x.sock"), store_thread=2)
+
+
 def test_socket_defaults_like_connect(monkeypatch):
     monkeypatch.setenv("KACHEDB_SOCKET", "/tmp/somewhere/k.sock")
     assert kachedb.vllm.kv_transfer_config()["kv_connector_extra_config"]["socket"] == "/tmp/somewhere/k.sock"

@@ -195,6 +195,34 @@ def test_each_engine_is_counted_as_its_tenant(run):
     assert tb["team-a"]["evictions"] >= N_P
 
 
+def test_engine_core_stores_off_the_step_and_reports_them_without_another_request(workdir, model_dir):
+    """In vLLM's engine-core process (``mode: mp``, the default ``store_thread``
+    "auto"), the stores run on the worker's store thread, and those of a
+    request's last step are still reported: the engine keeps stepping while a
+    store job is pending, so every block's KACHEDB ``BlockStored`` arrives while
+    the engine is idle, before any further request (with the thread and no such
+    stepping, they would arrive with the next request, or never)."""
+    d = Daemon(str(workdir / "core.sock"), size="64MiB").start()
+    ep = f"ipc://{workdir}/core.events"
+    sub = Subscriber(ep)
+    stats = workdir / "core.stats.json"
+    try:
+        out = run_engine(workdir, "EC", dict(model=model_dir, socket=d.socket, kv_events_endpoint=ep, mode="mp",
+                                             options={"stats_file": str(stats)},
+                                             phases=[{"prompts": [P], "max_tokens": 1, "after": [{"sleep": 3}]},
+                                                     {"prompts": [T], "max_tokens": 1, "after": [{"sleep": 3}]}]))
+    finally:
+        sub.close()
+        d.stop()
+    st = json.loads(stats.read_text())
+    assert st["store_thread_jobs"] >= 1 and st["stored_blocks"] == N_P + len(T) // BLOCK, st
+    before_t = out["phases"][1]["t0"]
+    p_hashes = _hashes(sub.events("BlockStored", "KACHEDB", before=before_t))
+    assert len(p_hashes) == N_P, "every block of P reported before the next request"
+    t_events = sub.events("BlockStored", "KACHEDB", after=before_t)
+    assert [list(ev.token_ids) for ev in t_events] == [T[:BLOCK]], "T's block reported while the engine was idle"
+
+
 def _readable(ev):
     out = {"type": type(ev).__name__}
     for k, v in msgspec.structs.asdict(ev).items():
@@ -245,6 +273,33 @@ def _spec(socket, extra, events=True):
 
 def _key(i):
     return bytes([i]) * 32 + (0).to_bytes(4, "big")  # block hash + group index
+
+
+def test_stores_are_marked_background_only_in_the_engine_core_loop(tmp_path):
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kachedb.vllm.manager import engine_keeps_stepping
+
+    def run_busy_loop(self, fn):  # what vLLM's engine-core process runs
+        return fn()
+
+    core = EngineCoreProc.__new__(EngineCoreProc)
+    assert run_busy_loop(core, engine_keeps_stepping) is True
+    assert engine_keeps_stepping() is False  # the in-process engine
+    assert run_busy_loop(object(), engine_keeps_stepping) is False
+    d = Daemon(str(tmp_path / "bg.sock"), size="64MiB").start()
+    try:
+        ctx = ReqContext(req_id="r")
+        inproc = _spec(d.socket, {}).get_manager()
+        assert inproc.prepare_store([_key(1)], ctx).store_spec.background is False
+        core_mgr = _spec(d.socket, {}).get_manager()
+        spec = run_busy_loop(core, lambda: core_mgr.prepare_store([_key(2)], ctx)).store_spec
+        assert spec.background is True and spec.keys == [_key(2)]
+        inproc.shutdown()
+        core_mgr.shutdown()
+    finally:
+        d.stop()
 
 
 def test_manager_events_found_stored_gone(tmp_path):

@@ -114,6 +114,40 @@ def test_store_runs_off_the_step_and_is_reported_once_committed(daemon, monkeypa
     assert st["pins"] == 0 and st["reserved"] == 0
 
 
+def test_auto_store_thread_follows_the_store_spec(daemon, monkeypatch):
+    # "auto": a store the manager marks background (the engine keeps stepping
+    # until it is reported) runs on the thread; an unmarked one is committed and
+    # reported by the time submit_store returns.
+    c, layers = caches()
+    w, spec = worker(daemon.socket, c, store_thread="auto")
+    n = 4
+    with kachedb.connect(daemon.socket) as kc:
+        assert w.submit_store(1, GPULoadStoreSpec(list(range(n)), [n], [0]), KacheDBLoadStoreSpec(keys(n, 900)))
+        assert kc.lookup([spec.daemon_key(k) for k in keys(n, 900)]) == n
+        assert [r.job_id for r in w.get_finished()] == [1]
+        gate, reached = threading.Event(), threading.Event()
+        reserve_many = kachedb.Client.reserve_many
+
+        def held_reserve_many(self, *a, **kw):
+            if threading.current_thread() is not threading.main_thread():
+                reached.set()
+                assert gate.wait(60)
+            return reserve_many(self, *a, **kw)
+
+        monkeypatch.setattr(kachedb.Client, "reserve_many", held_reserve_many)
+        bg = KacheDBLoadStoreSpec(keys(n, 910), background=True)
+        try:
+            assert w.submit_store(2, GPULoadStoreSpec(list(range(n, 2 * n)), [n], [0]), bg)
+            assert reached.wait(60), "the background store did not run on the store thread"
+            assert w.get_finished() == []
+        finally:
+            gate.set()
+        w.wait({2})
+        assert [r.job_id for r in w.get_finished()] == [2]
+        assert kc.lookup([spec.daemon_key(k) for k in keys(n, 910)]) == n
+    w.shutdown()
+
+
 def test_shutdown_finishes_the_queued_stores(daemon):
     c, layers = caches()
     w, spec = worker(daemon.socket, c, store_thread=True)

@@ -24,6 +24,26 @@ KNOWN_OPTIONS = (
 )
 
 
+def parse_store_thread(value: Any) -> Any:
+    """The ``store_thread`` option: ``"auto"``, ``True`` or ``False`` (also as
+    ``1``/``0``, ``yes``/``no``, ``on``/``off`` strings); anything else is a ``ValueError``."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v == "auto":
+            return "auto"
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off"):
+            return False
+    raise ValueError(f"store_thread must be 'auto', true or false, not {value!r}")
+
+
 def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str, Any]:
     """The keyword arguments of ``vllm.config.KVTransferConfig`` that make a vLLM
     engine share its prefix KV blocks through the KacheDB daemon at ``socket``::
@@ -40,8 +60,10 @@ def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str
     ``stats_file`` (JSON counters written at engine shutdown), ``tenant`` (the
     daemon tenant the engine connects as; default: ``namespace``, else the
     daemon's ``default``), ``kv_events_max_blocks`` (see docs/vllm.md, "KV events"),
-    ``store_thread`` (CPU: stores off the engine's step; see docs/vllm.md).
-    A ``tenant`` that is not a valid tenant name raises ``ValueError``.
+    ``store_thread`` (CPU: ``"auto"``, the default: stores off the engine's step
+    wherever the engine keeps stepping until they are reported; ``True`` / ``False``:
+    always / never; see docs/vllm.md). A ``tenant`` that is not a valid tenant
+    name, or a bad ``store_thread``, raises ``ValueError``.
     """
     extra: Dict[str, Any] = {
         "spec_name": "KacheDBOffloadingSpec",
@@ -53,6 +75,8 @@ def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str
             extra[k] = v
     if extra.get("tenant") is not None:
         engine_tenant(extra["tenant"], None)  # a bad name fails here, not at engine start
+    if "store_thread" in extra:
+        parse_store_thread(extra["store_thread"])  # likewise
     return {
         "kv_connector": "KacheDBConnector",
         "kv_connector_module_path": "kachedb.vllm.connector",

@@ -6,8 +6,8 @@ the stock connector lacks (vLLM 0.32):
   stock connector asserts that every transfer succeeds;
 * a step's stores are submitted when the step ends (``wait_for_save``), not at
   the start of the next step, so the blocks of a finished ``generate()`` are in
-  the daemon when it returns (with ``store_thread``: on their way, committed by
-  the worker's store thread off the step; ``kachedb.vllm.flush_stores()`` waits
+  the daemon when it returns (on the worker's store thread, off the step: on
+  their way, committed moments later; ``kachedb.vllm.flush_stores()`` waits
   for them) and none is dropped at shutdown (vLLM drops stores still deferred then; the
   worker's shutdown finishes the queued ones);
 * the spec sees the full engine config and the KV-cache config, so the key

@@ -14,6 +14,7 @@ the daemon, so a copy one rank lost is stored again, never missed for ever.
 from __future__ import annotations
 
 import collections
+import sys
 from typing import TYPE_CHECKING, Any, Collection, Iterable, List, Optional, Set
 
 from vllm.v1.kv_offload.base import (
@@ -40,11 +41,14 @@ class KacheDBLoadStoreSpec(LoadStoreSpec):
     """The vLLM offload keys (block hash + group index) of a load or store, in the
     order of the GPU blocks of the matching ``GPULoadStoreSpec``; for a store,
     ``parent``: the offload key of the block before the first one in its
-    request's chain (already in the daemon), if any. Picklable."""
+    request's chain (already in the daemon), if any, and ``background``: whether
+    the engine keeps stepping until the store is reported (``engine_keeps_stepping``),
+    so that the worker may finish it off the step. Picklable."""
 
-    def __init__(self, keys: List[bytes], parent: Optional[bytes] = None) -> None:
+    def __init__(self, keys: List[bytes], parent: Optional[bytes] = None, background: bool = False) -> None:
         self.keys = [bytes(k) for k in keys]
         self.parent = None if parent is None else bytes(parent)
+        self.background = bool(background)
 
     def __repr__(self) -> str:
         return f"KacheDBLoadStoreSpec({len(self.keys)} keys)"
@@ -68,6 +72,28 @@ def _set_chain_tail(req_context: ReqContext, key: bytes) -> None:
     put = getattr(req_context, "set_state", None)
     if put is not None:
         put(_ChainTail(key))
+
+
+def engine_keeps_stepping() -> bool:
+    """Whether the caller runs inside vLLM's engine-core busy loop
+    (``EngineCoreProc.run_busy_loop``: ``vllm serve``, and ``LLM`` in its default
+    multiprocess mode). That loop keeps stepping, without any request, while the
+    connector has transfer jobs not yet reported (vLLM 0.32: ``Scheduler.has_requests``
+    asks ``OffloadingConnector.has_pending_push_work``, true while a store job is
+    pending), so a store that completes after its request's last step is still
+    reported — ``complete_store``, its ``BlockStored`` events — within a step or
+    two. vLLM's in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps
+    only while a user request is unfinished: there it is false."""
+    try:
+        from vllm.v1.engine.core import EngineCoreProc
+    except Exception:  # another vLLM layout: the safe answer
+        return False
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "run_busy_loop" and isinstance(f.f_locals.get("self"), EngineCoreProc):
+            return True
+        f = f.f_back
+    return False
 
 
 #: How many blocks the KV events report as loadable from KacheDB at most at once
@@ -127,6 +153,10 @@ class KacheDBOffloadingManager(OffloadingManager):
         self.spec = spec
         self.link = daemon_link(spec.socket, "scheduler", spec.retry_s, getattr(spec, "tenant", None))
         self._storing: Set[bytes] = set()
+        #: Whether this engine reports a store that completes after its step
+        #: (``engine_keeps_stepping``; known at the first ``prepare_store``, which
+        #: vLLM calls from its scheduler's step).
+        self._background: Optional[bool] = None
         events = getattr(spec, "kv_events_config", None)
         #: The KV events' record (``None`` unless the engine publishes KV events:
         #: vLLM drains ``take_events`` only then).
@@ -209,8 +239,10 @@ class KacheDBOffloadingManager(OffloadingManager):
         # the last one this request stored before (docs/eviction.md).
         parent = keys[present - 1] if present else _chain_tail(req_context)
         _set_chain_tail(req_context, keys[-1])
+        if self._background is None:
+            self._background = engine_keeps_stepping()
         return PrepareStoreOutput(
-            keys_to_store=todo, store_spec=KacheDBLoadStoreSpec(todo, parent), evicted_keys=[]
+            keys_to_store=todo, store_spec=KacheDBLoadStoreSpec(todo, parent, self._background), evicted_keys=[]
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:

@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from .. import _identity
 from .._link import engine_tenant
 from . import keys as _keys
+from .config import parse_store_thread
 from .manager import DEFAULT_KV_EVENTS_MAX_BLOCKS
 from ._state import NAMESPACES
 
@@ -94,8 +95,11 @@ class KacheDBOffloadingSpec(OffloadingSpec):
     default: the ``namespace`` label, else the daemon's ``default``), ``kv_events_max_blocks``
     (how many blocks the KV events report at most at once, default 65536),
     ``self_describing_kv_events`` (vLLM's option; default true here: the events carry each
-    block's tokens and parent hash), ``store_thread`` (CPU: stores run on the worker's
-    store thread, off the step; default false, see the worker).
+    block's tokens and parent hash), ``store_thread`` (CPU: where stores run; ``"auto"``,
+    the default: on the worker's store thread, off the step, where the engine keeps
+    stepping until they are reported — vLLM's engine-core process — and inside the
+    step in vLLM's in-process engine; ``true``: always on the thread; ``false``:
+    always inside the step; see the worker).
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -111,8 +115,7 @@ class KacheDBOffloadingSpec(OffloadingSpec):
         if self.store_mode not in ("batched", "reserve"):
             raise ValueError(f"store_mode must be 'batched' or 'reserve', not {self.store_mode!r}")
         self.retry_s: float = float(extra.get("retry_seconds", 5.0))
-        st = extra.get("store_thread", False)
-        self.store_thread: bool = st.strip().lower() in ("1", "true", "yes", "on") if isinstance(st, str) else bool(st)
+        self.store_thread: Any = parse_store_thread(extra.get("store_thread", "auto"))
         self.stats_file: Optional[str] = extra.get("stats_file") or None
         self.tenant: Optional[str] = engine_tenant(extra.get("tenant"), extra.get("namespace"))
         self.kv_events_max_blocks: int = int(extra.get("kv_events_max_blocks", DEFAULT_KV_EVENTS_MAX_BLOCKS))

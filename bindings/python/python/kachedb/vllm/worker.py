@@ -18,14 +18,19 @@ one ``get_prefix`` (lookup-and-pin of the leading present blocks, one round trip
 whose views are copied straight into the KV cache and then dropped (their pins go
 with them). On vLLM's CPU engine the copies are plain tensor copies, done
 before ``submit_*`` returns, so a block is in the daemon by the time the step
-that stored it returns. With the ``store_thread`` option a store runs on the
-worker's store thread instead (``_StoreThread``: reserve, copy, commit, in
-submission order, the GIL released in the daemon calls and the copies), so
-``submit_store`` returns at once and the step goes on; ``get_finished``
-reports the job once its blocks are committed, ``wait`` blocks until then.
-(Off by default: vLLM learns of a finished store only at its next step, so the
-stores of a request's last step are reported — ``complete_store``, KV events —
-only when the engine steps again.) vLLM leaves the blocks of a store job
+that stored it returns — or a store runs on the worker's store thread
+(``_StoreThread``: reserve, copy, commit, in submission order, the GIL released
+in the daemon calls and the copies), so ``submit_store`` returns at once and
+the step goes on; ``get_finished`` reports the job once its blocks are
+committed, ``wait`` blocks until then. vLLM learns of a finished store only at
+a step, so the thread is used (``store_thread``: ``"auto"``, the default) only
+for the stores of an engine that keeps stepping until they are reported (the
+manager marks them, ``KacheDBLoadStoreSpec.background``: vLLM's engine-core
+busy loop); in vLLM's in-process engine, which steps only for user requests,
+the stores of a request's last step would be reported — ``complete_store``, KV
+events — only at the next request, so there they stay inside the step.
+A block is reported (and its ``BlockStored`` event published) only after its
+job is committed. vLLM leaves the blocks of a store job
 untouched until the job is reported finished: its scheduler frees or reuses
 a stored block only after the job's completion, and flushes a job whose
 blocks it must reuse sooner (preemption) through ``wait`` before the step's
@@ -210,7 +215,10 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         self._failed_jobs: Set[int] = set()
         # ``_finished`` is appended to by the store thread too
         self._finished_lock = threading.Lock()
-        threaded = bool(getattr(spec, "store_thread", False)) and not self.cuda
+        #: ``"auto"`` (a store job runs on the thread when its spec says the engine
+        #: keeps stepping until it is reported), ``True`` (every job) or ``False``.
+        self._thread_mode: Any = getattr(spec, "store_thread", "auto")
+        threaded = self._thread_mode is not False and not self.cuda
         self._stores: Optional[_StoreThread] = _StoreThread(self._store_job, self._done) if threaded else None
         _WORKERS.add(self)
         self.link.client()
@@ -252,7 +260,8 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         """Queues the store on the store thread (CPU: reported by
         ``get_finished`` once committed), or starts its copies on the side
         stream (CUDA: committed once they complete)."""
-        if self._stores is not None:
+        if self._stores is not None and (self._thread_mode is True or getattr(dst_spec, "background", False)):
+            COUNTERS["store_thread_jobs"] += 1
             self._stores.submit(job_id, src_spec, dst_spec)
             return True
         started = time.perf_counter()
