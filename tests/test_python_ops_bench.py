@@ -55,6 +55,39 @@ def test_bench_quick_json_smoke():
         assert put["ratio"] == pytest.approx(put["gbps"] / put["torch_copy_gbps"])
     (many,) = by["py_get_many"]
     assert many["batch"] == 64 and many["ops_per_s"] > 0 and many["ops_per_s_with_release"] > 0
+    (idle,) = by["py_after_idle"]
+    assert (idle["gaps"], idle["gap_s"]) == (3, 0.2)
+    for k in ("warm_get_p50_ns", "first_get_p50_ns", "second_get_p50_ns", "first_native_get_p50_ns",
+              "first_ping_p50_ns", "pipe_echo_p50_ns", "pipe_echo_view_p50_ns"):
+        assert idle[k] > 0, k
+    assert idle["first_vs_warm"] == pytest.approx(idle["first_get_p50_ns"] / idle["warm_get_p50_ns"])
+    assert idle["first_vs_floor"] == pytest.approx(idle["first_get_p50_ns"] / idle["pipe_echo_p50_ns"])
+    assert idle["client_wakeups_per_request"] >= 0
+    assert 0 <= idle["daemon_idle_cpu_pct"] < 100  # the daemon started for the run is this user's: visible
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_only_runs_the_named_sections():
+    out = run_bench("--quick", "--json", "--only", "idle", "--idle-gaps", "2", "--idle-gap-s", "0.05")
+    assert out.returncode == 0, out.stderr[-3000:]
+    benches = [json.loads(line)["bench"] for line in out.stdout.splitlines() if line.strip()]
+    assert benches == ["py_after_idle"]
+    rec = json.loads(out.stdout.splitlines()[0])
+    assert (rec["gaps"], rec["gap_s"]) == (2, 0.05)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--only", "idle,nope"], "unknown section(s) nope"),
+        (["--idle-gaps", "0"], "--idle-gaps must be at least 1"),
+        (["--idle-gap-s", "-1"], "--idle-gap-s must be a positive number"),
+    ],
+)
+def test_bad_options_are_refused_with_a_reason(args, says):
+    out = run_bench("--quick", *args, timeout=120)
+    assert out.returncode != 0
+    assert says in out.stderr
 
 
 @pytest.mark.timeout(300, method="thread")
@@ -73,4 +106,4 @@ def test_bench_against_a_given_socket_and_table_output(daemon):
 def test_help():
     out = run_bench("--help", timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "--quick" in out.stdout and "--json" in out.stdout
+    assert "--quick" in out.stdout and "--json" in out.stdout and "--only" in out.stdout

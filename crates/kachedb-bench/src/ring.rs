@@ -815,6 +815,7 @@ pub fn child(args: &ChildArgs) -> Result<(), BoxError> {
                     spin: Duration::from_secs(1),
                     park_after: Duration::from_secs(1),
                     park_timeout: Duration::from_millis(100),
+                    wake_window: Duration::ZERO,
                 }
             } else {
                 SpinThenPark { park_timeout: Duration::from_millis(100), ..SpinThenPark::park_immediately() }

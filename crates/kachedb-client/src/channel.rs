@@ -60,6 +60,10 @@ pub(crate) struct Io {
     unacked: usize,
     /// The frames of the exchange in progress, request ids stamped.
     frames: Vec<TensorBlockDescriptor>,
+    /// When a fire-and-forget push (`post`) last woke the daemon from its
+    /// park, until the next exchange takes it: that exchange's answer may
+    /// still wait for the daemon's wake-up.
+    posted_wake: Option<Instant>,
 }
 
 /// A channel and the connection that holds it; shared by the client and its
@@ -112,7 +116,15 @@ impl Channel {
             .ok_or_else(|| ClientError::Protocol(format!("channel {index} is outside the region")))?;
         Ok(Channel {
             region,
-            io: Mutex::new(Io { sub, comp, next_request_id: 1, next_expected_id: 1, unacked: 0, frames: Vec::new() }),
+            io: Mutex::new(Io {
+                sub,
+                comp,
+                next_request_id: 1,
+                next_expected_id: 1,
+                unacked: 0,
+                frames: Vec::new(),
+                posted_wake: None,
+            }),
             pending_release: Mutex::new(Vec::new()),
             release_pending: AtomicBool::new(false),
             closed: AtomicBool::new(false),
@@ -235,13 +247,17 @@ impl Channel {
         io.frames.extend((0..count).map(|i| frames.frame(i, first_id.wrapping_add(i as u32))));
         io.next_request_id = first_id.wrapping_add(count as u32);
         let mut buf = [TensorBlockDescriptor::default(); 64];
+        // Whether a push of this exchange woke the daemon from its park: its
+        // answer then waits for its wake-up first, and our wait polls through
+        // that (`SpinThenPark::in_wake_window`) instead of parking too.
+        let mut woke_daemon = io.posted_wake.take().is_some_and(|t| t.elapsed() < self.wait.wake_window);
         while received < count || io.unacked > 0 {
             if sent < count {
                 let Io { sub, frames: fr, .. } = &mut *io;
                 let n = sub.push_batch(&fr[sent..]).map_err(|e| self.ring_err(e))?;
                 if n > 0 {
                     sent += n;
-                    self.region.doorbell().notify();
+                    woke_daemon |= self.region.doorbell().notify();
                 }
             }
             let in_flight = io.unacked + sent - received;
@@ -263,7 +279,8 @@ impl Channel {
             let mut polls: u32 = 0;
             let mut last_check: Option<Instant> = None;
             let mut dead = None;
-            let got = self.wait.wait_adaptive(
+            let policy = if woke_daemon { self.wait.in_wake_window() } else { self.wait };
+            let got = policy.wait_adaptive(
                 &self.wait_state,
                 // The completion ring's line-0 cell: the daemon notifies it.
                 self.region
@@ -347,8 +364,8 @@ impl Channel {
         let n = sub.push_batch(fr).map_err(|e| self.ring_err(e))?;
         io.next_request_id = first_id.wrapping_add(n as u32);
         io.unacked += n;
-        if n > 0 {
-            self.region.doorbell().notify();
+        if n > 0 && self.region.doorbell().notify() {
+            io.posted_wake = Some(Instant::now());
         }
         if n < reqs.len() {
             // The ring is full: wait for room the ordinary way.

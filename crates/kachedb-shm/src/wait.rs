@@ -27,6 +27,12 @@ const YIELD_SWITCHED: Duration = Duration::from_micros(1);
 /// other side runs.
 const YIELD_PEER_MAX: Duration = Duration::from_micros(250);
 
+/// After a `sched_yield` that gave the CPU to another task for a time slice
+/// (at least [`YIELD_PEER_MAX`]), waits skip their yield phase for this long:
+/// on a contended core a yield costs a slice of someone else's job (ms), a
+/// park costs one wake-up, which preempts that job.
+const SLOW_YIELD_MEMORY: Duration = Duration::from_millis(100);
+
 const RUNNING: u32 = 0;
 const PARKED: u32 = 1;
 
@@ -143,10 +149,25 @@ fn futex_wake(_word: &AtomicU32) {}
 ///   whole time slice of another task) means the other side runs elsewhere but
 ///   was slower than the budget: back to the policy's full spin;
 /// * a wait answered while spinning, or after a park, changes nothing.
+///
+/// And whether yielding is cheap: a `sched_yield` that took a whole time slice
+/// ([`YIELD_PEER_MAX`] or more: a job of another process runs on this core)
+/// ends the wait's yield phase at once (it parks), and the waits of the next
+/// [`SLOW_YIELD_MEMORY`] go from spinning straight to parking: a yield on a
+/// contended core gives the CPU away for a slice even when the answer comes a
+/// microsecond later, while a parked waiter's wake-up preempts that job.
 #[derive(Debug)]
 pub struct WaitState {
     /// Spin budget in nanoseconds; `u64::MAX` = not learnt yet (the policy's `spin`).
     spin_ns: std::sync::atomic::AtomicU64,
+    /// When a yield last took a time slice, in ns after [`epoch`] (0: never).
+    slow_yield_at_ns: std::sync::atomic::AtomicU64,
+}
+
+/// The origin of [`WaitState`]'s timestamps (process-local).
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
 }
 
 impl Default for WaitState {
@@ -158,7 +179,26 @@ impl Default for WaitState {
 impl WaitState {
     /// Nothing learnt yet: the first wait spins for the policy's `spin`.
     pub const fn new() -> Self {
-        Self { spin_ns: std::sync::atomic::AtomicU64::new(u64::MAX) }
+        Self {
+            spin_ns: std::sync::atomic::AtomicU64::new(u64::MAX),
+            slow_yield_at_ns: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Notes that a yield at `now` took a time slice.
+    fn note_slow_yield(&self, now: Instant) {
+        let ns = u64::try_from(now.saturating_duration_since(epoch()).as_nanos()).unwrap_or(u64::MAX).max(1);
+        // Relaxed: a hint, as `spin_ns`.
+        self.slow_yield_at_ns.store(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether waits at `now` skip yielding (a yield took a slice within
+    /// [`SLOW_YIELD_MEMORY`]).
+    pub fn yields_are_slow(&self, now: Instant) -> bool {
+        match self.slow_yield_at_ns.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => false,
+            ns => now.saturating_duration_since(epoch() + Duration::from_nanos(ns)) < SLOW_YIELD_MEMORY,
+        }
     }
 
     /// The spin budget the next wait uses under `policy`.
@@ -178,6 +218,16 @@ impl WaitState {
 
 /// The adaptive wait policy: spin, then spin with yields, then park. The spin
 /// phase adapts to where the other side runs ([`WaitState`]).
+///
+/// A wait right after a wake-up — this side's notify woke the parked peer, or
+/// this side was itself just woken from a park — polls for [`wake_window`]
+/// instead of `park_after` (see [`in_wake_window`]): the peer that was parked
+/// needs a wake-up of its own (a futex wake, and on a VM the wake of a halted
+/// vCPU: tens of µs to a few ms), and parking meanwhile would put a second
+/// wake-up, ours, on the path of the answer.
+///
+/// [`wake_window`]: Self::wake_window
+/// [`in_wake_window`]: Self::in_wake_window
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpinThenPark {
     /// Pure spinning (no syscalls) for this long.
@@ -187,6 +237,10 @@ pub struct SpinThenPark {
     pub park_after: Duration,
     /// How long one park lasts at most before `tick` runs and polling resumes.
     pub park_timeout: Duration,
+    /// How long a wait that follows a wake-up polls before it parks, when
+    /// that is longer than `park_after` (1 ms by default: a parked peer's
+    /// wake-up, vCPU included, on a loaded 2-vCPU guest; `ZERO`: as any wait).
+    pub wake_window: Duration,
 }
 
 impl Default for SpinThenPark {
@@ -195,6 +249,7 @@ impl Default for SpinThenPark {
             spin: Duration::from_micros(20),
             park_after: Duration::from_micros(100),
             park_timeout: Duration::from_millis(50),
+            wake_window: Duration::from_millis(1),
         }
     }
 }
@@ -211,12 +266,32 @@ pub enum Tick<E> {
 impl SpinThenPark {
     /// A policy that never parks (pure spin, for benchmarks).
     pub fn spin_only() -> Self {
-        Self { spin: Duration::MAX, park_after: Duration::MAX, park_timeout: Duration::from_millis(50) }
+        Self {
+            spin: Duration::MAX,
+            park_after: Duration::MAX,
+            park_timeout: Duration::from_millis(50),
+            wake_window: Duration::ZERO,
+        }
     }
 
-    /// A policy that parks immediately after one empty poll.
+    /// A policy that parks immediately after one empty poll (also right
+    /// after a wake-up: its `wake_window` is zero).
     pub fn park_immediately() -> Self {
-        Self { spin: Duration::ZERO, park_after: Duration::ZERO, park_timeout: Duration::from_millis(50) }
+        Self {
+            spin: Duration::ZERO,
+            park_after: Duration::ZERO,
+            park_timeout: Duration::from_millis(50),
+            wake_window: Duration::ZERO,
+        }
+    }
+
+    /// The policy for a wait that follows a wake-up: this side's
+    /// [`WaitCell::notify`] woke the peer (it returned `true`), or this side
+    /// was woken from a park by work. It polls (spins for the learnt budget,
+    /// then yields) until `max(park_after, wake_window)` before parking, so
+    /// the peer's wake-up is the only one on the answer's path.
+    pub fn in_wake_window(self) -> Self {
+        Self { park_after: self.park_after.max(self.wake_window), ..self }
     }
 
     /// Waits until `poll` yields a value. `cell` is the waiter's own wait cell;
@@ -286,12 +361,17 @@ impl SpinThenPark {
                     spin_loop();
                     continue;
                 }
-                if waited < self.park_after {
+                if waited < self.park_after && !state.yields_are_slow(start + waited) {
                     let before = Instant::now();
                     yield_now();
                     let took = before.elapsed();
                     switched = (YIELD_SWITCHED..YIELD_PEER_MAX).contains(&took);
                     yields = yields.saturating_add(1);
+                    if took >= YIELD_PEER_MAX {
+                        // Another job had the core for a slice: poll once
+                        // more, then park rather than yield again.
+                        state.note_slow_yield(before + took);
+                    }
                     continue;
                 }
             }
@@ -392,6 +472,95 @@ mod tests {
         );
         assert_eq!(r, Ok(()));
         assert_eq!(state.spin_budget(&policy), Duration::from_micros(3));
+    }
+
+    #[test]
+    fn the_wake_window_lengthens_polling_only() {
+        let p = SpinThenPark::default();
+        let w = p.in_wake_window();
+        assert_eq!(w.park_after, p.wake_window);
+        assert!(w.park_after > p.park_after);
+        assert_eq!((w.spin, w.park_timeout, w.wake_window), (p.spin, p.park_timeout, p.wake_window));
+        // Never shorter than the policy's own polling.
+        let long = SpinThenPark { park_after: Duration::from_millis(5), ..p };
+        assert_eq!(long.in_wake_window().park_after, Duration::from_millis(5));
+        // The policies that promise a behaviour keep it.
+        assert_eq!(SpinThenPark::park_immediately().in_wake_window(), SpinThenPark::park_immediately());
+        assert_eq!(SpinThenPark::spin_only().in_wake_window(), SpinThenPark::spin_only());
+    }
+
+    #[test]
+    fn a_wait_in_the_wake_window_polls_instead_of_parking() {
+        // An answer 60 ms into the wait (a peer's slow wake-up): the plain
+        // policy parks after 100 us, the wake-window one polls for 30 ms
+        // first (unless a yield took a time slice: then it parks at once).
+        let answer_after = Duration::from_millis(60);
+        let policy = SpinThenPark {
+            wake_window: Duration::from_millis(30),
+            park_timeout: Duration::from_millis(1),
+            ..SpinThenPark::default()
+        };
+        // The time of the first park, if any; and whether yields were slow.
+        let first_park = |p: SpinThenPark| {
+            let state = WaitState::new();
+            let start = Instant::now();
+            let mut first = None;
+            let r: Result<(), ()> = p.wait_adaptive(
+                &state,
+                &WaitCell::new(),
+                || (start.elapsed() >= answer_after).then_some(()),
+                || Tick::Continue,
+                || {
+                    first.get_or_insert(start.elapsed());
+                },
+            );
+            assert_eq!(r, Ok(()));
+            (first, state.yields_are_slow(Instant::now()))
+        };
+        assert!(first_park(policy).0.is_some());
+        match first_park(policy.in_wake_window()) {
+            (Some(at), false) => assert!(at >= policy.wake_window, "parked after {at:?}"),
+            (Some(_), true) | (None, _) => {}
+        }
+    }
+
+    #[test]
+    fn a_slow_yield_is_remembered_for_a_while() {
+        let state = WaitState::new();
+        let now = epoch() + Duration::from_secs(1);
+        assert!(!state.yields_are_slow(now));
+        state.note_slow_yield(now);
+        assert!(state.yields_are_slow(now));
+        assert!(state.yields_are_slow(now + SLOW_YIELD_MEMORY / 2));
+        assert!(!state.yields_are_slow(now + SLOW_YIELD_MEMORY));
+    }
+
+    #[test]
+    fn after_a_slow_yield_a_wait_parks_instead_of_yielding() {
+        // An answer 20 ms into the wait, with a yield phase of 10 s: a wait
+        // after a slow yield parks after its spin instead of yielding.
+        let answer_after = Duration::from_millis(20);
+        let policy = SpinThenPark {
+            park_after: Duration::from_secs(10),
+            park_timeout: Duration::from_millis(1),
+            ..SpinThenPark::default()
+        };
+        let waits = |state: &WaitState| {
+            let start = Instant::now();
+            let mut parks = 0;
+            let r: Result<(), ()> = policy.wait_adaptive(
+                state,
+                &WaitCell::new(),
+                || (start.elapsed() >= answer_after).then_some(()),
+                || Tick::Continue,
+                || parks += 1,
+            );
+            assert_eq!(r, Ok(()));
+            parks
+        };
+        let state = WaitState::new();
+        state.note_slow_yield(Instant::now());
+        assert!(waits(&state) > 0);
     }
 
     #[test]

@@ -9,7 +9,10 @@
 //! commits, [`tiers::TIER_SLICE`] blocks), so a long fill never holds the
 //! rings. With no work it waits by the daemon's [`SpinThenPark`] policy on the
 //! region doorbell, which the clients ring after publishing and the control
-//! thread after queueing an event (idle CPU ~0 %).
+//! thread after queueing an event (idle CPU ~0 %). The first idle wait after a
+//! client's frames woke it from a park polls through the policy's wake window
+//! (1 ms by default) before parking again: a burst after idle then pays one
+//! wake-up, not one per request.
 //!
 //! This file is the loop and its events; the rest, by what they hold:
 //! * [`session`] — one channel's session and the serving of its requests;
@@ -59,6 +62,8 @@ enum Wake {
     Event(Event),
     /// Frames or completions waiting on a channel.
     Rings,
+    /// The deadline of a parked WAIT, a fetch or a stuck client passed.
+    Deadline,
 }
 
 /// The serve loop's state; [`run`](Serve::run) consumes it.
@@ -86,6 +91,11 @@ pub(crate) struct Serve {
     /// The spin budget learnt from the idle waits (yield at once when clients
     /// share the daemon's core).
     wait_state: WaitState,
+    /// Whether the last idle wait parked and was woken by a client's frames:
+    /// the next idle wait polls through the policy's wake window before it
+    /// parks, since the client's next request of a burst after idle comes only
+    /// once its own first answer has run its cold path.
+    woken_by_client: bool,
     /// The tiers behind the megaslab (`crate::tier`), if any.
     tiers: Tiers,
     /// Run the store's full `O(n log n)` invariant check for every stats
@@ -139,6 +149,7 @@ impl Serve {
             out: Vec::with_capacity(BATCH),
             waits,
             wait_state: WaitState::new(),
+            woken_by_client: false,
             tiers: Tiers::default(),
             full_checks: false,
             stuck_timeout: None,
@@ -246,7 +257,8 @@ impl Serve {
                 .into_iter()
                 .flatten()
                 .min();
-            let mut policy = self.wait;
+            let mut policy = if self.woken_by_client { self.wait.in_wake_window() } else { self.wait };
+            let parks_before = self.counters.parks;
             if let Some(d) = deadline {
                 policy.park_timeout = policy.park_timeout.min(d.saturating_duration_since(Instant::now()));
             }
@@ -264,9 +276,8 @@ impl Serve {
                 // event, or the notifier sees PARKED and wakes us.
                 || match events.try_recv() {
                     Ok(ev) => Some(Wake::Event(ev)),
-                    Err(_) => (sessions.iter_mut().flatten().any(Session::has_work)
-                        || deadline.is_some_and(|d| Instant::now() >= d))
-                    .then_some(Wake::Rings),
+                    Err(_) if sessions.iter_mut().flatten().any(Session::has_work) => Some(Wake::Rings),
+                    Err(_) => deadline.is_some_and(|d| Instant::now() >= d).then_some(Wake::Deadline),
                 },
                 || {
                     rate.tick(ops);
@@ -279,9 +290,10 @@ impl Serve {
                 || *parks += 1,
             );
             self.metrics.publish_serve(&self.counters);
+            self.woken_by_client = matches!(woke, Ok(Wake::Rings)) && self.counters.parks != parks_before;
             match woke {
                 Ok(Wake::Event(ev)) => self.on_event(ev),
-                Ok(Wake::Rings) => {}
+                Ok(Wake::Rings | Wake::Deadline) => {}
                 Err(()) => break,
             }
         }
