@@ -2,6 +2,7 @@
 //! `kachedb_client` that release the GIL while waiting on the ring and hand
 //! blocks out as DLPack exporters whose owner keeps the pin.
 
+use crate::batch::{self, BlockSpec};
 use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat, Reader};
 use crate::errors::{client_err, InvalidArgument, KacheDBError};
 use kachedb_client::{BlockView, ConnectOptions, DType, Key, Reservation, Shape};
@@ -140,6 +141,10 @@ struct ViewFactory {
     convert: Py<PyAny>,
     /// By dtype code: whether torch imports the export as the block's own dtype.
     direct: Vec<bool>,
+    /// By dtype code: the `torch.dtype` (`None` where this torch lacks it).
+    torch_dtypes: Vec<Option<Py<PyAny>>>,
+    /// `kachedb._dtypes.torch_dtype`: raises the error for a dtype this torch lacks.
+    torch_dtype: Py<PyAny>,
 }
 
 static VIEW_FACTORY: GILOnceCell<ViewFactory> = GILOnceCell::new();
@@ -147,10 +152,111 @@ static VIEW_FACTORY: GILOnceCell<ViewFactory> = GILOnceCell::new();
 impl ViewFactory {
     fn get(py: Python<'_>) -> PyResult<&ViewFactory> {
         VIEW_FACTORY.get_or_try_init(py, || -> PyResult<ViewFactory> {
-            let (from_dlpack, view_class, convert, direct) =
+            let (from_dlpack, view_class, convert, direct, torch_dtypes, torch_dtype) =
                 py.import("kachedb._views")?.getattr("_view_factory")?.call0()?.extract()?;
-            Ok(ViewFactory { from_dlpack, view_class, convert, direct })
+            Ok(ViewFactory { from_dlpack, view_class, convert, direct, torch_dtypes, torch_dtype })
         })
+    }
+
+    /// `t` re-typed as `KVView` (the fresh tensor object itself, or an alias
+    /// of it where torch refuses the re-typing).
+    fn retype<'py>(&self, py: Python<'py>, t: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let cls = self.view_class.bind(py);
+        // Re-typing the fresh tensor object costs ~0.2 us, a subclass alias
+        // (for a torch that refuses the re-typing) ~2 us; both share the
+        // import's storage, so its deleter still runs with the last view.
+        if t.setattr(pyo3::intern!(py, "__class__"), cls).is_err() {
+            return cls.call_method1(pyo3::intern!(py, "_make_subclass"), (cls, t, false));
+        }
+        Ok(t)
+    }
+
+    /// The `torch.dtype` of dtype `code`; this torch's `TypeError` if it lacks it.
+    fn torch_dtype_of<'py>(&self, py: Python<'py>, code: u8) -> PyResult<Bound<'py, PyAny>> {
+        match self.torch_dtypes.get(usize::from(code)) {
+            Some(Some(dt)) => Ok(dt.bind(py).clone()),
+            _ => self.torch_dtype.bind(py).call1((code,)),
+        }
+    }
+
+    /// The pinned blocks `views` as `KVView`s, in their order, made with few
+    /// torch calls (`crate::batch`): one DLPack export per group of nearby
+    /// blocks, whose deleter releases the group's pins together (one post);
+    /// one `as_strided` (and `unbind`) per run of like, evenly spaced blocks.
+    /// Each view, and each tensor derived from it, holds the pins of its
+    /// group, its own block's among them.
+    fn batch_views<'py>(&self, py: Python<'py>, views: Vec<BlockView>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        if views.len() <= 1 {
+            return views.into_iter().map(|v| self.view(py, v)).collect();
+        }
+        let specs: Vec<BlockSpec> = views
+            .iter()
+            .map(|v| BlockSpec {
+                addr: v.as_ptr() as usize,
+                len: v.len(),
+                code: v.dtype() as u8,
+                itemsize: v.dtype().itemsize() as usize, // 1..=8
+                dims: v.shape().dims().iter().map(|&d| u64::from(d)).collect(),
+            })
+            .collect();
+        let plan = batch::plan(&specs);
+        // The views, moved into their groups' pin sets.
+        let mut slots: Vec<Option<BlockView>> = views.into_iter().map(Some).collect();
+        let mut bases: Vec<Bound<'py, PyAny>> = Vec::with_capacity(plan.groups.len());
+        for g in &plan.groups {
+            let pins: Vec<BlockView> = g.members.iter().filter_map(|&i| slots[i].take()).collect();
+            let ptr = NonNull::new(g.start_addr as *mut u8).ok_or_else(|| KacheDBError::new_err("null view"))?;
+            let owner = DlOwner::Rust(Box::new(PinGroup(pins)));
+            // SAFETY: [start_addr, start_addr + len) lies in the mapped megaslab
+            // (it spans blocks that `slab_ptr` checked, and the holes between
+            // them, which are region memory too), kept mapped by the views'
+            // channel; the blocks in it are pinned while `owner` lives. The holes
+            // belong to other blocks: no view made below addresses them.
+            // Consumers may write through the tensor: readers must not (blocks
+            // are immutable by contract).
+            let cap =
+                unsafe { tensor_capsule(py, ptr, g.len, DlDtype::U8, &[g.len as u64], owner, DlpackFormat::Legacy)? };
+            bases.push(self.from_dlpack.bind(py).call1((cap,))?);
+        }
+        // By group, the group's bytes as each dtype used there.
+        let mut typed: Vec<Vec<(u8, Bound<'py, PyAny>)>> = vec![Vec::new(); plan.groups.len()];
+        let mut out: Vec<Bound<'py, PyAny>> = Vec::with_capacity(specs.len());
+        for r in &plan.runs {
+            let spec = &specs[r.first];
+            let base = match typed[r.group].iter().find(|(c, _)| *c == spec.code) {
+                Some((_, t)) => t.clone(),
+                None => {
+                    let bytes = &bases[r.group];
+                    let len = plan.groups[r.group].len;
+                    let whole = len - len % spec.itemsize;
+                    let bytes = if whole == len {
+                        bytes.clone()
+                    } else {
+                        bytes.call_method1(pyo3::intern!(py, "narrow"), (0, 0, whole))?
+                    };
+                    let t = bytes.call_method1(pyo3::intern!(py, "view"), (self.torch_dtype_of(py, spec.code)?,))?;
+                    typed[r.group].push((spec.code, t.clone()));
+                    t
+                }
+            };
+            let strides = batch::contiguous_strides(&spec.dims);
+            if r.count == 1 {
+                let t = base.call_method1(pyo3::intern!(py, "as_strided"), (&spec.dims, strides, r.offset_elems))?;
+                out.push(self.retype(py, t)?);
+            } else {
+                let mut dims = Vec::with_capacity(spec.dims.len() + 1);
+                dims.push(r.count as u64);
+                dims.extend_from_slice(&spec.dims);
+                let mut st = Vec::with_capacity(strides.len() + 1);
+                st.push(r.pitch_elems as u64);
+                st.extend_from_slice(&strides);
+                let all = base.call_method1(pyo3::intern!(py, "as_strided"), (dims, st, r.offset_elems))?;
+                for t in all.call_method1(pyo3::intern!(py, "unbind"), (0,))?.try_iter()? {
+                    out.push(self.retype(py, t?)?);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// The pinned block `v` as a `KVView` (as `kachedb._views.block_tensor`
@@ -161,14 +267,17 @@ impl ViewFactory {
         if !self.direct.get(usize::from(code)).copied().unwrap_or(false) {
             t = self.convert.bind(py).call1((t, code))?;
         }
-        let cls = self.view_class.bind(py);
-        // Re-typing the fresh tensor object costs ~0.2 us, a subclass alias
-        // (for a torch that refuses the re-typing) ~2 us; both share the
-        // import's storage, so its deleter still runs with the last view.
-        if t.setattr(pyo3::intern!(py, "__class__"), cls).is_err() {
-            t = cls.call_method1(pyo3::intern!(py, "_make_subclass"), (cls, t, false))?;
-        }
-        Ok(t)
+        self.retype(py, t)
+    }
+}
+
+/// The pins of one exported group of blocks (`ViewFactory::batch_views`):
+/// released together, in one post, when the group's storage is freed.
+struct PinGroup(Vec<BlockView>);
+
+impl Drop for PinGroup {
+    fn drop(&mut self) {
+        BlockView::release_all(std::mem::take(&mut self.0));
     }
 }
 
@@ -468,12 +577,25 @@ impl NativeClient {
     }
 
     /// Pins the leading present keys of `keys` in one round trip; each a
-    /// `KVView` as `get_view` makes it.
-    fn get_prefix_views<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    /// `KVView`. With `pin_each`, each made as `get_view` makes it (its own
+    /// export, holding its own pin); else made together
+    /// (`ViewFactory::batch_views`): the views of nearby blocks share one
+    /// export, which holds all their pins.
+    #[pyo3(signature = (keys, pin_each=false))]
+    fn get_prefix_views<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        pin_each: bool,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let keys = keys_of(keys)?;
         let factory = ViewFactory::get(py)?;
         let v = py.allow_threads(|| self.inner.get_prefix(&keys)).map_err(client_err)?;
-        v.into_iter().map(|v| factory.view(py, v)).collect()
+        if pin_each {
+            v.into_iter().map(|v| factory.view(py, v)).collect()
+        } else {
+            factory.batch_views(py, v)
+        }
     }
 
     /// How many leading keys (any iterable of keys) are present.
