@@ -2,7 +2,6 @@
 //! `kachedb_client` that release the GIL while waiting on the ring and hand
 //! blocks out as DLPack exporters whose owner keeps the pin.
 
-use crate::batch::{self, BlockSpec};
 use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat, Reader};
 use crate::errors::{client_err, InvalidArgument, KacheDBError};
 use kachedb_client::{BlockView, ConnectOptions, DType, Key, Reservation, Shape};
@@ -141,10 +140,6 @@ struct ViewFactory {
     convert: Py<PyAny>,
     /// By dtype code: whether torch imports the export as the block's own dtype.
     direct: Vec<bool>,
-    /// By dtype code: the `torch.dtype` (`None` where this torch lacks it).
-    torch_dtypes: Vec<Option<Py<PyAny>>>,
-    /// `kachedb._dtypes.torch_dtype`: raises the error for a dtype this torch lacks.
-    torch_dtype: Py<PyAny>,
 }
 
 static VIEW_FACTORY: GILOnceCell<ViewFactory> = GILOnceCell::new();
@@ -152,9 +147,9 @@ static VIEW_FACTORY: GILOnceCell<ViewFactory> = GILOnceCell::new();
 impl ViewFactory {
     fn get(py: Python<'_>) -> PyResult<&ViewFactory> {
         VIEW_FACTORY.get_or_try_init(py, || -> PyResult<ViewFactory> {
-            let (from_dlpack, view_class, convert, direct, torch_dtypes, torch_dtype) =
+            let (from_dlpack, view_class, convert, direct) =
                 py.import("kachedb._views")?.getattr("_view_factory")?.call0()?.extract()?;
-            Ok(ViewFactory { from_dlpack, view_class, convert, direct, torch_dtypes, torch_dtype })
+            Ok(ViewFactory { from_dlpack, view_class, convert, direct })
         })
     }
 
@@ -171,90 +166,37 @@ impl ViewFactory {
         Ok(t)
     }
 
-    /// The `torch.dtype` of dtype `code`; this torch's `TypeError` if it lacks it.
-    fn torch_dtype_of<'py>(&self, py: Python<'py>, code: u8) -> PyResult<Bound<'py, PyAny>> {
-        match self.torch_dtypes.get(usize::from(code)) {
-            Some(Some(dt)) => Ok(dt.bind(py).clone()),
-            _ => self.torch_dtype.bind(py).call1((code,)),
-        }
-    }
-
-    /// The pinned blocks `views` as `KVView`s, in their order, made with few
-    /// torch calls (`crate::batch`): one DLPack export per group of nearby
-    /// blocks, whose deleter releases the group's pins together (one post);
-    /// one `as_strided` (and `unbind`) per run of like, evenly spaced blocks.
-    /// Each view, and each tensor derived from it, holds the pins of its
-    /// group, its own block's among them.
-    fn batch_views<'py>(&self, py: Python<'py>, views: Vec<BlockView>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    /// The pinned blocks `views` as `KVView`s, in their order, sharing their
+    /// pins: each view is its own DLPack export (of its own block, made as
+    /// `view` makes it) whose owner is a reference to one `PinGroup` holding
+    /// every block of the call. The last of the views (and of the tensors
+    /// derived from them) to go releases all the pins, in one post.
+    fn shared_views<'py>(&self, py: Python<'py>, views: Vec<BlockView>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         if views.len() <= 1 {
             return views.into_iter().map(|v| self.view(py, v)).collect();
         }
-        let specs: Vec<BlockSpec> = views
-            .iter()
-            .map(|v| BlockSpec {
-                addr: v.as_ptr() as usize,
-                len: v.len(),
-                code: v.dtype() as u8,
-                itemsize: v.dtype().itemsize() as usize, // 1..=8
-                dims: v.shape().dims().iter().map(|&d| u64::from(d)).collect(),
-            })
-            .collect();
-        let plan = batch::plan(&specs);
-        // The views, moved into their groups' pin sets.
-        let mut slots: Vec<Option<BlockView>> = views.into_iter().map(Some).collect();
-        let mut bases: Vec<Bound<'py, PyAny>> = Vec::with_capacity(plan.groups.len());
-        for g in &plan.groups {
-            let pins: Vec<BlockView> = g.members.iter().filter_map(|&i| slots[i].take()).collect();
-            let ptr = NonNull::new(g.start_addr as *mut u8).ok_or_else(|| KacheDBError::new_err("null view"))?;
-            let owner = DlOwner::Rust(Box::new(PinGroup(pins)));
-            // SAFETY: [start_addr, start_addr + len) lies in the mapped megaslab
-            // (it spans blocks that `slab_ptr` checked, and the holes between
-            // them, which are region memory too), kept mapped by the views'
-            // channel; the blocks in it are pinned while `owner` lives. The holes
-            // belong to other blocks: no view made below addresses them.
-            // Consumers may write through the tensor: readers must not (blocks
-            // are immutable by contract).
-            let cap =
-                unsafe { tensor_capsule(py, ptr, g.len, DlDtype::U8, &[g.len as u64], owner, DlpackFormat::Legacy)? };
-            bases.push(self.from_dlpack.bind(py).call1((cap,))?);
+        let mut exports = Vec::with_capacity(views.len());
+        for v in &views {
+            let dims: Vec<u64> = v.shape().dims().iter().map(|&d| u64::from(d)).collect();
+            let ptr = NonNull::new(v.as_ptr() as *mut u8).ok_or_else(|| KacheDBError::new_err("null view"))?;
+            exports.push((ptr, v.len(), v.dtype(), dims));
         }
-        // By group, the group's bytes as each dtype used there.
-        let mut typed: Vec<Vec<(u8, Bound<'py, PyAny>)>> = vec![Vec::new(); plan.groups.len()];
-        let mut out: Vec<Bound<'py, PyAny>> = Vec::with_capacity(specs.len());
-        for r in &plan.runs {
-            let spec = &specs[r.first];
-            let base = match typed[r.group].iter().find(|(c, _)| *c == spec.code) {
-                Some((_, t)) => t.clone(),
-                None => {
-                    let bytes = &bases[r.group];
-                    let len = plan.groups[r.group].len;
-                    let whole = len - len % spec.itemsize;
-                    let bytes = if whole == len {
-                        bytes.clone()
-                    } else {
-                        bytes.call_method1(pyo3::intern!(py, "narrow"), (0, 0, whole))?
-                    };
-                    let t = bytes.call_method1(pyo3::intern!(py, "view"), (self.torch_dtype_of(py, spec.code)?,))?;
-                    typed[r.group].push((spec.code, t.clone()));
-                    t
-                }
-            };
-            let strides = batch::contiguous_strides(&spec.dims);
-            if r.count == 1 {
-                let t = base.call_method1(pyo3::intern!(py, "as_strided"), (&spec.dims, strides, r.offset_elems))?;
-                out.push(self.retype(py, t)?);
-            } else {
-                let mut dims = Vec::with_capacity(spec.dims.len() + 1);
-                dims.push(r.count as u64);
-                dims.extend_from_slice(&spec.dims);
-                let mut st = Vec::with_capacity(strides.len() + 1);
-                st.push(r.pitch_elems as u64);
-                st.extend_from_slice(&strides);
-                let all = base.call_method1(pyo3::intern!(py, "as_strided"), (dims, st, r.offset_elems))?;
-                for t in all.call_method1(pyo3::intern!(py, "unbind"), (0,))?.try_iter()? {
-                    out.push(self.retype(py, t?)?);
-                }
+        let group = Arc::new(PinGroup(views));
+        let mut out = Vec::with_capacity(exports.len());
+        for (ptr, len, dtype, dims) in exports {
+            let owner = DlOwner::Rust(Box::new(Arc::clone(&group)));
+            let dt = DlDtype::of(dtype, Reader::Torch);
+            // SAFETY: the block is pinned (never evicted, moved or reused) and
+            // its mapping kept alive while `group` lives, which the capsule's
+            // owner (a reference to it) keeps alive. Consumers may write through
+            // the tensor: readers must not (blocks are immutable by contract).
+            let cap = unsafe { tensor_capsule(py, ptr, len, dt, &dims, owner, DlpackFormat::Legacy)? };
+            let mut t = self.from_dlpack.bind(py).call1((cap,))?;
+            let code = dtype as u8;
+            if !self.direct.get(usize::from(code)).copied().unwrap_or(false) {
+                t = self.convert.bind(py).call1((t, code))?;
             }
+            out.push(self.retype(py, t)?);
         }
         Ok(out)
     }
@@ -271,8 +213,8 @@ impl ViewFactory {
     }
 }
 
-/// The pins of one exported group of blocks (`ViewFactory::batch_views`):
-/// released together, in one post, when the group's storage is freed.
+/// The pins of the blocks of one `get_prefix` (`ViewFactory::shared_views`):
+/// released together, in one post, when the last export holding it is freed.
 struct PinGroup(Vec<BlockView>);
 
 impl Drop for PinGroup {
@@ -577,10 +519,9 @@ impl NativeClient {
     }
 
     /// Pins the leading present keys of `keys` in one round trip; each a
-    /// `KVView`. With `pin_each`, each made as `get_view` makes it (its own
-    /// export, holding its own pin); else made together
-    /// (`ViewFactory::batch_views`): the views of nearby blocks share one
-    /// export, which holds all their pins.
+    /// `KVView`. With `pin_each`, each made as `get_view` makes it (holding
+    /// its own pin); else (`ViewFactory::shared_views`) the views share their
+    /// pins, released together when the last of them goes.
     #[pyo3(signature = (keys, pin_each=false))]
     fn get_prefix_views<'py>(
         &self,
@@ -594,7 +535,7 @@ impl NativeClient {
         if pin_each {
             v.into_iter().map(|v| factory.view(py, v)).collect()
         } else {
-            factory.batch_views(py, v)
+            factory.shared_views(py, v)
         }
     }
 

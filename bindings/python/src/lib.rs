@@ -1,13 +1,11 @@
 //! `kachedb._kachedb_rust`: the native half of the `kachedb` Python package.
 //!
 //! The Python half (`python/kachedb/`) re-exports what users need; this module is
-//! private API: the client classes (`client`), the plan that makes a batch's
-//! views with few torch calls (`batch`), the one typed DLPack export of
+//! private API: the client classes (`client`), the one typed DLPack export of
 //! blocks (`dlpack`), the client's errors as the
 //! Python exception classes (`errors`), the dtype table and block limits (module
 //! attributes), the default socket path, the key mapping (`key_of`), and, with the `testing` feature, test hooks (`_test_*`, `_raise_*`).
 
-mod batch;
 mod client;
 mod dlpack;
 mod errors;

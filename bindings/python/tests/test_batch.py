@@ -76,8 +76,8 @@ def test_get_prefix_views_keep_their_pins(kc, daemon, pin_each):
     assert kc.get_prefix(keys) == []
     del views
     gc.collect()
-    # The slice still pins its block (shared: with the blocks exported beside
-    # it, here all three); its bytes are intact after the delete.
+    # The slice still pins its block (shared: with the call's other blocks);
+    # its bytes are intact after the delete.
     assert daemon.stats()["pins"] == (1 if pin_each else 3)
     assert torch.equal(sl, torch.full((100,), 3.0)) and torch.equal(part, torch.full((10,), 2.0))
     del sl
@@ -101,7 +101,7 @@ def test_get_prefix_views_share_their_pins_until_the_last_derived_tensor_goes(kc
     derived = [views[3].view(torch.int16)[2:4], views[15].t()]
     del views
     gc.collect()
-    assert daemon.stats()["pins"] == 16, "a derived tensor holds its group's pins"
+    assert daemon.stats()["pins"] == 16, "a derived tensor holds the call's pins"
     assert kc.delete_many(keys) == 16
     derived.pop()
     gc.collect()

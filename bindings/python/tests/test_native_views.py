@@ -141,7 +141,7 @@ try:
 except TypeError:
     pass
 made = _views._view_factory()
-_views._view_factory = lambda: (made[0], Refused, *made[2:])
+_views._view_factory = lambda: (made[0], Refused, made[2], made[3])
 
 kc = kachedb.connect(sys.argv[1])
 kc.put("nv/refused", torch.arange(8, dtype=torch.float32))

@@ -560,15 +560,14 @@ class Client:
         can be evicted in between. Stops at the first missing key (the pins
         taken past it are released).
 
-        The views of one call share their pins: blocks that lie near each other
-        in shared memory are exported together (one torch storage per stretch,
-        the views made from it with a few torch calls), and a stretch's blocks
-        stay pinned while any view of it, or any tensor derived from one,
-        lives; the last one gone releases them all at once. A view is thus
-        never left unpinned, but holding one may keep its neighbours pinned
-        too. ``pin_each=True``: each view holds only its own block's pin, as
-        ``get``'s does (one export per view: slower), for a caller that keeps
-        some views long and drops others."""
+        The views of one call share their pins: every block of the call stays
+        pinned while any of its views, or any tensor derived from one, lives;
+        the last one gone releases them all at once (one post to the daemon,
+        not one per view). A view is thus never left unpinned, but holding one
+        keeps the call's other blocks pinned too. ``pin_each=True``: each view
+        holds only its own block's pin, as ``get``'s does (released one by
+        one: slower), for a caller that keeps some views long and drops
+        others."""
         native = self._check() if self._forked else self._native
         views = native.get_prefix_views(keys, bool(pin_each))
         return views if device is None else [self._on(v, device) for v in views]

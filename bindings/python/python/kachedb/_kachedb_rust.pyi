@@ -97,7 +97,7 @@ class NativeClient:
     def get_prefix_views(self, keys: Iterable[Any], pin_each: bool = False) -> List[Any]:
         """Pins the leading present keys in one round trip; each a ``KVView``.
         With ``pin_each``, each as ``get_view`` makes it (its own pin); else the
-        views of nearby blocks share one export, which holds all their pins."""
+        views share their pins, released together when the last of them goes."""
     def wait_for_view(self, key: Any, timeout: Optional[float] = None) -> Any:
         """Waits (GIL released) until ``key`` is committed, then returns it as
         ``get_view`` does; ``TimedOut`` after ``timeout`` seconds (``None``: never)."""

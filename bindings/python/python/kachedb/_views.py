@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from . import _kachedb_rust as _native
-from ._dtypes import CODE_NAMES, ITEMSIZES, ShapeLike, _np, _torch, check_shape, dtype_name, numpy_dtype, torch_dtype
+from ._dtypes import ITEMSIZES, ShapeLike, _np, _torch, check_shape, dtype_name, numpy_dtype, torch_dtype
 
 __all__ = ["writable_tensors", "torch_from_dlpack", "numpy_from_dlpack"]
 
@@ -87,15 +87,10 @@ def _view_factory() -> tuple:
     """What ``NativeClient.get_view`` makes a ``KVView`` with: torch's DLPack
     import, re-typed as ``KVView``, viewed as its dtype by ``_as_torch_dtype``
     unless ``direct[code]`` (torch imports the code's export as its own
-    dtype); and what ``get_prefix_views`` views a group's bytes as: by code,
-    the ``torch.dtype`` (``None`` where this torch lacks it: ``torch_dtype``
-    raises its error). ``(from_dlpack, KVView, _as_torch_dtype, direct,
-    torch_dtypes, torch_dtype)``."""
+    dtype): ``(from_dlpack, KVView, _as_torch_dtype, direct)``."""
     if _view_class is None:
         _init_torch()
-    torch = _torch()
-    dtypes = [getattr(torch, CODE_NAMES[c], None) if c in CODE_NAMES else None for c in range(max(ITEMSIZES) + 1)]
-    return _from_dlpack, _view_class, _as_torch_dtype, [dt is None for dt in _torch_views], dtypes, torch_dtype
+    return _from_dlpack, _view_class, _as_torch_dtype, [dt is None for dt in _torch_views]
 
 
 def writable_tensors(capsules: List[Any], code: int) -> List[Any]:
