@@ -153,6 +153,54 @@ impl ViewFactory {
         })
     }
 
+    /// `t` re-typed as `KVView` (the fresh tensor object itself, or an alias
+    /// of it where torch refuses the re-typing).
+    fn retype<'py>(&self, py: Python<'py>, t: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let cls = self.view_class.bind(py);
+        // Re-typing the fresh tensor object costs ~0.2 us, a subclass alias
+        // (for a torch that refuses the re-typing) ~2 us; both share the
+        // import's storage, so its deleter still runs with the last view.
+        if t.setattr(pyo3::intern!(py, "__class__"), cls).is_err() {
+            return cls.call_method1(pyo3::intern!(py, "_make_subclass"), (cls, t, false));
+        }
+        Ok(t)
+    }
+
+    /// The pinned blocks `views` as `KVView`s, in their order, sharing their
+    /// pins: each view is its own DLPack export (of its own block, made as
+    /// `view` makes it) whose owner is a reference to one `PinGroup` holding
+    /// every block of the call. The last of the views (and of the tensors
+    /// derived from them) to go releases all the pins, in one post.
+    fn shared_views<'py>(&self, py: Python<'py>, views: Vec<BlockView>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        if views.len() <= 1 {
+            return views.into_iter().map(|v| self.view(py, v)).collect();
+        }
+        let mut exports = Vec::with_capacity(views.len());
+        for v in &views {
+            let dims: Vec<u64> = v.shape().dims().iter().map(|&d| u64::from(d)).collect();
+            let ptr = NonNull::new(v.as_ptr() as *mut u8).ok_or_else(|| KacheDBError::new_err("null view"))?;
+            exports.push((ptr, v.len(), v.dtype(), dims));
+        }
+        let group = Arc::new(PinGroup(views));
+        let mut out = Vec::with_capacity(exports.len());
+        for (ptr, len, dtype, dims) in exports {
+            let owner = DlOwner::Rust(Box::new(Arc::clone(&group)));
+            let dt = DlDtype::of(dtype, Reader::Torch);
+            // SAFETY: the block is pinned (never evicted, moved or reused) and
+            // its mapping kept alive while `group` lives, which the capsule's
+            // owner (a reference to it) keeps alive. Consumers may write through
+            // the tensor: readers must not (blocks are immutable by contract).
+            let cap = unsafe { tensor_capsule(py, ptr, len, dt, &dims, owner, DlpackFormat::Legacy)? };
+            let mut t = self.from_dlpack.bind(py).call1((cap,))?;
+            let code = dtype as u8;
+            if !self.direct.get(usize::from(code)).copied().unwrap_or(false) {
+                t = self.convert.bind(py).call1((t, code))?;
+            }
+            out.push(self.retype(py, t)?);
+        }
+        Ok(out)
+    }
+
     /// The pinned block `v` as a `KVView` (as `kachedb._views.block_tensor`
     /// makes it): the import's deleter holds the pin.
     fn view<'py>(&self, py: Python<'py>, v: BlockView) -> PyResult<Bound<'py, PyAny>> {
@@ -161,14 +209,17 @@ impl ViewFactory {
         if !self.direct.get(usize::from(code)).copied().unwrap_or(false) {
             t = self.convert.bind(py).call1((t, code))?;
         }
-        let cls = self.view_class.bind(py);
-        // Re-typing the fresh tensor object costs ~0.2 us, a subclass alias
-        // (for a torch that refuses the re-typing) ~2 us; both share the
-        // import's storage, so its deleter still runs with the last view.
-        if t.setattr(pyo3::intern!(py, "__class__"), cls).is_err() {
-            t = cls.call_method1(pyo3::intern!(py, "_make_subclass"), (cls, t, false))?;
-        }
-        Ok(t)
+        self.retype(py, t)
+    }
+}
+
+/// The pins of the blocks of one `get_prefix` (`ViewFactory::shared_views`):
+/// released together, in one post, when the last export holding it is freed.
+struct PinGroup(Vec<BlockView>);
+
+impl Drop for PinGroup {
+    fn drop(&mut self) {
+        BlockView::release_all(std::mem::take(&mut self.0));
     }
 }
 
@@ -468,12 +519,24 @@ impl NativeClient {
     }
 
     /// Pins the leading present keys of `keys` in one round trip; each a
-    /// `KVView` as `get_view` makes it.
-    fn get_prefix_views<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    /// `KVView`. With `pin_each`, each made as `get_view` makes it (holding
+    /// its own pin); else (`ViewFactory::shared_views`) the views share their
+    /// pins, released together when the last of them goes.
+    #[pyo3(signature = (keys, pin_each=false))]
+    fn get_prefix_views<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        pin_each: bool,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let keys = keys_of(keys)?;
         let factory = ViewFactory::get(py)?;
         let v = py.allow_threads(|| self.inner.get_prefix(&keys)).map_err(client_err)?;
-        v.into_iter().map(|v| factory.view(py, v)).collect()
+        if pin_each {
+            v.into_iter().map(|v| factory.view(py, v)).collect()
+        } else {
+            factory.shared_views(py, v)
+        }
     }
 
     /// How many leading keys (any iterable of keys) are present.

@@ -65,22 +65,98 @@ def test_get_prefix_returns_the_leading_present_views(kc, daemon):
     kc.delete_many(keys)
 
 
-def test_get_prefix_views_keep_their_pins(kc, daemon):
+@pytest.mark.parametrize("pin_each", [False, True], ids=["shared", "pin_each"])
+def test_get_prefix_views_keep_their_pins(kc, daemon, pin_each):
     keys = [f"pin-{i}" for i in range(3)]
     kc.put_many(keys, [torch.full((1024,), i + 1.0) for i in range(3)])
-    views = kc.get_prefix(keys)
+    views = kc.get_prefix(keys, pin_each=pin_each)
     part = views[1][10:20] * 1  # a copy: holds nothing
     sl = views[2][100:200]  # a view of a view: holds the pin
     assert kc.delete_many(keys) == 3
     assert kc.get_prefix(keys) == []
     del views
     gc.collect()
-    # The slice still pins its block; its bytes are intact after the delete.
-    assert daemon.stats()["pins"] == 1
+    # The slice still pins its block (shared: with the call's other blocks);
+    # its bytes are intact after the delete.
+    assert daemon.stats()["pins"] == (1 if pin_each else 3)
     assert torch.equal(sl, torch.full((100,), 3.0)) and torch.equal(part, torch.full((10,), 2.0))
     del sl
     gc.collect()
     assert_no_pins(daemon)
+
+
+def test_get_prefix_views_share_their_pins_until_the_last_derived_tensor_goes(kc, daemon):
+    keys = [f"share-{i}" for i in range(16)]
+    kc.put_many(keys, [torch.full((8, 128), float(i), dtype=torch.float16) for i in range(16)])
+    views = kc.get_prefix(keys)
+    assert len(views) == 16 and daemon.stats()["pins"] == 16
+    for i, v in enumerate(views):
+        assert type(v).__name__ == "KVView" and v.is_contiguous() and tuple(v.shape) == (8, 128)
+        assert torch.equal(v, torch.full((8, 128), float(i), dtype=torch.float16))
+    del v
+    # Each view is at its block's address (the one a lone get gives).
+    singles = [kc.get(k) for k in keys]
+    assert [v.data_ptr() for v in views] == [s.data_ptr() for s in singles]
+    del singles
+    derived = [views[3].view(torch.int16)[2:4], views[15].t()]
+    del views
+    gc.collect()
+    assert daemon.stats()["pins"] == 16, "a derived tensor holds the call's pins"
+    assert kc.delete_many(keys) == 16
+    derived.pop()
+    gc.collect()
+    assert daemon.stats()["pins"] == 16
+    # The bytes of a deleted block stay intact while a tensor holds its pin.
+    assert torch.equal(derived[0], torch.full((2, 128), 3.0, dtype=torch.float16).view(torch.int16))
+    derived.pop()
+    gc.collect()
+    assert_no_pins(daemon)
+
+
+def test_get_prefix_views_of_mixed_dtypes_and_shapes(kc, daemon):
+    srcs = [
+        torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        torch.arange(5, dtype=torch.int64),
+        torch.tensor([True, False, True]),
+        torch.full((2, 3), 1.5, dtype=torch.bfloat16),
+        torch.full((2, 3), -2.5, dtype=torch.bfloat16),
+        torch.arange(7, dtype=torch.uint8),
+        torch.zeros((0, 4), dtype=torch.float16),
+        torch.tensor(4.25, dtype=torch.float64),
+        torch.arange(6, dtype=torch.int16).reshape(1, 2, 3),
+    ]
+    if hasattr(torch, "float8_e4m3fn"):
+        srcs.append(torch.linspace(-2, 2, 16).to(torch.float8_e4m3fn).reshape(4, 4))
+        srcs.append(torch.linspace(-1, 1, 8).to(torch.float8_e5m2))
+    keys = [f"mixed-{i}" for i in range(len(srcs))]
+    kc.put_many(keys, srcs)
+    for pin_each in (False, True):
+        views = kc.get_prefix(keys, pin_each=pin_each)
+        assert len(views) == len(srcs)
+        for v, src in zip(views, srcs):
+            assert type(v).__name__ == "KVView"
+            assert v.dtype == src.dtype and v.shape == src.shape and v.is_contiguous()
+            if src.dtype.itemsize == 1 and src.dtype not in (torch.bool, torch.uint8):  # float8: compare the bytes
+                assert torch.equal(v.view(torch.uint8), src.view(torch.uint8))
+            else:
+                assert torch.equal(v, src)
+        assert daemon.stats()["pins"] == len(srcs)
+        del views, v
+        gc.collect()
+        assert_no_pins(daemon)
+    assert kc.delete_many(keys) == len(srcs)
+
+
+def test_get_prefix_of_repeated_keys_pins_each_occurrence(kc, daemon):
+    kc.put_many(["rep-0", "rep-1"], [torch.full((64,), 1.0), torch.full((64,), 2.0)])
+    views = kc.get_prefix(["rep-0", "rep-1", "rep-0", "rep-0"])
+    assert [float(v[0]) for v in views] == [1.0, 2.0, 1.0, 1.0]
+    assert views[0].data_ptr() == views[2].data_ptr() == views[3].data_ptr()
+    assert daemon.stats()["pins"] == 4
+    del views
+    gc.collect()
+    assert_no_pins(daemon)
+    assert kc.delete_many(["rep-0", "rep-1"]) == 2
 
 
 def test_get_prefix_device_copy_and_bad_keys(kc):

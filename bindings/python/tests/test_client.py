@@ -114,6 +114,25 @@ def test_torch_put_many_get_many(module_kc, dtype, shapes, seed):
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
 @hyp
+@given(shapes=st.lists(shapes, min_size=1, max_size=6), seed=st.integers(0, 2**31))
+def test_torch_put_many_get_prefix(module_kc, dtype, shapes, seed):
+    # Views made together from shared exports (runs of like blocks, zero-size
+    # and 0-D ones included) match the sources as one-by-one gets do.
+    srcs = [random_tensor(dtype, s, seed + i) for i, s in enumerate(shapes)]
+    keys = [fresh_key() for _ in srcs]
+    module_kc.put_many(keys, srcs)
+    got = module_kc.get_prefix(keys + [fresh_key("missing")] + keys)
+    assert len(got) == len(srcs)
+    for g, s in zip(got, srcs):
+        assert type(g).__name__ == "KVView"
+        assert_same_tensor(g, s)
+    del got, g
+    for k in keys:
+        assert module_kc.delete(k)
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+@hyp
 @given(shape=shapes, seed=st.integers(0, 2**31))
 def test_torch_reserve(module_kc, dtype, shape, seed):
     src = random_tensor(dtype, shape, seed)

@@ -76,7 +76,9 @@ def test_views_hold_their_pins_until_the_last_derived_tensor_goes(kc):
     assert collected_pins(kc) == 0
     one = kc.get("nv/p0")
     many = kc.get_many(["nv/p1", "nv/missing", "nv/p2"])
-    prefix = kc.get_prefix(["nv/p0", "nv/p1", "nv/missing", "nv/p2"])
+    # pin_each: each prefix view holds its own pin only (the shared pins of
+    # the default are tested in test_batch.py).
+    prefix = kc.get_prefix(["nv/p0", "nv/p1", "nv/missing", "nv/p2"], pin_each=True)
     assert many[1] is None and len(prefix) == 2
     assert [float(t[0]) for t in (one, many[0], many[2], *prefix)] == [0.0, 1.0, 2.0, 0.0, 1.0]
     assert all(type(t).__name__ == "KVView" for t in (one, many[0], many[2], *prefix))
@@ -155,6 +157,20 @@ del part
 gc.collect()
 assert kc.stats()["pins"] == 0, kc.stats()["pins"]
 kc.delete("nv/refused")
+# The views of a get_prefix, made from one shared export, get aliases too.
+kc.put_many(["nv/r0", "nv/r1"], [torch.full((4,), 1.0), torch.full((4,), 2.0)])
+views = kc.get_prefix(["nv/r0", "nv/r1"])
+assert [type(v) for v in views] == [Refused, Refused], views
+assert [float(v.sum()) for v in views] == [4.0, 8.0]
+part = views[1][1:3]
+del views
+gc.collect()
+assert kc.stats()["pins"] == 2, kc.stats()["pins"]
+assert float(part.sum()) == 4.0
+del part
+gc.collect()
+assert kc.stats()["pins"] == 0, kc.stats()["pins"]
+kc.delete_many(["nv/r0", "nv/r1"])
 print("ok")
 """
 

@@ -417,7 +417,13 @@ impl Channel {
     /// Drops the pin `handle` (a view went away): sent now if the rings are
     /// free, else queued for the thread that holds them.
     pub(crate) fn release(&self, handle: u64) {
-        if self.inherited() {
+        self.release_many(std::slice::from_ref(&handle));
+    }
+
+    /// Drops the pins `handles` as [`release`](Self::release) does, all in one
+    /// post (one publish, one doorbell) when the rings are free.
+    pub(crate) fn release_many(&self, handles: &[u64]) {
+        if handles.is_empty() || self.inherited() {
             // The pin is the parent's; and no lock here, which a thread of
             // the parent may have held at the fork.
             return;
@@ -425,7 +431,14 @@ impl Channel {
         // A closed client still releases the pins of its live views.
         match self.io.try_lock() {
             Ok(mut io) => {
-                if self.post(&mut io, &[Request::Release { handle }]).is_err() {
+                let posted = match handles {
+                    [handle] => self.post(&mut io, &[Request::Release { handle: *handle }]),
+                    _ => {
+                        let reqs: Vec<Request> = handles.iter().map(|&handle| Request::Release { handle }).collect();
+                        self.post(&mut io, &reqs)
+                    }
+                };
+                if posted.is_err() {
                     self.closed.store(true, Ordering::Release);
                 }
                 self.flush_releases(&mut io);
@@ -434,7 +447,7 @@ impl Channel {
             }
             Err(_) => {
                 if let Ok(mut p) = self.pending_release.lock() {
-                    p.push(handle);
+                    p.extend_from_slice(handles);
                     self.release_pending.store(true, Ordering::Release);
                 }
                 self.after_unlock();

@@ -92,9 +92,39 @@ impl std::ops::Deref for BlockView {
     }
 }
 
+impl BlockView {
+    /// Releases the pins of `views` together: one post (one publish, one
+    /// doorbell) per run of views of the same client, where dropping them one
+    /// by one posts once per view.
+    pub fn release_all(mut views: Vec<BlockView>) {
+        let mut handles = Vec::with_capacity(views.len());
+        let mut start = 0;
+        while start < views.len() {
+            let channel = Arc::clone(&views[start].channel);
+            let end = views[start..]
+                .iter()
+                .position(|v| !Arc::ptr_eq(&v.channel, &channel))
+                .map_or(views.len(), |n| start + n);
+            handles.clear();
+            for v in &mut views[start..end] {
+                // RELEASED_HANDLE: the view's own drop below sends nothing.
+                handles.push(std::mem::replace(&mut v.handle, RELEASED_HANDLE));
+            }
+            channel.release_many(&handles);
+            start = end;
+        }
+    }
+}
+
+/// The handle of a view whose pin [`BlockView::release_all`] released: the
+/// daemon never issues handle 0 (its kind bits 0 name no handle kind).
+const RELEASED_HANDLE: u64 = 0;
+
 impl Drop for BlockView {
     fn drop(&mut self) {
-        self.channel.release(self.handle);
+        if self.handle != RELEASED_HANDLE {
+            self.channel.release(self.handle);
+        }
     }
 }
 

@@ -554,12 +554,22 @@ class Client:
         views = (self._check() if self._forked else self._native).get_many_views(keys)
         return views if device is None else [None if v is None else self._on(v, device) for v in views]
 
-    def get_prefix(self, keys: Sequence[KeyLike], *, device: Any = None) -> List[Any]:
+    def get_prefix(self, keys: Sequence[KeyLike], *, device: Any = None, pin_each: bool = False) -> List[Any]:
         """Views of the leading present keys of ``keys`` (a prefix hash chain),
         in one round trip: each key is looked up and pinned at once, so no block
         can be evicted in between. Stops at the first missing key (the pins
-        taken past it are released). Each view keeps its pin as ``get``'s does."""
-        views = (self._check() if self._forked else self._native).get_prefix_views(keys)
+        taken past it are released).
+
+        The views of one call share their pins: every block of the call stays
+        pinned while any of its views, or any tensor derived from one, lives;
+        the last one gone releases them all at once (one post to the daemon,
+        not one per view). A view is thus never left unpinned, but holding one
+        keeps the call's other blocks pinned too. ``pin_each=True``: each view
+        holds only its own block's pin, as ``get``'s does (released one by
+        one: slower), for a caller that keeps some views long and drops
+        others."""
+        native = self._check() if self._forked else self._native
+        views = native.get_prefix_views(keys, bool(pin_each))
         return views if device is None else [self._on(v, device) for v in views]
 
     def wait_for(self, key: KeyLike, timeout: Optional[float] = None, *, device: Any = None) -> Any:

@@ -94,9 +94,10 @@ class NativeClient:
         releases the pin; ``None`` if absent."""
     def get_many_views(self, keys: Iterable[Any]) -> List[Optional[Any]]:
         """``get_view`` of many keys in one batch; ``None`` for each absent key."""
-    def get_prefix_views(self, keys: Iterable[Any]) -> List[Any]:
-        """Pins the leading present keys in one round trip; each a ``KVView`` as
-        ``get_view`` makes it."""
+    def get_prefix_views(self, keys: Iterable[Any], pin_each: bool = False) -> List[Any]:
+        """Pins the leading present keys in one round trip; each a ``KVView``.
+        With ``pin_each``, each as ``get_view`` makes it (its own pin); else the
+        views share their pins, released together when the last of them goes."""
     def wait_for_view(self, key: Any, timeout: Optional[float] = None) -> Any:
         """Waits (GIL released) until ``key`` is committed, then returns it as
         ``get_view`` does; ``TimedOut`` after ``timeout`` seconds (``None``: never)."""

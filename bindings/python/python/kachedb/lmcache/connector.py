@@ -270,7 +270,9 @@ class KacheDBConnector(RemoteConnector):
         if kc is None or not keys:
             return []
         try:
-            views = kc.get_prefix([self.daemon_key(k) for k in keys])
+            # pin_each: LMCache keeps some chunks' views (within the pin budget)
+            # and copies and drops others, whose pins must go with them.
+            views = kc.get_prefix([self.daemon_key(k) for k in keys], pin_each=True)
         except kachedb.Disconnected as e:
             self._link.failed(e)
             return []
