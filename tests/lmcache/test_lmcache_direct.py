@@ -14,7 +14,6 @@ still runs on the caller's thread. Both retrieve byte-equal."""
 
 import pytest
 
-import lmcache_support as S
 from test_lmcache_engine import assert_kachedb_serving, run_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -22,14 +21,6 @@ pytestmark = pytest.mark.timeout(600)
 PROMPT = (128, 31)
 CHUNKS = 8
 
-
-@pytest.fixture(scope="module")
-def daemon():
-    d = S.Daemon(size="64MiB").start()
-    try:
-        yield d
-    finally:
-        assert d.stop() == 0
 
 
 def _run(daemon, workdir, name, prompt, **spec):

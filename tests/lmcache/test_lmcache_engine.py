@@ -68,13 +68,8 @@ def assert_kachedb_serving(result: dict) -> None:
     assert result["connector"].startswith("<KacheDBConnector kachedb"), result["connector"]
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    d = S.Daemon(size="256MiB").start()
-    try:
-        yield d
-    finally:
-        assert d.stop() == 0
+#: The megaslab of this module's daemon (the `daemon` fixture, conftest.py).
+DAEMON_SIZE = "256MiB"
 
 
 @pytest.fixture(scope="module")

@@ -32,14 +32,6 @@ CHUNKS = 8
 CHUNK_BYTES = 2 * S.NUM_LAYERS * S.CHUNK_TOKENS * S.NUM_HEADS * S.HEAD_SIZE * 2  # bfloat16
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    d = S.Daemon(size="64MiB").start()
-    try:
-        yield d
-    finally:
-        assert d.stop() == 0
-
 
 def _run(daemon, workdir, name, **spec):
     r = run_engine(workdir, name, dict({"scenario": "store_in_place", "socket": daemon.socket, "prompts": PROMPTS}, **spec))
