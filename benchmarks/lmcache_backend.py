@@ -52,7 +52,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions (default 5)")
+    ap.add_argument("--reps", type=int, default=15, help="repetitions (default 15; medians)")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions first (default 1)")
     ap.add_argument("--chunk", type=int, default=256, help="LMCache chunk size in tokens (default 256, LMCache's)")
     ap.add_argument("--layers", type=int, default=16, help="layers (default 16)")
