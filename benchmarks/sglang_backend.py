@@ -24,10 +24,12 @@ fills ``--tokens`` slots of a host pool is
   copied from the host pool into blocks freshly reserved in the daemon's shared
   memory for each prompt (never written before, as the blocks KacheDB stores
   into) (store), and from those blocks into the host pool's other slots
-  (retrieve), through the very page views KacheDB's v1 path copies between
-  (the backend's kept views: one strided view per page for the MHA pools) in
-  one ``torch._foreach_copy_`` call, as that path does, the views made before
-  the clock starts. KacheDB's figure as a percentage of it is how close its v1
+  (retrieve), by torch: one strided view per page for the MHA pools (the
+  fewest views that name the page's ranges), all pages in one
+  ``torch._foreach_copy_`` call (torch's multi-threaded copy), the views made
+  before the clock starts. (KacheDB's v1 path copies the same byte ranges
+  natively: ``Client.put_ranges`` / ``get_prefix_into``.) KacheDB's figure as a
+  percentage of it is how close its v1
   path comes to the cost of the copy itself (100 % = nothing but the copy);
 * ``memcpy``: the same pages copied host slot to host slot with the pool's own
   page copy (``get_data_page`` / ``set_from_flat_data_page``; strided for
@@ -36,6 +38,12 @@ fills ``--tokens`` slots of a host pool is
 Before each timed operation ``--evict-mib`` MiB are written, so that every
 operation starts with the prompt's bytes out of the CPU caches (as after the
 GPU wrote the host pages), not with what the operation before it left there.
+They are written by one thread (numpy), not by a parallel torch op: after one,
+torch's OpenMP workers spin for a few milliseconds (libgomp's wait policy),
+holding a core that any other thread then shares, while torch's own next copy
+finds them hot. Neither is how an engine's store starts (SGLang's controller
+stores pages that a GPU copy wrote); ``--evict-with torch`` keeps that
+condition, to see it.
 KacheDB and the copy run back to back (both stores, then both retrieves),
 each of them first in every other rep; the file backend and ``memcpy`` follow,
 and the file backend's dirty pages are written back (``os.sync``) before the
@@ -65,6 +73,58 @@ sys.path.insert(0, str(ROOT))  # harness/
 from harness.daemon import Daemon, built_binary  # noqa: E402
 
 
+def grid(addrs, row_sizes):
+    """``(shape, strides, extent)`` of one view that lays each page's byte
+    ranges out in order, when ``addrs`` (pages x ranges) is the same grid in
+    every page (equal range sizes; offsets ``o * s_outer + i * s_inner`` from
+    the page's first range), as the MHA pools' are; ``None`` otherwise."""
+    import numpy as np
+
+    size = int(row_sizes[0])
+    if (row_sizes != size).any():
+        return None
+    rel = addrs - addrs[:, :1]
+    if (rel != rel[0]).any():
+        return None
+    r = rel[0]
+    per = len(r)
+    if per == 1:
+        return (size,), (1,), size
+    steps = np.diff(r)
+    s_inner = int(steps[0])
+    bad = np.flatnonzero(steps != s_inner)
+    inner = int(bad[0]) + 1 if bad.size else per
+    if per % inner:
+        return None
+    outer = per // inner
+    s_outer = int(r[inner]) if outer > 1 else size
+    want = np.arange(outer, dtype=np.int64)[:, None] * s_outer + np.arange(inner, dtype=np.int64)[None, :] * s_inner
+    if s_inner <= 0 or s_outer <= 0 or (r.reshape(outer, inner) != want).any():
+        return None
+    return (outer, inner, size), (s_outer, s_inner, 1), (outer - 1) * s_outer + (inner - 1) * s_inner + size
+
+
+def page_views(host, indices, n_pages):
+    """Per page, the fewest torch views of the host pool whose bytes in
+    row-major order are the page's ``get_page_buffer_meta`` ranges: one strided
+    view per page for the MHA pools (what a plain torch copy of the page takes),
+    else one per range."""
+    import numpy as np
+    import torch
+
+    buf = host.kv_buffer
+    flat = buf.reshape(-1).view(torch.uint8)
+    base = buf.data_ptr()
+    ptrs, sizes = host.get_page_buffer_meta(indices)
+    addrs = np.asarray(ptrs, dtype=np.int64).reshape(n_pages, -1)
+    lens = np.asarray(sizes, dtype=np.int64).reshape(n_pages, -1)
+    g = grid(addrs, lens[0])
+    if g is not None:
+        shape, strides, _ = g
+        return [[flat.as_strided(shape, strides, int(a) - base)] for a in addrs[:, 0].tolist()]
+    return [[flat[a - base : a - base + n] for a, n in zip(row, lens[0].tolist())] for row in addrs.tolist()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -80,8 +140,12 @@ def main() -> int:
     ap.add_argument("--evict-mib", type=int, default=256,
                     help="MiB written before each timed operation so that every one starts with the prompt's "
                          "bytes out of the CPU caches (default 256; 0: no eviction)")
+    ap.add_argument("--evict-with", choices=("numpy", "torch"), default="numpy",
+                    help="what writes them: one thread (numpy, the default) or torch's parallel fill, which leaves "
+                         "torch's OpenMP workers spinning on the cores when the timed operation starts")
     a = ap.parse_args()
 
+    import numpy as np
     import torch
 
     import kachedb.sglang
@@ -166,9 +230,9 @@ def main() -> int:
             # aborted when the layout is done
             baseline_client = kachedb.connect(sock)
             base_held = []
-            # the very views KacheDB's v1 path copies between (its kept page views)
-            src_pages, _ = kdb._pool_bytes.pages(src, n_pages)
-            dst_pages, _ = kdb._pool_bytes.pages(dst, n_pages)
+            # the page views the torch copy takes (one strided view per page)
+            src_pages = page_views(host, src, n_pages)
+            dst_pages = page_views(host, dst, n_pages)
 
             def pairs(block_views, pages, to_block):
                 blocks, pool = [], []
@@ -192,14 +256,17 @@ def main() -> int:
                 base_held.append(r)
                 return pairs(r.out, src_pages, True), pairs(r.out, dst_pages, False)
 
-            scratch = torch.empty(a.evict_mib << 20, dtype=torch.uint8)
+            scratch = (torch.empty(a.evict_mib << 20, dtype=torch.uint8) if a.evict_with == "torch"
+                       else np.empty(a.evict_mib << 20, dtype=np.uint8))
 
             def evict():
                 """Every timed operation starts from the same state: the pool's
                 and the blocks' bytes out of the caches (as after a GPU wrote the
                 pages), not whatever the previous operation left there."""
-                if scratch.numel():
+                if a.evict_mib and a.evict_with == "torch":
                     scratch.fill_(1)
+                elif a.evict_mib:
+                    scratch.fill(1)
 
             def timed(f, *args):
                 evict()
@@ -284,6 +351,8 @@ def main() -> int:
         "head_dim": a.head_dim,
         "dtype": "bfloat16",
         "reps": a.reps,
+        "evict_mib": a.evict_mib,
+        "evict_with": a.evict_with,
         "file_dir": a.file_dir or "(temporary directory)",
         "layouts": results,
     }

@@ -121,8 +121,8 @@ def _zero(host, indices):
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_page_views_are_kept_until_the_pool_buffer_moves(daemon, kv, layout, monkeypatch):
-    # A page's views come from get_page_buffer_meta once and are kept: storing or
+def test_page_ranges_are_kept_until_the_pool_buffer_moves(daemon, kv, layout, monkeypatch):
+    # A page's byte ranges come from get_page_buffer_meta once and are kept: storing or
     # loading pages seen before asks the pool nothing. A pool whose buffer moved
     # is asked again, and the bytes go to the new buffer, never the old one.
     host, idx = _host(kv, layout)
@@ -164,9 +164,9 @@ def test_page_views_are_kept_until_the_pool_buffer_moves(daemon, kv, layout, mon
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("order", ["meta", "reversed"])
 def test_v1_block_holds_the_byte_ranges_in_meta_order(daemon, kv, layout, order, monkeypatch):
-    # A page's ranges as the pool names them form a grid (one strided view, one
-    # copy per page); reversed within each page they do not (one copy per range).
-    # Either way the block is the ranges concatenated in get_page_buffer_meta's order.
+    # The block is the page's ranges concatenated in get_page_buffer_meta's
+    # order, whether the pool names them in address order or (reversed within
+    # each page) not.
     import ctypes
 
     host, idx = _host(kv, layout)

@@ -242,6 +242,51 @@ impl Src {
     }
 }
 
+/// The ranges `(addresses[i], lengths[i])`, each inside the address space
+/// (no wrap-around) and not at address 0 unless empty.
+fn raw_ranges(addresses: &[usize], lengths: &[usize]) -> PyResult<Vec<Src>> {
+    if addresses.len() != lengths.len() {
+        return Err(InvalidArgument::new_err(format!(
+            "{} addresses but {} lengths: give one length per range",
+            addresses.len(),
+            lengths.len()
+        )));
+    }
+    addresses
+        .iter()
+        .zip(lengths)
+        .map(|(&address, &nbytes)| {
+            if nbytes > 0 && (address == 0 || address.checked_add(nbytes).is_none_or(|end| end > isize::MAX as usize)) {
+                return Err(InvalidArgument::new_err(format!("no memory of {nbytes} bytes at {address:#x}")));
+            }
+            Ok(Src { address, nbytes })
+        })
+        .collect()
+}
+
+/// Refuses destination ranges that overlap one another or `region`
+/// (`(address, bytes)`): writing them would alias.
+fn check_disjoint(ranges: &[Src], region: (usize, usize)) -> PyResult<()> {
+    let mut spans: Vec<(usize, usize)> =
+        ranges.iter().filter(|r| r.nbytes > 0).map(|r| (r.address, r.address + r.nbytes)).collect();
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(InvalidArgument::new_err(format!(
+                "destination ranges overlap: {:#x}..{:#x} and {:#x}..{:#x}",
+                w[0].0, w[0].1, w[1].0, w[1].1
+            )));
+        }
+    }
+    let (lo, hi) = (region.0, region.0 + region.1);
+    if let Some(&(a, b)) = spans.iter().find(|&&(a, b)| a < hi && lo < b) {
+        return Err(InvalidArgument::new_err(format!(
+            "destination range {a:#x}..{b:#x} lies in KacheDB's shared memory: copy into private memory"
+        )));
+    }
+    Ok(())
+}
+
 /// A connection to the daemon (private API: use `kachedb.connect`).
 #[derive(Debug)]
 #[pyclass(frozen, module = "kachedb._kachedb_rust", name = "NativeClient")]
@@ -392,6 +437,85 @@ impl NativeClient {
         .map_err(client_err)?;
         drop(keep);
         Ok(())
+    }
+
+    /// Stores one block of dtype `code` and shape `dims` per key, each
+    /// gathered from `len(addresses) / len(keys)` raw byte ranges
+    /// (`addresses[i]`, `lengths[i]`) in order: one RESERVE batch, the copies
+    /// (GIL released, threads for large batches), one COMMIT batch; all or
+    /// nothing (`Client::put_many_gathered`). `parents`: one key (or `None`)
+    /// per block.
+    ///
+    /// The caller vouches that every range is readable memory of this process
+    /// that stays alive and unmodified during the call.
+    #[allow(clippy::too_many_arguments)] // the Python signature
+    #[pyo3(signature = (keys, code, dims, addresses, lengths, parents=None))]
+    fn put_gathered(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        code: u8,
+        dims: Vec<u64>,
+        addresses: Vec<usize>,
+        lengths: Vec<usize>,
+        parents: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (dt, sh) = (dtype(code)?, shape(&dims)?);
+        let keys = keys_of(keys)?;
+        let parents = parents_of(parents, keys.len())?;
+        let ranges = raw_ranges(&addresses, &lengths)?;
+        py.allow_threads(|| {
+            // SAFETY: the Python caller vouches for every range for the whole call.
+            let sources: Vec<&[u8]> = ranges.iter().map(|r| unsafe { r.slice() }).collect();
+            self.inner.put_many_gathered(&keys, dt, &sh, &sources, &parents)
+        })
+        .map_err(client_err)
+    }
+
+    /// Pins the leading present keys of `keys` and copies each block (GIL
+    /// released, threads for large batches) into `len(addresses) / len(keys)`
+    /// raw byte ranges in order, then releases the pins together; stops at the
+    /// first missing key or block that is not of dtype `code` and
+    /// `block_len` bytes. Returns how many blocks were copied
+    /// (`Client::get_prefix_scattered`).
+    ///
+    /// The caller vouches that every range is writable memory of this process
+    /// that nothing else touches during the call; ranges that overlap one
+    /// another or the shared region are refused (`InvalidArgument`, nothing
+    /// asked of the daemon).
+    #[pyo3(signature = (keys, code, block_len, addresses, lengths))]
+    fn get_prefix_scattered(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        code: u8,
+        block_len: usize,
+        addresses: Vec<usize>,
+        lengths: Vec<usize>,
+    ) -> PyResult<usize> {
+        let dt = dtype(code)?;
+        let keys = keys_of(keys)?;
+        let ranges = raw_ranges(&addresses, &lengths)?;
+        let (base, region_len) = self.region_span();
+        check_disjoint(&ranges, (base, region_len as usize))?;
+        py.allow_threads(|| {
+            let mut dests: Vec<&mut [u8]> = ranges
+                .iter()
+                .map(|r| {
+                    if r.nbytes == 0 {
+                        return &mut [][..];
+                    }
+                    // SAFETY: the Python caller vouches that the range is writable
+                    // and untouched by anyone else for the whole call; the ranges
+                    // are disjoint from one another and from the shared region
+                    // (`check_disjoint`), so no two slices alias, and none aliases
+                    // a block the copies read.
+                    unsafe { std::slice::from_raw_parts_mut(r.address as *mut u8, r.nbytes) }
+                })
+                .collect();
+            self.inner.get_prefix_scattered(&keys, dt, block_len, &mut dests)
+        })
+        .map_err(client_err)
     }
 
     /// Reserves one block per key, each `dims` of dtype `code`, in one batch;

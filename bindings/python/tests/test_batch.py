@@ -300,6 +300,79 @@ def test_put_many_mixed_values_and_errors(kc):
     kc.delete_many(keys)
 
 
+# --- put_ranges, get_prefix_into --------------------------------------------------------
+
+
+def _ranges(pool, blocks, per, nbytes):
+    """(addresses, lengths) of block-major ranges strided through ``pool``
+    (range j of block i at slot j * blocks + i, as one layer of a layer-first
+    KV pool per range), and the slots in that order."""
+    slots = [j * blocks + i for i in range(blocks) for j in range(per)]
+    base = pool.data_ptr()
+    return [base + c * nbytes for c in slots], [nbytes] * len(slots), slots
+
+
+@pytest.mark.parametrize("range_kib", [4, 1024], ids=["small", "parallel-copy"])
+def test_put_ranges_and_get_prefix_into_move_strided_pages(kc, daemon, range_kib):
+    blocks, per, nbytes = 6, 8, range_kib << 10
+    src = torch.randint(0, 256, (blocks * per * nbytes,), dtype=torch.uint8)
+    keys = [f"rng-{range_kib}-{i}" for i in range(blocks)]
+    addrs, lens, slots = _ranges(src, blocks, per, nbytes)
+    kc.put_ranges(keys, addrs, lens, chain=True)
+    views = kc.get_prefix(keys)
+    assert len(views) == blocks
+    for i, v in enumerate(views):
+        assert v.dtype == torch.uint8 and v.numel() == per * nbytes
+        want = torch.cat([src[c * nbytes : (c + 1) * nbytes] for c in slots[i * per : (i + 1) * per]])
+        assert torch.equal(v, want), f"block {i}"
+    del views, v
+    dst = torch.zeros_like(src)
+    daddrs, dlens, _ = _ranges(dst, blocks, per, nbytes)
+    # one key past the prefix: absent, so only the stored blocks are copied
+    spare = torch.zeros(per * nbytes, dtype=torch.uint8)
+    saddrs = [spare.data_ptr() + j * nbytes for j in range(per)]
+    assert kc.get_prefix_into(keys + ["rng-absent"], daddrs + saddrs, dlens + [nbytes] * per) == blocks
+    assert torch.equal(dst, src) and not spare.any()
+    assert_no_pins(daemon)
+    kc.delete_many(keys)
+
+
+def test_put_ranges_and_get_prefix_into_refuse_bad_ranges(kc, daemon):
+    src = torch.arange(4096, dtype=torch.uint8)
+    a = src.data_ptr()
+    before = daemon.stats()["blocks"]
+    with pytest.raises(kachedb.InvalidArgument, match="3 byte ranges for 2 blocks"):
+        kc.put_ranges(["bad-0", "bad-1"], [a, a + 10, a + 20], [10, 10, 10])
+    with pytest.raises(kachedb.InvalidArgument, match="different sizes"):
+        kc.put_ranges(["bad-0", "bad-1"], [a, a + 10], [10, 20])
+    with pytest.raises(kachedb.InvalidArgument, match="no memory"):
+        kc.put_ranges(["bad-0"], [0], [10])
+    with pytest.raises(kachedb.InvalidArgument, match="-1 bytes"):
+        kc.put_ranges(["bad-0"], [a], [-1])
+    assert daemon.stats()["blocks"] == before
+    kc.put_ranges(["good"], [a, a + 100], [100, 100])
+    assert torch.equal(kc.get("good"), torch.cat([src[:100], src[100:200]]))
+    dst = torch.zeros(400, dtype=torch.uint8)
+    d = dst.data_ptr()
+    with pytest.raises(kachedb.InvalidArgument, match="overlap"):
+        kc.get_prefix_into(["good"], [d, d + 50], [100, 100])
+    view = kc.get("good")
+    with pytest.raises(kachedb.InvalidArgument, match="shared memory"):
+        kc.get_prefix_into(["good"], [view.data_ptr(), d], [100, 100])
+    del view
+    assert not dst.any()
+    # a block of another size ends the prefix: nothing copied
+    kc.put("other", torch.ones(7, dtype=torch.uint8))
+    assert kc.get_prefix_into(["other"], [d, d + 100], [100, 100]) == 0
+    assert not dst.any()
+    assert kc.get_prefix_into(["good", "other"], [d, d + 100, d + 200, d + 300], [100] * 4) == 1
+    assert torch.equal(dst[:200], src[:200]) and not dst[200:].any()
+    assert kc.get_prefix_into([], [], []) == 0
+    kc.put_ranges([], [], [])
+    assert_no_pins(daemon)
+    kc.delete_many(["good", "other"])
+
+
 # --- wait_for -------------------------------------------------------------------------
 
 

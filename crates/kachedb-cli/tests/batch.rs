@@ -172,6 +172,69 @@ fn put_many_of_a_large_batch_copies_every_block() {
     }
 }
 
+/// Blocks gathered from many ranges and scattered back into others: byte
+/// equal, in order; the pins released; uneven or mis-sized ranges refused
+/// before anything is reserved; a block of another size ends the prefix.
+#[test]
+fn put_gathered_and_get_prefix_scattered_move_ranges_in_order() {
+    let dir = TempDir::new("gather");
+    let daemon = Daemon::start(&dir.socket(), "256MiB");
+    let kc = Client::connect(&daemon.opts()).expect("connect");
+    // 40 blocks of 16 ranges of 64 KiB: 40 MiB, above the parallel-copy threshold.
+    let (blocks, per, range) = (40usize, 16usize, 64usize << 10);
+    let keys: Vec<Key> = (0..blocks).map(|i| k("g", i)).collect();
+    let pool = pattern(Key::from_str("pool"), blocks * per * range);
+    // Block i's ranges taken from the pool out of order (strided, like a
+    // layer-first KV pool's pages): range j of block i at slot j * blocks + i.
+    let slot = |i: usize, j: usize| (j * blocks + i) * range;
+    let sources: Vec<&[u8]> = (0..blocks)
+        .flat_map(|i| (0..per).map(move |j| (i, j)))
+        .map(|(i, j)| &pool[slot(i, j)..slot(i, j) + range])
+        .collect();
+    let shape = Shape::new(&[(per * range) as u64]).expect("shape");
+    kc.put_many_gathered(&keys, DType::U8, &shape, &sources, &[]).expect("put_many_gathered");
+    let views = kc.get_prefix(&keys).expect("prefix");
+    assert_eq!(views.len(), blocks);
+    for (i, v) in views.iter().enumerate() {
+        for j in 0..per {
+            assert!(v[j * range..(j + 1) * range] == pool[slot(i, j)..slot(i, j) + range], "block {i} range {j}");
+        }
+    }
+    drop(views);
+    // Scattered into a second pool the same way: equal to the first.
+    let mut out = vec![0u8; pool.len()];
+    let mut dests: Vec<&mut [u8]> = out.chunks_mut(range).collect();
+    // chunk c is slot c: reorder to block-major (block i, range j) = chunk j * blocks + i
+    let mut by_slot: Vec<Option<&mut [u8]>> = dests.drain(..).map(Some).collect();
+    let mut ordered: Vec<&mut [u8]> = (0..blocks)
+        .flat_map(|i| (0..per).map(move |j| j * blocks + i))
+        .map(|c| by_slot[c].take().expect("once"))
+        .collect();
+    let n = kc.get_prefix_scattered(&keys, DType::U8, per * range, &mut ordered).expect("get_prefix_scattered");
+    assert_eq!(n, blocks);
+    drop(ordered);
+    assert!(out == pool, "scattered bytes differ from the gathered ones");
+    let (v, _) = poll_stats(&daemon.socket, Duration::from_secs(5), "pins released", |v| num(v, "pins") == 0);
+    assert!(invariants_ok(&v), "{v}");
+    // Refused before anything is reserved: uneven ranges, a short block.
+    let before = num(&stats(&daemon.socket), "blocks");
+    let e = kc.put_many_gathered(&[k("x", 0), k("x", 1)], DType::U8, &shape, &sources[..3], &[]).unwrap_err();
+    assert!(matches!(e, ClientError::Invalid(ref m) if m.contains("3 byte ranges for 2 blocks")), "{e}");
+    let e = kc.put_many_gathered(&[k("x", 0)], DType::U8, &shape, &sources[..per - 1], &[]).unwrap_err();
+    assert!(matches!(e, ClientError::Invalid(ref m) if m.contains("add up to")), "{e}");
+    assert_eq!(num(&stats(&daemon.socket), "blocks"), before);
+    // A block of another size ends the prefix: only the ones before it are copied.
+    let odd = k("g", blocks);
+    kc.put(odd, &pattern(odd, 4096)).expect("put");
+    let mut small = vec![0u8; 2 * per * range];
+    let mut d2: Vec<&mut [u8]> = small.chunks_mut(range).collect();
+    let n = kc.get_prefix_scattered(&[keys[blocks - 1], odd], DType::U8, per * range, &mut d2).expect("scatter");
+    assert_eq!(n, 1);
+    assert!(small[per * range..].iter().all(|&b| b == 0), "the odd block's ranges were written");
+    let (v, _) = poll_stats(&daemon.socket, Duration::from_secs(5), "pins released", |v| num(v, "pins") == 0);
+    assert!(invariants_ok(&v), "{v}");
+}
+
 #[test]
 fn wait_for_a_block_committed_before() {
     let dir = TempDir::new("waitbefore");

@@ -198,6 +198,90 @@ impl Client {
         self.commit_many(reservations)
     }
 
+    /// Stores one block of `dtype` and `shape` per key, each gathered from
+    /// `sources.len() / keys.len()` byte ranges in order (block `i` is the
+    /// concatenation of `sources[i * per .. (i + 1) * per]`): one batch of
+    /// RESERVEs, the copies (one [`copy::copy_many`] over every range: split
+    /// between threads when the batch is large), one batch of COMMITs. For a
+    /// block whose bytes lie in pieces in the caller's memory (an engine's
+    /// KV pages, one range per layer), with no staging copy. All or nothing,
+    /// as [`put_many_tensors_with_parents`](Self::put_many_tensors_with_parents);
+    /// `ClientError::Invalid` (nothing reserved) if the ranges do not divide
+    /// evenly between the keys or a block's ranges do not add up to its bytes.
+    pub fn put_many_gathered(
+        &self,
+        keys: &[Key],
+        dtype: DType,
+        shape: &Shape,
+        sources: &[&[u8]],
+        parents: &[Option<Key>],
+    ) -> Result<()> {
+        let per = ranges_per_block(keys.len(), sources.len())?;
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let block_len = shape
+            .len_bytes(dtype)
+            .ok_or_else(|| ClientError::Invalid(format!("a block of {:?} {dtype:?} is too large", shape.dims())))?;
+        check_ranges(sources.iter().map(|s| s.len()), per, block_len)?;
+        let wanted: Vec<_> = keys
+            .iter()
+            .zip(sources.chunks(per))
+            .map(|(k, s)| (*k, dtype, *shape, page_offset_of(s[0].as_ptr())))
+            .collect();
+        let mut reservations = self.reserve_many_with_parents(&wanted, parents)?;
+        let mut pairs: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(sources.len());
+        for (r, srcs) in reservations.iter_mut().zip(sources.chunks(per)) {
+            let mut rest = r.as_mut_slice();
+            for s in srcs {
+                let (d, tail) = rest.split_at_mut(s.len());
+                pairs.push((d, *s));
+                rest = tail;
+            }
+        }
+        copy::copy_many(&mut pairs);
+        drop(pairs);
+        self.commit_many(reservations)
+    }
+
+    /// Pins the leading present keys of `keys` ([`get_prefix`](Self::get_prefix),
+    /// one round trip) and copies each block, while it is pinned, into
+    /// `dests.len() / keys.len()` byte ranges in order (block `i`'s bytes into
+    /// `dests[i * per .. (i + 1) * per]`), then releases the pins together
+    /// (one post). Stops at the first missing key, or at the first block that
+    /// is not of `dtype` and `block_len` bytes (its ranges are left as they
+    /// were). Returns how many blocks were copied. `ClientError::Invalid`
+    /// (nothing asked of the daemon) if the ranges do not divide evenly between
+    /// the keys or a block's ranges do not add up to `block_len`.
+    pub fn get_prefix_scattered(
+        &self,
+        keys: &[Key],
+        dtype: DType,
+        block_len: usize,
+        dests: &mut [&mut [u8]],
+    ) -> Result<usize> {
+        let per = ranges_per_block(keys.len(), dests.len())?;
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        check_ranges(dests.iter().map(|d| d.len()), per, block_len as u64)?;
+        let views = self.get_prefix(keys)?;
+        let n = views.iter().take_while(|v| v.dtype() == dtype && v.len() == block_len).count();
+        let mut pairs: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(n * per);
+        for (v, ds) in views.iter().take(n).zip(dests.chunks_mut(per)) {
+            let mut rest: &[u8] = v;
+            for d in ds.iter_mut() {
+                let (s, tail) = rest.split_at(d.len());
+                pairs.push((&mut **d, s));
+                rest = tail;
+            }
+        }
+        copy::copy_many(&mut pairs);
+        drop(pairs);
+        BlockView::release_all(views);
+        Ok(n)
+    }
+
     /// Reserves many blocks in one batch of RESERVEs: `(key, dtype, shape,
     /// page_offset)` each, as [`reserve`](Self::reserve). All or nothing: if one
     /// fails, the others are aborted (one batch of ABORTs) and its error returned.
@@ -366,6 +450,34 @@ impl Client {
 /// [`Client::put_many_tensors_with_parents`] and [`Client::reserve_many_with_parents`]).
 pub fn chain_parents(keys: &[Key], first: Option<Key>) -> Vec<Option<Key>> {
     std::iter::once(first).chain(keys.iter().map(|k| Some(*k))).take(keys.len()).collect()
+}
+
+/// Byte ranges per block when `ranges` ranges are shared evenly by `blocks`
+/// blocks (at least one each).
+fn ranges_per_block(blocks: usize, ranges: usize) -> Result<usize> {
+    if blocks == 0 && ranges == 0 {
+        return Ok(1);
+    }
+    if blocks == 0 || ranges == 0 || !ranges.is_multiple_of(blocks) {
+        return Err(ClientError::Invalid(format!(
+            "{ranges} byte ranges for {blocks} blocks: give each block the same number of ranges (at least one)"
+        )));
+    }
+    Ok(ranges / blocks)
+}
+
+/// Checks that every run of `per` range lengths adds up to `block_len`.
+fn check_ranges(lens: impl Iterator<Item = usize>, per: usize, block_len: u64) -> Result<()> {
+    let lens: Vec<usize> = lens.collect();
+    for (i, run) in lens.chunks(per).enumerate() {
+        let sum: u64 = run.iter().map(|&n| n as u64).sum();
+        if sum != block_len {
+            return Err(ClientError::Invalid(format!(
+                "the byte ranges of block {i} add up to {sum} bytes, not the block's {block_len}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A tensor to store: key, dtype, shape, bytes.

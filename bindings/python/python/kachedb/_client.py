@@ -311,6 +311,26 @@ def _parents(keys: Sequence[KeyLike], parent: Optional[KeyLike], chain: bool) ->
     return keys, [parent] * len(keys)
 
 
+def _block_len(blocks: int, lengths: List[int]) -> int:
+    """The bytes of each of ``blocks`` blocks whose byte ranges have
+    ``lengths`` (shared evenly, in order): ``InvalidArgument`` if they are not
+    shared evenly or the blocks' totals differ."""
+    if not lengths or len(lengths) % blocks:
+        raise InvalidArgument(
+            f"{len(lengths)} byte ranges for {blocks} blocks: give each block the same number of ranges (at least one)"
+        )
+    if min(lengths) < 0:
+        raise InvalidArgument(f"a byte range of {min(lengths)} bytes")
+    per = len(lengths) // blocks
+    totals = {sum(lengths[i : i + per]) for i in range(0, len(lengths), per)}
+    if len(totals) != 1:
+        raise InvalidArgument(f"the blocks' byte ranges add up to different sizes: {sorted(totals)}")
+    (total,) = totals
+    if total <= 0:
+        raise InvalidArgument("a block of no bytes")
+    return total
+
+
 def _torch_codes() -> dict:
     """torch dtype -> code, for the native ``put_many`` ({} without torch)."""
     if "torch" not in sys.modules:
@@ -519,6 +539,59 @@ class Client:
             )
         code = dtype_code(dtype)
         return Reservations(native.reserve_many(keys, code, list(dims), parents), code)
+
+    def put_ranges(
+        self,
+        keys: Sequence[KeyLike],
+        addresses: Sequence[int],
+        lengths: Sequence[int],
+        *,
+        parent: Optional[KeyLike] = None,
+        chain: bool = False,
+    ) -> None:
+        """Stores one flat ``uint8`` block per key, each gathered from
+        ``len(addresses) // len(keys)`` byte ranges of this process's memory in
+        order (block ``i`` is ranges ``i * per`` to ``(i + 1) * per - 1``): one
+        batch, one copy of each byte (threads for large batches, GIL released),
+        no staging buffer. For an engine's KV pages whose bytes lie in pieces
+        (one range per layer). All or nothing, as ``put_many``; ``parent`` and
+        ``chain`` as there.
+
+        Raw memory: the caller vouches that each ``(addresses[i], lengths[i])``
+        is readable memory of this process (a CPU tensor's ``data_ptr()`` and
+        bytes) that stays alive and unchanged during the call.
+        ``InvalidArgument`` (nothing stored) for uneven ranges or a block whose
+        ranges differ in total from the others'."""
+        native = self._check()
+        keys, parents = _parents(keys, parent, chain)
+        keys, addresses, lengths = list(keys), list(addresses), list(lengths)
+        if not keys:
+            if addresses:
+                raise InvalidArgument(f"{len(addresses)} byte ranges for 0 blocks")
+            return
+        block_len = _block_len(len(keys), lengths)
+        native.put_gathered(keys, dtype_code("uint8"), [block_len], addresses, lengths, parents)
+
+    def get_prefix_into(self, keys: Sequence[KeyLike], addresses: Sequence[int], lengths: Sequence[int]) -> int:
+        """Copies the leading present keys of ``keys`` (as ``get_prefix``, one
+        round trip, each pinned while it is read) into ``len(addresses) //
+        len(keys)`` byte ranges each, in order, and releases the pins at once:
+        ``put_ranges``'s inverse. Stops at the first missing key, or at the
+        first block that is not a flat ``uint8`` block of the ranges' total
+        (its ranges are left as they were). Returns how many blocks were copied.
+
+        Raw memory: the caller vouches that each range is writable memory of
+        this process that nothing else reads or writes during the call. Ranges
+        that overlap one another or KacheDB's shared memory are refused
+        (``InvalidArgument``, nothing read)."""
+        native = self._check() if self._forked else self._native
+        keys, addresses, lengths = list(keys), list(addresses), list(lengths)
+        if not keys:
+            if addresses:
+                raise InvalidArgument(f"{len(addresses)} byte ranges for 0 blocks")
+            return 0
+        block_len = _block_len(len(keys), lengths)
+        return native.get_prefix_scattered(keys, dtype_code("uint8"), block_len, addresses, lengths)
 
     # -- reads -------------------------------------------------------------
     @staticmethod

@@ -98,6 +98,22 @@ class NativeClient:
         """Pins the leading present keys in one round trip; each a ``KVView``.
         With ``pin_each``, each as ``get_view`` makes it (its own pin); else the
         views share their pins, released together when the last of them goes."""
+    def put_gathered(
+        self,
+        keys: Iterable[Any],
+        code: int,
+        dims: List[int],
+        addresses: List[int],
+        lengths: List[int],
+        parents: Optional[Iterable[Any]] = None,
+    ) -> None:
+        """One block per key gathered from ``len(addresses) // len(keys)`` raw
+        byte ranges in order: one RESERVE batch, the copies, one COMMIT batch."""
+    def get_prefix_scattered(
+        self, keys: Iterable[Any], code: int, block_len: int, addresses: List[int], lengths: List[int]
+    ) -> int:
+        """The leading present blocks copied into raw byte ranges, pins released;
+        how many were copied."""
     def wait_for_view(self, key: Any, timeout: Optional[float] = None) -> Any:
         """Waits (GIL released) until ``key`` is committed, then returns it as
         ``get_view`` does; ``TimedOut`` after ``timeout`` seconds (``None``: never)."""

@@ -41,7 +41,6 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -59,18 +58,6 @@ _DEFAULT_RETRY_S = 5.0
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a 1-D uint8 view."""
     return t.reshape(-1).view(torch.uint8)
-
-
-def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for each pair, in one torch call where torch has it."""
-    if not dst:
-        return
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(dst, src)
-        return
-    for d, s in zip(dst, src):
-        d.copy_(s)
 
 
 def _is_storage_writer(c: Any) -> bool:
@@ -101,29 +88,31 @@ def _server_args() -> Optional[Dict[str, Any]]:
 
 
 class _PoolBytes:
-    """The host pool's memory as flat uint8 views, so that the ``(address,
-    bytes)`` ranges of ``get_page_buffer_meta`` become tensor views (bounds
-    checked: a range outside the pool's buffers is an error, never a stray copy).
+    """The host pool's pages as raw byte ranges ``(address, bytes)`` for
+    ``Client.put_ranges`` / ``Client.get_prefix_into``: the ranges of
+    ``get_page_buffer_meta``, in its order, adjacent ones merged, each checked
+    to lie inside the pool's buffers (a range outside them is an error, never
+    a stray copy). For an MHA pool a page is K then V of all layers
+    (``page_first``: one range once merged) or K and V of each layer
+    (``layer_first``: two ranges per layer).
 
-    A page's ranges are one view when they form a regular grid, as the MHA and
-    MLA pools' do (``page_first``: K then V; ``layer_first``: K and V of each
-    layer): equal sizes, the same offsets from the page's first range in every
-    page, at most two constant positive strides. Its elements in row-major order
-    are the ranges concatenated in ``get_page_buffer_meta``'s order, so one copy
-    per page moves them. Any other pattern is one view per range."""
+    A page's ranges are kept, named by the page's first token index, for as
+    long as the pool's buffers stay where they are: SGLang's host pools (MHA,
+    MLA; both layouts) derive a page's ranges from its first token index and
+    the buffers' addresses alone. A batch with a page not seen yet asks
+    ``get_page_buffer_meta`` for all its pages."""
 
-    #: Pages whose views are kept (a page is named by its first token index;
-    #: a pool holds at most ``size / page_size`` of them): past it the cache
-    #: starts over.
+    #: Pages whose ranges are kept (a pool holds at most ``size / page_size``
+    #: of them): past it the cache starts over.
     MAX_CACHED_PAGES = 1 << 16
 
     def __init__(self, host_pool: Any) -> None:
         self.pool = host_pool
-        self._bases: List[Tuple[int, int, torch.Tensor]] = []
+        self._bases: List[Tuple[int, int]] = []
         self._key: Tuple[int, ...] = ()
-        # first token index of a page -> (its views, its bytes); valid for the
+        # first token index of a page -> (addresses, lengths); valid for the
         # buffers named by ``_key`` (emptied when they change)
-        self._pages: Dict[int, Tuple[List[torch.Tensor], int]] = {}
+        self._pages: Dict[int, Tuple[List[int], List[int]]] = {}
 
     def _buffers(self) -> List[torch.Tensor]:
         kv = getattr(self.pool, "kv_buffer", None)
@@ -147,108 +136,71 @@ class _PoolBytes:
                     f"the SGLang host pool's buffer must be contiguous host memory (device {b.device}, "
                     f"contiguous {b.is_contiguous()})"
                 )
-            flat = _flat_bytes(b)
-            bases.append((b.data_ptr(), flat.numel(), flat))
+            bases.append((b.data_ptr(), b.numel() * b.element_size()))
         self._bases, self._key = bases, key
         self._pages = {}
 
-    def _locate(self, addr: int, nbytes: int) -> Tuple[torch.Tensor, int]:
-        """The pool buffer (flat) holding ``nbytes`` from ``addr``, and the offset."""
-        for base, size, flat in self._bases:
-            off = addr - base
-            if 0 <= off and off + nbytes <= size:
-                return flat, off
+    def _check(self, addr: int, nbytes: int) -> None:
+        """Refuses a range that is not inside one of the pool's buffers."""
+        for base, size in self._bases:
+            if 0 <= addr - base and addr - base + nbytes <= size:
+                return
         raise kachedb.InvalidArgument(f"get_page_buffer_meta named {nbytes} bytes at {addr:#x}, outside the host pool")
 
-    def slice(self, addr: int, nbytes: int) -> torch.Tensor:
-        flat, off = self._locate(addr, nbytes)
-        return flat[off : off + nbytes]
-
-    def pages(self, host_indices: Any, n_pages: int) -> Tuple[List[List[torch.Tensor]], int]:
-        """Per page, views whose bytes in row-major order are its byte ranges in
-        ``get_page_buffer_meta``'s order (one view for a regular grid, else one
-        per range), and the bytes of one page.
-
-        A page's views are made once and kept, named by the page's first token
-        index, for as long as the pool's buffers stay where they are: SGLang's
-        host pools (MHA, MLA; both layouts) derive a page's ranges from its
-        first token index and the buffers' addresses alone. A batch with a page
-        not seen yet asks ``get_page_buffer_meta`` for all its pages."""
+    def ranges(self, host_indices: Any, n_pages: int) -> Tuple[List[int], List[int], int]:
+        """``(addresses, lengths, page_bytes)``: the pages' ranges page after
+        page, the same number of ranges for every page, and the bytes of one page."""
         self._refresh()
-        if n_pages > 0 and int(host_indices.numel()) % n_pages == 0:
-            page_size = int(host_indices.numel()) // n_pages
-            firsts = host_indices[::page_size].tolist() if page_size > 0 else []
-            got = [self._pages.get(f) for f in firsts]
-            if got and None not in got:
-                page_bytes = got[0][1]  # type: ignore[index]
-                if all(g[1] == page_bytes for g in got):  # type: ignore[index]
-                    return [g[0] for g in got], page_bytes  # type: ignore[index]
-            out, page_bytes = self._from_meta(host_indices, n_pages)
+        numel = int(host_indices.numel())
+        if n_pages <= 0 or numel % n_pages:
+            raise kachedb.InvalidArgument(f"{numel} host indices for {n_pages} pages")
+        firsts = host_indices[:: numel // n_pages].tolist()
+        got = [self._pages.get(f) for f in firsts]
+        if None in got:
+            got = self._from_meta(host_indices, n_pages)
             if len(self._pages) + len(firsts) > self.MAX_CACHED_PAGES:
                 self._pages = {}
-            for f, views in zip(firsts, out):
-                self._pages[f] = (views, page_bytes)
-            return out, page_bytes
-        return self._from_meta(host_indices, n_pages)
+            self._pages.update(zip(firsts, got))
+        per = len(got[0][0])  # type: ignore[index]
+        if any(len(a) != per for a, _ in got):  # type: ignore[misc]
+            # pages merged differently: the ranges as named, equal in number
+            got = self._from_meta(host_indices, n_pages, merge=False)
+        addrs: List[int] = []
+        lens: List[int] = []
+        for a, n in got:  # type: ignore[misc]
+            addrs += a
+            lens += n
+        return addrs, lens, sum(got[0][1])  # type: ignore[index]
 
-    def _from_meta(self, host_indices: Any, n_pages: int) -> Tuple[List[List[torch.Tensor]], int]:
-        """``pages`` from ``get_page_buffer_meta`` (nothing kept)."""
+    def _from_meta(self, host_indices: Any, n_pages: int, merge: bool = True) -> List[Tuple[List[int], List[int]]]:
+        """Per page ``(addresses, lengths)`` from ``get_page_buffer_meta``
+        (adjacent ranges merged unless ``merge`` is false), every range checked."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
-        if n_pages <= 0 or len(ptrs) != len(sizes) or len(ptrs) % n_pages:
+        if len(ptrs) != len(sizes) or len(ptrs) % n_pages:
             raise kachedb.InvalidArgument(
                 f"get_page_buffer_meta returned {len(ptrs)} ranges ({len(sizes)} sizes) for {n_pages} pages"
             )
         per = len(ptrs) // n_pages
-        addrs = np.asarray(ptrs, dtype=np.int64).reshape(n_pages, per)
-        lens = np.asarray(sizes, dtype=np.int64).reshape(n_pages, per)
-        if (lens != lens[0]).any():
-            raise kachedb.InvalidArgument("the pages of one batch have differently sized byte ranges")
-        if (lens <= 0).any():
+        ptrs, sizes = [int(p) for p in ptrs], [int(n) for n in sizes]
+        if min(sizes) <= 0:
             raise kachedb.InvalidArgument("get_page_buffer_meta named an empty byte range")
-        page_bytes = int(lens[0].sum())
-        grid = _grid(addrs, lens[0])
-        if grid is not None:
-            shape, strides, extent = grid
-            out = []
-            for first in addrs[:, 0].tolist():
-                flat, off = self._locate(first, extent)
-                out.append([flat.as_strided(shape, strides, flat.storage_offset() + off)])
-            return out, page_bytes
-        row_sizes = lens[0].tolist()
-        return [
-            [self.slice(a, n) for a, n in zip(row, row_sizes)] for row in addrs.tolist()
-        ], page_bytes
-
-
-def _grid(addrs: "np.ndarray", row_sizes: "np.ndarray") -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
-    """``(shape, strides, extent)`` of the view that lays each page's ranges out
-    in order, when ``addrs`` (pages x ranges) is the same grid in every page:
-    equal range sizes; offsets from the page's first range ``o * s_outer +
-    i * s_inner`` with positive strides. ``extent``: the bytes from a page's
-    first range that the view reaches. ``None`` for any other pattern."""
-    size = int(row_sizes[0])
-    if (row_sizes != size).any():
-        return None
-    rel = addrs - addrs[:, :1]
-    if (rel != rel[0]).any():
-        return None
-    r = rel[0]
-    per = len(r)
-    if per == 1:
-        return (size,), (1,), size
-    steps = np.diff(r)
-    s_inner = int(steps[0])
-    bad = np.flatnonzero(steps != s_inner)
-    inner = int(bad[0]) + 1 if bad.size else per
-    if per % inner:
-        return None
-    outer = per // inner
-    s_outer = int(r[inner]) if outer > 1 else size
-    want = np.arange(outer, dtype=np.int64)[:, None] * s_outer + np.arange(inner, dtype=np.int64)[None, :] * s_inner
-    if s_inner <= 0 or s_outer <= 0 or (r.reshape(outer, inner) != want).any():
-        return None
-    extent = (outer - 1) * s_outer + (inner - 1) * s_inner + size
-    return (outer, inner, size), (s_outer, s_inner, 1), extent
+        for a, n in zip(ptrs, sizes):
+            self._check(a, n)
+        out = []
+        for i in range(0, len(ptrs), per):
+            addrs, lens = [ptrs[i]], [sizes[i]]
+            for a, n in zip(ptrs[i + 1 : i + per], sizes[i + 1 : i + per]):
+                if merge and a == addrs[-1] + lens[-1]:
+                    lens[-1] += n
+                else:
+                    addrs.append(a)
+                    lens.append(n)
+            out.append((addrs, lens))
+        page_bytes = sum(out[0][1])
+        for addrs, lens in out:
+            if sum(lens) != page_bytes:
+                raise kachedb.InvalidArgument("the pages of one batch have differently sized byte ranges")
+        return out
 
 
 class KacheDBStorage(HiCacheStorage):
@@ -368,7 +320,7 @@ class KacheDBStorage(HiCacheStorage):
             if dt > 0:
                 gbps.append(nbytes / dt / (1 << 30))
 
-    def _v1_pages(self, keys: Sequence[str], host_indices: Any) -> Tuple[List[List[torch.Tensor]], int]:
+    def _v1_ranges(self, keys: Sequence[str], host_indices: Any) -> Tuple[List[int], List[int], int]:
         if self._pool_bytes is None:
             raise kachedb.InvalidArgument("no host pool registered (register_mem_pool_host)")
         page_size = int(self.mem_pool_host.page_size)
@@ -376,7 +328,7 @@ class KacheDBStorage(HiCacheStorage):
             raise kachedb.InvalidArgument(
                 f"{host_indices.numel()} host indices for {len(keys)} pages of {page_size} tokens"
             )
-        return self._pool_bytes.pages(host_indices, len(keys))
+        return self._pool_bytes.ranges(host_indices, len(keys))
 
     # -- zero-copy v1 interface -------------------------------------------
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
@@ -418,27 +370,13 @@ class KacheDBStorage(HiCacheStorage):
             return [False] * n
         t0 = time.perf_counter()
         try:
-            pages, page_bytes = self._v1_pages(keys, host_indices)
+            addrs, lens, page_bytes = self._v1_ranges(keys, host_indices)
             dkeys = self._dkeys(self.ns_v1, keys)
             present = int(kc.lookup(dkeys))  # a page hash names its whole prefix: stored once
-            todo = list(range(present, n))
-            if todo:
-                with kc.reserve_many([dkeys[i] for i in todo], (page_bytes,), torch.uint8) as outs:
-                    dst: List[torch.Tensor] = []
-                    src: List[torch.Tensor] = []
-                    for out, i in zip(outs, todo):
-                        off = 0
-                        for s in pages[i]:
-                            nbytes = s.numel()
-                            dst.append(out[off : off + nbytes].view(s.shape))
-                            src.append(s)
-                            off += nbytes
-                    _copy_all(dst, src)
-                    # Written: with no tensor of the blocks left (``outs`` is the
-                    # reservations' own list), the commit is a plain COMMIT, with
-                    # no pins to take now and release after.
-                    del dst, src, out
-                    outs.clear()
+            if present < n:
+                per = len(addrs) // n
+                # one RESERVE batch, one copy per range (host pool to shared memory), one COMMIT batch
+                kc.put_ranges(dkeys[present:], addrs[present * per :], lens[present * per :])
         except Exception as e:
             self._add(set_pages_failed=n)
             self._failed("store", e)
@@ -460,30 +398,11 @@ class KacheDBStorage(HiCacheStorage):
         if kc is None:
             return [False] * n
         t0 = time.perf_counter()
-        n_ok = 0
         try:
-            pages, page_bytes = self._v1_pages(keys, host_indices)
-            views = kc.get_prefix(self._dkeys(self.ns_v1, keys))
-            try:
-                dst: List[torch.Tensor] = []
-                src: List[torch.Tensor] = []
-                for i, v in enumerate(views):
-                    if v.dtype != torch.uint8 or v.numel() != page_bytes:
-                        self._log_once("shape", "KacheDB page of %d bytes where %d were expected: a miss", v.numel(), page_bytes)
-                        break
-                    flat = v.reshape(-1)
-                    off = 0
-                    for s in pages[i]:
-                        nbytes = s.numel()
-                        dst.append(s)
-                        src.append(flat[off : off + nbytes].view(s.shape))
-                        off += nbytes
-                    n_ok += 1
-                _copy_all(dst, src)
-            finally:
-                # the views hold the pins: drop them as soon as the bytes are copied
-                dst = src = flat = v = None  # type: ignore[assignment]
-                del views
+            addrs, lens, page_bytes = self._v1_ranges(keys, host_indices)
+            # one get_prefix (lookup and pin), one copy per range into the host
+            # pool, the pins released; a page of another size ends the prefix
+            n_ok = int(kc.get_prefix_into(self._dkeys(self.ns_v1, keys), addrs, lens))
         except Exception as e:
             self._failed("load", e)
             return [False] * n
