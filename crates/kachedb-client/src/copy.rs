@@ -7,7 +7,7 @@
 //! and a streaming store writes a line without reading it first, so the copy
 //! moves two bytes of memory traffic per byte instead of three (on the
 //! development machine: 2 GiB in ~100 ms with two threads against ~135 ms for
-//! two threads of glibc's `memcpy`).
+//! two threads of glibc's `memcpy`; on an Intel Xeon host, ~113 ms, as glibc's).
 
 use std::sync::{Mutex, OnceLock, PoisonError};
 
@@ -88,18 +88,19 @@ pub fn copy_many(pairs: &mut [(&mut [u8], &[u8])]) {
     });
 }
 
-/// `dst.copy_from_slice(src)` with non-temporal stores (x86-64: SSE2, part of
-/// the base instruction set) for the 64-byte-aligned middle of `dst`, ordinary
-/// stores for the unaligned head and tail; ends with a store fence, so the
-/// streamed bytes are ordered before this thread's later stores (the COMMIT, or
-/// the end of a copying thread that the committing thread joins). Elsewhere a
-/// plain copy.
+/// `dst.copy_from_slice(src)` with non-temporal stores for the 64-byte-aligned
+/// middle of `dst`, ordinary stores for the unaligned head and tail; ends with
+/// a store fence, so the streamed bytes are ordered before this thread's later
+/// stores (the COMMIT, or the end of a copying thread that the committing
+/// thread joins). The middle is copied four 4 KiB pages at a time, one line of
+/// each page in turn ([`stream_pages`]), as glibc's own large-copy loop does:
+/// four streams in flight instead of one (on an Intel Xeon host, 2 GiB with two
+/// threads in ~113 ms against ~138 ms line after line, and 256 MiB in ~16
+/// against ~25 ms). Elsewhere than x86-64 a plain copy.
 fn stream_copy(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "stream_copy slices of different lengths");
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-        const LINE: usize = 64;
         let head = dst.as_ptr().align_offset(LINE).min(dst.len());
         let body = (dst.len() - head) / LINE * LINE;
         let (d_head, d_rest) = dst.split_at_mut(head);
@@ -107,32 +108,127 @@ fn stream_copy(dst: &mut [u8], src: &[u8]) {
         let (s_head, s_rest) = src.split_at(head);
         let (s_body, s_tail) = s_rest.split_at(body);
         d_head.copy_from_slice(s_head);
-        for (d, s) in d_body.chunks_exact_mut(LINE).zip(s_body.chunks_exact(LINE)) {
-            let (dp, sp) = (d.as_mut_ptr().cast::<__m128i>(), s.as_ptr().cast::<__m128i>());
-            // SAFETY: `d` and `s` are 64 bytes each (four 16-byte vectors) of the
-            // caller's slices, which do not overlap (one is borrowed mutably);
-            // `d` starts 64-byte aligned (the body starts at `head`, a multiple
-            // of 64 past an aligned address), as the streaming store requires;
-            // the loads are unaligned loads. SSE2 is part of x86-64.
-            unsafe {
-                let (a, b, c, e) = (
-                    _mm_loadu_si128(sp),
-                    _mm_loadu_si128(sp.add(1)),
-                    _mm_loadu_si128(sp.add(2)),
-                    _mm_loadu_si128(sp.add(3)),
-                );
-                _mm_stream_si128(dp, a);
-                _mm_stream_si128(dp.add(1), b);
-                _mm_stream_si128(dp.add(2), c);
-                _mm_stream_si128(dp.add(3), e);
-            }
+        let groups = body / GROUP;
+        let (d_groups, d_lines) = d_body.split_at_mut(groups * GROUP);
+        let (s_groups, s_lines) = s_body.split_at(groups * GROUP);
+        if std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: AVX is present (checked just above).
+            unsafe { x86::stream_pages_avx(d_groups, s_groups) };
+        } else {
+            x86::stream_pages(d_groups, s_groups);
         }
+        x86::stream_lines(d_lines, s_lines);
         // SAFETY: a fence; SSE is part of x86-64.
-        unsafe { _mm_sfence() };
+        unsafe { std::arch::x86_64::_mm_sfence() };
         d_tail.copy_from_slice(s_tail);
     }
     #[cfg(not(target_arch = "x86_64"))]
     dst.copy_from_slice(src);
+}
+
+/// Bytes of a cache line: the unit of one round of streaming stores.
+#[cfg(target_arch = "x86_64")]
+const LINE: usize = 64;
+/// Bytes of a page of [`stream_pages`]'s four.
+#[cfg(target_arch = "x86_64")]
+const PAGE: usize = 4096;
+/// Bytes of one group of four interleaved pages.
+#[cfg(target_arch = "x86_64")]
+const GROUP: usize = 4 * PAGE;
+
+/// The streaming-store loops of [`stream_copy`]. Each takes a destination that
+/// starts 64-byte aligned, and a source of the same length that it does not
+/// overlap (one of them is borrowed mutably).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{GROUP, LINE, PAGE};
+    use std::arch::x86_64::{
+        __m128i, __m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_loadu_si128, _mm_stream_si128,
+    };
+
+    /// One line (64 bytes) from `s` to `d` with SSE2 streaming stores.
+    ///
+    /// # Safety
+    /// `s` is readable and `d` writable for 64 bytes, `d` is 64-byte aligned,
+    /// and they do not overlap.
+    #[inline(always)]
+    unsafe fn line_sse2(d: *mut u8, s: *const u8) {
+        let (dp, sp) = (d.cast::<__m128i>(), s.cast::<__m128i>());
+        // SAFETY: the function's contract; SSE2 is part of x86-64; the loads
+        // are unaligned loads, the stores aligned (`d` is).
+        unsafe {
+            let (a, b, c, e) = (
+                _mm_loadu_si128(sp),
+                _mm_loadu_si128(sp.add(1)),
+                _mm_loadu_si128(sp.add(2)),
+                _mm_loadu_si128(sp.add(3)),
+            );
+            _mm_stream_si128(dp, a);
+            _mm_stream_si128(dp.add(1), b);
+            _mm_stream_si128(dp.add(2), c);
+            _mm_stream_si128(dp.add(3), e);
+        }
+    }
+
+    /// [`line_sse2`] with 32-byte AVX stores.
+    ///
+    /// # Safety
+    /// As [`line_sse2`], and the CPU has AVX.
+    #[inline(always)]
+    unsafe fn line_avx(d: *mut u8, s: *const u8) {
+        let (dp, sp) = (d.cast::<__m256i>(), s.cast::<__m256i>());
+        // SAFETY: the function's contract.
+        unsafe {
+            let (a, b) = (_mm256_loadu_si256(sp), _mm256_loadu_si256(sp.add(1)));
+            _mm256_stream_si256(dp, a);
+            _mm256_stream_si256(dp.add(1), b);
+        }
+    }
+
+    /// Copies whole lines, one after the other.
+    pub(super) fn stream_lines(d: &mut [u8], s: &[u8]) {
+        assert!(d.len() == s.len() && d.len() % LINE == 0 && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        for (d, s) in d.chunks_exact_mut(LINE).zip(s.chunks_exact(LINE)) {
+            // SAFETY: 64 bytes each, `d` aligned (a multiple of 64 past an
+            // aligned start), disjoint (the caller's contract).
+            unsafe { line_sse2(d.as_mut_ptr(), s.as_ptr()) };
+        }
+    }
+
+    /// Copies whole groups of four pages, line `l` of each of the four in turn.
+    pub(super) fn stream_pages(d: &mut [u8], s: &[u8]) {
+        assert!(d.len() == s.len() && d.len() % GROUP == 0 && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        for (d, s) in d.chunks_exact_mut(GROUP).zip(s.chunks_exact(GROUP)) {
+            let (dp, sp) = (d.as_mut_ptr(), s.as_ptr());
+            for l in (0..PAGE).step_by(LINE) {
+                for p in (0..GROUP).step_by(PAGE) {
+                    // SAFETY: `p + l + 64 <= GROUP`, inside both 16 KiB chunks;
+                    // `dp + p + l` is 64-byte aligned (an aligned start plus
+                    // multiples of 64); the chunks are disjoint.
+                    unsafe { line_sse2(dp.add(p + l), sp.add(p + l)) };
+                }
+            }
+        }
+    }
+
+    /// [`stream_pages`] with AVX stores.
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn stream_pages_avx(d: &mut [u8], s: &[u8]) {
+        assert!(d.len() == s.len() && d.len() % GROUP == 0 && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        for (d, s) in d.chunks_exact_mut(GROUP).zip(s.chunks_exact(GROUP)) {
+            let (dp, sp) = (d.as_mut_ptr(), s.as_ptr());
+            for l in (0..PAGE).step_by(LINE) {
+                for p in (0..GROUP).step_by(PAGE) {
+                    // SAFETY: as in `stream_pages`; AVX is present (the
+                    // function's contract).
+                    unsafe { line_avx(dp.add(p + l), sp.add(p + l)) };
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -155,6 +251,28 @@ mod tests {
         let src: Vec<u8> = (0..one.len()).map(|j| (j % 251) as u8).collect();
         copy_into(&mut one, &src);
         assert_eq!(one, src);
+    }
+
+    /// Both page loops (the SSE2 one and, where the CPU has it, the AVX one)
+    /// copy every byte of every group, and nothing past it.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn both_page_loops_copy_whole_groups() {
+        let n = 3 * GROUP;
+        let src: Vec<u8> = (0..n).map(|j| (j * 31 % 253) as u8).collect();
+        let mut buf = vec![0xAAu8; n + 2 * LINE];
+        let start = buf.as_ptr().align_offset(LINE);
+        let mut check = |f: &dyn Fn(&mut [u8], &[u8])| {
+            buf.fill(0xAA);
+            f(&mut buf[start..start + n], &src);
+            assert!(buf[start..start + n] == src[..]);
+            assert!(buf[..start].iter().chain(&buf[start + n..]).all(|&b| b == 0xAA));
+        };
+        check(&|d, s| x86::stream_pages(d, s));
+        if std::arch::is_x86_feature_detected!("avx") {
+            // SAFETY: AVX is present.
+            check(&|d, s| unsafe { x86::stream_pages_avx(d, s) });
+        }
     }
 
     #[test]
