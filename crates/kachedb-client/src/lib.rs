@@ -224,11 +224,9 @@ impl Client {
             .len_bytes(dtype)
             .ok_or_else(|| ClientError::Invalid(format!("a block of {:?} {dtype:?} is too large", shape.dims())))?;
         check_ranges(sources.iter().map(|s| s.len()), per, block_len)?;
-        let wanted: Vec<_> = keys
-            .iter()
-            .zip(sources.chunks(per))
-            .map(|(k, s)| (*k, dtype, *shape, page_offset_of(s[0].as_ptr())))
-            .collect();
+        // Each block at the page offset of its first byte's source.
+        let first = |s: &[&[u8]]| s.iter().find(|r| !r.is_empty()).map_or(0, |r| page_offset_of(r.as_ptr()));
+        let wanted: Vec<_> = keys.iter().zip(sources.chunks(per)).map(|(k, s)| (*k, dtype, *shape, first(s))).collect();
         let mut reservations = self.reserve_many_with_parents(&wanted, parents)?;
         let mut pairs: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(sources.len());
         for (r, srcs) in reservations.iter_mut().zip(sources.chunks(per)) {
@@ -470,8 +468,9 @@ fn ranges_per_block(blocks: usize, ranges: usize) -> Result<usize> {
 fn check_ranges(lens: impl Iterator<Item = usize>, per: usize, block_len: u64) -> Result<()> {
     let lens: Vec<usize> = lens.collect();
     for (i, run) in lens.chunks(per).enumerate() {
-        let sum: u64 = run.iter().map(|&n| n as u64).sum();
-        if sum != block_len {
+        let sum = run.iter().try_fold(0u64, |acc, &n| acc.checked_add(n as u64));
+        if sum != Some(block_len) {
+            let sum = sum.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string());
             return Err(ClientError::Invalid(format!(
                 "the byte ranges of block {i} add up to {sum} bytes, not the block's {block_len}"
             )));

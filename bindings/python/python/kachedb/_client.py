@@ -561,7 +561,7 @@ class Client:
         is readable memory of this process (a CPU tensor's ``data_ptr()`` and
         bytes) that stays alive and unchanged during the call.
         ``InvalidArgument`` (nothing stored) for uneven ranges or a block whose
-        ranges differ in total from the others'."""
+        ranges differ in total from the others'. Each block is under 4 GiB."""
         native = self._check()
         keys, parents = _parents(keys, parent, chain)
         keys, addresses, lengths = list(keys), list(addresses), list(lengths)
@@ -577,12 +577,13 @@ class Client:
         round trip, each pinned while it is read) into ``len(addresses) //
         len(keys)`` byte ranges each, in order, and releases the pins at once:
         ``put_ranges``'s inverse. Stops at the first missing key, or at the
-        first block that is not a flat ``uint8`` block of the ranges' total
-        (its ranges are left as they were). Returns how many blocks were copied.
+        first block that is not ``uint8`` of the ranges' total bytes (its
+        ranges are left as they were). Returns how many blocks were copied.
 
         Raw memory: the caller vouches that each range is writable memory of
-        this process that nothing else reads or writes during the call. Ranges
-        that overlap one another or KacheDB's shared memory are refused
+        this process that nothing else reads or writes during the call, and
+        none of it another client's mapping of a store. Ranges that overlap one
+        another or this client's mapping of the shared region are refused
         (``InvalidArgument``, nothing read)."""
         native = self._check() if self._forked else self._native
         keys, addresses, lengths = list(keys), list(addresses), list(lengths)

@@ -176,7 +176,7 @@ class _PoolBytes:
         """Per page ``(addresses, lengths)`` from ``get_page_buffer_meta``
         (adjacent ranges merged unless ``merge`` is false), every range checked."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
-        if len(ptrs) != len(sizes) or len(ptrs) % n_pages:
+        if not len(ptrs) or len(ptrs) != len(sizes) or len(ptrs) % n_pages:
             raise kachedb.InvalidArgument(
                 f"get_page_buffer_meta returned {len(ptrs)} ranges ({len(sizes)} sizes) for {n_pages} pages"
             )
