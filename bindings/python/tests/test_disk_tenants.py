@@ -120,7 +120,21 @@ def test_two_tenants_stay_within_their_disk_limits_add_up_and_survive_kill_9(tmp
         for t in "ab":
             assert rows[t]["disk_limit_bytes"] == LIMITS[t]
             assert 0 < rows[t]["disk_bytes"] <= LIMITS[t], rows[t]
-            assert rows[t]["disk_evictions"] > 0, rows[t]
+            # The limit acted: by evicting the tenant's leaves, or, where the
+            # blocks that could make room were in the same group commit (not
+            # on disk yet) or were the new block's parents, by refusing it.
+            assert rows[t]["disk_evictions"] + rows[t]["disk_limit_refusals"] > 0, rows[t]
+        # One write at a time, each its own group commit: a at its limit
+        # evicts its own least recently used leaves (roots here, no chains).
+        with kachedb.connect(d.socket, tenant="a") as ka:
+            evicted, writes = rows["a"]["disk_evictions"], d.stats()["disk_writes"]
+            for i in range(LIMITS["a"] // ON_DISK + 1):
+                ka.put(f"a-alone-{i}", np.full(BLOCK, i, dtype=np.uint8))
+                writes += 1
+                poll_until(lambda: drained(d) and d.stats()["disk_writes"] == writes, 60, f"a-alone-{i}")
+        rows = disk_rows(kc.stats())
+        assert rows["a"]["disk_evictions"] > evicted, rows["a"]
+        assert 0 < rows["a"]["disk_bytes"] <= LIMITS["a"], rows["a"]
         # Nothing of k's was evicted by a or b: all its blocks are on disk.
         assert (rows["k"]["disk_blocks"], rows["k"]["disk_bytes"], rows["k"]["disk_evictions"]) == (
             KEPT, KEPT * ON_DISK, 0)
