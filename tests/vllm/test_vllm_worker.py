@@ -19,14 +19,24 @@ from vllm_support import Daemon
 LAYERS, BLOCKS, PAGE = 4, 64, 8192
 
 
-def caches(one_buffer=True):
+def caches(layout="layer_major"):
+    """KV caches of LAYERS layers of BLOCKS pages. ``layer_major``: vLLM's CPU
+    layout, one buffer; ``separate``: a buffer per layer; ``block_major``: one
+    buffer, a block's layers next to each other (its bytes one range);
+    ``padded``: the odd layers' pages half as large (a block is padded: stored
+    by torch copies, not as byte ranges)."""
     g = torch.Generator().manual_seed(0)
-    if one_buffer:  # vLLM's CPU layout: one buffer, layer-major
+    pages = [PAGE // 2 if layout == "padded" and l % 2 else PAGE for l in range(LAYERS)]
+    if layout == "layer_major":
         buf = torch.randint(-128, 127, (LAYERS, BLOCKS, PAGE), dtype=torch.int8, generator=g)
         layers = [buf[l] for l in range(LAYERS)]
+    elif layout == "block_major":
+        buf = torch.randint(-128, 127, (BLOCKS, LAYERS, PAGE), dtype=torch.int8, generator=g)
+        layers = [buf[:, l] for l in range(LAYERS)]
     else:
-        layers = [torch.randint(-128, 127, (BLOCKS, PAGE), dtype=torch.int8, generator=g) for _ in range(LAYERS)]
-    c = CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in layers], [[CanonicalKVCacheRef(l, PAGE) for l in range(LAYERS)]])
+        layers = [torch.randint(-128, 127, (BLOCKS, p), dtype=torch.int8, generator=g) for p in pages]
+    c = CanonicalKVCaches([CanonicalKVCacheTensor(t, p) for t, p in zip(layers, pages)],
+                          [[CanonicalKVCacheRef(l, p) for l, p in enumerate(pages)]])
     return c, layers
 
 
@@ -48,12 +58,17 @@ def daemon(workdir):
     d.stop()
 
 
-@pytest.mark.parametrize("one_buffer", [True, False])
+@pytest.mark.parametrize("layout", ["layer_major", "separate", "block_major", "padded"])
 @pytest.mark.parametrize("mode", ["batched", "reserve"])
 @pytest.mark.parametrize("store_thread", [False, True])
-def test_store_then_load_is_lossless_and_batched(daemon, one_buffer, mode, store_thread):
-    c, layers = caches(one_buffer)
+def test_store_then_load_is_lossless_and_batched(daemon, layout, mode, store_thread):
+    c, layers = caches(layout)
     w, spec = worker(daemon.socket, c, store_thread)
+    # A block's bytes as byte ranges: one per layer, one for a block-major
+    # buffer, none (torch copies) for padded pages.
+    runs = w.groups[0]._runs
+    assert (None if runs is None else len(runs)) == {"layer_major": LAYERS, "separate": LAYERS, "block_major": 1,
+                                                     "padded": None}[layout]
     spec.store_mode = mode
     before = dict(_state.COUNTERS)
     n = 16

@@ -287,6 +287,27 @@ fn check_disjoint(ranges: &[Src], region: (usize, usize)) -> PyResult<()> {
     Ok(())
 }
 
+/// Refuses ranges that overlap one of `spans` (`(address, bytes)`, sorted
+/// and disjoint: reservations being written).
+fn check_apart(ranges: &[Src], spans: &[(usize, usize)]) -> PyResult<()> {
+    for r in ranges.iter().filter(|r| r.nbytes > 0) {
+        let end = r.address + r.nbytes;
+        // The last span starting before `end` is the only one that can reach
+        // past `r.address`: the spans are disjoint and sorted.
+        let i = spans.partition_point(|&(a, _)| a < end);
+        if let Some(&(a, n)) = i.checked_sub(1).map(|i| &spans[i]) {
+            if a + n > r.address {
+                return Err(InvalidArgument::new_err(format!(
+                    "source range {:#x}..{end:#x} overlaps a reservation being written ({a:#x}..{:#x})",
+                    r.address,
+                    a + n
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A connection to the daemon (private API: use `kachedb.connect`).
 #[derive(Debug)]
 #[pyclass(frozen, module = "kachedb._kachedb_rust", name = "NativeClient")]
@@ -976,6 +997,45 @@ impl NativeReservations {
                 }
             })
             .collect()
+    }
+
+    /// Copies raw byte ranges into the reservations (GIL released):
+    /// reservation `i` gets ranges `i * per` to `(i + 1) * per - 1` in order,
+    /// `per` being `len(addresses) / len(self)`, on at most `threads` threads
+    /// (`0`: by size, up to one per core; `1`: the calling thread alone,
+    /// `kachedb_client::fill_gathered`). `InvalidArgument` (nothing copied)
+    /// for ranges that do not divide evenly or add up to a reservation's
+    /// bytes, a range overlapping a reservation, or reservations already
+    /// committed or aborted.
+    ///
+    /// The caller vouches that every range is readable memory of this process
+    /// that stays alive and unmodified during the call.
+    #[pyo3(signature = (addresses, lengths, threads=0))]
+    fn fill_gathered(
+        &self,
+        py: Python<'_>,
+        addresses: Vec<usize>,
+        lengths: Vec<usize>,
+        threads: usize,
+    ) -> PyResult<()> {
+        let ranges = raw_ranges(&addresses, &lengths)?;
+        let extents: &ReservedExtents = &self.extents;
+        py.allow_threads(|| {
+            // Held through the copy: a commit or abort from another thread waits for it.
+            let mut g = extents.state.lock().map_err(|_| KacheDBError::new_err("poisoned"))?;
+            let Extents::Open(rs) = &mut *g else {
+                return Err(InvalidArgument::new_err("the reservations were already committed or aborted"));
+            };
+            let mut spans: Vec<(usize, usize)> = rs.iter_mut().map(|r| (r.as_mut_ptr() as usize, r.len())).collect();
+            spans.sort_unstable();
+            check_apart(&ranges, &spans)?;
+            // SAFETY: the Python caller vouches for every range for the whole
+            // call, and none overlaps a reservation (`check_apart`), so no
+            // source aliases the slices written.
+            let sources: Vec<&[u8]> = ranges.iter().map(|r| unsafe { r.slice() }).collect();
+            let threads = if threads == 0 { usize::MAX } else { threads };
+            kachedb_client::fill_gathered(rs, &sources, threads).map_err(client_err)
+        })
     }
 
     /// Commits every reservation in one batch (COMMIT_PINs while tensors of

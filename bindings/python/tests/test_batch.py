@@ -373,6 +373,65 @@ def test_put_ranges_and_get_prefix_into_refuse_bad_ranges(kc, daemon):
     kc.delete_many(["good", "other"])
 
 
+@pytest.mark.parametrize("threads", [None, 1], ids=["by-size", "one-thread"])
+@pytest.mark.parametrize("range_kib", [4, 1024], ids=["small", "parallel-copy"])
+def test_reserve_many_write_ranges_fills_blocks_without_tensors(kc, daemon, range_kib, threads):
+    blocks, per, nbytes = 6, 8, range_kib << 10
+    src = torch.randint(0, 256, (blocks * per * nbytes,), dtype=torch.uint8)
+    keys = [f"wr-{range_kib}-{threads}-{i}" for i in range(blocks)]
+    addrs, lens, slots = _ranges(src, blocks, per, nbytes)
+    res = kc.reserve_many(keys, (per, nbytes), torch.uint8, chain=True)
+    assert len(res) == blocks
+    res.write_ranges(addrs, lens, threads=threads)
+    assert res._out is None  # no tensor was made
+    assert kc.lookup(keys) == 0  # written, not yet visible
+    res.commit()
+    views = kc.get_prefix(keys)
+    assert len(views) == blocks
+    for i, v in enumerate(views):
+        want = torch.cat([src[c * nbytes : (c + 1) * nbytes] for c in slots[i * per : (i + 1) * per]])
+        assert torch.equal(v.reshape(-1), want), f"block {i}"
+    del views, v
+    assert_no_pins(daemon)
+    kc.delete_many(keys)
+
+
+def test_write_ranges_refuses_bad_ranges_and_finished_reservations(kc, daemon):
+    src = torch.arange(256, dtype=torch.uint8).repeat(16)
+    a = src.data_ptr()
+    before = daemon.stats()["blocks"]
+    res = kc.reserve_many(["wr-bad-0", "wr-bad-1"], (100,), torch.uint8)
+    with pytest.raises(kachedb.InvalidArgument, match="3 byte ranges for 2 blocks"):
+        res.write_ranges([a, a + 10, a + 20], [10, 10, 10])
+    with pytest.raises(kachedb.InvalidArgument, match="block 1 add up to 60 bytes, not the block's 100"):
+        res.write_ranges([a, a + 100], [100, 60])
+    with pytest.raises(kachedb.InvalidArgument, match="no memory"):
+        res.write_ranges([0, a], [100, 100])
+    with pytest.raises(kachedb.InvalidArgument, match="-1 bytes"):
+        res.write_ranges([a, a], [-1, 100])
+    with pytest.raises(kachedb.InvalidArgument, match="threads=0"):
+        res.write_ranges([a, a + 100], [100, 100], threads=0)
+    # a source inside one of the reservations being written
+    out = res.out[1]
+    with pytest.raises(kachedb.InvalidArgument, match="overlaps a reservation"):
+        res.write_ranges([a, out.data_ptr() + 50], [100, 100])
+    del out
+    res.write_ranges([a, a + 100], [100, 100])
+    res.commit()
+    assert torch.equal(kc.get("wr-bad-0"), src[:100]) and torch.equal(kc.get("wr-bad-1"), src[100:200])
+    with pytest.raises(kachedb.InvalidArgument, match="already committed"):
+        res.write_ranges([a, a + 100], [100, 100])
+    aborted = kc.reserve_many(["wr-bad-2"], (100,), torch.uint8)
+    aborted.abort()
+    with pytest.raises(kachedb.InvalidArgument, match="already committed or aborted"):
+        aborted.write_ranges([a], [100])
+    del res, aborted
+    gc.collect()
+    assert daemon.stats()["blocks"] == before + 2
+    assert_no_pins(daemon)
+    kc.delete_many(["wr-bad-0", "wr-bad-1"])
+
+
 # --- wait_for -------------------------------------------------------------------------
 
 

@@ -49,6 +49,18 @@ pub fn copy_into(dst: &mut [u8], src: &[u8]) {
 /// # Panics
 /// If the slices of a pair differ in length.
 pub fn copy_many(pairs: &mut [(&mut [u8], &[u8])]) {
+    copy_many_on(pairs, PARALLEL_COPY_MAX_THREADS);
+}
+
+/// [`copy_many`] on at most `max_threads` threads, this one included (`0`
+/// counts as `1`): `1` copies on the calling thread alone, still with
+/// streaming stores for a batch of [`PARALLEL_COPY_MIN`] bytes or more (for a
+/// copy that runs beside other work, such as an engine's compute, and should
+/// take one core, not all of them).
+///
+/// # Panics
+/// If the slices of a pair differ in length.
+pub fn copy_many_on(pairs: &mut [(&mut [u8], &[u8])], max_threads: usize) {
     for (d, s) in pairs.iter() {
         assert_eq!(d.len(), s.len(), "copy_many slices of different lengths");
     }
@@ -59,7 +71,7 @@ pub fn copy_many(pairs: &mut [(&mut [u8], &[u8])]) {
         }
         return;
     }
-    let threads = copy_threads(total);
+    let threads = copy_threads(total).min(max_threads);
     if threads <= 1 {
         for (d, s) in pairs.iter_mut() {
             stream_copy(d, s);
@@ -187,7 +199,7 @@ mod x86 {
 
     /// Copies whole lines, one after the other.
     pub(super) fn stream_lines(d: &mut [u8], s: &[u8]) {
-        assert!(d.len() == s.len() && d.len() % LINE == 0 && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        assert!(d.len() == s.len() && d.len().is_multiple_of(LINE) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
         for (d, s) in d.chunks_exact_mut(LINE).zip(s.chunks_exact(LINE)) {
             // SAFETY: 64 bytes each, `d` aligned (a multiple of 64 past an
             // aligned start), disjoint (the caller's contract).
@@ -197,7 +209,7 @@ mod x86 {
 
     /// Copies whole groups of four pages, line `l` of each of the four in turn.
     pub(super) fn stream_pages(d: &mut [u8], s: &[u8]) {
-        assert!(d.len() == s.len() && d.len() % GROUP == 0 && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        assert!(d.len() == s.len() && d.len().is_multiple_of(GROUP) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
         for (d, s) in d.chunks_exact_mut(GROUP).zip(s.chunks_exact(GROUP)) {
             let (dp, sp) = (d.as_mut_ptr(), s.as_ptr());
             for l in (0..PAGE).step_by(LINE) {
@@ -217,7 +229,7 @@ mod x86 {
     /// The CPU has AVX.
     #[target_feature(enable = "avx")]
     pub(super) unsafe fn stream_pages_avx(d: &mut [u8], s: &[u8]) {
-        assert!(d.len() == s.len() && d.len() % GROUP == 0 && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        assert!(d.len() == s.len() && d.len().is_multiple_of(GROUP) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
         for (d, s) in d.chunks_exact_mut(GROUP).zip(s.chunks_exact(GROUP)) {
             let (dp, sp) = (d.as_mut_ptr(), s.as_ptr());
             for l in (0..PAGE).step_by(LINE) {
@@ -242,11 +254,15 @@ mod tests {
             .enumerate()
             .map(|(i, &n)| (0..n).map(|j| (j * 7 + i) as u8).collect())
             .collect();
-        let mut dsts: Vec<Vec<u8>> = srcs.iter().map(|s| vec![0u8; s.len()]).collect();
-        let mut pairs: Vec<(&mut [u8], &[u8])> =
-            dsts.iter_mut().zip(&srcs).map(|(d, s)| (d.as_mut_slice(), s.as_slice())).collect();
-        copy_many(&mut pairs);
-        assert_eq!(dsts, srcs);
+        // Threads by size, then the calling thread alone (a large batch
+        // streamed on one thread).
+        for max_threads in [PARALLEL_COPY_MAX_THREADS, 1] {
+            let mut dsts: Vec<Vec<u8>> = srcs.iter().map(|s| vec![0u8; s.len()]).collect();
+            let mut pairs: Vec<(&mut [u8], &[u8])> =
+                dsts.iter_mut().zip(&srcs).map(|(d, s)| (d.as_mut_slice(), s.as_slice())).collect();
+            copy_many_on(&mut pairs, max_threads);
+            assert_eq!(dsts, srcs, "max_threads {max_threads}");
+        }
         let mut one = vec![0u8; 33 << 20];
         let src: Vec<u8> = (0..one.len()).map(|j| (j % 251) as u8).collect();
         copy_into(&mut one, &src);

@@ -223,22 +223,12 @@ impl Client {
         let block_len = shape
             .len_bytes(dtype)
             .ok_or_else(|| ClientError::Invalid(format!("a block of {:?} {dtype:?} is too large", shape.dims())))?;
-        check_ranges(sources.iter().map(|s| s.len()), per, block_len)?;
+        check_ranges(sources.iter().map(|s| s.len()), per, |_| block_len)?;
         // Each block at the page offset of its first byte's source.
         let first = |s: &[&[u8]]| s.iter().find(|r| !r.is_empty()).map_or(0, |r| page_offset_of(r.as_ptr()));
         let wanted: Vec<_> = keys.iter().zip(sources.chunks(per)).map(|(k, s)| (*k, dtype, *shape, first(s))).collect();
         let mut reservations = self.reserve_many_with_parents(&wanted, parents)?;
-        let mut pairs: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(sources.len());
-        for (r, srcs) in reservations.iter_mut().zip(sources.chunks(per)) {
-            let mut rest = r.as_mut_slice();
-            for s in srcs {
-                let (d, tail) = rest.split_at_mut(s.len());
-                pairs.push((d, *s));
-                rest = tail;
-            }
-        }
-        copy::copy_many(&mut pairs);
-        drop(pairs);
+        fill_gathered(&mut reservations, sources, usize::MAX)?;
         self.commit_many(reservations)
     }
 
@@ -262,7 +252,7 @@ impl Client {
         if keys.is_empty() {
             return Ok(0);
         }
-        check_ranges(dests.iter().map(|d| d.len()), per, block_len as u64)?;
+        check_ranges(dests.iter().map(|d| d.len()), per, |_| block_len as u64)?;
         let views = self.get_prefix(keys)?;
         let n = views.iter().take_while(|v| v.dtype() == dtype && v.len() == block_len).count();
         let mut pairs: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(n * per);
@@ -464,11 +454,40 @@ fn ranges_per_block(blocks: usize, ranges: usize) -> Result<usize> {
     Ok(ranges / blocks)
 }
 
-/// Checks that every run of `per` range lengths adds up to `block_len`.
-fn check_ranges(lens: impl Iterator<Item = usize>, per: usize, block_len: u64) -> Result<()> {
+/// Copies byte ranges into reservations: reservation `i` gets the
+/// concatenation of `sources[i * per .. (i + 1) * per]`, `per` being
+/// `sources.len() / reservations.len()`, in one [`copy::copy_many_on`] of at
+/// most `max_threads` threads (streaming stores for a large batch even on one).
+/// For a block whose bytes lie in pieces (an engine's KV pages, one range per
+/// layer) written into reservations the caller commits itself.
+/// `ClientError::Invalid` (nothing copied) if the ranges do not divide evenly
+/// between the reservations or a reservation's ranges do not add up to its
+/// bytes.
+pub fn fill_gathered(reservations: &mut [Reservation], sources: &[&[u8]], max_threads: usize) -> Result<()> {
+    let per = ranges_per_block(reservations.len(), sources.len())?;
+    if reservations.is_empty() {
+        return Ok(());
+    }
+    check_ranges(sources.iter().map(|s| s.len()), per, |i| reservations[i].len() as u64)?;
+    let mut pairs: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(sources.len());
+    for (r, srcs) in reservations.iter_mut().zip(sources.chunks(per)) {
+        let mut rest = r.as_mut_slice();
+        for s in srcs {
+            let (d, tail) = rest.split_at_mut(s.len());
+            pairs.push((d, *s));
+            rest = tail;
+        }
+    }
+    copy::copy_many_on(&mut pairs, max_threads);
+    Ok(())
+}
+
+/// Checks that run `i` of `per` range lengths adds up to `block_len(i)`.
+fn check_ranges(lens: impl Iterator<Item = usize>, per: usize, block_len: impl Fn(usize) -> u64) -> Result<()> {
     let lens: Vec<usize> = lens.collect();
     for (i, run) in lens.chunks(per).enumerate() {
         let sum = run.iter().try_fold(0u64, |acc, &n| acc.checked_add(n as u64));
+        let block_len = block_len(i);
         if sum != Some(block_len) {
             let sum = sum.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string());
             return Err(ClientError::Invalid(format!(

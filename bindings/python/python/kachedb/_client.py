@@ -280,13 +280,49 @@ class Reservations(_Pending):
     def __init__(self, native: Any, code: int) -> None:
         self._native = native
         self._done = False
-        self.out = writable_tensors(native.capsules(), code)
+        self._code = code
+        self._out: Any = None
+
+    @property
+    def out(self) -> Any:
+        """The writable tensors, made at the first use (a batch written with
+        ``write_ranges`` alone makes none)."""
+        if self._out is None:
+            self._out = self._no_out if self._done else writable_tensors(self._native.capsules(), self._code)
+        return self._out
+
+    @out.setter
+    def out(self, value: Any) -> None:
+        self._out = value
 
     def __len__(self) -> int:
-        return len(self.out)
+        return len(self._native) if not self._done else len(self.out)
 
     def __enter__(self) -> List[Any]:
         return self.out
+
+    def write_ranges(self, addresses: Sequence[int], lengths: Sequence[int], *, threads: Optional[int] = None) -> None:
+        """Writes the blocks from byte ranges of this process's memory, without
+        making a tensor: block ``i`` gets ``len(addresses) // len(self)``
+        ranges, ``i * per`` to ``(i + 1) * per - 1``, in order (as
+        ``Client.put_ranges``), in one native call with the GIL released;
+        commit (or abort) as usual afterwards. ``threads``: most copying
+        threads (``None``: by size, up to one per core; ``1``: the calling
+        thread alone, for a copy that runs beside other work and should take
+        one core).
+
+        Raw memory: the caller vouches that each ``(addresses[i], lengths[i])``
+        is readable memory of this process that stays alive and unchanged
+        during the call. ``InvalidArgument`` (nothing written) for ranges that
+        do not divide evenly between the blocks or add up to other than a
+        block's bytes, a range overlapping one of these blocks, or blocks
+        already committed or aborted."""
+        if threads is not None and threads < 1:
+            raise InvalidArgument(f"threads={threads}: give 1 or more, or None")
+        addresses, lengths = list(addresses), list(lengths)
+        if lengths and min(lengths) < 0:
+            raise InvalidArgument(f"a byte range of {min(lengths)} bytes")
+        self._native.fill_gathered(addresses, lengths, threads or 0)
 
 
 def _batch_source(value: Any) -> tuple:

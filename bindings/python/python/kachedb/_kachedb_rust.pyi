@@ -181,6 +181,8 @@ class NativeReservations:
     """The reservations of one ``reserve_many`` batch."""
 
     def __len__(self) -> int: ...
+    def fill_gathered(self, addresses: Sequence[int], lengths: Sequence[int], threads: int = 0) -> None:
+        """Copies raw byte ranges into the reservations, ``len(addresses) // len(self)`` each, in order."""
     def capsules(self) -> List[Any]:
         """One writable legacy DLPack capsule per reservation (dtype and shape of the batch)."""
     def commit(self) -> None:

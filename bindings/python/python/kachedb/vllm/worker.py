@@ -85,6 +85,32 @@ class _Group:
         self.shape = (self.num_layers, self.page)
         self.blocks: Optional[torch.Tensor] = self._uniform_view(layers)
         self.device = layers[0].device
+        #: Per range of a block: (address of block 0's bytes, bytes per block
+        #: id, length); a block's bytes are these ranges in order, layers next
+        #: to each other in memory merged. ``None`` when a block has padding
+        #: (pages of different sizes) or a page is not contiguous.
+        self._runs: Optional[List[Tuple[int, int, int]]] = self._byte_runs(layers)
+
+    def _byte_runs(self, layers: List[torch.Tensor]) -> Optional[List[Tuple[int, int, int]]]:
+        if self.device.type != "cpu" or any(int(t.shape[1]) != self.page or t.stride(1) != 1 for t in layers):
+            return None
+        runs: List[Tuple[int, int, int]] = []
+        for t in layers:
+            base, stride = t.data_ptr(), t.stride(0)
+            if runs and runs[-1][1] == stride and runs[-1][0] + runs[-1][2] == base:
+                runs[-1] = (runs[-1][0], stride, runs[-1][2] + self.page)
+            else:
+                runs.append((base, stride, self.page))
+        return runs
+
+    def ranges(self, block_ids: Sequence[int]) -> Optional[Tuple[List[int], List[int]]]:
+        """``(addresses, lengths)`` of the bytes of ``block_ids``, block after
+        block (``Reservations.write_ranges``' order); ``None`` if the group's
+        blocks are not plain byte ranges (see ``_runs``)."""
+        if self._runs is None:
+            return None
+        addrs = [base + b * stride for b in block_ids for base, stride, _ in self._runs]
+        return addrs, [n for _ in block_ids for _, _, n in self._runs]
 
     def _uniform_view(self, layers: List[torch.Tensor]) -> Optional[torch.Tensor]:
         first = layers[0]
@@ -276,12 +302,16 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         return True
 
     def _store_job(self, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> int:
-        """One store job on the store thread (CPU): its bytes."""
-        return self._store(src_spec, dst_spec)[0]
+        """One store job on the store thread (CPU): its bytes. Copied by this
+        thread alone: the engine's step runs beside it."""
+        return self._store(src_spec, dst_spec, copy_threads=1)[0]
 
-    def _store(self, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> Tuple[int, List[Any], int]:
+    def _store(
+        self, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, copy_threads: Optional[int] = None
+    ) -> Tuple[int, List[Any], int]:
         """Reserves, copies and (CPU) commits one job's blocks; ``(bytes,
-        reservations to commit once the copies complete (CUDA), their blocks)``."""
+        reservations to commit once the copies complete (CUDA), their blocks)``.
+        ``copy_threads``: most threads of a CPU copy (``None``: by size)."""
         import kachedb
 
         started = time.perf_counter()
@@ -308,7 +338,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                     continue
                 dkeys = [self.spec.daemon_key(k) for k in okeys]
                 parents = [first] + dkeys[:-1]  # consecutive blocks of one request chain
-                held = self._store_blocks(kc, group, ids, dkeys, parents, first)
+                held = self._store_blocks(kc, group, ids, dkeys, parents, first, copy_threads)
                 nbytes += len(ids) * group.num_layers * group.page
                 STORED_KEYS.extend(k.hex() for k in dkeys)
                 if self.cuda:
@@ -340,6 +370,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         dkeys: List[bytes],
         parents: List[Optional[bytes]],
         first: Optional[bytes],
+        copy_threads: Optional[int] = None,
     ) -> List[Any]:
         """Reserves the blocks of one group and copies them out of the KV cache
         into the reservations; returns the reservations, not committed yet (the
@@ -347,15 +378,23 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         CUDA). One code path for both: ``store_mode`` ``batched`` makes one
         RESERVE batch (``reserve_many``), ``reserve`` one RESERVE per block; on
         CUDA the copies run on the side stream after the forward pass that
-        wrote the blocks."""
+        wrote the blocks. On CPU a batch whose blocks are plain byte ranges of
+        the KV cache is written by one native call (``write_ranges``: streaming
+        stores, GIL released once, no tensor made, on ``copy_threads``
+        threads) instead of a torch copy per block, whose OpenMP team would
+        take every core from the engine's step."""
+        ranges = None
         if self.spec.store_mode == "reserve":
             held = [kc.reserve(k, group.shape, torch.uint8, parent=p) for k, p in zip(dkeys, parents)]
             outs = [r.out for r in held]
         else:
             held = [kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True)]
-            outs = list(held[0].out)
+            ranges = None if self.cuda else group.ranges(ids)
+            outs = [] if ranges is not None else list(held[0].out)
         try:
-            if self.cuda:
+            if ranges is not None:
+                held[0].write_ranges(*ranges, threads=copy_threads)
+            elif self.cuda:
                 self._stream.wait_stream(torch.cuda.current_stream(group.device))
             with torch.cuda.stream(self._stream) if self.cuda else _nullctx():
                 for out, b in zip(outs, ids):
