@@ -16,8 +16,9 @@ Three engine processes, each fresh, on one daemon (the real binary) and one mode
    the prompt's blocks), then the same prompt again (in-engine hit with the connector on).
    ``baseline`` and ``writer`` run at the same time and take turns, prompt by prompt
    (the other one idle; each goes first in half the turns; neither exits before
-   the other's last prompt), so that cold with and without the connector are
-   measured in the same minutes and machine state. The connector submits a step's
+   the other's last prompt; a turn ends once the writer's stores are committed
+   and the daemon's disk tier has written them), so that cold with and without
+   the connector are measured in the same minutes and machine state. The connector submits a step's
    stores when the step ends, before its token is returned; they run on the
    worker's store thread (off the step): ``store_thread`` is set true, since
    these engines run in-process, where ``"auto"`` keeps stores inside the step
@@ -32,7 +33,8 @@ Three engine processes, each fresh, on one daemon (the real binary) and one mode
 TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1`` (in-process engine).
 Each engine first serves one unmeasured cold prompt of the same length (its own;
 the two taking turns here too).
-Figures are medians over ``--reps`` prompts; ``--json`` also has each prompt's cold
+Figures are medians over ``--reps`` prompts (and the median of the per-prompt
+cold ratios, each prompt's two engines measured in one turn); ``--json`` also has each prompt's cold
 TTFT with the engine process's CPU time, page faults and context switches. Goals (issue 10): KacheDB hit within
 1.5x of the in-engine hit and at most 10 % of cold.
 """
