@@ -266,6 +266,33 @@ def test_bad_input_is_a_miss_and_changes_nothing(daemon, kv):
     b.close()
 
 
+def test_a_page_stored_with_another_size_is_a_logged_miss(daemon, kv, caplog):
+    host, idx = _host(kv)
+    keys = _prompt(7)
+    b = pools.backend(daemon.socket, host)
+    assert b.batch_set_v1(keys, idx) == [True] * N
+    dkeys = b._dkeys(b.ns_v1, keys)
+    dst = host.alloc(N * pools.PAGE_SIZE)
+    kc = kachedb.connect(daemon.socket)
+    # a page simply missing: a miss, not logged
+    kc.delete(dkeys[2])
+    with caplog.at_level(logging.WARNING, logger="kachedb.sglang"):
+        assert b.batch_get_v1(keys, dst) == [True, True] + [False] * (N - 2)
+    assert "stored as" not in caplog.text
+    # another layout's page under the same key: a miss, logged, nothing copied past the prefix
+    kc.put(dkeys[2], torch.ones(100, dtype=torch.uint8))
+    kc.close()
+    _zero(host, dst)
+    with caplog.at_level(logging.WARNING, logger="kachedb.sglang"):
+        assert b.batch_get_v1(keys, dst) == [True, True] + [False] * (N - 2)
+    assert "is stored as torch.uint8 of 100 bytes" in caplog.text
+    got, want = pools.pages_bytes(host, dst), pools.pages_bytes(host, idx)
+    assert all(torch.equal(a, e) for a, e in zip(got[:2], want[:2]))
+    assert not any(a.any() for a in got[2:])
+    assert daemon.stats()["pins"] == 0
+    b.close()
+
+
 def test_full_store_skips_the_batch(workdir):
     # pages of 256 KiB (16 tokens x 4 layers x 8 heads x 128 x bf16 x K,V); 32 of them > a 4 MiB store
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool

@@ -402,13 +402,30 @@ class KacheDBStorage(HiCacheStorage):
             addrs, lens, page_bytes = self._v1_ranges(keys, host_indices)
             # one get_prefix (lookup and pin), one copy per range into the host
             # pool, the pins released; a page of another size ends the prefix
-            n_ok = int(kc.get_prefix_into(self._dkeys(self.ns_v1, keys), addrs, lens))
+            dkeys = self._dkeys(self.ns_v1, keys)
+            n_ok = int(kc.get_prefix_into(dkeys, addrs, lens))
+            if n_ok < n:
+                self._note_other_size(kc, keys[n_ok], dkeys[n_ok], page_bytes)
         except Exception as e:
             self._failed("load", e)
             return [False] * n
         self._add(get_pages_hit=n_ok)
         self._record(self._prefetch_pgs, self._prefetch_gbps, n_ok, n_ok * page_bytes, t0)
         return [True] * n_ok + [False] * (n - n_ok)
+
+    def _note_other_size(self, kc: Any, key: str, dkey: bytes, page_bytes: int) -> None:
+        """Logs once when a load stopped at a page that is stored, but not as a
+        uint8 page of ``page_bytes`` bytes (another pool layout under the same
+        namespace): a miss, never a wrong copy. A page simply missing is not logged."""
+        if "vsize" in self._logged:
+            return
+        views = kc.get_prefix([dkey])
+        if views and (views[0].dtype != torch.uint8 or views[0].numel() != page_bytes):
+            v = views[0]
+            self._log_once("vsize", "KacheDB page %r is stored as %s of %d bytes where the pool's pages are uint8 "
+                           "of %d: a miss", key, v.dtype, v.numel() * v.element_size(), page_bytes)
+            del v
+        del views
 
     # -- v2 (hybrid models' per-pool transfers): not stored here -----------
     def _no_v2(self) -> None:
