@@ -16,8 +16,9 @@ daemon's chain-aware eviction never evicts a block before the blocks that
 follow it (docs/eviction.md). A load is
 one ``get_prefix`` (lookup-and-pin of the leading present blocks, one round trip)
 whose views are copied straight into the KV cache and then dropped (their pins go
-with them). On vLLM's CPU engine the copies are plain tensor copies, done
-before ``submit_*`` returns, so a block is in the daemon by the time the step
+with them). On vLLM's CPU engine a store batch is one native write of its
+pages' byte ranges into the reservations (``Reservations.write_ranges``) and a
+load a tensor copy per block, done before ``submit_*`` returns, so a block is in the daemon by the time the step
 that stored it returns — or a store runs on the worker's store thread
 (``_StoreThread``: reserve, copy, commit, in submission order, the GIL released
 in the daemon calls and the copies), so ``submit_store`` returns at once and
