@@ -11,7 +11,11 @@ tenant in the megaslab. Nothing here asserts on timings."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import numpy as np
@@ -81,6 +85,28 @@ def check_adds_up(st, port: int) -> None:
         assert set(per) >= {"a", "b", "k", "default", "_other"}, (name, per)
         assert sum(per.values()) == s[(total, ())], name
     assert by_tenant(s, "kachedb_tenant_disk_limit_bytes") == {**LIMITS, "c": 4 * MIB}
+
+
+def watch_frame(sock: str) -> str:
+    """One whole frame of ``kachedb stats --watch`` (the real CLI, its output
+    not a terminal: frames appended, each ending with ``Ctrl-C to quit``)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kachedb", "stats", "--socket", sock, "--watch", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(60, proc.kill)
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C to quit"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 0, err
+    assert lines and lines[-1].startswith("Ctrl-C"), "".join(lines)
+    return "".join(lines)
 
 
 def test_two_tenants_stay_within_their_disk_limits_add_up_and_survive_kill_9(tmp_path):
@@ -157,6 +183,15 @@ def test_two_tenants_stay_within_their_disk_limits_add_up_and_survive_kill_9(tmp
         after = {t: (r["disk_bytes"], r["disk_blocks"]) for t, r in rows.items() if r["disk_blocks"]}
         assert after == before
         check_adds_up(st, port)
+        # `kachedb stats --watch` has a row per tenant on disk: k's 8 blocks
+        # within its limit, a's and b's limits.
+        frame = watch_frame(d.socket)
+        table = frame[frame.index("tenant on disk"):].splitlines()
+        row = {line.split()[0]: line for line in table[1:] if line.strip()}
+        mib = lambda n: f"{n / MIB:.1f} MiB"  # noqa: E731
+        assert f"{mib(KEPT * ON_DISK)} / {mib(LIMITS['k'])}" in row["k"] and f" {KEPT} " in row["k"], frame
+        for t in "ab":
+            assert f" / {mib(LIMITS[t])}" in row[t], frame
         # A block filled from disk counts for its tenant in the megaslab, not for `default`.
         with kachedb.connect(d.socket) as kc:
             got = kc.get_numpy("k-3")

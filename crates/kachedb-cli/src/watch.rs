@@ -245,6 +245,7 @@ pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<St
             row("disk fills", |s| s.disk.disk_fills, format!("{} misses", grouped(d.disk_misses))),
             row("disk errors", |s| s.disk.disk_errors, format!("{} timed out", grouped(d.disk_fetches_timed_out))),
         ]);
+        lines.extend(tenant_disk_lines(s, prev));
     }
     lines.extend([String::new(), "Ctrl-C to quit".into()]);
     fit(lines)
@@ -254,10 +255,9 @@ pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<St
 const TENANT_ROWS: usize = 8;
 
 /// The tenants' table: shown once a tenant other than `default` exists or a
-/// limit is set; the largest [`TENANT_ROWS`] by bytes.
+/// limit is set ([`several_tenants`]); the largest [`TENANT_ROWS`] by bytes.
 fn tenant_lines(s: &Stats, prev: Option<(f64, &Stats)>) -> Vec<String> {
-    let shown = s.tenants.len() > 1 || s.tenants.iter().any(|t| t.limit_bytes.is_some());
-    if !shown {
+    if !several_tenants(s) {
         return Vec::new();
     }
     let mut ts: Vec<&kachedb_shm::control::TenantStats> = s.tenants.iter().collect();
@@ -284,6 +284,52 @@ fn tenant_lines(s: &Stats, prev: Option<(f64, &Stats)>) -> Vec<String> {
             t.clients,
             evicted,
             percent(t.get_hits, t.get_hits + t.get_misses)
+        ));
+    }
+    if ts.len() > TENANT_ROWS {
+        lines.push(format!("({} more tenants: kachedb stats)", ts.len() - TENANT_ROWS));
+    }
+    lines
+}
+
+/// Whether the tenants' tables are shown: a tenant other than `default`
+/// exists, or a limit (megaslab or disk) is set.
+fn several_tenants(s: &Stats) -> bool {
+    s.tenants.len() > 1 || s.tenants.iter().any(|t| t.limit_bytes.is_some() || t.disk_limit_bytes.is_some())
+}
+
+/// The tenants' rows on the disk tier, under the same terms as
+/// [`tenant_lines`]: the largest [`TENANT_ROWS`] by disk bytes, with their
+/// disk limits, blocks, evictions from disk a second and the writes refused
+/// for their disk limit (all time).
+fn tenant_disk_lines(s: &Stats, prev: Option<(f64, &Stats)>) -> Vec<String> {
+    if !several_tenants(s) {
+        return Vec::new();
+    }
+    let mut ts: Vec<&kachedb_shm::control::TenantStats> = s.tenants.iter().collect();
+    ts.sort_by(|a, b| b.disk_bytes.cmp(&a.disk_bytes).then_with(|| a.name.cmp(&b.name)));
+    let mut lines = vec![
+        String::new(),
+        format!(
+            "{:<16}{:>22}{:>10}{:>14}{:>18}",
+            "tenant on disk", "bytes / limit", "blocks", "evicted/s", "refused (limit)"
+        ),
+    ];
+    for t in ts.iter().take(TENANT_ROWS) {
+        let before = prev.and_then(|(dt, p)| p.tenants.iter().find(|x| x.name == t.name).map(|x| (dt, x)));
+        let evicted = match before {
+            Some((dt, p)) if dt > 0.0 => {
+                grouped((t.disk_evictions.saturating_sub(p.disk_evictions) as f64 / dt).round() as u64)
+            }
+            _ => "-".into(),
+        };
+        lines.push(format!(
+            "{:<16}{:>22}{:>10}{:>14}{:>18}",
+            t.name,
+            format!("{} / {}", human_bytes(t.disk_bytes), t.disk_limit_bytes.map_or("-".into(), human_bytes)),
+            grouped(t.disk_blocks),
+            evicted,
+            grouped(t.disk_limit_refusals)
         ));
     }
     if ts.len() > TENANT_ROWS {
@@ -392,6 +438,33 @@ mod tests {
         assert!(find("disk writes").contains(" 300 "), "{}", find("disk writes"));
         assert!(find("disk fills").contains(" 100 "));
         assert!(find("disk errors").contains("3"));
+        // One default tenant: no per-tenant disk rows.
+        assert!(!lines.iter().any(|l| l.starts_with("tenant on disk")), "{lines:?}");
+
+        // Two tenants: a row each on disk, the largest first, with the rate of
+        // evictions from disk between the two samples.
+        let tenant = |name: &str, disk_bytes: u64, disk_limit: Option<u64>, evictions: u64, refused: u64| {
+            kachedb_shm::control::TenantStats {
+                name: name.into(),
+                disk_bytes,
+                disk_blocks: disk_bytes >> 20,
+                disk_limit_bytes: disk_limit,
+                disk_evictions: evictions,
+                disk_limit_refusals: refused,
+                ..Default::default()
+            }
+        };
+        a.tenants = vec![tenant("default", 1 << 30, None, 0, 0), tenant("team-a", 3 << 30, Some(4 << 30), 10, 0)];
+        let mut c = a.clone();
+        c.tenants[1].disk_evictions = 30;
+        c.tenants[1].disk_limit_refusals = 7;
+        let lines = render(&c, Some((2.0, &a)), Duration::from_secs(1));
+        let header = lines.iter().position(|l| l.starts_with("tenant on disk")).expect("a disk tenant table");
+        let (first, second) = (&lines[header + 1], &lines[header + 2]);
+        assert!(first.starts_with("team-a") && first.contains("3.0 GiB / 4.0 GiB"), "{lines:?}");
+        assert!(first.contains("3,072") && first.contains(" 10 ") && first.ends_with(" 7"), "{first}");
+        assert!(second.starts_with("default") && second.contains("1.0 GiB / -"), "{second}");
+        assert!(lines.iter().all(|l| l.chars().count() <= WIDTH), "{lines:?}");
     }
 
     #[test]

@@ -199,7 +199,9 @@ mod x86 {
 
     /// Copies whole lines, one after the other.
     pub(super) fn stream_lines(d: &mut [u8], s: &[u8]) {
-        assert!(d.len() == s.len() && d.len().is_multiple_of(LINE) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        assert!(
+            d.len() == s.len() && d.len().is_multiple_of(LINE) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0)
+        );
         for (d, s) in d.chunks_exact_mut(LINE).zip(s.chunks_exact(LINE)) {
             // SAFETY: 64 bytes each, `d` aligned (a multiple of 64 past an
             // aligned start), disjoint (the caller's contract).
@@ -209,7 +211,9 @@ mod x86 {
 
     /// Copies whole groups of four pages, line `l` of each of the four in turn.
     pub(super) fn stream_pages(d: &mut [u8], s: &[u8]) {
-        assert!(d.len() == s.len() && d.len().is_multiple_of(GROUP) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        assert!(
+            d.len() == s.len() && d.len().is_multiple_of(GROUP) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0)
+        );
         for (d, s) in d.chunks_exact_mut(GROUP).zip(s.chunks_exact(GROUP)) {
             let (dp, sp) = (d.as_mut_ptr(), s.as_ptr());
             for l in (0..PAGE).step_by(LINE) {
@@ -229,7 +233,9 @@ mod x86 {
     /// The CPU has AVX.
     #[target_feature(enable = "avx")]
     pub(super) unsafe fn stream_pages_avx(d: &mut [u8], s: &[u8]) {
-        assert!(d.len() == s.len() && d.len().is_multiple_of(GROUP) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0));
+        assert!(
+            d.len() == s.len() && d.len().is_multiple_of(GROUP) && (d.is_empty() || d.as_ptr().align_offset(LINE) == 0)
+        );
         for (d, s) in d.chunks_exact_mut(GROUP).zip(s.chunks_exact(GROUP)) {
             let (dp, sp) = (d.as_mut_ptr(), s.as_ptr());
             for l in (0..PAGE).step_by(LINE) {
