@@ -790,6 +790,10 @@ enum Extents {
     /// Committed while tensors of them lived: COMMIT_PIN's pins, released
     /// when the last tensor goes.
     Pinned(#[allow(dead_code)] Vec<BlockView>), // held for its Drop (the RELEASEs)
+    /// Committed in part while tensors of them lived (the daemon refused some
+    /// COMMIT_PINs): the pins of the committed and the refused reservations,
+    /// released and aborted when the last tensor goes.
+    PartlyPinned(#[allow(dead_code)] Vec<BlockView>, #[allow(dead_code)] Vec<Reservation>),
     /// Being committed or aborted, or finished with nothing left to hold.
     #[default]
     Finished,
@@ -841,11 +845,24 @@ impl ReservedExtents {
         if !Self::exported(this) {
             return py.allow_threads(|| Reservation::commit_all(rs)).map_err(client_err);
         }
-        let views = py.allow_threads(|| Reservation::commit_all_pinned(rs)).map_err(client_err)?;
-        if let Ok(mut g) = this.state.lock() {
-            *g = Extents::Pinned(views);
+        let (done, first_err) = py.allow_threads(|| Reservation::commit_each_pinned(rs));
+        let (mut views, mut open) = (Vec::with_capacity(done.len()), Vec::new());
+        for d in done {
+            match d {
+                Ok(view) => views.push(view),
+                Err(r) => open.push(r),
+            }
         }
-        Ok(())
+        // Tensors of them live: whatever the outcome, the committed blocks
+        // keep their pins and the refused reservations stay reserved until
+        // the last tensor goes.
+        if let Ok(mut g) = this.state.lock() {
+            *g = if open.is_empty() { Extents::Pinned(views) } else { Extents::PartlyPinned(views, open) };
+        }
+        match first_err {
+            Some(e) => Err(client_err(e)),
+            None => Ok(()),
+        }
     }
 
     /// Aborts now if no tensor of the reservations may live; else leaves them

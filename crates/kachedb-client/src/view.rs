@@ -274,11 +274,24 @@ impl Reservation {
     /// the reserved bytes (a tensor made from [`as_mut_ptr`](Self::as_mut_ptr))
     /// past the commit; such a pointer must not be written through after the
     /// commit (readers see the block as immutable), only kept valid.
+    /// If the daemon refuses it (OUT_OF_MEMORY: no pin slot), the
+    /// reservation is still open there; it is aborted before the error
+    /// returns.
     pub fn commit_pinned(mut self) -> Result<BlockView> {
         let req = self.commit_request(true);
         let c = self.channel.finish(req)?;
-        BlockView::from_get(&self.channel, c)?
-            .ok_or_else(|| ClientError::Protocol("COMMIT_PIN answered NOT_FOUND".into()))
+        match BlockView::from_get(&self.channel, c) {
+            Ok(Some(view)) => Ok(view),
+            // Dropped unfinished: its ABORT goes (a finished handle's is refused, harmlessly).
+            Ok(None) => {
+                drop(self.unfinished());
+                Err(ClientError::Protocol("COMMIT_PIN answered NOT_FOUND".into()))
+            }
+            Err(e) => {
+                drop(self.unfinished());
+                Err(e)
+            }
+        }
     }
     /// Drops the block.
     pub fn abort(mut self) -> Result<()> {
@@ -297,27 +310,17 @@ impl Reservation {
     /// [`commit_pinned`](Self::commit_pinned) of many reservations of one
     /// client with one batch of COMMIT_PINs: a view of each block, in order.
     /// Every COMMIT_PIN is sent; on an error the pins that were taken are
-    /// released and the first error returned.
+    /// released, the reservations the daemon refused are aborted, and the
+    /// first error is returned.
     pub fn commit_all_pinned(reservations: Vec<Reservation>) -> Result<Vec<BlockView>> {
-        let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(Vec::new()) };
-        let done = finish_all(reservations, |r| r.commit_request(true))?;
-        let mut views = Vec::with_capacity(done.len());
-        let mut first_err = None;
-        for c in done {
-            match BlockView::from_get(&channel, c) {
-                Ok(Some(v)) => views.push(v),
-                Ok(None) => {
-                    first_err.get_or_insert(ClientError::Protocol("COMMIT_PIN answered NOT_FOUND".into()));
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
+        let (done, first_err) = Self::commit_each_pinned(reservations);
+        if let Some(e) = first_err {
+            // `done` drops: the views' RELEASEs and the refused ones' ABORTs.
+            return Err(e);
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(views),
-        }
+        done.into_iter()
+            .map(|d| d.map_err(|_| ClientError::Protocol("a COMMIT_PIN failed without an error".into())))
+            .collect()
     }
 
     /// [`commit_pinned`](Self::commit_pinned) of many reservations of one
