@@ -64,6 +64,12 @@ def test_bench_quick_json_smoke():
     assert idle["first_vs_floor"] == pytest.approx(idle["first_get_p50_ns"] / idle["pipe_echo_p50_ns"])
     assert idle["client_wakeups_per_request"] >= 0
     assert 0 <= idle["daemon_idle_cpu_pct"] < 100  # the daemon started for the run is this user's: visible
+    (prefix,) = by["py_get_prefix"]
+    assert prefix["us"] > 0 and prefix["ratio"] == pytest.approx(prefix["us"] / prefix["torch_views_us"])
+    # the daemon this run started on one CPU, the benchmark's thread on another
+    cpus = sorted(os.sched_getaffinity(0))
+    want = f"daemon CPU {cpus[1]}, client CPU {cpus[0]}" if len(cpus) >= 2 else "unpinned"
+    assert prefix["placement"] == want
 
 
 @pytest.mark.timeout(300, method="thread")

@@ -399,16 +399,6 @@ def _daemon_held(daemon: Any, pins: int, reserved: int, timeout_s: float = 10.0)
     return {"pins": st["pins"], "reserved": st["reserved"]}
 
 
-def _pooled_settled(conn: Any, want: Any, timeout_s: float = 10.0) -> int:
-    """The connector's reservations kept ready for the next store, once they
-    are ``want`` (``None``: at once) or ``timeout_s`` has passed (they are made
-    on LMCache's event loop after the commit)."""
-    start = time.monotonic()
-    while want is not None and conn.region.pooled != want and time.monotonic() - start < timeout_s:
-        time.sleep(0.005)
-    return conn.region.pooled
-
-
 def _chunk_bytes_in_daemon(daemon: Any, keys: List[bytes]) -> List[bytes]:
     out = []
     for k in keys:
@@ -449,14 +439,15 @@ def scenario_store_in_place(spec: Dict[str, Any]) -> Dict[str, Any]:
         tokens = S.prompt_tokens(n, seed)
         kv = S.prompt_kv(n, seed)
         engine.store(tokens, kv=kv)
+        # The next store's full chunks, reserved ahead right after the commit,
+        # on the thread of the store: ready when it returns.
+        pooled_at_return = conn.region.pooled
         keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
         all_keys += keys
         r: Dict[str, Any] = {"landed": _wait_landed(observer, keys, 10.0)}
         _settled_ref_counts(engine, 10.0)
         r["local"] = _local_chunks_in_region(engine, conn._client())
-        # (the next store's full chunks are reserved ahead once a commit is
-        # done, on LMCache's event loop shortly after)
-        r["pooled"] = _pooled_settled(conn, len(keys) if spec.get("max_pinned_bytes") is None else None)
+        r["pooled"] = pooled_at_return
         r["held"] = _daemon_held(observer, r["local"]["in_region"], r["pooled"])
         plain.store(tokens, kv=kv)
         lcb = plain.storage_manager.storage_backends["LocalCPUBackend"]

@@ -56,7 +56,8 @@ def test_stored_chunks_are_committed_in_place_byte_equal(unbounded):
     for i, s in enumerate(r["stores"]):
         assert s["landed"]["present"] == CHUNKS
         # every chunk LMCache holds is the daemon's memory, committed: pinned; what is
-        # reserved is the next store's chunks, reserved ahead (one store's worth)
+        # reserved is the next store's chunks, reserved ahead (one store's worth) by the
+        # store itself: ready when engine.store returns
         assert s["local"] == {"chunks": CHUNKS * (i + 1), "in_region": CHUNKS * (i + 1)}
         assert s["pooled"] == CHUNKS
         assert s["held"] == {"pins": CHUNKS * (i + 1), "reserved": CHUNKS}

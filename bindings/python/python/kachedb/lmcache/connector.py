@@ -71,11 +71,6 @@ _UNSET = object()
 
 _PLUGIN_SCHEME = "plugin://"
 
-#: How long after a commit made on the engine's thread the next store's
-#: chunks are reserved ahead (on LMCache's event loop), in seconds.
-REFILL_DELAY_S = 0.002
-
-
 def _log_once(tag: str, msg: str, *args: Any) -> None:
     if COUNTERS[f"logged_{tag}"] == 0:
         logger.warning(msg, *args)
@@ -138,9 +133,6 @@ class KacheDBConnector(RemoteConnector):
         self.views: Optional[ViewPins] = (
             ViewPins(max_pinned, local_cpu_backend) if max_pinned > 0 and str(torch_device_type) == "cpu" else None
         )
-        #: Whether a store made on the engine's thread reserves the next
-        #: store's chunks on LMCache's event loop (else at once, on that thread).
-        self.refill_on_loop = True
         self._layout_source: Any = _UNSET
         self._refresh_layout()
         self._link = DaemonLink(
@@ -354,9 +346,7 @@ class KacheDBConnector(RemoteConnector):
         COUNTERS["loaded_bytes"] += nbytes
         return obj
 
-    def _store(
-        self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj], refill_on_loop: bool = False
-    ) -> None:
+    def _store(self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj]) -> None:
         kc = self._client()
         if kc is None:
             COUNTERS["store_skipped_off"] += len(keys)
@@ -384,7 +374,7 @@ class KacheDBConnector(RemoteConnector):
         copied = [x[:2] for x in items if region is None or not region.owns_open(x[1])]
         try:
             if in_place:
-                self._commit_in_place(kc, in_place, refill_on_loop)
+                self._commit_in_place(kc, in_place)
             if copied:
                 self._put_copies(kc, copied)
         except (kachedb.OutOfMemory, kachedb.TooLarge) as e:
@@ -396,7 +386,7 @@ class KacheDBConnector(RemoteConnector):
             COUNTERS["store_errors"] += 1
             _log_once("store_error", "KacheDB store failed (%s): skipped", e)
 
-    def _commit_in_place(self, kc: Any, items: Sequence[Any], refill_on_loop: bool = False) -> None:
+    def _commit_in_place(self, kc: Any, items: Sequence[Any]) -> None:
         """Stores chunks whose ``MemoryObj``s are reservations in the region
         (``RegionAllocator``): one batch of COMMIT_PINs naming their keys, no
         copy. A chunk already in the daemon is committed all the same (the
@@ -414,28 +404,15 @@ class KacheDBConnector(RemoteConnector):
             COUNTERS["stored_chunks"] += n
             COUNTERS["stored_in_place"] += n
             COUNTERS["stored_bytes"] += sum(o.get_size() for (_, o, _), good in zip(items, ok) if good)
-        # The next store's chunks, reserved off the engine's store path: here
-        # on LMCache's event loop, or (a commit on the engine's thread) on the
-        # loop once the engine's store call has had REFILL_DELAY_S to return,
-        # so that the reservations' Python work does not contend for the GIL
-        # with the rest of that call.
-        if not refill_on_loop:
-            self.region.refill(kc)
-            return
+        # The next store's chunks, reserved ahead on this thread while the
+        # daemon is awake from the commit (one more warm round trip). Handing
+        # this to LMCache's event loop made the store slower, not faster: the
+        # wake of the loop's thread and its GIL traffic cost more than the
+        # reservations (docs/lmcache.md, "On which thread").
         try:
-            self.loop.call_soon_threadsafe(self.loop.call_later, REFILL_DELAY_S, self._refill)
-        except RuntimeError:  # the loop is closed: the engine is shutting down
-            pass
-
-    def _refill(self) -> None:
-        """``RegionAllocator.refill`` on LMCache's event loop (errors are a skipped refill)."""
-        kc = self._client()
-        if kc is None or self.region is None:
-            return
-        try:
-            self.region.refill(kc)
-        except kachedb.Disconnected as e:
-            self._link.failed(e)
+            self.region.refill(kc)  # a full daemon reserves nothing: not an error
+        except kachedb.Disconnected:
+            raise
         except kachedb.KacheDBError as e:
             COUNTERS["store_errors"] += 1
             _log_once("refill_error", "KacheDB reserve ahead failed (%s): the next store reserves on demand", e)
@@ -463,9 +440,9 @@ class KacheDBConnector(RemoteConnector):
         return self._load_prefix(keys)
 
     def store_now(self, keys: Sequence[CacheEngineKey], memory_objs: Sequence[MemoryObj]) -> None:
-        """``batched_put`` on the calling thread; the next store's reservations
-        are made on LMCache's event loop."""
-        self._store(keys, memory_objs, refill_on_loop=self.refill_on_loop)
+        """``batched_put`` on the calling thread (the next store's reservations
+        too, right after its commit)."""
+        self._store(keys, memory_objs)
 
     # -- RemoteConnector -------------------------------------------------
     async def exists(self, key: CacheEngineKey) -> bool:

@@ -27,8 +27,8 @@ committed ones only LMCache's local tier holds are dropped from it
 the chunk goes to the original allocator (and is copied when stored, as
 before).
 
-Full chunks are reserved ahead, in one batch: after a store's commit (on
-LMCache's event loop, off the engine's store path) as many full-chunk
+Full chunks are reserved ahead, in one batch: right after a store's commit
+(on the same thread, while the daemon is awake from it) as many full-chunk
 reservations as that commit had are made for the next store (``refill``; at
 most ``POOL_MAX_CHUNKS`` and a quarter of the budget, taken from the budget),
 so a store's allocations make no round trip to the daemon. ``drain`` (and
