@@ -17,6 +17,8 @@ pyo3::import_exception!(kachedb._errors, InvalidArgument);
 pyo3::import_exception!(kachedb._errors, BadHandle);
 pyo3::import_exception!(kachedb._errors, TooLarge);
 pyo3::import_exception!(kachedb._errors, TimedOut);
+pyo3::import_exception!(kachedb._errors, Denied);
+pyo3::import_exception!(kachedb._errors, NotDurable);
 
 /// The `kachedb` exception that names `e`, with message `msg`.
 pub fn exception(e: &ClientError, msg: String) -> PyErr {
@@ -30,6 +32,8 @@ pub fn exception(e: &ClientError, msg: String) -> PyErr {
         ClientError::BadHandle => BadHandle::new_err(msg),
         ClientError::Disconnected(_) => Disconnected::new_err(msg),
         ClientError::TimedOut(_) => TimedOut::new_err(msg),
+        ClientError::Denied => Denied::new_err(msg),
+        ClientError::NotDurable => NotDurable::new_err(msg),
         ClientError::Internal | ClientError::Protocol(_) | ClientError::Region(_) | ClientError::Untrusted(_) => {
             KacheDBError::new_err(msg)
         }

@@ -16,7 +16,7 @@ use kachedb_shm::Status;
 
 use crate::dlpack::DLPackBuffer;
 use crate::errors::{
-    self, BadHandle, Disconnected, InvalidArgument, KacheDBError, NotFound, OutOfMemory, TimedOut, TooLarge,
+    self, BadHandle, Denied, Disconnected, InvalidArgument, KacheDBError, NotDurable, NotFound, OutOfMemory, TimedOut, TooLarge,
 };
 
 /// Number of [`TestStorage`] values alive. Relaxed is enough: it orders nothing
@@ -113,6 +113,8 @@ pub fn _raise_error(kind: &str, msg: String) -> PyResult<()> {
         "BadHandle" => BadHandle::new_err(msg),
         "TooLarge" => TooLarge::new_err(msg),
         "TimedOut" => TimedOut::new_err(msg),
+        "Denied" => Denied::new_err(msg),
+        "NotDurable" => NotDurable::new_err(msg),
         _ => KacheDBError::new_err(msg),
     })
 }
@@ -133,6 +135,8 @@ pub fn _raise_status(status: u8, msg: String) -> PyResult<()> {
         Some(Status::BadHandle) => ClientError::BadHandle,
         Some(Status::TooLarge) => ClientError::TooLarge(0),
         Some(Status::TimedOut) => ClientError::TimedOut(std::time::Duration::ZERO),
+        Some(Status::Denied) => ClientError::Denied,
+        Some(Status::NotDurable) => ClientError::NotDurable,
         Some(Status::Internal) | None => ClientError::Internal,
     };
     Err(errors::exception(&e, msg))

@@ -15,6 +15,8 @@ BUILTIN_BASES = {
     "TooLarge": ValueError,
     "BadHandle": None,
     "TimedOut": TimeoutError,
+    "Denied": PermissionError,
+    "NotDurable": OSError,
 }
 
 
@@ -58,6 +60,8 @@ def test_unknown_kind_is_the_base_class():
         (5, kachedb.TooLarge),
         (6, kachedb.KacheDBError),  # INTERNAL
         (7, kachedb.TimedOut),
+        (8, kachedb.Denied),
+        (9, kachedb.NotDurable),
         (77, kachedb.KacheDBError),  # unknown
     ],
 )

@@ -36,6 +36,14 @@ pub enum ClientError {
     /// `wait_for`: the key was not committed before the timeout.
     #[error("timed out: no block was committed under the key within {0:?}")]
     TimedOut(std::time::Duration),
+    /// The block belongs to a tenant bound to another identity: this client
+    /// may read it, not replace or delete it.
+    #[error("denied: the block belongs to a tenant bound to another user or group (kachedb serve --tenant-uid/--tenant-gid); this client may read it, not replace or delete it")]
+    Denied,
+    /// The operation took effect in the megaslab, but a tier behind it could
+    /// not confirm that the key's older copy is gone.
+    #[error("not durable: the operation took effect in memory, but the disk tier could not confirm in time that the key's older copy is gone (the daemon's log says why; it keeps retrying, and serves no copy meanwhile); after a crash the older copy may come back: retry the operation once the disk is healthy")]
+    NotDurable,
     /// The daemon broke an invariant (a bug in the daemon).
     #[error("the daemon reported an internal error; please report it with the daemon's log")]
     Internal,
@@ -66,6 +74,8 @@ pub(crate) fn status_error(status: Status, len: u64) -> ClientError {
         Status::BadHandle => ClientError::BadHandle,
         Status::Internal => ClientError::Internal,
         Status::TimedOut => ClientError::TimedOut(std::time::Duration::ZERO),
+        Status::Denied => ClientError::Denied,
+        Status::NotDurable => ClientError::NotDurable,
     }
 }
 

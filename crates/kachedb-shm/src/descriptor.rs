@@ -209,6 +209,16 @@ code_enum! {
         Internal = 6,
         /// WAIT: the key was not committed before the timeout passed.
         TimedOut = 7,
+        /// The block belongs to a tenant bound to an identity (`kachedb serve
+        /// --tenant-uid` / `--tenant-gid`) that this client is not: it may
+        /// read the block, not replace or delete it. Nothing changed.
+        Denied = 8,
+        /// A DELETE, or a COMMIT that replaced a block, took effect in the
+        /// megaslab, but a tier behind it (the disk) could not confirm in
+        /// time that its older copy is gone: until it does (retried), the
+        /// tier serves no copy of the key, but after a crash the older copy
+        /// may come back.
+        NotDurable = 9,
     }
 }
 

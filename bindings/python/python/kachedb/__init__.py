@@ -7,9 +7,11 @@ This module only re-exports; the pieces live in ``_keys``, ``_errors``,
 
 from ._errors import (
     BadHandle,
+    Denied,
     Disconnected,
     InvalidArgument,
     KacheDBError,
+    NotDurable,
     NotFound,
     OutOfMemory,
     TimedOut,
@@ -38,4 +40,6 @@ __all__ = [
     "BadHandle",
     "TooLarge",
     "TimedOut",
+    "Denied",
+    "NotDurable",
 ]

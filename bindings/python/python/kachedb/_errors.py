@@ -17,6 +17,8 @@ __all__ = [
     "BadHandle",
     "TooLarge",
     "TimedOut",
+    "Denied",
+    "NotDurable",
 ]
 
 
@@ -57,3 +59,16 @@ class TooLarge(KacheDBError, ValueError):
 
 class TimedOut(KacheDBError, TimeoutError):
     """``wait_for``: no block was committed under the key before the timeout."""
+
+
+class Denied(KacheDBError, PermissionError):
+    """The block belongs to a tenant bound to another user or group
+    (``kachedb serve --tenant-uid`` / ``--tenant-gid``): this client may read it,
+    not replace or delete it. Nothing changed."""
+
+
+class NotDurable(KacheDBError, OSError):
+    """A ``delete`` (or a ``put`` that replaced a block) took effect in memory, but
+    the disk tier could not confirm in time that the key's older copy is gone; it
+    keeps retrying and serves no copy meanwhile, but after a crash the older copy
+    may come back. Retry once the disk is healthy."""
