@@ -16,7 +16,8 @@ use kachedb_shm::Status;
 
 use crate::dlpack::DLPackBuffer;
 use crate::errors::{
-    self, BadHandle, Denied, Disconnected, InvalidArgument, KacheDBError, NotDurable, NotFound, OutOfMemory, TimedOut, TooLarge,
+    self, BadHandle, Denied, Disconnected, InvalidArgument, KacheDBError, NotDurable, NotFound, OutOfMemory, TimedOut,
+    TooLarge,
 };
 
 /// Number of [`TestStorage`] values alive. Relaxed is enough: it orders nothing

@@ -78,6 +78,12 @@ pub struct ServeArgs {
     /// serves on). docs/takeover.md.
     #[arg(long, default_value_t = kachedb_daemon::takeover::STEP_TIMEOUT.as_millis() as u64, value_name = "MS")]
     pub takeover_timeout_ms: u64,
+    /// Milliseconds this daemon's clients may wait while a new daemon takes
+    /// over: from the new daemon's go (it asked, and is there) to its
+    /// verdict. Past it this daemon serves on and the takeover fails. Raise
+    /// it for stores of millions of blocks (docs/takeover.md).
+    #[arg(long, default_value_t = kachedb_daemon::takeover::PAUSE_LIMIT.as_millis() as u64, value_name = "MS")]
+    pub takeover_pause_ms: u64,
     /// Milliseconds a client may leave requests unanswerable because it does
     /// not drain its completion ring (stopped, in a debugger, throttled)
     /// before it is disconnected and its pins and reservations dropped.
@@ -547,6 +553,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         max_connections: a.max_connections,
         hello_timeout: std::time::Duration::from_millis(a.hello_timeout_ms),
         takeover_timeout: std::time::Duration::from_millis(a.takeover_timeout_ms.max(1)),
+        takeover_pause: std::time::Duration::from_millis(a.takeover_pause_ms.max(1)),
         stuck_client_timeout: (a.stuck_client_timeout_ms > 0)
             .then(|| std::time::Duration::from_millis(a.stuck_client_timeout_ms)),
         check_invariants: a.check_invariants,

@@ -9,120 +9,15 @@
 
 mod common;
 
+use common::disk::*;
 use common::*;
 use kachedb_client::{Client, ConnectOptions, Key};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// A daemon serving `tmp`'s socket with the disk tier on `disk`.
-fn disk_daemon(tmp: &TempDir, size: &str, disk: &Path, disk_size: &str, extra: &[&str]) -> Daemon {
-    let mut args = vec!["--disk", disk.to_str().expect("utf-8 path"), "--disk-size", disk_size];
-    args.extend_from_slice(extra);
-    let mut d = Daemon::spawn_with(&tmp.socket(), size, &args);
-    d.wait_ready();
-    d
-}
-
-/// Waits until the disk tier's start-up index is built; its stats then.
-fn indexed(socket: &Path) -> Value {
-    poll_stats_fast(socket, Duration::from_secs(60), "disk index rebuilt", |v| v["disk_indexed"] == true).0
-}
-
-/// Waits until the write-behind queue is empty; the stats then.
-fn drained(socket: &Path) -> Value {
-    poll_stats_fast(socket, Duration::from_secs(60), "disk queue drained", |v| num(v, "disk_queue_blocks") == 0).0
-}
-
-/// The pattern of `key`, `len` bytes.
-fn pattern(key: Key, len: usize) -> Vec<u8> {
-    let mut b = vec![0u8; len];
-    fill(&mut b, seed_of(key));
-    b
-}
-
-/// Files in `dir` (0 if it is missing).
-fn files_in(dir: &Path) -> usize {
-    std::fs::read_dir(dir).map(|rd| rd.count()).unwrap_or(0)
-}
-
-fn block_file(disk: &Path, key: Key) -> PathBuf {
-    disk.join("blocks").join(format!("{:032x}.kdb", key.0))
-}
-
-/// Pushes the blocks put so far out of the megaslab (whose eviction takes
-/// the least recently used first): `n` blocks of 1 MiB of key tag `tag`,
-/// each written to disk before the next (a DELETE would delete the disk
-/// copies too).
-fn push_out_of_ram(c: &Client, socket: &Path, tag: u64, n: u64) {
-    for j in 0..n {
-        c.put(tkey(tag, j), &[j as u8; 1 << 20]).expect("put a filler");
-        drained(socket);
-    }
-}
-
-/// Whether the test runs as root (mounts need it); says why it skips if not.
-fn root_or_skip(test: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("SKIPPED {test}: mounting a tmpfs or an ext4 image needs root (run the suite as root, as CI does)");
-    false
-}
-
-/// A file system mounted for a test, unmounted (lazily) when dropped.
-struct Mount {
-    at: PathBuf,
-    image: Option<PathBuf>,
-}
-
-impl Mount {
-    fn run(cmd: &mut Command) {
-        let out = cmd.output().expect("run a mount tool");
-        assert!(out.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-
-    /// A tmpfs of `size` (e.g. "4m") at `at`.
-    fn tmpfs(at: &Path, size: &str) -> Mount {
-        std::fs::create_dir_all(at).expect("mount point");
-        Mount::run(
-            Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"]).arg(at),
-        );
-        Mount { at: at.to_path_buf(), image: None }
-    }
-
-    /// An ext4 image of `mib` MiB, loop-mounted at `at`.
-    fn ext4(at: &Path, mib: u64) -> Mount {
-        std::fs::create_dir_all(at).expect("mount point");
-        let image = at.with_extension("img");
-        let f = std::fs::File::create(&image).expect("image file");
-        f.set_len(mib << 20).expect("size the image");
-        Mount::run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image));
-        Mount::run(Command::new("mount").args(["-o", "loop"]).arg(&image).arg(at));
-        Mount { at: at.to_path_buf(), image: Some(image) }
-    }
-
-    fn remount_ro(&self) {
-        Mount::run(Command::new("mount").args(["-o", "remount,ro"]).arg(&self.at));
-    }
-
-    /// Detaches the file system (lazily: open files stay valid, paths no longer reach it).
-    fn detach(&self) {
-        Mount::run(Command::new("umount").arg("-l").arg(&self.at));
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.at).output();
-        if let Some(i) = &self.image {
-            let _ = std::fs::remove_file(i);
-        }
-    }
-}
 
 /// Kills the daemon at random points of a stream of writes (`kill -9`,
 /// hundreds of times, one directory throughout) and restarts it on the same
@@ -147,7 +42,9 @@ fn crash_at_random_points_of_a_write_stream_loses_nothing_reported_written() {
     let (mut total_written, mut total_torn, mut total_checked) = (0u64, 0u64, 0u64);
     for round in 0..=kills {
         let tmp_files = files_in(&disk.join("tmp"));
-        let d = disk_daemon(&tmp, "16MiB", &disk, "4GiB", &[]);
+        // The normal class: the writes this test counts must not wait for
+        // an idle core (other suites may run beside it).
+        let d = disk_daemon(&tmp, "16MiB", &disk, "4GiB", &["--disk-worker-class", "normal"]);
         let s = indexed(&socket);
         let (recovered, torn) = (num(&s, "disk_recovered"), num(&s, "disk_torn"));
         assert!(
@@ -702,100 +599,6 @@ fn disk_admit_second_writes_only_blocks_requested_again() {
     assert_eq!(num(&drained(&tmp.socket()), "disk_writes"), 1);
 }
 
-/// Reads of one block device throttled for the processes of a blkio cgroup
-/// (cgroup v1 `blkio.throttle.read_bps_device`, or v2 `io.max` where the
-/// `io` controller is on); lifting the limit lets stalled reads go at once.
-/// Dropped: the limit lifted, the group removed.
-struct ReadThrottle {
-    dir: PathBuf,
-    dev: String,
-    v2: bool,
-}
-
-impl ReadThrottle {
-    /// A group for `name` throttling reads of device `dev` (`major:minor`),
-    /// or `None` (saying why) where this machine has no blkio controller.
-    fn new(name: &str, dev: String) -> Option<ReadThrottle> {
-        let v1 = Path::new("/sys/fs/cgroup/blkio/cgroup.procs");
-        let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
-            .is_ok_and(|c| c.split_whitespace().any(|w| w == "io"));
-        let (dir, v2) = if v1.exists() {
-            (PathBuf::from("/sys/fs/cgroup/blkio").join(format!("kdb-{name}-{}", std::process::id())), false)
-        } else if v2 {
-            let _ = std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+io");
-            (PathBuf::from("/sys/fs/cgroup").join(format!("kdb-{name}-{}", std::process::id())), true)
-        } else {
-            eprintln!("SKIPPED {name}: no blkio (cgroup v1) or io (cgroup v2) controller to stall a disk with");
-            return None;
-        };
-        std::fs::create_dir_all(&dir).expect("make the cgroup");
-        Some(ReadThrottle { dir, dev, v2 })
-    }
-
-    /// The file whose writing moves a process into the group.
-    fn procs(&self) -> PathBuf {
-        self.dir.join("cgroup.procs")
-    }
-
-    /// Limits reads to `bps` bytes a second; 0 lifts the limit.
-    fn limit(&self, bps: u64) {
-        let (file, line) = if self.v2 {
-            let v = if bps == 0 { "max".to_string() } else { bps.to_string() };
-            ("io.max", format!("{} rbps={v}", self.dev))
-        } else {
-            ("blkio.throttle.read_bps_device", format!("{} {bps}", self.dev))
-        };
-        std::fs::write(self.dir.join(file), line).expect("set the read limit");
-    }
-
-    /// A daemon started inside the group from its first instruction.
-    fn daemon(&self, socket: &Path, size: &str, extra: &[&str]) -> Daemon {
-        let inner = Daemon::command(socket, size, extra);
-        let mut cmd = Command::new("sh");
-        cmd.arg("-c")
-            .arg(format!("echo $$ > {} && exec \"$@\"", self.procs().display()))
-            .arg("sh")
-            .arg(inner.get_program())
-            .args(inner.get_args());
-        for (k, v) in inner.get_envs() {
-            match v {
-                Some(v) => cmd.env(k, v),
-                None => cmd.env_remove(k),
-            };
-        }
-        cmd.stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        let mut d = Daemon::launch(cmd, socket);
-        d.wait_ready();
-        d
-    }
-}
-
-impl Drop for ReadThrottle {
-    fn drop(&mut self) {
-        if std::panic::catch_unwind(|| self.limit(0)).is_err() {
-            eprintln!("could not lift the read limit of {}", self.dir.display());
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
-
-/// `major:minor` of the device holding `path`'s file system.
-fn device_of(path: &Path) -> String {
-    let st = rustix::fs::stat(path).expect("stat");
-    format!("{}:{}", rustix::fs::major(st.st_dev), rustix::fs::minor(st.st_dev))
-}
-
-/// Drops the page-cache pages of every block file under `disk`.
-fn uncache_blocks(disk: &Path) {
-    for e in std::fs::read_dir(disk.join("blocks")).expect("blocks dir").flatten() {
-        if let Ok(f) = std::fs::File::open(e.path()) {
-            let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed);
-        }
-    }
-}
-
 /// A disk that stalls (an ext4 image on a loop device whose reads the
 /// daemon's cgroup may do at 512 bytes a second): GETs of blocks in RAM and
 /// puts are served throughout; GETs, LOOKUPs and WAITs of blocks on the
@@ -897,12 +700,12 @@ fn a_stalled_disk_is_misses_while_blocks_in_ram_are_served() {
 }
 
 /// The scheduling policies (`/proc/PID/task/TID/stat`, field 41) of the
-/// daemon `pid`'s disk-tier threads (named `kachedb-disk`).
-fn disk_thread_policies(pid: u32) -> Vec<u32> {
+/// daemon `pid`'s disk-tier threads named `name`.
+fn disk_thread_policies(pid: u32, name: &str) -> Vec<u32> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's threads").flatten() {
         let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
-        if comm.trim() != "kachedb-disk" {
+        if comm.trim() != name {
             continue;
         }
         let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
@@ -924,14 +727,16 @@ fn the_disk_tiers_threads_run_sched_idle_unless_told_otherwise() {
     {
         let d = disk_daemon(&tmp, "8MiB", &disk, "64MiB", &[]);
         indexed(&tmp.socket());
-        let p = disk_thread_policies(d.pid());
+        let p = disk_thread_policies(d.pid(), "kachedb-disk");
         assert!(p.len() >= 4, "the tier's threads: {p:?}");
         assert!(p.iter().all(|&p| p == 5), "not all SCHED_IDLE (5): {p:?}");
+        // The remover (a client's DELETE waits for it) stays in the normal class.
+        assert_eq!(disk_thread_policies(d.pid(), "kachedb-disk-rm"), vec![0]);
     }
     {
         let d = disk_daemon(&tmp, "8MiB", &disk, "64MiB", &["--disk-worker-class", "normal"]);
         indexed(&tmp.socket());
-        let p = disk_thread_policies(d.pid());
+        let p = disk_thread_policies(d.pid(), "kachedb-disk");
         assert!(p.len() >= 4 && p.iter().all(|&p| p == 0), "not all SCHED_OTHER (0): {p:?}");
     }
     let mut bad = Daemon::spawn_with(

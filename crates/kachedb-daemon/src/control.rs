@@ -47,6 +47,9 @@ pub struct Access {
     /// How long one step of a takeover may take as a whole
     /// ([`takeover::STEP_TIMEOUT`] by default).
     pub takeover_timeout: Duration,
+    /// How long the clients may wait during a takeover, from the new
+    /// daemon's go to its verdict ([`takeover::PAUSE_LIMIT`] by default).
+    pub takeover_pause: Duration,
 }
 
 /// How long the control thread stops accepting after `accept` failed for
@@ -101,7 +104,9 @@ pub(crate) struct Conn {
     /// It has sent at least one complete request.
     asked: bool,
     /// A new daemon asked to take over on this connection, reading these
-    /// state versions (`crate::takeover`).
+    /// state versions, and was told to say go (`crate::takeover`).
+    takeover_asked: Option<Vec<u32>>,
+    /// … and said go: hand over now.
     takeover: Option<Vec<u32>>,
 }
 
@@ -121,6 +126,7 @@ impl Conn {
             // The idle time starts again in this daemon.
             idle_since: st.channel.is_none().then(Instant::now),
             asked: !st.awaiting_first,
+            takeover_asked: None,
             takeover: None,
         }
     }
@@ -220,7 +226,7 @@ pub(crate) fn run(ctl: Control) -> Option<i32> {
         }
         for fd in ready {
             let close_it = match conns.get_mut(&fd) {
-                Some(c) => service(c, &region, &channels, &events),
+                Some(c) => service(c, &region, &channels, &events, &access),
                 None => false,
             };
             if close_it {
@@ -237,6 +243,7 @@ pub(crate) fn run(ctl: Control) -> Option<i32> {
                     listener: listener.as_fd(),
                     lock: lock.as_fd(),
                     metrics: metrics_listener.as_ref().map(|f| f.as_fd()),
+                    tiers: Vec::new(),
                 };
                 if hand_over(&mut t, &conns, &fds, &access, &channels, &events) {
                     // Every connection now belongs to the new daemon: closed
@@ -316,6 +323,7 @@ fn accept_all(
                         refused: false,
                         idle_since: Some(Instant::now()),
                         asked: false,
+                        takeover_asked: None,
                         takeover: None,
                     },
                 );
@@ -358,7 +366,7 @@ fn close(c: Conn, metrics: &Metrics, events: &EventSender) {
 
 /// Reads what is there; handles complete lines up to a takeover request (the
 /// last thing read on its connection). Returns true to close.
-fn service(c: &mut Conn, region: &Arc<Region>, channels: &Channels, events: &EventSender) -> bool {
+fn service(c: &mut Conn, region: &Arc<Region>, channels: &Channels, events: &EventSender, access: &Access) -> bool {
     let mut tmp = [0u8; 4096];
     loop {
         match (&*c.stream).read(&mut tmp) {
@@ -377,7 +385,7 @@ fn service(c: &mut Conn, region: &Arc<Region>, channels: &Channels, events: &Eve
     while c.takeover.is_none() {
         let Some(line) = c.lines.next_line() else { break };
         c.asked = true;
-        if handle_line(c, &line, region, channels, events) {
+        if handle_line(c, &line, region, channels, events, access) {
             return true;
         }
         // A client's connection stays open for its life; any other is idle
@@ -410,7 +418,14 @@ fn write_reply<T: serde::Serialize>(stream: &UnixStream, reply: &Reply<T>) -> Re
 }
 
 /// Returns true to close the connection.
-fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Channels, events: &EventSender) -> bool {
+fn handle_line(
+    c: &mut Conn,
+    line: &[u8],
+    region: &Arc<Region>,
+    channels: &Channels,
+    events: &EventSender,
+    access: &Access,
+) -> bool {
     let msg = match control::from_line::<ControlRequest>(line) {
         Ok(msg) => msg,
         Err(e) => {
@@ -474,8 +489,27 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
                 );
                 return true;
             }
+            if let Err((reason, why)) = takeover_allowed(c, &state_versions, access) {
+                tracing::warn!(event = "takeover_refused", pid = c.pid, "refusing a takeover: {why}");
+                reply_err(c, reason, &why);
+                return true;
+            }
+            // Nothing stops until it says go: an asker that goes silent is
+            // closed as any idle connection is.
+            if let Err(e) = takeover::prepare(&c.stream, access.takeover_pause) {
+                tracing::warn!(pid = c.pid, "takeover: answering the asker: {e}");
+                return true;
+            }
+            c.takeover_asked = Some(state_versions);
+            false
+        }
+        ControlRequest::TakeoverGo => {
+            let Some(versions) = c.takeover_asked.take() else {
+                reply_err(c, Refused::Protocol, "takeover_go without a takeover request before it");
+                return true;
+            };
             // Handled by the control loop once this read is done.
-            c.takeover = Some(state_versions);
+            c.takeover = Some(versions);
             false
         }
         ControlRequest::Stats => {
@@ -502,34 +536,18 @@ fn hand_over(
     channels: &Channels,
     events: &EventSender,
 ) -> bool {
-    let versions = t.takeover.clone().unwrap_or_default();
     let refuse = |why: String| {
         tracing::warn!(event = "takeover_refused", pid = t.pid, "refusing a takeover: {why}");
         let _ = write_reply(&t.stream, &Reply::<()>::Refused(Refusal::new(why)));
     };
-    if t.uid != access.uid || t.channel.is_some() {
-        // Counted, and a client's session dropped, when the caller closes `t`.
-        t.refused = true;
-        t.refusal = Some(if t.uid != access.uid { Refused::Permission } else { Refused::Protocol });
-        refuse(format!(
-            "only a new daemon of the daemon's own user (uid {}) may take over, on a connection of its own",
-            access.uid
-        ));
-        return false;
-    }
-    if !versions.contains(&takeover::STATE_VERSION) {
-        refuse(format!(
-            "this daemon writes state format {}, the new one reads {versions:?}: use a kachedb build that reads it, or restart the daemon (the cache is lost)",
-            takeover::STATE_VERSION
-        ));
-        return false;
-    }
     tracing::info!(event = "takeover_started", pid = t.pid, "a new daemon (pid {}) is taking over", t.pid);
+    // The clients wait from here until the verdict, at most the pause limit.
+    let pause = takeover::Deadline::after(access.takeover_pause);
     let (state_tx, state_rx) = mpsc::channel();
     let (outcome_tx, outcome_rx) = mpsc::channel();
     events.send(Event::Takeover { state: state_tx, outcome: outcome_rx });
-    let serve = match state_rx.recv_timeout(access.takeover_timeout) {
-        Ok(Ok(bytes)) => bytes,
+    let (serve, tier_fds) = match state_rx.recv_timeout(pause.left()) {
+        Ok(Ok(x)) => x,
         Ok(Err(e)) => {
             let _ = outcome_tx.send(false);
             refuse(format!("the serve loop could not write its state: {e}"));
@@ -545,8 +563,9 @@ fn hand_over(
     let (free_channels, quarantine) = channels.snapshot();
     let state = ControlState { free_channels, quarantine, conns: list.iter().map(|c| c.state()).collect() };
     let conn_fds: Vec<_> = list.iter().map(|c| c.stream.as_fd()).collect();
+    let fds = HandoverFds { tiers: tier_fds.iter().map(|f| f.as_fd()).collect(), ..*fds };
     let started = Instant::now();
-    match takeover::give(&t.stream, fds, &serve, &state, &conn_fds, access.takeover_timeout) {
+    match takeover::give(&t.stream, &fds, &serve, &state, &conn_fds, pause) {
         Ok(()) => {
             let _ = outcome_tx.send(true);
             takeover::confirm_done(&t.stream, access.takeover_timeout);
@@ -563,10 +582,39 @@ fn hand_over(
         }
         Err(why) => {
             let _ = outcome_tx.send(false);
-            tracing::warn!(event = "takeover_failed", pid = t.pid, "takeover failed, serving on: {why}");
+            tracing::warn!(
+                event = "takeover_failed",
+                pid = t.pid,
+                "takeover failed, serving on (the tiers resume with their queues): {why}"
+            );
             false
         }
     }
+}
+
+/// Whether the connection `t` may take over, reading `versions`: only a
+/// new daemon of the daemon's own uid, on a connection of its own, that
+/// reads the state format this daemon writes.
+fn takeover_allowed(t: &mut Conn, versions: &[u32], access: &Access) -> Result<(), (Refused, String)> {
+    if t.uid != access.uid {
+        return Err((
+            Refused::Permission,
+            format!(
+                "only a new daemon of the daemon's own user (uid {}) may take over, on a connection of its own",
+                access.uid
+            ),
+        ));
+    }
+    if !versions.contains(&takeover::STATE_VERSION) {
+        return Err((
+            Refused::Protocol,
+            format!(
+                "this daemon writes state format {}, the new one reads {versions:?}: use a kachedb build that reads it, or restart the daemon (the cache is lost)",
+                takeover::STATE_VERSION
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Writes `reply` with the region fd attached (`SCM_RIGHTS`).

@@ -56,6 +56,10 @@ pub struct ServeConfig {
     /// How long one step of a takeover may take as a whole, on either side
     /// (`crate::takeover::STEP_TIMEOUT` by default).
     pub takeover_timeout: std::time::Duration,
+    /// How long this daemon's clients may wait while a new daemon takes
+    /// over, from its go to its verdict (`crate::takeover::PAUSE_LIMIT` by
+    /// default); past it the takeover fails and this daemon serves on.
+    pub takeover_pause: std::time::Duration,
     /// How long a client may leave its completion ring full with requests
     /// waiting before it is disconnected (`None`: never).
     pub stuck_client_timeout: Option<std::time::Duration>,
@@ -179,6 +183,28 @@ struct Restored {
     waits: Vec<crate::serve::ParkedWait>,
     counters: kachedb_shm::control::ServeStats,
     streams: std::collections::HashMap<u32, Arc<std::os::unix::net::UnixStream>>,
+    /// The old daemon's tiers' writes not finished, and keys whose older
+    /// copy they could not remove (`ServeState`).
+    tier_writes: Vec<crate::tier::PendingWrite>,
+    tier_unremoved: Vec<u128>,
+    /// The old daemon's disk tier directory and lock, to adopt.
+    adopt: Option<crate::disk::Adopted>,
+}
+
+/// The disk tier's directory and lock among the descriptors `fds` the old
+/// daemon's tiers handed over (`names`: whose, and how many, in order).
+fn adopted_disk(names: &[(String, u32)], fds: &[std::os::fd::OwnedFd]) -> Option<crate::disk::Adopted> {
+    let mut at = 0usize;
+    for (name, n) in names {
+        let n = *n as usize;
+        if name == crate::disk::HANDOVER_NAME && n == 2 {
+            let dir = fds.get(at)?.try_clone().ok()?;
+            let lock = fds.get(at + 1)?.try_clone().ok()?;
+            return Some(crate::disk::Adopted { dir, lock });
+        }
+        at += n;
+    }
+    None
 }
 
 /// How [`Daemon::run`] ended.
@@ -414,7 +440,16 @@ impl Daemon {
         let blocks = store.stats().blocks;
         let restored_at = t0.elapsed();
         let started = Instant::now().checked_sub(std::time::Duration::from_millis(serve.uptime_ms)).unwrap_or(t0);
-        let restored = Restored { channels: serve.channels, waits: serve.waits, counters: serve.counters, streams };
+        let adopt = adopted_disk(&serve.tier_fds, &taken.tier_fds);
+        let restored = Restored {
+            channels: serve.channels,
+            waits: serve.waits,
+            counters: serve.counters,
+            streams,
+            tier_writes: serve.tier_writes,
+            tier_unremoved: serve.tier_unremoved,
+            adopt,
+        };
         let started = Parts {
             cfg,
             region,
@@ -478,15 +513,20 @@ impl Daemon {
             started,
             metrics,
         );
+        let mut tier_work = None;
         if let Some(r) = restored {
             serve = serve.restore(r.channels, r.waits, r.counters, &r.streams);
+            tier_work = Some((r.tier_writes, r.tier_unremoved));
         }
-        let handed_over = serve
+        let mut serve = serve
             .with_full_checks(cfg.check_invariants)
             .with_tiers(tiers)
             .with_stuck_client_timeout(cfg.stuck_client_timeout)
-            .with_request_window(cfg.tenants.request_window)
-            .run();
+            .with_request_window(cfg.tenants.request_window);
+        if let Some((writes, unremoved)) = tier_work {
+            serve = serve.take_up_tier_work(writes, unremoved);
+        }
+        let handed_over = serve.run();
         if handed_over {
             // The control thread has returned; this stops the metrics thread.
             shutdown.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -559,7 +599,7 @@ impl Parts {
             conns,
             shutdown,
             started,
-            restored,
+            mut restored,
         } = self;
         let sock = cfg.socket_path.clone();
         let layout = *region.layout();
@@ -570,6 +610,7 @@ impl Parts {
             max_connections: cfg.max_connections.max(1) as usize,
             hello_timeout: cfg.hello_timeout,
             takeover_timeout: cfg.takeover_timeout,
+            takeover_pause: cfg.takeover_pause,
         };
         let metrics = Metrics::new(layout.channel_count, layout.ring_capacity);
         if restored.is_some() {
@@ -580,7 +621,20 @@ impl Parts {
         let mut tiers: Vec<Box<dyn Tier>> = Vec::new();
         if let Some(dc) = &cfg.disk {
             let events = tx.tier_events(tiers.len());
-            tiers.push(Box::new(crate::disk::DiskTier::start(dc.clone(), region.clone(), events, metrics.clone())?));
+            // Taking over: the tier waits (touching nothing) until this
+            // daemon serves, and adopts the old daemon's directory and lock.
+            let (adopt, held) = match &mut restored {
+                Some(r) => (r.adopt.take(), true),
+                None => (None, false),
+            };
+            tiers.push(Box::new(crate::disk::DiskTier::start(
+                dc.clone(),
+                region.clone(),
+                events,
+                metrics.clone(),
+                adopt,
+                held,
+            )?));
         }
         if let Some(rc) = &cfg.remote {
             let events = tx.tier_events(tiers.len());

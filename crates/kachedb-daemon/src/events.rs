@@ -45,12 +45,17 @@ pub enum Event {
     /// its serialized state (or why it cannot) on `state`, and waits for
     /// `outcome`: `true`, stop for good; `false` (or the sender gone), resume.
     Takeover {
-        /// Where the state goes.
-        state: Sender<Result<Vec<u8>, String>>,
+        /// Where the state goes, with the descriptors the stopped tiers hand
+        /// over (in the order the state lists them).
+        state: Sender<StateOut>,
         /// What happens next.
         outcome: Receiver<bool>,
     },
 }
+
+/// What the serve loop sends for a takeover: its serialized state and the
+/// descriptors its stopped tiers hand over, or why it cannot.
+pub type StateOut = Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>), String>;
 
 /// The control thread's end of the queue.
 #[derive(Debug, Clone)]

@@ -370,6 +370,12 @@ pub struct DiskCells {
     pub indexed: AtomicBool,
     /// Microseconds the start-up index rebuild took.
     pub index_us: AtomicU64,
+    /// 1 once the tier's directory is no longer the one it opened.
+    pub dir_lost: AtomicU64,
+    /// Removals not confirmed durable in time (answered `NOT_DURABLE`).
+    pub unconfirmed_removals: AtomicU64,
+    /// Removals made durable before the client's answer.
+    pub removals: AtomicU64,
     /// Per tenant (set from the index with `blocks` and `bytes`, under
     /// this mutex: a reader holding it sees rows that add up to them).
     pub tenants: Mutex<Vec<crate::disk::index::TenantDisk>>,
@@ -408,6 +414,9 @@ impl DiskCells {
             disk_fetches_timed_out: self.fetches_timed_out.load(Relaxed),
             disk_indexed: self.indexed.load(Relaxed),
             disk_index_s: self.index_us.load(Relaxed) as f64 / 1e6,
+            disk_dir_lost: self.dir_lost.load(Relaxed) != 0,
+            disk_unconfirmed_removals: self.unconfirmed_removals.load(Relaxed),
+            disk_removals: self.removals.load(Relaxed),
         }
     }
 }
@@ -1200,7 +1209,7 @@ impl Collector for Collect {
             // and tenant rows under it, so the rows add up to the totals.
             let published = d.tenants.lock();
             let disk_tenants = published.as_ref().map(|t| (*t).clone()).unwrap_or_default();
-            let rows: [(&str, &str, MetricType, &AtomicU64); 19] = [
+            let rows: [(&str, &str, MetricType, &AtomicU64); 22] = [
                 ("disk_blocks", "Blocks on the disk tier.", Gauge, &d.blocks),
                 ("disk_bytes", "File-system bytes the disk tier's blocks take.", Gauge, &d.bytes),
                 ("disk_capacity_bytes", "The bound on the disk tier's bytes (--disk-size).", Gauge, &d.capacity_bytes),
@@ -1240,6 +1249,24 @@ impl Collector for Collect {
                     &d.fetches_timed_out,
                 ),
                 ("disk_index_microseconds", "Time the start-up index rebuild took (0 until done).", Gauge, &d.index_us),
+                (
+                    "disk_dir_lost",
+                    "1 once the disk tier's directory is no longer the one it opened (removed, moved or replaced under the daemon): the tier stopped.",
+                    Gauge,
+                    &d.dir_lost,
+                ),
+                (
+                    "disk_removals",
+                    "Older copies of deleted or replaced keys removed from disk durably before the client's answer.",
+                    Counter,
+                    &d.removals,
+                ),
+                (
+                    "disk_unconfirmed_removals",
+                    "Deletes and replacements whose older copy on disk was not confirmed gone in time (answered NOT_DURABLE; retried).",
+                    Counter,
+                    &d.unconfirmed_removals,
+                ),
             ];
             for (name, help, kind, cell) in rows {
                 single(&mut enc, name, help, kind, cell.load(Relaxed))?;

@@ -37,7 +37,8 @@
 //! came, and the new one serves only after `TakeoverDone` or the old one's death.
 
 use kachedb_shm::control::{
-    self, ControlRequest, LineBuffer, Reply, TakeoverDone, TakeoverOffer, TakeoverVerdict, TAKEOVER_FDS_PER_BATCH,
+    self, ControlRequest, LineBuffer, Reply, TakeoverDone, TakeoverOffer, TakeoverPrepare, TakeoverVerdict,
+    TAKEOVER_FDS_PER_BATCH,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -50,7 +51,7 @@ use std::time::{Duration, Instant};
 /// `crate::serve::ServeState` and [`ControlState`] (the store's tables included), encoded
 /// by [`encode`]. Any change to a serialized type, or to the encoding, must
 /// bump it.
-pub const STATE_VERSION: u32 = 4;
+pub const STATE_VERSION: u32 = 5;
 
 /// Encodes a state: postcard (serde's data model as varints, no field
 /// names), which halved the handover of a 100 000-block store against JSON.
@@ -69,6 +70,13 @@ pub(crate) fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, Strin
 /// `kachedb serve --takeover-timeout-ms` says otherwise.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// The longest the running daemon's clients wait during a takeover, from
+/// the new daemon's go to its verdict (the serve loop stopping, sending
+/// everything, the new daemon rebuilding and answering), unless `kachedb
+/// serve --takeover-pause-ms` says otherwise: past it, the running daemon
+/// resumes and the takeover fails.
+pub const PAUSE_LIMIT: Duration = Duration::from_secs(5);
+
 /// A time limit over one whole step of the handover, however many socket
 /// calls the step takes: before each call the socket's timeouts are set to
 /// the time left, so a peer that trickles bytes (each call making progress)
@@ -84,6 +92,11 @@ impl Deadline {
     /// A step of `step` starting now.
     pub(crate) fn after(step: Duration) -> Deadline {
         Deadline { at: Instant::now() + step, step }
+    }
+
+    /// The time left, if any.
+    pub(crate) fn left(&self) -> Duration {
+        self.at.saturating_duration_since(Instant::now())
     }
 
     fn expired(&self) -> String {
@@ -163,6 +176,8 @@ pub(crate) struct HandoverFds<'a> {
     pub listener: BorrowedFd<'a>,
     pub lock: BorrowedFd<'a>,
     pub metrics: Option<BorrowedFd<'a>>,
+    /// The stopped tiers' storage (the serve state says whose).
+    pub tiers: Vec<BorrowedFd<'a>>,
 }
 
 fn io(e: impl std::fmt::Display) -> String {
@@ -263,22 +278,35 @@ fn write_line<T: Serialize>(stream: &UnixStream, msg: &T, by: Deadline) -> Resul
     write_all_by(stream, &line, by)
 }
 
+/// The old daemon's answer to an accepted takeover request: say go.
+pub(crate) fn prepare(stream: &UnixStream, pause: Duration) -> Result<(), String> {
+    let line = control::to_line(&Reply::Accepted(TakeoverPrepare {
+        daemon_pid: std::process::id(),
+        pause_ms: pause.as_millis() as u64,
+    }))
+    .map_err(io)?;
+    // The socket is non-blocking and the line small: a full buffer is an
+    // asker that does not read.
+    let mut s = stream;
+    s.write_all(&line).map_err(io)
+}
+
 /// The old daemon's side, on its control thread, once its serve loop has
 /// stopped and serialized `serve`: sends everything to the new daemon on
-/// `stream` (one step of `step`) and waits for its verdict (another).
-/// `Ok(())`: the new daemon took over (the caller tells its serve loop to
-/// stop for good, then calls [`confirm_done`]); `Err`: why not (the caller
-/// resumes serving).
+/// `stream` and waits for its verdict, both by `by` (the clients wait
+/// meanwhile). `Ok(())`: the new daemon took over (the caller tells its
+/// serve loop to stop for good, then calls [`confirm_done`]); `Err`: why not
+/// (the caller resumes serving).
 pub(crate) fn give(
     stream: &UnixStream,
     fds: &HandoverFds<'_>,
     serve: &[u8],
     control: &ControlState,
     conns: &[BorrowedFd<'_>],
-    step: Duration,
+    by: Deadline,
 ) -> Result<(), String> {
     stream.set_nonblocking(false).map_err(io)?;
-    let sending = Deadline::after(step);
+    let sending = by;
     let control_bytes = encode(control)?;
     let batches: Vec<&[BorrowedFd<'_>]> = conns.chunks(TAKEOVER_FDS_PER_BATCH).collect();
     let offer = TakeoverOffer {
@@ -289,10 +317,12 @@ pub(crate) fn give(
         connections: conns.len() as u32,
         metrics_listener: fds.metrics.is_some(),
         daemon_pid: std::process::id(),
+        tier_fds: fds.tiers.len() as u32,
     };
     let line = control::to_line(&Reply::Accepted(offer)).map_err(io)?;
     let mut first = vec![fds.region, fds.listener, fds.lock];
     first.extend(fds.metrics);
+    first.extend(fds.tiers.iter().copied());
     send_with_fds(stream, &line, &first, sending).map_err(|e| format!("the offer: {e}"))?;
     for b in batches {
         send_with_fds(stream, b"F", b, sending).map_err(|e| format!("the connections: {e}"))?;
@@ -300,7 +330,7 @@ pub(crate) fn give(
     write_all_by(stream, serve, sending)
         .and_then(|()| write_all_by(stream, &control_bytes, sending))
         .map_err(|e| format!("the state: {e}"))?;
-    let mut r = FdReader::new(stream, Deadline::after(step));
+    let mut r = FdReader::new(stream, by);
     let line = r.line().map_err(|e| format!("waiting for the verdict: {e}"))?;
     match control::from_line::<TakeoverVerdict>(&line).map_err(io)? {
         TakeoverVerdict::Ready => Ok(()),
@@ -326,6 +356,8 @@ pub(crate) struct Taken {
     pub listener: OwnedFd,
     pub lock: OwnedFd,
     pub metrics: Option<OwnedFd>,
+    /// The stopped tiers' storage, in the order the serve state lists them.
+    pub tier_fds: Vec<OwnedFd>,
     /// The serve loop's state, as encoded (`crate::serve::ServeState`).
     pub serve: Vec<u8>,
     pub control: ControlState,
@@ -363,6 +395,13 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
     };
     let mut r = FdReader::new(&stream, receiving);
     let line = r.line().map_err(failed)?;
+    match control::from_line::<Reply<TakeoverPrepare>>(&line) {
+        Ok(Reply::Accepted(_)) => {}
+        Ok(Reply::Refused(why)) => return Err(TakeoverError::Refused(why.reason().to_string())),
+        Err(e) => return Err(TakeoverError::Failed(format!("the answer was not understood: {e}"))),
+    }
+    write_line(&stream, &ControlRequest::TakeoverGo, receiving).map_err(TakeoverError::Failed)?;
+    let line = r.line().map_err(failed)?;
     let offer = match control::from_line::<Reply<TakeoverOffer>>(&line) {
         Ok(Reply::Accepted(o)) => o,
         Ok(Reply::Refused(why)) => return Err(TakeoverError::Refused(why.reason().to_string())),
@@ -386,7 +425,7 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         let serve = r.exact(usize::try_from(offer.serve_state_bytes).map_err(io)?)?;
         let control = r.exact(usize::try_from(offer.control_state_bytes).map_err(io)?)?;
         let control: ControlState = decode(&control).map_err(|e| format!("control state: {e}"))?;
-        let want = 3 + usize::from(offer.metrics_listener) + offer.connections as usize;
+        let want = 3 + usize::from(offer.metrics_listener) + offer.tier_fds as usize + offer.connections as usize;
         if r.fds.len() != want || control.conns.len() != offer.connections as usize {
             return Err(format!(
                 "{} fds and {} connections received, {want} and {} announced",
@@ -409,6 +448,7 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         return Err(refuse(&stream, "fds missing".into()));
     };
     let metrics = if offer.metrics_listener { fds.pop_front() } else { None };
+    let tier_fds: Vec<OwnedFd> = (0..offer.tier_fds).filter_map(|_| fds.pop_front()).collect();
     Ok(Taken {
         stream,
         old_pid: offer.daemon_pid,
@@ -417,6 +457,7 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         listener,
         lock,
         metrics,
+        tier_fds,
         serve,
         control,
         conns: fds.into_iter().collect(),

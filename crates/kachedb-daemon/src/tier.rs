@@ -19,6 +19,56 @@ use std::time::Duration;
 /// Which of the daemon's tiers (its place in the order they were started).
 pub type TierId = usize;
 
+/// A block offered to a tier for writing behind, before it is pinned.
+#[derive(Clone, Copy, Debug)]
+pub struct Offer<'a> {
+    /// Tensor bytes.
+    pub len: u64,
+    /// The tenant whose block it is (its row's name in the megaslab).
+    pub tenant: &'a str,
+    /// That tenant's limit on megaslab bytes, if it has one: a tier keeps
+    /// the tenant's blocks pinned for writing within a share of it, so that
+    /// its backlog never holds the whole of it (docs/disk.md).
+    pub tenant_limit: Option<u64>,
+}
+
+/// A write a tier had taken and not finished when it stopped: offered again
+/// by the daemon that serves next (this one resumed, or its successor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PendingWrite {
+    /// Key.
+    pub key: u128,
+    /// The parent its client named.
+    pub parent: Option<u128>,
+}
+
+/// What a tier says when told that a key's older copy must go (a DELETE,
+/// or a COMMIT that replaced it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Removal {
+    /// Nothing of the key's to remove that could outlive a crash: answer now.
+    Done,
+    /// The tier removes its copy (from now on it serves none, and no earlier
+    /// write of the key lands) and reports [`TierEvent::Removed`] with this
+    /// token once the removal is durable (or failed).
+    Pending(u64),
+}
+
+/// What a tier hands on when it stops for a takeover.
+#[derive(Debug, Default)]
+pub struct Handover {
+    /// Writes taken and not finished, in the order they were taken.
+    pub pending: Vec<PendingWrite>,
+    /// Removals it finished (or gave up on) while stopping: each token, and
+    /// whether it is durable. A token it answered before, or took up while
+    /// stopping without answering, is durable unless its key is in
+    /// [`unremoved`](Self::unremoved).
+    pub removed: Vec<(u64, Result<(), String>)>,
+    /// Keys whose older copy could not be removed (their removal keeps
+    /// failing): whichever daemon serves next must remove them too.
+    pub unremoved: Vec<u128>,
+}
+
 /// A block a client committed, pinned for the tier's session, to write behind.
 #[derive(Clone, Debug)]
 pub struct WriteJob {
@@ -110,6 +160,15 @@ pub enum TierEvent {
         /// The pin handle (of the tier's session).
         pin: u64,
     },
+    /// The removal of [`Removal::Pending`] `token` is durable (`Ok`), or
+    /// could not be made so (`Err`: why; the tier goes on trying, and serves
+    /// no copy of the key meanwhile).
+    Removed {
+        /// The token.
+        token: u64,
+        /// The outcome.
+        result: Result<(), String>,
+    },
 }
 
 /// Where one tier's events go: the serve loop's event queue (made by
@@ -171,13 +230,13 @@ pub enum Admission {
 /// A tier behind the megaslab, driven by the serve loop (which calls every
 /// method on its own thread; none of them blocks on I/O).
 pub trait Tier: Send + std::fmt::Debug {
-    /// Offers a block a client just committed (`len` tensor bytes) for
-    /// writing behind. If the tier takes it (its queue has room), it calls
-    /// `pinned`, which pins the block for the tier's session and describes
-    /// it (`None`: the block is gone; nothing is written), and it reports
-    /// [`TierEvent::Written`] once done with the pin. A block not taken is
-    /// counted by the tier as dropped.
-    fn write_behind(&self, len: u64, pinned: &mut dyn FnMut() -> Option<WriteJob>);
+    /// Offers a block a client just committed for writing behind. If the
+    /// tier takes it (its queue, and the tenant's share of it, have room),
+    /// it calls `pinned`, which pins the block for the tier's session and
+    /// describes it (`None`: the block is gone; nothing is written), and it
+    /// reports [`TierEvent::Written`] once done with the pin. A block not
+    /// taken is counted by the tier as dropped.
+    fn write_behind(&self, offer: Offer<'_>, pinned: &mut dyn FnMut() -> Option<WriteJob>);
 
     /// Starts filling the keys of `job`, missing locally: the tier asks for
     /// reservations ([`TierEvent::Reserve`]), copies the blocks it has into
@@ -199,25 +258,41 @@ pub trait Tier: Send + std::fmt::Debug {
         Admission::First
     }
 
-    /// A client deleted `key`: a tier that keeps a copy of its own for this
-    /// node removes it, and a write of it queued before now does not land
-    /// afterwards. Called on the serve loop after the local DELETE, whether
-    /// or not the key was local. (The remote tier keeps its copy: it is the
-    /// fleet's, docs/disk.md.)
-    fn delete(&self, key: u128);
+    /// The copy of `key` this tier holds for this node, if any, must go: a
+    /// client deleted the key, or committed a newer block of it. From now on
+    /// the tier serves no copy of it and no write of it taken before now
+    /// lands; a write taken after (the newer block's) does. Called on the
+    /// serve loop after the store applied the request, whether or not the
+    /// key was local. A tier that may hold a copy that could outlive a crash
+    /// answers [`Removal::Pending`] and reports the removal durable with
+    /// [`TierEvent::Removed`]; the client's answer waits for it. (The remote
+    /// tier keeps its copy: it is the fleet's, docs/remote.md.)
+    fn remove(&self, key: u128) -> Removal;
+
+    /// The daemon serves from now on: a tier started held (for a takeover,
+    /// before the old daemon stopped) may touch its storage.
+    fn release(&self) {}
 
     /// The serve loop stopped waiting for a fetch of this tier (past
     /// [`fetch_bound`](Self::fetch_bound)); for the tier's counters.
     fn timed_out(&self) {}
 
+    /// A client's answer waited for a removal of this tier that was not
+    /// confirmed durable (it failed, or took longer than
+    /// [`fetch_bound`](Self::fetch_bound)): answered `NOT_DURABLE`; for the
+    /// tier's counters.
+    fn unconfirmed(&self) {}
+
     /// Stops the tier's work for a takeover: when this returns, nothing of
-    /// the tier touches the megaslab any more; jobs not done are dropped (the
-    /// serve loop drops their pins and reservations with the tier's session).
-    /// A tier hands nothing over in memory: the new daemon's tier finds what
-    /// it needs from its own configuration (the disk tier: its directory,
-    /// whose lock it lets go of here). Dropping a running tier stops it too (at
-    /// shutdown).
-    fn stop(self: Box<Self>) -> Box<dyn StoppedTier>;
+    /// the tier touches the megaslab any more, its queued removals are done
+    /// (or given up on), and the writes it had taken and not finished are
+    /// handed back ([`Handover::pending`]) for whichever daemon serves next
+    /// to offer again (the serve loop drops their pins and the fills'
+    /// reservations with the tier's session). The tier keeps its storage
+    /// (the disk tier: its directory and lock) until the stopped tier is
+    /// dropped, so a takeover that fails resumes it as it was. Dropping a
+    /// running tier stops it too (at shutdown).
+    fn stop(self: Box<Self>) -> (Box<dyn StoppedTier>, Handover);
 }
 
 /// A tier stopped for a takeover.
@@ -225,4 +300,12 @@ pub trait StoppedTier: Send + std::fmt::Debug {
     /// Starts it again (the takeover did not happen), reporting to the same
     /// [`TierEvents`] as before.
     fn resume(self: Box<Self>) -> Result<Box<dyn Tier>, TierError>;
+
+    /// What the new daemon's tier of the same kind adopts, sent with the
+    /// takeover: the tier's name and descriptors of its storage (the disk
+    /// tier: its directory and the lock's open file, so that the lock is
+    /// never let go between the two daemons). Copies: this tier keeps its own.
+    fn handover_fds(&self) -> Option<(&'static str, Vec<std::os::fd::OwnedFd>)> {
+        None
+    }
 }

@@ -54,6 +54,24 @@ pub enum ControlRequest {
         #[serde(default)]
         state_versions: Vec<u32>,
     },
+    /// `{"op":"takeover_go"}`: the new daemon's answer to a
+    /// [`TakeoverPrepare`]: it is there and reading. Only then does the
+    /// running daemon stop its serve loop and send everything, so an asker
+    /// that goes silent after asking costs its clients nothing.
+    TakeoverGo,
+}
+
+/// The running daemon's first answer to a takeover request it accepts
+/// (`{"ok":true,"daemon_pid":N,"pause_ms":M}`): say
+/// [`ControlRequest::TakeoverGo`] to get the [`TakeoverOffer`]. From the
+/// go on, the running daemon's clients wait (at most `pause_ms`, its
+/// `--takeover-pause-ms`) until the new daemon answers `ready`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TakeoverPrepare {
+    /// The running daemon's pid.
+    pub daemon_pid: u32,
+    /// The longest its clients wait, from the go to the verdict, ms.
+    pub pause_ms: u64,
 }
 
 /// The running daemon's answer to a takeover request. The region memfd, the
@@ -80,6 +98,10 @@ pub struct TakeoverOffer {
     pub metrics_listener: bool,
     /// The running daemon's pid.
     pub daemon_pid: u32,
+    /// Descriptors of the tiers' storage that travel with the offer, after
+    /// the metrics listener (the serve state says whose).
+    #[serde(default)]
+    pub tier_fds: u32,
 }
 
 /// Most file descriptors in one takeover batch (the kernel takes up to 253
@@ -574,6 +596,17 @@ pub struct DiskStats {
     pub disk_indexed: bool,
     /// Seconds the start-up index rebuild took.
     pub disk_index_s: f64,
+    /// The tier's directory is no longer the one it opened (removed,
+    /// moved or replaced under the daemon): the tier stopped, every key is a
+    /// miss and nothing is written (docs/disk.md).
+    pub disk_dir_lost: bool,
+    /// DELETEs (and replacements) whose removal of the older copy on disk
+    /// was not confirmed in time: answered `NOT_DURABLE`, retried.
+    pub disk_unconfirmed_removals: u64,
+    /// Removals of older copies made durable (a DELETE's, or a replaced
+    /// key's, file unlinked and the directory synced) before the client's
+    /// answer.
+    pub disk_removals: u64,
     /// Mean time from a local miss to its disk fill landing, milliseconds
     /// (fetches that ended at the disk and filled something).
     pub disk_fill_ms_mean: f64,

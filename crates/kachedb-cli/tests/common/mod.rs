@@ -17,7 +17,16 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub mod disk;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_kachedb");
+
+/// The `kachedb` the daemons of these suites run: this build's, or the one
+/// `KDB_DAEMON_BIN` names (to run a suite against another build, such as
+/// the commit before a fix: the test must fail there).
+pub fn daemon_bin() -> String {
+    std::env::var("KDB_DAEMON_BIN").unwrap_or_else(|_| BIN.to_string())
+}
 pub const ROLE_VAR: &str = "KDB_CHILD_ROLE";
 pub const SOCKET_VAR: &str = "KDB_CHILD_SOCKET";
 pub const MIB: usize = 1 << 20;
@@ -207,7 +216,7 @@ impl Daemon {
     /// The `kachedb serve` command line [`spawn_with`](Self::spawn_with) runs
     /// (to add a `pre_exec` before [`launch`](Self::launch)).
     pub fn command(socket: &Path, size: &str, extra: &[&str]) -> Command {
-        let mut cmd = Command::new(BIN);
+        let mut cmd = Command::new(daemon_bin());
         cmd.args(["serve", "--size", size, "--socket"])
             .arg(socket)
             .args(extra)

@@ -138,9 +138,14 @@ pub fn checksum(payload: &[u8]) -> u64 {
     xxh3_64(payload)
 }
 
+/// The file name of block `key` (under `DIR/blocks`).
+pub fn block_name(key: u128) -> String {
+    format!("{key:032x}{BLOCK_SUFFIX}")
+}
+
 /// The file of block `key` under `blocks` (`DIR/blocks`).
 pub fn block_path(blocks: &Path, key: u128) -> PathBuf {
-    blocks.join(format!("{key:032x}{BLOCK_SUFFIX}"))
+    blocks.join(block_name(key))
 }
 
 /// The key a block file's name gives, if it is a block file's name.

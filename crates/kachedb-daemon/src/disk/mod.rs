@@ -4,21 +4,21 @@
 //!
 //! The serve loop never touches the disk. It hands work to this module's
 //! [`DiskTier`] through the tier interface ([`Tier`], `crate::tier`); the
-//! work runs on the tier's own threads (`kachedb-disk`, nicer than the serve
-//! loop by [`DiskConfig::worker_nice`]) and reports [`TierEvent`]s on the
-//! loop's event queue:
+//! work runs on the tier's own threads (`kachedb-disk`) and reports
+//! [`TierEvent`]s on the loop's event queue:
 //!
 //! * **Write-behind** (writer threads): for each block a client commits, the
 //!   serve loop pins it for the tier's session and queues a [`WriteJob`] (or
-//!   drops it, counted, when the queue's bytes would pass
-//!   [`DiskConfig::queue_bytes`]). A writer takes the jobs queued one
-//!   behind the other as a batch ([`write_batch`], a group commit): for each
-//!   it makes room ([`index`]: leaves first, within the limit of the block's
-//!   tenant, whose name the header carries) and writes the header and the
-//!   pinned bytes to a temporary file, then `fdatasync`s each file and drops
-//!   its pages from the page cache (`POSIX_FADV_DONTNEED`), renames each into
-//!   place and syncs the directory once; only then are the blocks counted
-//!   written (`disk_writes`) and indexed. The pins go back with
+//!   drops it, counted and logged, when the queue's bytes — or the block
+//!   tenant's share of them — would pass their bound). A writer takes the
+//!   jobs queued one behind the other as a batch ([`write_batch`], a group
+//!   commit): for each it makes room ([`index`]: leaves first, within the
+//!   limit of the block's tenant, whose name the header carries) and writes
+//!   the header and the pinned bytes to a temporary file, then `fdatasync`s
+//!   each file and drops its pages from the page cache
+//!   (`POSIX_FADV_DONTNEED`), renames each into place and syncs the
+//!   directory once; only then are the blocks counted written
+//!   (`disk_writes`) and indexed. The pins go back with
 //!   [`TierEvent::Written`].
 //! * **Fill** (reader threads): a local miss's [`FetchJob`] is looked up by
 //!   file name (no index needed, so fills work while the index is being
@@ -28,41 +28,51 @@
 //!   left out (its file deleted, counted in `disk_torn`) and its reservation
 //!   aborted. [`TierEvent::Filled`] commits the rest with their parents, each
 //!   counted for the tenant its header names ([`FillSpec::tenant`]).
-//! * **Delete** (writer threads): a client's DELETE of a key reaches the
-//!   tier ([`Tier::delete`]) as a tombstone, at once: fills treat the key as
-//!   missing from then on, and a write of it queued before the DELETE does
-//!   not land (see [`Deletes`]); a writer then removes the file and the
-//!   index entry.
-//! * **Start**: the directory is locked (`DIR/lock`, `flock`, holding the
-//!   pid), `DIR/tmp` (unfinished writes) is emptied and the index is rebuilt
-//!   from the headers of `DIR/blocks` on a thread of its own (one open and
-//!   one 256-byte read per file; payloads are checked at fill time); writes
-//!   wait for it, fills do not.
+//! * **Removal** (the remover thread): a client's DELETE of a key, or its
+//!   COMMIT of a newer block of a key the tier may hold, reaches the tier
+//!   ([`Tier::remove`]) as a tombstone at once — fills treat the key as
+//!   missing from then on, and a write of it taken before does not land
+//!   (see [`Order`]) — and, if an older copy could be on disk, as a removal
+//!   job: its file is unlinked and the directory synced, and only then
+//!   does the client get its answer ([`TierEvent::Removed`]). Removals have
+//!   a thread and a queue of their own, so they never wait behind writes.
+//! * **Start**: the directory is opened and checked, and locked
+//!   ([`dir`]), `DIR/tmp` (unfinished writes) is emptied and the index is
+//!   rebuilt from the headers of `DIR/blocks` on a thread of its own (one
+//!   open and one 256-byte read per file; payloads are checked at fill
+//!   time); writes wait for it, fills and removals do not.
 //!
 //! The megaslab is touched only under the read side of a gate
-//! (`Shared::running`); [`Tier::stop`] takes the write side, so once it
-//! returns no thread of the tier reads a pin or writes a reservation.
+//! (`Shared::running`); stopping takes the write side, so once
+//! [`Tier::stop`] returns no thread of the tier reads a pin or writes a
+//! reservation. Threads belong to a run (`Shared::run`): stopping starts a
+//! new one, and a thread of an older run renames or unlinks nothing more
+//! (checked under `Shared::commit`), even one that was stuck in the kernel.
 //!
 //! I/O: plain `pread`/`pwrite` from a few threads, buffered, with
 //! `sync_file_range` (write-out started as each piece is copied),
 //! `fdatasync` + `POSIX_FADV_DONTNEED` so the page cache does not keep a
 //! second copy of the KV (docs/disk.md says why not `O_DIRECT` or io_uring).
 
+mod dir;
 pub mod format;
 pub mod index;
 
 use crate::metrics::{DiskCells, Metrics};
 use crate::tier::{
-    Admission, FetchJob, FillSpec, StoppedTier, Tier, TierError, TierEvent, TierEvents, TierKind, WriteJob,
+    Admission, FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent,
+    TierEvents, TierKind, WriteJob,
 };
+use dir::TierDir;
 use format::Header;
 use index::Index;
 use kachedb_shm::Region;
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering::Relaxed;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -75,6 +85,9 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 2000;
 pub const DEFAULT_WORKER_NICE: u8 = 10;
 /// The name of the tier's threads.
 pub const THREAD_NAME: &str = "kachedb-disk";
+/// The name of the remover thread (normal scheduling class: a client's
+/// DELETE waits for it).
+pub const REMOVER_THREAD_NAME: &str = "kachedb-disk-rm";
 /// Writer threads (one syncs while the other copies).
 const WRITERS: usize = 2;
 /// Most blocks a writer takes from the queue at once and makes durable
@@ -94,6 +107,10 @@ const INDEX_THREADS: usize = 8;
 /// Block files up to this size are asked for ahead, whole
 /// (`POSIX_FADV_WILLNEED`), when a fetch starts.
 const WILLNEED_MAX_BYTES: u64 = 8 << 20;
+/// A removal that failed is tried again after this long (until it works).
+const REMOVAL_RETRY: Duration = Duration::from_secs(1);
+/// At most one log line per this interval about writes not taken.
+const DROP_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// How the disk tier is set up (`kachedb serve --disk …`).
 #[derive(Clone, Debug)]
@@ -104,7 +121,9 @@ pub struct DiskConfig {
     pub size_bytes: u64,
     /// Most tensor bytes queued for writing (beyond: writes are dropped).
     pub queue_bytes: u64,
-    /// Longest a fill may take before the serve loop stops waiting for it.
+    /// Longest a fill may take before the serve loop stops waiting for it;
+    /// also the longest a client's DELETE waits for its removal to be
+    /// durable.
     pub timeout: Duration,
     /// How much nicer (`setpriority`) than the thread that starts the tier
     /// its threads run, capped at nice 19; 0: the same priority.
@@ -124,12 +143,23 @@ pub enum WorkerClass {
     /// `SCHED_IDLE`: a thread runs only on a core no thread of the normal
     /// class wants (the serve loop and the clients), and a thread of that
     /// class waking up preempts it at once; the nice value still sets the
-    /// threads' default I/O priority.
+    /// threads' default I/O priority. The remover thread (whose work a
+    /// client's DELETE waits for) stays in the normal class.
     #[default]
     Idle,
     /// `SCHED_OTHER` at the nice value (`worker_nice`): the kernel shares a
     /// busy core between the serve loop and the tier by weight.
     Normal,
+}
+
+impl WorkerClass {
+    /// The name `--disk-worker-class` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkerClass::Idle => "idle",
+            WorkerClass::Normal => "normal",
+        }
+    }
 }
 
 /// Why the disk tier could not start.
@@ -146,6 +176,16 @@ pub enum DiskError {
         /// What the lock file says (the holder's pid), if readable.
         pid: String,
     },
+    /// The directory (or one under it) is not the daemon's own.
+    #[error("disk tier: refusing {path}: {why}, so another user could plant files or links there for the daemon to read or delete; fix it ({fix}) or give another --disk directory")]
+    Unsafe {
+        /// The directory.
+        path: String,
+        /// What is wrong with it.
+        why: String,
+        /// A command that fixes it.
+        fix: String,
+    },
     /// The directory could not be made, opened or locked.
     #[error("disk tier: {what} {path}: {source}")]
     Io {
@@ -157,42 +197,6 @@ pub enum DiskError {
         #[source]
         source: std::io::Error,
     },
-}
-
-fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> DiskError + 'a {
-    move |source| DiskError::Io { what, path: path.display().to_string(), source }
-}
-
-/// The directory's lock: `DIR/lock`, `flock`ed for the tier's life and
-/// holding the holder's pid, so that two daemons never use one directory.
-/// The file is never removed (so a lock is always on the inode the path
-/// names) and is held through a read-only descriptor (so the file system
-/// can be remounted read-only under a running daemon). Dropping it lets go.
-#[derive(Debug)]
-struct DirLock {
-    _fd: std::os::fd::OwnedFd,
-}
-
-impl DirLock {
-    fn acquire(dir: &Path) -> Result<DirLock, DiskError> {
-        use rustix::fs::{FlockOperation, Mode, OFlags};
-        let path = dir.join("lock");
-        let fd = rustix::fs::open(
-            &path,
-            OFlags::RDONLY | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )
-        .map_err(|e| io_err("opening the lock", &path)(e.into()))?;
-        if rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive).is_err() {
-            let pid = std::fs::read_to_string(&path).unwrap_or_default().trim().to_string();
-            return Err(DiskError::InUse {
-                dir: dir.display().to_string(),
-                pid: if pid.is_empty() { "unknown".into() } else { pid },
-            });
-        }
-        std::fs::write(&path, std::process::id().to_string()).map_err(io_err("writing the lock", &path))?;
-        Ok(DirLock { _fd: fd })
-    }
 }
 
 /// A queue the tier's threads wait on.
@@ -221,13 +225,36 @@ impl<T> Queue<T> {
         out
     }
 
-    /// The next item, waiting for one; `None` once `stop` is set.
-    fn pop(&self, stop: &AtomicBool) -> Option<T> {
+    /// Every item queued, waiting up to `wait` for one (`None`: no limit);
+    /// `None` once `alive` says no.
+    fn pop_all(&self, alive: &dyn Fn() -> bool, wait: Option<Duration>) -> Option<Vec<T>> {
+        let mut q = lock(&self.items);
+        let until = wait.map(|w| Instant::now() + w);
+        loop {
+            if !alive() {
+                return None;
+            }
+            if !q.is_empty() {
+                return Some(q.drain(..).collect());
+            }
+            match until {
+                None => q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner()),
+                Some(t) => {
+                    let left = t.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Some(Vec::new());
+                    }
+                    q = self.ready.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+                }
+            }
+        }
+    }
+
+    /// The next item, waiting for one; `None` once `alive` says no.
+    fn pop(&self, alive: &dyn Fn() -> bool) -> Option<T> {
         let mut q = lock(&self.items);
         loop {
-            // Relaxed: the flag is set before `notify_all` under this mutex
-            // (see `Shared::halt`), and the mutex orders the two.
-            if stop.load(Relaxed) {
+            if !alive() {
                 return None;
             }
             if let Some(item) = q.pop_front() {
@@ -236,56 +263,106 @@ impl<T> Queue<T> {
             q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
         }
     }
+
+    /// Wakes every thread waiting (after `alive` changed; under the queue's
+    /// mutex, so no waiter misses it between its check and its wait).
+    fn wake_all(&self) {
+        let _q = lock(&self.items);
+        self.ready.notify_all();
+    }
 }
 
-/// Work for the writer threads, in the order the serve loop asked for it.
-enum Job {
-    /// Write a block; the number orders it against deletes ([`Deletes`]).
-    Write(WriteJob, u64),
-    /// A client deleted the key (the tombstone numbered so): remove the file.
-    Delete(u128, u64),
+/// A block to write, numbered by [`Order`].
+struct Write {
+    job: WriteJob,
+    seq: u64,
 }
 
-/// A client's DELETE of a key, until every write it must win against is over.
+/// A removal of `key`'s older copies to make durable, answered with
+/// `token` (0: nobody waits for the answer).
+#[derive(Clone, Copy, Debug)]
+struct RemoveJob {
+    key: u128,
+    token: u64,
+}
+
+/// A key's older copies must go (until every write it must win against is over).
 #[derive(Clone, Copy, Debug)]
 struct Tomb {
-    /// Its number ([`Deletes::last`] when it was made).
+    /// Its number ([`Order::last`] when it was made).
     seq: u64,
     /// The key's file and index entry are gone, or were replaced by a
     /// newer write's.
     done: bool,
 }
 
-/// Orders writes and deletes of a key, which run on several threads, as the
-/// serve loop asked for them. Each write-behind and each delete gets the
-/// next number; a delete leaves a tombstone for its key. A fill never reads
-/// a key with a tombstone (a miss). A write numbered before the tombstone
-/// does not land (checked under [`Shared::commit`] just before its rename);
-/// a write numbered after it lands and replaces the file, doing the
-/// delete's work. The tombstone goes once the delete's work is done and no
-/// write numbered before it is still queued or running, so the map holds
-/// only the keys deleted while writes were behind.
+/// Orders writes and removals of a key, which run on several threads, as
+/// the serve loop asked for them. Each write taken and each removal gets
+/// the next number; a removal leaves a tombstone for its key. A fill never
+/// reads a key with a tombstone (a miss). A write numbered before the
+/// tombstone does not land (checked under `Shared::commit` just before its
+/// rename); a write numbered after it lands and replaces the file, doing
+/// the removal's work. A tombstone goes once its work is done and no write
+/// numbered before it is still queued or running, so the map holds only
+/// the keys removed while writes were behind (or whose removal failed).
 ///
-/// The serve loop takes this mutex (a map operation per commit and per
-/// DELETE); nothing holds it while doing I/O.
+/// It also knows which keys the tier may hold besides its index: those
+/// with writes queued or running, and those being evicted (out of the
+/// index, file not yet unlinked). Nothing holds its mutex while doing I/O.
 #[derive(Debug, Default)]
-struct Deletes {
+struct Order {
     /// The last number given out.
     last: u64,
-    /// The numbers of the writes queued or running.
-    writes: BTreeSet<u64>,
+    /// The writes queued or running, by number: what a stop hands over.
+    writes: BTreeMap<u64, PendingWrite>,
+    /// Keys with writes queued or running, with how many.
+    writing: HashMap<u128, u32>,
+    /// Keys taken out of the index for eviction whose files are not
+    /// unlinked yet, with how many such evictions.
+    evicting: HashMap<u128, u32>,
     tombs: HashMap<u128, Tomb>,
 }
 
-impl Deletes {
+/// Adds one to `key`'s count in `m`.
+fn count_in(m: &mut HashMap<u128, u32>, key: u128) {
+    *m.entry(key).or_insert(0) += 1;
+}
+
+/// Takes one off `key`'s count in `m` (dropping it at zero).
+fn count_out(m: &mut HashMap<u128, u32>, key: u128) {
+    if let Some(n) = m.get_mut(&key) {
+        *n -= 1;
+        if *n == 0 {
+            m.remove(&key);
+        }
+    }
+}
+
+impl Order {
     fn next(&mut self) -> u64 {
         self.last += 1;
         self.last
     }
 
+    /// Numbers a write of `w` taken now.
+    fn take_write(&mut self, w: PendingWrite) -> u64 {
+        let seq = self.next();
+        self.writes.insert(seq, w);
+        count_in(&mut self.writing, w.key);
+        seq
+    }
+
+    /// The write numbered `seq` is over (landed or not).
+    fn finish_write(&mut self, seq: u64) {
+        if let Some(w) = self.writes.remove(&seq) {
+            count_out(&mut self.writing, w.key);
+        }
+        self.prune();
+    }
+
     /// Drops the tombstones no write still needs to see.
     fn prune(&mut self) {
-        let oldest = self.writes.first().copied().unwrap_or(u64::MAX);
+        let oldest = self.writes.keys().next().copied().unwrap_or(u64::MAX);
         self.tombs.retain(|_, t| !t.done || t.seq > oldest);
     }
 }
@@ -296,39 +373,68 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The bytes queued for writing per tenant, and the log of writes not taken.
+#[derive(Debug, Default)]
+struct Backlog {
+    /// Tensor bytes queued or being written, per tenant name.
+    by_tenant: HashMap<String, u64>,
+    /// Writes not taken since the last log line, and why the last one was not.
+    unlogged: u64,
+    last_why: String,
+    last_log: Option<Instant>,
+}
+
 /// What the tier's threads share.
 struct Shared {
     cfg: DiskConfig,
-    blocks_dir: PathBuf,
-    tmp_dir: PathBuf,
+    dir: TierDir,
     region: Arc<Region>,
     events: TierEvents,
     metrics: Arc<Metrics>,
     index: Mutex<Index>,
-    /// Writes and deletes in the order the serve loop asked for them.
-    deletes: Mutex<Deletes>,
-    /// Held by a writer thread across the last check of [`Deletes`] and the
-    /// rename or unlink of a block file, so that two of them on one key
-    /// happen in the order they were checked. Never taken by the serve loop.
+    /// Writes and removals in the order the serve loop asked for them.
+    order: Mutex<Order>,
+    /// Held by a thread across the last check of [`Order`] (and of the run)
+    /// and the rename or unlink of a block file, so that two of them on one
+    /// key happen in the order they were checked, and none after a stop.
+    /// Never taken by the serve loop. Lock order: `commit`, `index`, `order`.
     commit: Mutex<()>,
+    /// Held by the remover across a batch (unlinks, the directory sync,
+    /// the reports), so that stopping finds no removal half done.
+    removing: Mutex<()>,
     /// Whether the start-up index rebuild is done (writers wait for it).
-    indexed: Mutex<bool>,
-    indexed_cv: Condvar,
-    writes: Queue<Job>,
+    indexed: AtomicBool,
+    indexed_wait: (Mutex<()>, Condvar),
+    writes: Queue<Write>,
+    removals: Queue<RemoveJob>,
     fetches: Queue<FetchJob>,
-    /// Set by [`Shared::halt`]: the threads stop taking work.
-    stop: AtomicBool,
+    /// The run the threads belong to; a stop starts the next one, and a
+    /// thread whose run is over takes no more work.
+    run: AtomicU64,
     /// The megaslab gate: `true` while the tier runs. Held for reading while
     /// a thread reads a pinned block or writes a reservation; the write side
     /// sets it to `false` (see the module docs).
     running: RwLock<bool>,
+    /// `false` while the tier is held (a takeover's new daemon before the
+    /// old one stopped): its threads touch nothing until released.
+    released: (Mutex<bool>, Condvar),
+    /// The directory is no longer the one the tier opened: it stopped.
+    lost: AtomicBool,
+    backlog: Mutex<Backlog>,
     /// Numbers temporary files.
     tmp_seq: AtomicU64,
+    /// Numbers removal tokens.
+    tokens: AtomicU64,
 }
 
 impl Shared {
     fn cells(&self) -> &DiskCells {
         &self.metrics.disk
+    }
+
+    /// Whether threads of run `run` may still work.
+    fn live(&self, run: u64) -> bool {
+        self.run.load(Acquire) == run
     }
 
     /// Publishes the index's block and byte counts, in total and per
@@ -341,36 +447,121 @@ impl Shared {
         self.cells().bytes.store(ix.used(), Relaxed);
     }
 
-    /// Stops the threads taking work and closes the megaslab gate (waiting
-    /// for a copy in progress); the queued writes are dropped (counted).
-    fn halt(&self) {
-        {
-            let _q = lock(&self.writes.items);
-            let _f = lock(&self.fetches.items);
-            // Relaxed: read under these mutexes by `Queue::pop`.
-            self.stop.store(true, Relaxed);
+    /// Waits until the tier is released (see `released`); `false` if the
+    /// run `run` ended first.
+    fn wait_released(&self, run: u64) -> bool {
+        let (m, cv) = &self.released;
+        let mut r = lock(m);
+        while !*r {
+            if !self.live(run) {
+                return false;
+            }
+            r = cv.wait_timeout(r, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0;
         }
-        self.writes.ready.notify_all();
-        self.fetches.ready.notify_all();
-        self.indexed_cv.notify_all();
-        *self.running.write().unwrap_or_else(|e| e.into_inner()) = false;
-        let dropped: Vec<Job> = lock(&self.writes.items).drain(..).collect();
-        let cells = self.cells();
-        for j in &dropped {
-            match j {
-                Job::Write(j, _) => {
-                    DiskCells::add(&cells.dropped_writes, 1);
-                    cells.queue_bytes.fetch_sub(j.len, Relaxed);
-                    cells.queue_blocks.fetch_sub(1, Relaxed);
+        self.live(run)
+    }
+
+    /// Checks that the directory is still the tier's; if not, the tier stops
+    /// (every key a miss, nothing written), saying why, once.
+    fn check_dir(&self) -> bool {
+        if self.lost.load(Relaxed) {
+            return false;
+        }
+        match self.dir.check_still_ours() {
+            Ok(()) => true,
+            Err(why) => {
+                if !self.lost.swap(true, Relaxed) {
+                    self.cells().dir_lost.store(1, Relaxed);
+                    tracing::error!(
+                        event = "disk_dir_lost",
+                        dir = %self.dir.path().display(),
+                        "disk tier stopped: {why}; the daemon serves from RAM only (every disk read a miss, nothing written) until it restarts on a directory of its own"
+                    );
                 }
-                // A deleted key stays deleted for the daemon that opens the
-                // directory next (no write can land any more: the threads stopped).
-                Job::Delete(key, _) => {
-                    let _ = std::fs::remove_file(format::block_path(&self.blocks_dir, *key));
-                }
+                false
             }
         }
+    }
+
+    /// Counts a write not taken (dropped) and logs it, at most once per
+    /// [`DROP_LOG_EVERY`] with the count since the last line.
+    fn dropped(&self, why: impl FnOnce() -> String) {
+        DiskCells::add(&self.cells().dropped_writes, 1);
+        let mut b = lock(&self.backlog);
+        b.unlogged += 1;
+        let now = Instant::now();
+        if b.last_log.is_some_and(|t| now.duration_since(t) < DROP_LOG_EVERY) {
+            return;
+        }
+        let n = std::mem::take(&mut b.unlogged);
+        b.last_why = why();
+        b.last_log = Some(now);
+        let class = match self.cfg.worker_class {
+            WorkerClass::Idle => " The tier's threads run SCHED_IDLE (--disk-worker-class idle): on a node whose cores are busy they get little CPU; --disk-worker-class normal trades GET latency for disk throughput.",
+            WorkerClass::Normal => "",
+        };
+        tracing::warn!(
+            event = "disk_writes_dropped",
+            dropped = n,
+            "disk tier: {n} committed block(s) not written in the last {DROP_LOG_EVERY:?} (last: {}); they live in RAM only and are lost at a crash. The disk does not keep up with the commits: raise --disk-queue-bytes, give the tier a faster disk, or admit fewer blocks (--disk-admit second).{class}",
+            b.last_why
+        );
+    }
+
+    /// Stops the threads of the current run: they take no more work, and no
+    /// rename or unlink starts after this returns (a stuck one is of an old
+    /// run); closes the megaslab gate, waiting for a copy in progress;
+    /// finishes the queued removals; hands back the writes taken and not
+    /// finished. Fetches queued are dropped (the serve loop ends them).
+    fn halt(&self) -> Handover {
+        {
+            let _c = lock(&self.commit);
+            self.run.fetch_add(1, Release);
+        }
+        self.writes.wake_all();
+        self.removals.wake_all();
+        self.fetches.wake_all();
+        self.indexed_wait.1.notify_all();
+        self.released.1.notify_all();
+        *self.running.write().unwrap_or_else(|e| e.into_inner()) = false;
+        let _r = lock(&self.removing);
+        // Removals: those queued, then every tombstone whose work is not
+        // done (a removal that failed before), once more.
+        let queued: Vec<RemoveJob> = lock(&self.removals.items).drain(..).collect();
+        let mut removed = Vec::new();
+        if !self.lost.load(Relaxed) {
+            let results = remove_now(self, &queued, None);
+            removed.extend(queued.iter().map(|j| j.token).zip(results));
+            let undone: Vec<RemoveJob> = lock(&self.order)
+                .tombs
+                .iter()
+                .filter(|(_, t)| !t.done)
+                .map(|(&key, _)| RemoveJob { key, token: 0 })
+                .collect();
+            remove_now(self, &undone, None);
+        } else {
+            // Nothing of this directory's can be removed any more.
+            removed.extend(queued.iter().map(|j| (j.token, Err("the disk tier's directory is gone".to_string()))));
+        }
+        lock(&self.writes.items).clear();
         lock(&self.fetches.items).clear();
+        let mut order = lock(&self.order);
+        let pending: Vec<PendingWrite> = order.writes.values().copied().collect();
+        order.writes.clear();
+        order.writing.clear();
+        order.prune();
+        drop(order);
+        lock(&self.backlog).by_tenant.clear();
+        let cells = self.cells();
+        cells.queue_bytes.store(0, Relaxed);
+        cells.queue_blocks.store(0, Relaxed);
+        Handover { pending, removed, unremoved: self.unremoved() }
+    }
+
+    /// Keys whose older copy the tier could not remove yet (their
+    /// tombstones stand): a new daemon's tier must remove them too.
+    fn unremoved(&self) -> Vec<u128> {
+        lock(&self.order).tombs.iter().filter(|(_, t)| !t.done).map(|(&k, _)| k).collect()
     }
 }
 
@@ -379,7 +570,8 @@ impl Shared {
 /// daemon is going away).
 pub struct DiskTier {
     shared: Arc<Shared>,
-    lock: Option<DirLock>,
+    /// Stopped already ([`Tier::stop`]): dropping it does nothing more.
+    halted: bool,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -409,14 +601,31 @@ pub fn set_sched_idle() -> std::io::Result<()> {
     Ok(())
 }
 
+/// The directory a takeover's new daemon adopts: the old daemon's
+/// descriptors of it and of its lock (see [`dir`]).
+#[derive(Debug)]
+pub struct Adopted {
+    /// `DIR`, opened.
+    pub dir: OwnedFd,
+    /// `DIR/lock`'s open file, `flock`ed.
+    pub lock: OwnedFd,
+}
+
+/// The name a takeover hands the disk tier's descriptors over under.
+pub const HANDOVER_NAME: &str = "disk";
+
 impl DiskTier {
-    /// Checks `cfg`, makes and locks the directory and starts the tier's
-    /// threads (the index is rebuilt in the background).
+    /// Checks `cfg`, makes, checks and locks the directory (or adopts the
+    /// one `adopt` names, if it is the same) and starts the tier's threads
+    /// (the index is rebuilt in the background). `held`: the threads touch
+    /// nothing until [`Tier::release`] (a takeover's new daemon).
     pub fn start(
         cfg: DiskConfig,
         region: Arc<Region>,
         events: TierEvents,
         metrics: Arc<Metrics>,
+        adopt: Option<Adopted>,
+        held: bool,
     ) -> Result<DiskTier, DiskError> {
         if cfg.size_bytes < format::HEADER_AREA * 2 {
             return Err(DiskError::Config(format!("--disk-size {} is too small", cfg.size_bytes)));
@@ -427,104 +636,157 @@ impl DiskTier {
         if cfg.worker_nice > 19 {
             return Err(DiskError::Config(format!("worker nice {} above 19", cfg.worker_nice)));
         }
-        let dir = &cfg.dir;
-        std::fs::create_dir_all(dir).map_err(io_err("making the directory", dir))?;
-        let lock = DirLock::acquire(dir)?;
-        let blocks_dir = dir.join("blocks");
-        let tmp_dir = dir.join("tmp");
-        for d in [&blocks_dir, &tmp_dir] {
-            std::fs::create_dir_all(d).map_err(io_err("making the directory", d))?;
-        }
+        let uid = rustix::process::geteuid().as_raw();
+        let adopted = match adopt {
+            Some(a) => TierDir::adopt(&cfg.dir, a.dir, a.lock, uid)?,
+            None => None,
+        };
+        let dir = match adopted {
+            Some(d) => {
+                tracing::info!(dir = %cfg.dir.display(), "disk tier: adopting the directory and lock of the daemon taken over");
+                d
+            }
+            None => TierDir::open(&cfg.dir, uid)?,
+        };
         let cells = &metrics.disk;
         cells.enabled.store(true, Relaxed);
         cells.capacity_bytes.store(cfg.size_bytes, Relaxed);
         cells.indexed.store(false, Relaxed);
         cells.index_us.store(0, Relaxed);
+        cells.dir_lost.store(0, Relaxed);
+        if cfg.worker_class == WorkerClass::Idle {
+            tracing::info!(
+                "disk tier: its threads run SCHED_IDLE (--disk-worker-class idle, the default): GETs from RAM stay fast while the disk works, but on a node whose cores are all busy the tier gets little CPU, and fills time out and writes are dropped (counted in kachedb_disk_dropped_writes_total, logged); --disk-worker-class normal trades GET latency for disk throughput (docs/disk.md)"
+            );
+        }
         let shared = Arc::new(Shared {
             index: Mutex::new(Index::new(cfg.size_bytes, &cfg.tenant_limits)),
-            deletes: Mutex::new(Deletes::default()),
+            order: Mutex::new(Order::default()),
             commit: Mutex::new(()),
+            removing: Mutex::new(()),
             cfg,
-            blocks_dir,
-            tmp_dir,
+            dir,
             region,
             events,
             metrics,
-            indexed: Mutex::new(false),
-            indexed_cv: Condvar::new(),
+            indexed: AtomicBool::new(false),
+            indexed_wait: (Mutex::new(()), Condvar::new()),
             writes: Queue::new(),
+            removals: Queue::new(),
             fetches: Queue::new(),
-            stop: AtomicBool::new(false),
+            run: AtomicU64::new(0),
             running: RwLock::new(true),
+            released: (Mutex::new(!held), Condvar::new()),
+            lost: AtomicBool::new(false),
+            backlog: Mutex::new(Backlog::default()),
             tmp_seq: AtomicU64::new(0),
+            tokens: AtomicU64::new(0),
         });
-        let nice = worker_nice_value(shared.cfg.worker_nice);
-        let class = shared.cfg.worker_class;
-        let spawn = |f: fn(&Shared)| {
-            let s = shared.clone();
-            std::thread::Builder::new().name(THREAD_NAME.into()).spawn(move || {
-                if let Some(n) = nice {
-                    if let Err(e) = rustix::process::setpriority_process(None, n) {
-                        tracing::warn!("disk tier: setting its threads' nice value to {n}: {e}");
-                    }
-                }
-                if class == WorkerClass::Idle {
-                    if let Err(e) = set_sched_idle() {
-                        tracing::warn!("disk tier: running its threads SCHED_IDLE: {e}");
-                    }
-                }
-                f(&s)
-            })
-        };
-        let started = (|| -> std::io::Result<()> {
-            spawn(rebuild_index)?;
-            for _ in 0..WRITERS {
-                spawn(write_loop)?;
-            }
-            for _ in 0..READERS {
-                spawn(read_loop)?;
-            }
-            Ok(())
-        })();
-        if let Err(e) = started {
+        if let Err(e) = spawn_threads(&shared) {
             shared.halt();
-            drop(lock);
-            return Err(io_err("starting the threads for", &shared.cfg.dir)(e));
+            return Err(DiskError::Io {
+                what: "starting the threads for",
+                path: shared.cfg.dir.display().to_string(),
+                source: e,
+            });
         }
-        Ok(DiskTier { shared, lock: Some(lock) })
+        Ok(DiskTier { shared, halted: false })
     }
+}
+
+/// Starts the threads of the current run: the index rebuild (if not done
+/// yet), the writers, the readers and the remover.
+fn spawn_threads(shared: &Arc<Shared>) -> std::io::Result<()> {
+    let run = shared.run.load(Acquire);
+    let nice = worker_nice_value(shared.cfg.worker_nice);
+    let class = shared.cfg.worker_class;
+    let spawn = |f: fn(&Shared, u64), idle: bool| {
+        let s = shared.clone();
+        let name = if idle { THREAD_NAME } else { REMOVER_THREAD_NAME };
+        std::thread::Builder::new().name(name.into()).spawn(move || {
+            if let Some(n) = nice {
+                if let Err(e) = rustix::process::setpriority_process(None, n) {
+                    tracing::warn!("disk tier: setting its threads' nice value to {n}: {e}");
+                }
+            }
+            if idle && class == WorkerClass::Idle {
+                if let Err(e) = set_sched_idle() {
+                    tracing::warn!("disk tier: running its threads SCHED_IDLE: {e}");
+                }
+            }
+            if s.wait_released(run) {
+                f(&s, run)
+            }
+        })
+    };
+    if !shared.indexed.load(Acquire) {
+        spawn(rebuild_index, true)?;
+    }
+    for _ in 0..WRITERS {
+        spawn(write_loop, true)?;
+    }
+    for _ in 0..READERS {
+        spawn(read_loop, true)?;
+    }
+    spawn(remove_loop, false)?;
+    Ok(())
 }
 
 impl Tier for DiskTier {
     /// Takes the block if the write-behind queue's bytes stay within the
-    /// bound and the block fits on the disk at all; otherwise counts it in
-    /// `disk_dropped_writes`.
-    fn write_behind(&self, len: u64, pinned: &mut dyn FnMut() -> Option<WriteJob>) {
-        let cells = self.shared.cells();
-        let fits = index::disk_bytes(format::file_len(len)) <= self.shared.cfg.size_bytes;
+    /// bound, the block's tenant's queued bytes within its share (half its
+    /// megaslab limit, if it has one: its backlog, pinned, never holds all
+    /// of it) and the block fits on the disk at all; otherwise counts it in
+    /// `disk_dropped_writes` (and logs, at most every 10 s).
+    fn write_behind(&self, offer: Offer<'_>, pinned: &mut dyn FnMut() -> Option<WriteJob>) {
+        let s = &self.shared;
+        let len = offer.len;
+        if s.lost.load(Relaxed) {
+            s.dropped(|| "the tier's directory is gone".into());
+            return;
+        }
+        if index::disk_bytes(format::file_len(len)) > s.cfg.size_bytes {
+            s.dropped(|| format!("a block of {len} bytes is larger than --disk-size"));
+            return;
+        }
+        let cells = s.cells();
         // One writer of increments (the serve loop), workers only subtract:
         // this load-then-add never lets the sum pass the bound.
-        if !fits || cells.queue_bytes.load(Relaxed).saturating_add(len) > self.shared.cfg.queue_bytes {
-            DiskCells::add(&cells.dropped_writes, 1);
+        let queued = cells.queue_bytes.load(Relaxed);
+        if queued.saturating_add(len) > s.cfg.queue_bytes {
+            s.dropped(|| {
+                format!("the write-behind queue holds {queued} bytes of --disk-queue-bytes {}", s.cfg.queue_bytes)
+            });
+            return;
+        }
+        let share = offer.tenant_limit.map_or(s.cfg.queue_bytes, |l| (l / 2).min(s.cfg.queue_bytes));
+        let tenant_queued = lock(&s.backlog).by_tenant.get(offer.tenant).copied().unwrap_or(0);
+        if tenant_queued.saturating_add(len) > share {
+            s.dropped(|| {
+                format!(
+                    "tenant {:?} has {tenant_queued} bytes queued, its share of the queue is {share} (half its --tenant-limit)",
+                    offer.tenant
+                )
+            });
             return;
         }
         let Some(job) = pinned() else {
-            DiskCells::add(&cells.dropped_writes, 1);
+            s.dropped(|| "the block was gone before it was pinned".into());
             return;
         };
         cells.queue_bytes.fetch_add(len, Relaxed);
         DiskCells::add(&cells.queue_blocks, 1);
-        let seq = {
-            let mut d = lock(&self.shared.deletes);
-            let seq = d.next();
-            d.writes.insert(seq);
-            seq
-        };
-        self.shared.writes.push(Job::Write(job, seq));
+        *lock(&s.backlog).by_tenant.entry(job.tenant.clone()).or_insert(0) += len;
+        let seq = lock(&s.order).take_write(PendingWrite { key: job.key, parent: job.parent });
+        s.writes.push(Write { job, seq });
     }
 
     fn fetch(&self, job: FetchJob) {
         DiskCells::add(&self.shared.cells().fetches, 1);
+        if self.shared.lost.load(Relaxed) {
+            self.shared.events.send(TierEvent::Filled { fetch: job.id, filled: Vec::new() });
+            return;
+        }
         self.shared.fetches.push(job);
     }
 
@@ -546,58 +808,102 @@ impl Tier for DiskTier {
     }
 
     /// Leaves a tombstone for `key` (fills miss it from now on, earlier
-    /// writes of it do not land) and queues the removal of its file.
-    fn delete(&self, key: u128) {
-        let seq = {
-            let mut d = lock(&self.shared.deletes);
-            let seq = d.next();
-            d.tombs.insert(key, Tomb { seq, done: false });
-            seq
-        };
-        self.shared.writes.push(Job::Delete(key, seq));
+    /// writes of it do not land) and, if an older copy of it may be on
+    /// disk (in the index, being written or evicted, or the index is not
+    /// rebuilt yet), queues its removal for the remover: `Pending`.
+    fn remove(&self, key: u128) -> Removal {
+        let s = &self.shared;
+        if s.lost.load(Relaxed) {
+            return Removal::Done;
+        }
+        // Before the rebuild is done, any key may be on disk (and the rebuild
+        // holds the index's mutex for long); after it, the index and `Order`
+        // are read together (a write is indexed before it leaves `Order`).
+        let indexed = s.indexed.load(Acquire);
+        let ix = indexed.then(|| lock(&s.index));
+        let mut order = lock(&s.order);
+        let may_hold = ix.as_ref().is_none_or(|ix| ix.contains(key))
+            || order.writing.contains_key(&key)
+            || order.evicting.contains_key(&key)
+            || order.tombs.get(&key).is_some_and(|t| !t.done);
+        drop(ix);
+        if !may_hold {
+            return Removal::Done;
+        }
+        let seq = order.next();
+        order.tombs.insert(key, Tomb { seq, done: false });
+        drop(order);
+        let token = s.tokens.fetch_add(1, Relaxed) + 1;
+        s.removals.push(RemoveJob { key, token });
+        Removal::Pending(token)
+    }
+
+    fn release(&self) {
+        let (m, cv) = &self.shared.released;
+        let mut released = lock(m);
+        if !*released {
+            // Adopted from the daemon taken over: the lock file names this one now.
+            self.shared.dir.write_pid();
+        }
+        *released = true;
+        cv.notify_all();
     }
 
     fn timed_out(&self) {
         DiskCells::add(&self.shared.cells().fetches_timed_out, 1);
     }
 
-    /// Stops the threads' work (waiting for a copy in progress), drops the
-    /// queued writes (counted in `disk_dropped_writes`) and lets go of the
-    /// directory's lock, so that the daemon taking over can open it. The
-    /// blocks on disk stay: the new daemon's tier indexes them.
-    fn stop(mut self: Box<Self>) -> Box<dyn StoppedTier> {
-        self.shared.halt();
-        drop(self.lock.take());
-        Box::new(StoppedDisk {
-            cfg: self.shared.cfg.clone(),
-            region: self.shared.region.clone(),
-            events: self.shared.events.clone(),
-            metrics: self.shared.metrics.clone(),
-        })
+    fn unconfirmed(&self) {
+        DiskCells::add(&self.shared.cells().unconfirmed_removals, 1);
+    }
+
+    /// Stops the threads' work (waiting for a copy in progress), finishes
+    /// the queued removals and hands back the writes not finished; keeps the
+    /// directory and its lock (the stopped tier holds them, and a takeover
+    /// hands them to the new daemon: the lock is never let go in between).
+    fn stop(mut self: Box<Self>) -> (Box<dyn StoppedTier>, Handover) {
+        self.halted = true;
+        let handover = self.shared.halt();
+        (Box::new(StoppedDisk { shared: self.shared.clone() }), handover)
     }
 }
 
 impl Drop for DiskTier {
     fn drop(&mut self) {
-        if let Some(l) = self.lock.take() {
+        if !self.halted {
             self.shared.halt();
-            drop(l);
         }
     }
 }
 
-/// The disk tier stopped for a takeover: what it needs to start again.
-#[derive(Debug)]
+/// The disk tier stopped for a takeover: its state, directory and lock,
+/// to start again as it was if the takeover fails.
 struct StoppedDisk {
-    cfg: DiskConfig,
-    region: Arc<Region>,
-    events: TierEvents,
-    metrics: Arc<Metrics>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for StoppedDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoppedDisk").field("dir", &self.shared.cfg.dir).finish()
+    }
 }
 
 impl StoppedTier for StoppedDisk {
     fn resume(self: Box<Self>) -> Result<Box<dyn Tier>, TierError> {
-        Ok(Box::new(DiskTier::start(self.cfg, self.region, self.events, self.metrics)?))
+        let shared = self.shared.clone();
+        *shared.running.write().unwrap_or_else(|e| e.into_inner()) = true;
+        spawn_threads(&shared)?;
+        for key in shared.unremoved() {
+            // Retried by the new run's remover (nobody waits for the answer).
+            shared.removals.push(RemoveJob { key, token: 0 });
+        }
+        Ok(Box::new(DiskTier { shared, halted: false }))
+    }
+
+    fn handover_fds(&self) -> Option<(&'static str, Vec<OwnedFd>)> {
+        let [dir, lock] = self.shared.dir.handover_fds();
+        let fds: Vec<OwnedFd> = [dir, lock].iter().filter_map(|fd| fd.try_clone_to_owned().ok()).collect();
+        (fds.len() == 2).then_some((HANDOVER_NAME, fds))
     }
 }
 
@@ -607,12 +913,15 @@ fn drop_cache(f: &File) {
     let _ = rustix::fs::fadvise(f, 0, None, rustix::fs::Advice::DontNeed);
 }
 
-/// Deletes the files of blocks evicted from the index.
+/// Deletes the files of blocks evicted from the index (taken out of it and
+/// noted in `Order::evicting` by the caller, who syncs the directory and
+/// then calls [`evicted`]).
 fn delete_victims(s: &Shared, victims: &[(u128, index::Entry)]) {
     for (key, _) in victims {
-        match std::fs::remove_file(format::block_path(&s.blocks_dir, *key)) {
-            Ok(()) => DiskCells::add(&s.cells().evictions, 1),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        let _c = lock(&s.commit);
+        match s.dir.remove_block(*key) {
+            Ok(true) => DiskCells::add(&s.cells().evictions, 1),
+            Ok(false) => {}
             Err(e) => {
                 DiskCells::add(&s.cells().errors, 1);
                 tracing::debug!(key = %format_args!("{key:032x}"), "disk tier: deleting an evicted block: {e}");
@@ -621,11 +930,23 @@ fn delete_victims(s: &Shared, victims: &[(u128, index::Entry)]) {
     }
 }
 
+/// The evictions of `keys` are over: their unlinks are durable (the
+/// directory was synced since), so a removal need not wait for them.
+fn evicted(s: &Shared, keys: &[u128]) {
+    let mut order = lock(&s.order);
+    for &key in keys {
+        count_out(&mut order.evicting, key);
+    }
+}
+
 /// Deletes a block file that did not verify and takes it out of the index.
 fn discard_torn(s: &Shared, key: u128, why: &dyn std::fmt::Display) {
     DiskCells::add(&s.cells().torn, 1);
     tracing::warn!(key = %format_args!("{key:032x}"), "disk tier: block file refused and deleted: {why}");
-    let _ = std::fs::remove_file(format::block_path(&s.blocks_dir, key));
+    {
+        let _c = lock(&s.commit);
+        let _ = s.dir.remove_block(key);
+    }
     let mut ix = lock(&s.index);
     ix.remove(key);
     s.publish(&ix);
@@ -633,60 +954,64 @@ fn discard_torn(s: &Shared, key: u128, why: &dyn std::fmt::Display) {
 
 /// Empties `tmp/` and rebuilds the index from the headers under `blocks/`;
 /// then lets the writers go.
-fn rebuild_index(s: &Shared) {
+fn rebuild_index(s: &Shared, run: u64) {
     let t0 = Instant::now();
-    let mut torn = 0u64;
-    if let Ok(rd) = std::fs::read_dir(&s.tmp_dir) {
-        for e in rd.flatten() {
-            if std::fs::remove_file(e.path()).is_ok() {
-                torn += 1;
-            }
-        }
-    }
+    let mut torn = s.dir.clear_tmp();
     // The block files' names, then their headers read by a few threads at
     // once (a cold disk answers several reads in flight faster than one).
-    let mut names: Vec<(u128, PathBuf)> = Vec::new();
-    match std::fs::read_dir(&s.blocks_dir) {
-        Ok(rd) => {
-            for e in rd.flatten() {
-                if let Some(key) = e.file_name().to_str().and_then(format::key_of_name) {
-                    names.push((key, e.path()));
-                }
-            }
-        }
+    let keys = match s.dir.list_blocks() {
+        Ok(k) => k,
         Err(e) => {
             DiskCells::add(&s.cells().errors, 1);
-            tracing::warn!("disk tier: reading {}: {e}", s.blocks_dir.display());
+            tracing::warn!("disk tier: reading {}/blocks: {e}", s.cfg.dir.display());
+            Vec::new()
         }
-    }
-    let per = names.len().div_ceil(INDEX_THREADS).max(1);
+    };
+    let per = keys.len().div_ceil(INDEX_THREADS).max(1);
     let parts: Vec<(Vec<Found>, u64)> = std::thread::scope(|sc| {
-        let handles: Vec<_> = names.chunks(per).map(|part| sc.spawn(move || index_files(s, part))).collect();
+        let handles: Vec<_> = keys.chunks(per).map(|part| sc.spawn(move || index_files(s, part, run))).collect();
         handles.into_iter().filter_map(|h| h.join().ok()).collect()
     });
-    if s.stop.load(Relaxed) {
+    if !s.live(run) {
         return;
     }
-    let mut found = Vec::with_capacity(names.len());
+    let mut found = Vec::with_capacity(keys.len());
     for (f, t) in parts {
         found.extend(f);
         torn += t;
     }
     // Least recently written first: the LRU order the index starts with.
     found.sort_by_key(|f| f.0);
-    let recovered = found.len() as u64;
-    let bytes: u64 = found.iter().map(|f| f.3).sum();
+    let mut recovered = 0u64;
+    let mut bytes = 0u64;
     let victims = {
         let mut ix = lock(&s.index);
+        let order = lock(&s.order);
         for (_, key, parent, b, tenant) in &found {
+            // Removed (deleted or replaced) while the rebuild ran.
+            if order.tombs.contains_key(key) {
+                continue;
+            }
             let t = ix.tenant(tenant.as_deref().unwrap_or(kachedb_shm::control::DEFAULT_TENANT));
             ix.insert(*key, *parent, *b, t);
+            recovered += 1;
+            bytes += b;
         }
+        drop(order);
         let v = ix.shrink_to_fit();
+        let mut order = lock(&s.order);
+        for (key, _) in &v {
+            count_in(&mut order.evicting, *key);
+        }
+        drop(order);
         s.publish(&ix);
         v
     };
     delete_victims(s, &victims);
+    if !victims.is_empty() {
+        let _ = s.dir.sync_blocks();
+    }
+    evicted(s, &victims.iter().map(|(k, _)| *k).collect::<Vec<_>>());
     let took = t0.elapsed();
     let cells = s.cells();
     cells.recovered.store(recovered, Relaxed);
@@ -705,25 +1030,29 @@ fn rebuild_index(s: &Shared) {
         victims.len(),
         took.as_secs_f64()
     );
-    *lock(&s.indexed) = true;
-    s.indexed_cv.notify_all();
+    let _g = lock(&s.indexed_wait.0);
+    s.indexed.store(true, Release);
+    s.indexed_wait.1.notify_all();
 }
 
 /// A block file that verified at start: when written, key, parent, bytes on
 /// disk, tenant (`None`: a version 1 file, the default tenant's).
 type Found = (SystemTime, u128, Option<u128>, u64, Option<String>);
 
-/// Checks the headers of the block files `names`: those that verify (when
+/// Checks the headers of the block files of `keys`: those that verify (when
 /// written, key, parent, bytes on disk), and how many did not (deleted).
-fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<Found>, u64) {
-    let (mut found, mut torn) = (Vec::with_capacity(names.len()), 0);
-    for (key, path) in names {
-        if s.stop.load(Relaxed) {
+fn index_files(s: &Shared, keys: &[u128], run: u64) -> (Vec<Found>, u64) {
+    let (mut found, mut torn) = (Vec::with_capacity(keys.len()), 0);
+    for &key in keys {
+        if !s.live(run) {
             break;
         }
         let checked = (|| -> Result<(SystemTime, Header, u64), String> {
-            let f = File::open(path).map_err(|e| e.to_string())?;
+            let f = s.dir.open_block(key).map_err(|e| e.to_string())?;
             let meta = f.metadata().map_err(|e| e.to_string())?;
+            if !meta.is_file() {
+                return Err("not a regular file".into());
+            }
             // No readahead: the read below brings in the header's page only,
             // and that page is uptodate and unlocked when the `DONTNEED` after
             // it runs (a readahead still in flight then would stay cached).
@@ -731,16 +1060,19 @@ fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<Found>, u64) {
             let mut b = [0u8; format::HEADER_LEN];
             f.read_exact_at(&mut b, 0).map_err(|e| e.to_string())?;
             drop_cache(&f);
-            let h = Header::decode(&b, *key).map_err(|e| e.to_string())?;
+            let h = Header::decode(&b, key).map_err(|e| e.to_string())?;
             h.check_file_len(meta.len()).map_err(|e| e.to_string())?;
             Ok((meta.modified().unwrap_or(UNIX_EPOCH), h, meta.len()))
         })();
         match checked {
-            Ok((mtime, h, len)) => found.push((mtime, *key, h.parent, index::disk_bytes(len), h.tenant)),
+            Ok((mtime, h, len)) => found.push((mtime, key, h.parent, index::disk_bytes(len), h.tenant)),
             Err(why) => {
                 torn += 1;
                 tracing::warn!(key = %format_args!("{key:032x}"), "disk tier: block file refused at start and deleted: {why}");
-                let _ = std::fs::remove_file(path);
+                let _c = lock(&s.commit);
+                if s.live(run) {
+                    let _ = s.dir.remove_block(key);
+                }
             }
         }
     }
@@ -749,101 +1081,58 @@ fn index_files(s: &Shared, names: &[(u128, PathBuf)]) -> (Vec<Found>, u64) {
 
 /// A writer thread: waits for the index, then writes queued blocks, those
 /// queued one behind the other in batches ([`write_batch`]).
-fn write_loop(s: &Shared) {
+fn write_loop(s: &Shared, run: u64) {
     {
-        let mut done = lock(&s.indexed);
-        while !*done && !s.stop.load(Relaxed) {
-            done = s.indexed_cv.wait(done).unwrap_or_else(|e| e.into_inner());
+        let mut g = lock(&s.indexed_wait.0);
+        while !s.indexed.load(Acquire) && s.live(run) {
+            g = s.indexed_wait.1.wait(g).unwrap_or_else(|e| e.into_inner());
         }
     }
-    while let Some(job) = s.writes.pop(&s.stop) {
-        let first = match job {
-            Job::Write(job, seq) => (job, seq),
-            Job::Delete(key, seq) => {
-                delete_block(s, key, seq);
-                continue;
-            }
-        };
+    let alive = || s.live(run);
+    while let Some(first) = s.writes.pop(&alive) {
         let (mut bytes, mut more) = (0u64, 0usize);
         let mut batch = vec![first];
-        batch.extend(
-            s.writes
-                .pop_while(|j| match j {
-                    Job::Write(j, _) if more + 1 < BATCH_BLOCKS && bytes.saturating_add(j.len) <= BATCH_BYTES => {
-                        bytes += j.len;
-                        more += 1;
-                        true
-                    }
-                    _ => false,
-                })
-                .into_iter()
-                .filter_map(|j| match j {
-                    Job::Write(j, seq) => Some((j, seq)),
-                    Job::Delete(..) => None,
-                }),
-        );
-        let results = write_batch(s, &batch);
+        batch.extend(s.writes.pop_while(|w| {
+            let take = more + 1 < BATCH_BLOCKS && bytes.saturating_add(w.job.len) <= BATCH_BYTES;
+            if take {
+                bytes += w.job.len;
+                more += 1;
+            }
+            take
+        }));
+        let results =
+            if s.check_dir() { write_batch(s, &batch, run) } else { batch.iter().map(|_| Ok(false)).collect() };
         let cells = s.cells();
-        for ((job, seq), result) in batch.into_iter().zip(results) {
+        for (w, result) in batch.into_iter().zip(results) {
             match result {
                 Ok(true) => {
                     DiskCells::add(&cells.writes, 1);
-                    DiskCells::add(&cells.write_bytes, job.len);
+                    DiskCells::add(&cells.write_bytes, w.job.len);
                 }
+                Ok(false) if !s.live(run) => {}
                 Ok(false) => DiskCells::add(&cells.dropped_writes, 1),
                 Err(e) => {
                     DiskCells::add(&cells.errors, 1);
-                    tracing::debug!(key = %format_args!("{:032x}", job.key), "disk write failed: {e}");
+                    tracing::debug!(key = %format_args!("{:032x}", w.job.key), "disk write failed: {e}");
                 }
             }
-            cells.queue_bytes.fetch_sub(job.len, Relaxed);
-            cells.queue_blocks.fetch_sub(1, Relaxed);
-            {
-                let mut d = lock(&s.deletes);
-                d.writes.remove(&seq);
-                d.prune();
+            if s.live(run) {
+                // (A stop hands the queue over and resets these itself.)
+                cells.queue_bytes.fetch_sub(w.job.len.min(cells.queue_bytes.load(Relaxed)), Relaxed);
+                cells.queue_blocks.fetch_sub(1.min(cells.queue_blocks.load(Relaxed)), Relaxed);
+                if let Some(b) = lock(&s.backlog).by_tenant.get_mut(&w.job.tenant) {
+                    *b = b.saturating_sub(w.job.len);
+                }
+                lock(&s.order).finish_write(w.seq);
             }
-            s.events.send(TierEvent::Written { pin: job.pin });
+            s.events.send(TierEvent::Written { pin: w.job.pin });
         }
     }
 }
 
-/// Whether the write numbered `seq` of `key` lost to a later DELETE.
+/// Whether the write numbered `seq` of `key` lost to a later removal.
 fn superseded(s: &Shared, key: u128, seq: u64) -> bool {
-    lock(&s.deletes).tombs.get(&key).is_some_and(|t| t.seq > seq)
-}
-
-/// Removes the file and index entry of `key` for the DELETE numbered `seq`,
-/// unless a later DELETE will (its own job) or a later write replaced them.
-fn delete_block(s: &Shared, key: u128, seq: u64) {
-    let _commit = lock(&s.commit);
-    {
-        let d = lock(&s.deletes);
-        match d.tombs.get(&key) {
-            Some(t) if t.seq == seq && !t.done => {}
-            _ => return,
-        }
-    }
-    match std::fs::remove_file(format::block_path(&s.blocks_dir, key)) {
-        Ok(()) => DiskCells::add(&s.cells().deletes, 1),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => {
-            // The tombstone stays (`done` unset): fills keep missing the key.
-            DiskCells::add(&s.cells().errors, 1);
-            tracing::debug!(key = %format_args!("{key:032x}"), "disk tier: deleting a deleted key's block: {e}");
-            return;
-        }
-    }
-    {
-        let mut ix = lock(&s.index);
-        ix.remove(key);
-        s.publish(&ix);
-    }
-    let mut d = lock(&s.deletes);
-    if let Some(t) = d.tombs.get_mut(&key).filter(|t| t.seq == seq) {
-        t.done = true;
-    }
-    d.prune();
+    lock(&s.order).tombs.get(&key).is_some_and(|t| t.seq > seq)
 }
 
 /// A block of a batch on its way to disk.
@@ -854,26 +1143,27 @@ struct Staged {
     bytes: u64,
     /// Its tenant's row in the index.
     tenant: index::TenantRow,
-    tmp: PathBuf,
+    tmp: String,
     /// Open while its data is being synced.
     file: Option<File>,
 }
 
-/// Writes the blocks `batch` (each with its number, see [`Deletes`]);
-/// each one's outcome: `Ok(true)` written, `Ok(false)` not written (the
-/// tier stopped, the block does not fit on the disk, or a later DELETE of
-/// its key came first), or the error.
+/// Writes the blocks `batch`; each one's outcome: `Ok(true)` written,
+/// `Ok(false)` not written (the tier stopped, the block does not fit on the
+/// disk, or a later removal of its key came first), or the error.
 ///
 /// A group commit: each block's file is written under `tmp/` and handed to
 /// the disk at once, then each file's data is synced (`fdatasync`) and
 /// dropped from the page cache, then each is renamed into place, then the
 /// directory is synced once for all of them; a block counts as written only
 /// after that sync, so only once its bytes and its name are durable.
-fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<bool>> {
+fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<bool>> {
     let mut out: Vec<std::io::Result<bool>> = batch.iter().map(|_| Ok(false)).collect();
     let mut staged: Vec<Staged> = Vec::with_capacity(batch.len());
-    for (at, (job, seq)) in batch.iter().enumerate() {
-        if superseded(s, job.key, *seq) {
+    let mut evictions: Vec<u128> = Vec::new();
+    for (at, w) in batch.iter().enumerate() {
+        let job = &w.job;
+        if superseded(s, job.key, w.seq) {
             continue;
         }
         let bytes = index::disk_bytes(format::file_len(job.len));
@@ -881,13 +1171,20 @@ fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<boo
             let mut ix = lock(&s.index);
             let tenant = ix.tenant(&job.tenant);
             let v = ix.make_room(bytes, job.parent, tenant);
+            if let Ok(v) = &v {
+                let mut order = lock(&s.order);
+                for (key, _) in v {
+                    count_in(&mut order.evicting, *key);
+                }
+            }
             s.publish(&ix);
             (v, tenant)
         };
         let Ok(victims) = victims else { continue };
         delete_victims(s, &victims);
-        let tmp = s.tmp_dir.join(format!("{:032x}.{}.tmp", job.key, s.tmp_seq.fetch_add(1, Relaxed)));
-        match write_file(s, job, &tmp) {
+        evictions.extend(victims.iter().map(|(k, _)| *k));
+        let tmp = format!("{:032x}.{}.tmp", job.key, s.tmp_seq.fetch_add(1, Relaxed));
+        match write_file(s, job, &tmp, run) {
             Ok(file) => staged.push(Staged { at, bytes, tenant, tmp, file }),
             Err(e) => {
                 out[at] = Err(e);
@@ -902,7 +1199,7 @@ fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<boo
             match f.sync_data() {
                 Ok(()) => {
                     drop_cache(&f);
-                    out[st.at] = Ok(!s.stop.load(Relaxed));
+                    out[st.at] = Ok(s.live(run));
                 }
                 Err(e) => out[st.at] = Err(e),
             }
@@ -912,13 +1209,13 @@ fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<boo
     let mut renamed = false;
     for st in &staged {
         if matches!(out[st.at], Ok(true)) {
-            let (job, seq) = &batch[st.at];
-            out[st.at] = rename_into_place(s, job, *seq, &st.tmp);
+            let w = &batch[st.at];
+            out[st.at] = rename_into_place(s, &w.job, w.seq, &st.tmp, run);
             renamed |= matches!(out[st.at], Ok(true));
         }
     }
-    if renamed {
-        if let Err(e) = File::open(&s.blocks_dir).and_then(|d| d.sync_all()) {
+    if renamed || !evictions.is_empty() {
+        if let Err(e) = s.dir.sync_blocks() {
             for st in &staged {
                 if matches!(out[st.at], Ok(true)) {
                     out[st.at] = Err(std::io::Error::new(e.kind(), e.to_string()));
@@ -926,19 +1223,18 @@ fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<boo
             }
         }
     }
+    evicted(s, &evictions);
     // Indexed (and so counted in `disk_blocks`) only once synced; under the
-    // commit lock, so that a DELETE's removal comes wholly before or after.
+    // commit lock, so that a removal's unlink comes wholly before or after.
     let _commit = lock(&s.commit);
     let mut ix = lock(&s.index);
     for st in &staged {
-        let (job, seq) = &batch[st.at];
+        let w = &batch[st.at];
         ix.unreserve(st.bytes, st.tenant);
         match out[st.at] {
-            Ok(true) if !superseded(s, job.key, *seq) => ix.insert(job.key, job.parent, st.bytes, st.tenant),
+            Ok(true) if !superseded(s, w.job.key, w.seq) => ix.insert(w.job.key, w.job.parent, st.bytes, st.tenant),
             Ok(true) => out[st.at] = Ok(false),
-            _ => {
-                let _ = std::fs::remove_file(&st.tmp);
-            }
+            _ => s.dir.remove_tmp(&st.tmp),
         }
     }
     s.publish(&ix);
@@ -946,29 +1242,33 @@ fn write_batch(s: &Shared, batch: &[(WriteJob, u64)]) -> Vec<std::io::Result<boo
 }
 
 /// Renames the written file `tmp` of `job` (numbered `seq`) into place,
-/// unless a later DELETE of its key came first (`Ok(false)`). A tombstone
-/// of an earlier DELETE is done with: this file replaces the deleted one.
-fn rename_into_place(s: &Shared, job: &WriteJob, seq: u64, tmp: &Path) -> std::io::Result<bool> {
+/// unless the run is over or a later removal of its key came first
+/// (`Ok(false)`). A tombstone of an earlier removal is done with: this file
+/// replaces the older one.
+fn rename_into_place(s: &Shared, job: &WriteJob, seq: u64, tmp: &str, run: u64) -> std::io::Result<bool> {
     let _commit = lock(&s.commit);
+    if !s.live(run) {
+        return Ok(false);
+    }
     {
-        let mut d = lock(&s.deletes);
-        match d.tombs.get_mut(&job.key) {
+        let mut order = lock(&s.order);
+        match order.tombs.get_mut(&job.key) {
             Some(t) if t.seq > seq => return Ok(false),
             Some(t) => t.done = true,
             None => {}
         }
     }
-    std::fs::rename(tmp, format::block_path(&s.blocks_dir, job.key))?;
+    s.dir.rename_into_place(tmp, job.key)?;
     Ok(true)
 }
 
-/// Writes `job`'s block to the new file `tmp` and hands its pages to the
-/// disk (not yet synced); `None`: the tier stopped.
-fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<Option<File>> {
-    let f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(tmp)?;
+/// Writes `job`'s block to the new temporary file `tmp` and hands its pages
+/// to the disk (not yet synced); `None`: the tier stopped.
+fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Result<Option<File>> {
+    let f = s.dir.create_tmp(tmp)?;
     {
         let gate = s.running.read().unwrap_or_else(|e| e.into_inner());
-        if !*gate {
+        if !*gate || !s.live(run) {
             return Ok(None);
         }
         let Some(ptr) = s.region.slab_ptr(job.data_offset, job.len) else {
@@ -978,7 +1278,7 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<Option<
         // until the writer sends `Written`, after this returns: the extent is
         // not evicted, moved or reused meanwhile, and a committed block's
         // bytes are not written again. The pin outlives the gate only while
-        // the tier runs: `stop` (which closes the tier's session, dropping
+        // the tier runs: stopping (which closes the tier's session, dropping
         // the pin) waits for this read guard. The region stays mapped while
         // `s.region` (an `Arc`) lives.
         let data: &[u8] = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), job.len as usize) };
@@ -1002,7 +1302,7 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &Path) -> std::io::Result<Option<
             at += piece.len() as u64;
         }
     }
-    Ok((!s.stop.load(Relaxed)).then_some(f))
+    Ok(s.live(run).then_some(f))
 }
 
 /// Starts the write-out of `len` dirty bytes of `f` at `offset`
@@ -1023,9 +1323,144 @@ fn start_writeback(f: &File, offset: u64, len: u64) {
     }
 }
 
+/// The remover thread: makes the queued removals durable, a batch at a
+/// time (each key's file unlinked, then one directory sync), answers each
+/// once, and tries those that failed again every [`REMOVAL_RETRY`].
+fn remove_loop(s: &Shared, run: u64) {
+    let alive = || s.live(run);
+    let mut retry: Vec<RemoveJob> = Vec::new();
+    let mut retry_at = Instant::now();
+    loop {
+        let wait = (!retry.is_empty()).then(|| retry_at.saturating_duration_since(Instant::now()));
+        let Some(mut batch) = s.removals.pop_all(&alive, wait) else { return };
+        let retrying = !retry.is_empty() && Instant::now() >= retry_at;
+        if retrying {
+            batch.append(&mut retry);
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let _r = lock(&s.removing);
+        if !s.live(run) {
+            // Stopping: the stop finishes the queue (put back what was taken).
+            let mut q = lock(&s.removals.items);
+            for j in batch.into_iter().rev() {
+                q.push_front(j);
+            }
+            return;
+        }
+        let results = if s.check_dir() {
+            remove_now(s, &batch, Some(run))
+        } else {
+            batch.iter().map(|_| Err("the disk tier's directory is gone".to_string())).collect()
+        };
+        for (job, result) in batch.into_iter().zip(results) {
+            let failed = result.is_err();
+            if job.token != 0 {
+                s.events.send(TierEvent::Removed { token: job.token, result });
+            }
+            if failed && !s.lost.load(Relaxed) {
+                retry.push(RemoveJob { token: 0, ..job });
+            }
+        }
+        if !retry.is_empty() {
+            retry_at = Instant::now() + REMOVAL_RETRY;
+        }
+    }
+}
+
+/// Makes the removals `jobs` durable now: under the commit lock, each
+/// key's file is unlinked unless a newer write's rename (or an earlier
+/// removal) took it away already; then, if anything could still come back
+/// after a crash (a file unlinked, a rename that replaced the older copy, an
+/// eviction of the key not synced yet), the directory is synced; then each
+/// key is out of the index and its tombstone done. `run`: stop if that run
+/// is over. Each one's outcome.
+fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<(), String>> {
+    let mut out: Vec<Result<(), String>> = Vec::with_capacity(jobs.len());
+    let mut unlinked = 0u64;
+    let mut needs_sync = false;
+    // The tombstones whose work this does, by the number they had: marked
+    // done once synced (not a newer one made meanwhile, which has a job of
+    // its own).
+    let mut done: Vec<(u128, u64)> = Vec::new();
+    {
+        let _c = lock(&s.commit);
+        if run.is_some_and(|r| !s.live(r)) {
+            return jobs.iter().map(|_| Err("the tier stopped".into())).collect();
+        }
+        for j in jobs {
+            let (tomb, evicting) = {
+                let order = lock(&s.order);
+                (order.tombs.get(&j.key).copied(), order.evicting.contains_key(&j.key))
+            };
+            let Some(tomb) = tomb.filter(|t| !t.done) else {
+                // Replaced by a newer write's rename, or removed already:
+                // the sync below makes that durable.
+                needs_sync = true;
+                out.push(Ok(()));
+                continue;
+            };
+            match s.dir.remove_block(j.key) {
+                Ok(removed) => {
+                    // Out of the index now, under the commit lock: a newer
+                    // write renamed in after this is indexed after it.
+                    lock(&s.index).remove(j.key);
+                    unlinked += u64::from(removed);
+                    needs_sync |= removed || evicting;
+                    done.push((j.key, tomb.seq));
+                    out.push(Ok(()));
+                }
+                Err(e) => {
+                    DiskCells::add(&s.cells().errors, 1);
+                    out.push(Err(format!(
+                        "removing {}/blocks/{}: {e}",
+                        s.cfg.dir.display(),
+                        format::block_name(j.key)
+                    )));
+                }
+            }
+        }
+    }
+    if needs_sync {
+        if let Err(e) = s.dir.sync_blocks() {
+            DiskCells::add(&s.cells().errors, 1);
+            let why = format!("syncing {}/blocks: {e}", s.cfg.dir.display());
+            for o in &mut out {
+                if o.is_ok() {
+                    *o = Err(why.clone());
+                }
+            }
+            done.clear();
+        }
+    }
+    let ix = lock(&s.index);
+    let mut order = lock(&s.order);
+    for (key, seq) in done {
+        if let Some(t) = order.tombs.get_mut(&key).filter(|t| t.seq == seq) {
+            t.done = true;
+        }
+    }
+    order.prune();
+    drop(order);
+    s.publish(&ix);
+    drop(ix);
+    let ok = out.iter().filter(|o| o.is_ok()).count() as u64;
+    DiskCells::add(&s.cells().removals, ok);
+    DiskCells::add(&s.cells().deletes, unlinked);
+    for why in out.iter().filter_map(|o| o.as_ref().err()) {
+        tracing::warn!(
+            event = "disk_removal_failed",
+            "disk tier: an older copy could not be removed (retried; no copy is served meanwhile): {why}"
+        );
+    }
+    out
+}
+
 /// A reader thread: runs fetches.
-fn read_loop(s: &Shared) {
-    while let Some(job) = s.fetches.pop(&s.stop) {
+fn read_loop(s: &Shared, run: u64) {
+    let alive = || s.live(run);
+    while let Some(job) = s.fetches.pop(&alive) {
         let filled = fetch(s, &job);
         s.events.send(TierEvent::Filled { fetch: job.id, filled });
     }
@@ -1040,12 +1475,12 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     // by one; large files are read ahead by the sequential reads themselves.
     let mut opened: Vec<(u128, File)> = Vec::with_capacity(job.keys.len());
     for &key in &job.keys {
-        // Deleted by a client (its file may not be removed yet).
-        if lock(&s.deletes).tombs.contains_key(&key) {
+        // Removed (deleted, replaced) by a client (its file may not be gone yet).
+        if lock(&s.order).tombs.contains_key(&key) {
             DiskCells::add(&cells.misses, 1);
             continue;
         }
-        match File::open(format::block_path(&s.blocks_dir, key)) {
+        match s.dir.open_block(key) {
             Ok(f) => {
                 if let Some(len) = f.metadata().ok().map(|m| m.len()).filter(|&l| l <= WILLNEED_MAX_BYTES) {
                     let _ = rustix::fs::fadvise(&f, 0, std::num::NonZeroU64::new(len), rustix::fs::Advice::WillNeed);
@@ -1107,7 +1542,7 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
         // for the tier's session and touches it again only when this fetch's
         // `Filled` (sent after this returns) commits or aborts it; a
         // reservation is invisible to clients and never evicted. The tier's
-        // session (and with it the reservation) is closed only after `stop`,
+        // session (and with it the reservation) is closed only after a stop,
         // which waits for this read guard. The region stays mapped while
         // `s.region` lives.
         let buf: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), h.len as usize) };

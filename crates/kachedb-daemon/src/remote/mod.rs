@@ -44,7 +44,10 @@ mod reader;
 mod writer;
 
 use crate::metrics::{Metrics, RemoteCells};
-use crate::tier::{FetchJob, FillSpec, StoppedTier, Tier, TierError, TierEvent, TierEvents, TierKind, WriteJob};
+use crate::tier::{
+    FetchJob, FillSpec, Handover, Offer, Removal, StoppedTier, Tier, TierError, TierEvent, TierEvents, TierKind,
+    WriteJob,
+};
 use kachedb_shm::Region;
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
@@ -404,7 +407,8 @@ impl RemoteTier {
 impl Tier for RemoteTier {
     /// Takes the block if the write-behind queue's bytes stay within
     /// `--remote-queue-bytes`; otherwise counts it in `remote_dropped_writes`.
-    fn write_behind(&self, len: u64, pinned: &mut dyn FnMut() -> Option<WriteJob>) {
+    fn write_behind(&self, offer: Offer<'_>, pinned: &mut dyn FnMut() -> Option<WriteJob>) {
+        let len = offer.len;
         let cells = self.ctx.cells();
         // One writer of increments (the serve loop), workers only subtract:
         // this load-then-add never lets the sum pass the bound.
@@ -452,15 +456,17 @@ impl Tier for RemoteTier {
 
     /// Keeps the remote copy: the cluster is the fleet's cache, shared by
     /// every node under the same key (a content hash); one node's DELETE is
-    /// about its own copies (docs/disk.md, "DELETE").
-    fn delete(&self, _key: u128) {}
+    /// about its own copies (docs/remote.md, "DELETE").
+    fn remove(&self, _key: u128) -> Removal {
+        Removal::Done
+    }
 
     /// Stops the tier's threads, waiting for a copy in progress to finish, so
     /// nothing of the tier touches the megaslab afterwards. Queued writes are
     /// dropped (counted in `remote_dropped_writes`); the caller drops their
     /// pins and the fills' reservations by closing the tier's session.
-    fn stop(self: Box<Self>) -> Box<dyn StoppedTier> {
-        (*self).stop_within(Duration::from_secs(5))
+    fn stop(self: Box<Self>) -> (Box<dyn StoppedTier>, Handover) {
+        ((*self).stop_within(Duration::from_secs(5)), Handover::default())
     }
 }
 

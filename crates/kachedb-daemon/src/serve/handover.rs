@@ -8,6 +8,7 @@ use super::session::{unpark_fetch, Session};
 use super::Serve;
 use crate::metrics::Health;
 use crate::store::{SessionId, Store};
+use crate::tier::PendingWrite;
 use crate::waits::Waiter;
 use kachedb_shm::control::ServeStats;
 use kachedb_shm::{Layout, TensorBlockDescriptor};
@@ -59,6 +60,15 @@ pub(crate) struct ServeState<S = Store> {
     pub waits: Vec<ParkedWait>,
     pub counters: ServeStats,
     pub uptime_ms: u64,
+    /// The tiers' writes taken and not finished: the new daemon offers them
+    /// to its tiers again (their blocks are in the store handed over).
+    pub tier_writes: Vec<PendingWrite>,
+    /// Keys whose older copy a tier could not remove: the new daemon's
+    /// tiers remove them.
+    pub tier_unremoved: Vec<u128>,
+    /// The descriptors the stopped tiers hand over, in the order they come
+    /// after the offer's own: each tier's name and how many.
+    pub tier_fds: Vec<(String, u32)>,
 }
 
 /// A region's geometry ([`Layout`]), as the takeover state carries it.
@@ -145,6 +155,7 @@ impl Serve {
                 fetch: None,
                 remote_asked: c.remote_asked,
                 stuck_since: None,
+                held_answers: Vec::new(),
             });
         }
         let now = Instant::now();
@@ -157,21 +168,37 @@ impl Serve {
         self
     }
 
-    /// Stops for a takeover: stops the tiers (dropping their sessions),
-    /// ends the fetches channels are parked on, sends the serialized state
-    /// on `state` and waits for `outcome`. Resumes (restarting the tiers)
+    /// Stops for a takeover: stops the tiers (dropping their sessions; their
+    /// removals are over, and the answers waiting for them sent), ends the
+    /// fetches channels are parked on, sends the serialized state — with the
+    /// tiers' unfinished writes and the descriptors they hand over — on
+    /// `state` and waits for `outcome`. Resumes (restarting the tiers, which
+    /// kept their storage, and offering them their unfinished writes again)
     /// unless told to stop for good.
-    pub(super) fn hand_over(&mut self, state: Sender<Result<Vec<u8>, String>>, outcome: Receiver<bool>) {
+    pub(super) fn hand_over(&mut self, state: Sender<crate::events::StateOut>, outcome: Receiver<bool>) {
         self.metrics.set_health(Health::HandingOver);
-        let stopped = self.tiers.stop(&mut self.store);
+        let (stopped, resolved) = self.tiers.stop(&mut self.store);
+        self.removals_done(resolved);
         for s in self.sessions.iter_mut().flatten() {
             if s.fetch.is_some() {
                 unpark_fetch(s);
             }
         }
-        let bytes = crate::takeover::encode(&self.state());
+        let mut fds = Vec::new();
+        let mut tier_fds = Vec::new();
+        for (_, t) in &stopped.tiers {
+            if let Some((name, f)) = t.handover_fds() {
+                tier_fds.push((name.to_string(), f.len() as u32));
+                fds.extend(f);
+            }
+        }
+        let mut st = self.state();
+        st.tier_writes = stopped.pending.clone();
+        st.tier_unremoved = stopped.unremoved.clone();
+        st.tier_fds = tier_fds;
+        let bytes = crate::takeover::encode(&st);
         let ok = bytes.is_ok();
-        let _ = state.send(bytes);
+        let _ = state.send(bytes.map(|b| (b, fds)));
         if ok && outcome.recv().unwrap_or(false) {
             self.handed_over = true;
             self.metrics.set_health(Health::HandedOver);
@@ -180,6 +207,22 @@ impl Serve {
         tracing::info!("takeover did not happen; serving on");
         self.metrics.set_health(Health::Serving);
         self.tiers.resume(stopped, &mut self.store);
+    }
+
+    /// Offers the daemon's tiers the writes and removals the tiers of the
+    /// daemon taken over had not finished (their blocks are in the store).
+    pub(crate) fn take_up_tier_work(mut self, writes: Vec<PendingWrite>, unremoved: Vec<u128>) -> Serve {
+        for key in unremoved {
+            self.tiers.remove_unanswered(key);
+        }
+        let n = writes.len();
+        for w in writes {
+            self.tiers.rewrite(&mut self.store, w);
+        }
+        if n > 0 {
+            tracing::info!("offered the tiers {n} block(s) the daemon taken over had not written yet");
+        }
+        self
     }
 
     /// The serve loop's state for a takeover.
@@ -221,6 +264,9 @@ impl Serve {
                 .collect(),
             counters: self.counters.clone(),
             uptime_ms: self.started.elapsed().as_millis() as u64,
+            tier_writes: Vec::new(),
+            tier_unremoved: Vec::new(),
+            tier_fds: Vec::new(),
         }
     }
 }

@@ -33,14 +33,14 @@ use crate::tier::TierKind;
 use crate::waits::Waits;
 use kachedb_shm::control::{ServeStats, DEFAULT_TENANT, MAX_TENANTS, OTHER_TENANT};
 use kachedb_shm::{Completion, Op, Region, SpinThenPark, Stats, Status, TensorBlockDescriptor, Tick, WaitState};
-use session::{answer_wait, unpark_fetch, wake_waits, Session};
+use session::{answer_wait, removal_done, unpark_fetch, wake_waits, Session};
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tiers::{FetchDone, Tiers};
+use tiers::{FetchDone, Resolved, Tiers};
 
 /// Frames handled per channel per pass (bounds latency for the others).
 const BATCH: usize = 64;
@@ -222,6 +222,8 @@ impl Serve {
     /// Serves with `tiers` behind the store, in order (`crate::tier`).
     pub(crate) fn with_tiers(mut self, tiers: Vec<Box<dyn crate::tier::Tier>>) -> Serve {
         self.tiers = Tiers::new(tiers, &mut self.store);
+        // The daemon serves from here on (a takeover's tiers were held).
+        self.tiers.release();
         self
     }
 
@@ -370,12 +372,26 @@ impl Serve {
     }
 
     /// Unparks the channels whose fetch never came back in time (their held
-    /// frames are then answered from what is local); whether any.
+    /// frames are then answered from what is local), and answers those whose
+    /// removals were not confirmed in time (`NOT_DURABLE`); whether any.
     fn expire_fetches(&mut self) -> bool {
-        let expired = self.tiers.expire(Instant::now());
-        let any = !expired.is_empty();
+        let now = Instant::now();
+        let expired = self.tiers.expire(now);
+        let removals = self.tiers.expire_removals(now);
+        let any = !expired.is_empty() || !removals.is_empty();
         self.fetches_done(expired);
+        self.removals_done(removals);
         any
+    }
+
+    /// Removals that held answers waited for are over: a channel none of
+    /// whose held answers waits any more gets them.
+    fn removals_done(&mut self, done: Vec<Resolved>) {
+        for r in done {
+            if let Some(s) = self.sessions.get_mut(r.channel as usize).and_then(Option::as_mut) {
+                removal_done(&mut self.store, s, r, &mut self.counters);
+            }
+        }
     }
 
     /// Does a slice of the tiers' fill work and serves the channels of the
@@ -459,6 +475,7 @@ impl Serve {
                     fetch: None,
                     remote_asked: HashSet::new(),
                     stuck_since: None,
+                    held_answers: Vec::new(),
                 });
                 self.counters.clients_connected += 1;
                 self.counters.clients_total += 1;
@@ -480,7 +497,11 @@ impl Serve {
                 }
             }
             Event::Stats(reply) => self.stats_waiting.push(reply),
-            Event::Tier { tier, event } => self.tiers.on_event(&mut self.store, tier, event),
+            Event::Tier { tier, event } => {
+                if let Some(r) = self.tiers.on_event(&mut self.store, tier, event) {
+                    self.removals_done(vec![r]);
+                }
+            }
             Event::Takeover { state, outcome } => {
                 self.hand_over(state, outcome);
                 if self.handed_over {

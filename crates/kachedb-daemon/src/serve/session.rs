@@ -3,7 +3,7 @@
 //! one's batch of requests from the store ([`serve_channel`]), parks WAITs
 //! and local misses, and answers the WAITs that commits wake.
 
-use super::tiers::Tiers;
+use super::tiers::{Resolved, Tiers};
 use super::BATCH;
 use crate::metrics::MetricsWriter;
 use crate::store::{SessionId, Store};
@@ -42,6 +42,20 @@ pub(super) struct Session {
     /// Since when requests of this channel wait for room in its completion
     /// ring (the client does not drain it); `None` while it does.
     pub(super) stuck_since: Option<Instant>,
+    /// Answers held until the removals they wait for are over (a DELETE, or
+    /// a COMMIT that replaced a block a tier holds, and the COMMITs and
+    /// DELETEs served after it in the same batch), in request order;
+    /// `waiting` is set meanwhile.
+    pub(super) held_answers: Vec<HeldAnswer>,
+}
+
+/// An answer held for the removals it waits for.
+pub(super) struct HeldAnswer {
+    pub(super) c: Completion,
+    /// The removals (tier, token) not over yet.
+    pub(super) waits: Vec<(crate::tier::TierId, u64)>,
+    /// Every removal it waited for was durable so far.
+    pub(super) durable: bool,
 }
 
 /// A fetch (from a tier) a channel is parked on.
@@ -172,6 +186,40 @@ pub(super) fn unpark_fetch(s: &mut Session) -> Instant {
     }
 }
 
+/// A removal that answers of `s` wait for is over: once none waits any
+/// more, the held answers are sent in order — `NOT_DURABLE` for those whose
+/// removals were not all durable (a COMMIT_PIN's pin is released first, as
+/// its client, told the commit failed, never learns the handle) — and the
+/// channel is served again.
+pub(super) fn removal_done(store: &mut Store, s: &mut Session, r: Resolved, counters: &mut ServeStats) {
+    if s.session != r.session {
+        return;
+    }
+    for h in &mut s.held_answers {
+        if let Some(at) = h.waits.iter().position(|&w| w == r.id) {
+            h.waits.swap_remove(at);
+            h.durable &= r.durable;
+        }
+    }
+    if s.held_answers.iter().any(|h| !h.waits.is_empty()) {
+        return;
+    }
+    for h in std::mem::take(&mut s.held_answers) {
+        // A DELETE's NOT_FOUND says the key was not in RAM; a tier may
+        // still have held it.
+        let refused = h.c.status != Status::Ok && h.c.op != Op::Delete;
+        let c = if h.durable || refused {
+            h.c
+        } else {
+            if h.c.tensor.is_some() {
+                store.handle_internal(s.session, &Request::Release { handle: h.c.handle });
+            }
+            Completion { status: Status::NotDurable, handle: 0, offset: 0, tensor: None, ..h.c }
+        };
+        answer_wait(s, c, counters);
+    }
+}
+
 /// Sends the completion of the parked WAIT of `s`; its held frames are served
 /// from the next pass on.
 pub(super) fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeStats) {
@@ -244,7 +292,23 @@ pub(super) fn serve_channel(
     out.clear();
     let timer = metrics.batch_start();
     for (i, frame) in req[..n].iter().enumerate() {
+        // Behind a held answer only COMMITs and DELETEs are served (their
+        // answers held too, in order); the rest waits until it is sent.
+        if !s.held_answers.is_empty()
+            && !matches!(
+                Request::decode(frame),
+                Ok(Request::Commit { .. }
+                    | Request::CommitPin { .. }
+                    | Request::CommitAs { .. }
+                    | Request::Delete { .. })
+            )
+        {
+            s.held.splice(0..0, req[i..n].iter().copied());
+            break;
+        }
         counters.ops += 1;
+        // The removals this frame's answer waits for (COMMIT, DELETE).
+        let mut removals: Option<Vec<(crate::tier::TierId, u64)>> = None;
         let c = match Request::decode(frame) {
             Ok(r @ (Request::Commit { .. } | Request::CommitPin { .. } | Request::CommitAs { .. }))
                 if !waits.is_empty() || !tiers.is_empty() =>
@@ -262,7 +326,8 @@ pub(super) fn serve_channel(
                         committed.push(key);
                     }
                     if !tiers.is_empty() {
-                        tiers.write_behind(store, key, parent);
+                        // An older copy a tier holds goes first (a replacement).
+                        removals = Some(tiers.committed(store, channel, s.session, key, parent));
                     }
                 }
                 c
@@ -270,7 +335,7 @@ pub(super) fn serve_channel(
             Ok(r @ Request::Delete { key }) if !tiers.is_empty() => {
                 // Through to the tiers, whether or not the key was local.
                 let c = store.handle(s.session, frame.request_id, &r);
-                tiers.delete(key);
+                removals = Some(tiers.remove(channel, s.session, key));
                 c
             }
             Ok(r @ (Request::Get { key } | Request::Lookup { key }))
@@ -350,7 +415,16 @@ pub(super) fn serve_channel(
                 tiers.requested(store, key);
             }
         }
-        out.push(c.encode());
+        match removals {
+            Some(waits) if !waits.is_empty() || !s.held_answers.is_empty() => {
+                s.held_answers.push(HeldAnswer { c, waits, durable: true });
+            }
+            _ => out.push(c.encode()),
+        }
+    }
+    if !s.held_answers.is_empty() {
+        // Parked until the removals are over (`removal_done`).
+        s.waiting = true;
     }
     // Before the completions go out: a client that saw its answer and then
     // scrapes finds it counted.

@@ -7,13 +7,20 @@
 //! then remote). What a fetch's end means for its channel is the loop's
 //! business: this side reports it ([`FetchDone`]).
 //!
-//! A client's DELETE goes to every tier ([`Tier::delete`]), and no fill of
-//! a fetch started before it commits the key afterwards ([`Tiers::delete`]).
+//! A client's DELETE, and its COMMIT of a newer block of a key, go to every
+//! tier ([`Tier::remove`]), and no fill of a fetch started before commits
+//! the key afterwards ([`Tiers::remove`]). A tier that must make the older
+//! copy's removal durable answers with a token; the client's answer waits
+//! for it ([`Removals`]: the serve loop holds the answer, up to the tier's
+//! bound, then answers `NOT_DURABLE`).
 //! A tier with [`Admission::Second`] is offered a block only once it is
 //! requested again after its commit ([`Candidates`]).
 
 use crate::store::{SessionId, Store};
-use crate::tier::{Admission, FetchJob, FillSpec, Reserved, StoppedTier, Tier, TierEvent, TierId, TierKind, WriteJob};
+use crate::tier::{
+    Admission, FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, Reserved, StoppedTier, Tier, TierEvent,
+    TierId, TierKind, WriteJob,
+};
 use kachedb_shm::{Request, Status};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
@@ -41,6 +48,29 @@ pub(super) struct Tiers {
     /// earlier one is not committed (its tier read the block before the
     /// DELETE). Dropped once no such fetch is open.
     deleted: HashMap<u128, u64>,
+    /// Removals a client's answer waits for.
+    removals: HashMap<(TierId, u64), Waiting>,
+}
+
+/// A removal a client's answer waits for ([`Removal::Pending`]).
+#[derive(Clone, Copy, Debug)]
+struct Waiting {
+    channel: u32,
+    session: SessionId,
+    key: u128,
+    /// When the loop stops waiting (the tier's bound) and answers `NOT_DURABLE`.
+    deadline: Instant,
+}
+
+/// A removal a held answer waited for is over.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Resolved {
+    pub(super) channel: u32,
+    pub(super) session: SessionId,
+    /// The tier and token.
+    pub(super) id: (TierId, u64),
+    /// It is durable.
+    pub(super) durable: bool,
 }
 
 /// The blocks a tier with [`Admission::Second`] was not offered yet:
@@ -125,8 +155,15 @@ pub(super) struct FetchDone {
     pub(super) committed: Vec<u128>,
 }
 
-/// Tiers stopped for a takeover, with their ids.
-pub(super) struct Stopped(Vec<(TierId, Box<dyn StoppedTier>)>);
+/// Tiers stopped for a takeover, with their ids, and what they hand on.
+#[derive(Default)]
+pub(crate) struct Stopped {
+    pub(super) tiers: Vec<(TierId, Box<dyn StoppedTier>)>,
+    /// Writes taken and not finished, by any tier (each key once).
+    pub(crate) pending: Vec<PendingWrite>,
+    /// Keys whose older copy a tier could not remove.
+    pub(crate) unremoved: Vec<u128>,
+}
 
 impl TierSide {
     fn new(id: TierId, tier: Box<dyn Tier>, store: &mut Store) -> TierSide {
@@ -145,9 +182,13 @@ impl TierSide {
     /// Offers the block of `key` (in `store`) to this tier for writing behind.
     fn write_behind(&self, store: &mut Store, key: u128, parent: Option<u128>) {
         let Some(b) = store.peek(key) else { return };
+        let Some((tenant, tenant_limit)) = store.block_tenant_limit(key).map(|(n, l)| (n.to_owned(), l)) else {
+            return;
+        };
         let session = self.session;
-        self.tier.write_behind(b.len, &mut || {
-            let tenant = store.block_tenant(key)?.to_owned();
+        let offer = Offer { len: b.len, tenant: &tenant, tenant_limit };
+        self.tier.write_behind(offer, &mut || {
+            let tenant = tenant.clone();
             let c = store.handle_internal(session, &Request::Get { key });
             (c.status == Status::Ok).then_some(WriteJob {
                 tenant,
@@ -209,17 +250,67 @@ impl Tiers {
         }
     }
 
-    /// A client deleted `key` (served already): every tier is told, and no
-    /// fill of a fetch open now commits it afterwards.
-    pub(super) fn delete(&mut self, key: u128) {
+    /// A client of `channel` (`session`) deleted `key` (served already):
+    /// every tier is told, and no fill of a fetch open now commits it
+    /// afterwards. The removals the client's answer must wait for (none:
+    /// answer now).
+    pub(super) fn remove(&mut self, channel: u32, session: SessionId, key: u128) -> Vec<(TierId, u64)> {
         if !self.open.is_empty() {
             self.deleted.insert(key, self.next_fetch);
         }
+        let mut waits = Vec::new();
         for t in &mut self.sides {
             if let Some(c) = &mut t.candidates {
                 c.take(key);
             }
-            t.tier.delete(key);
+            if let Removal::Pending(token) = t.tier.remove(key) {
+                let deadline = Instant::now() + t.tier.fetch_bound();
+                self.removals.insert((t.id, token), Waiting { channel, session, key, deadline });
+                waits.push((t.id, token));
+            }
+        }
+        waits
+    }
+
+    /// A client of `channel` (`session`) committed a block of `key` (served
+    /// already, naming `parent`): an older copy a tier holds must go first
+    /// (a replacement; the tier says whether it may hold one), then the
+    /// block is offered for writing behind. The removals the client's
+    /// answer must wait for.
+    pub(super) fn committed(
+        &mut self,
+        store: &mut Store,
+        channel: u32,
+        session: SessionId,
+        key: u128,
+        parent: Option<u128>,
+    ) -> Vec<(TierId, u64)> {
+        let mut waits = Vec::new();
+        for t in &mut self.sides {
+            if let Removal::Pending(token) = t.tier.remove(key) {
+                let deadline = Instant::now() + t.tier.fetch_bound();
+                self.removals.insert((t.id, token), Waiting { channel, session, key, deadline });
+                waits.push((t.id, token));
+            }
+        }
+        self.write_behind(store, key, parent);
+        waits
+    }
+
+    /// Offers the block of `key` again to every tier for writing behind,
+    /// as taken already (a write a stopped tier handed back): no admission
+    /// rule applies.
+    pub(super) fn rewrite(&mut self, store: &mut Store, w: PendingWrite) {
+        for t in &self.sides {
+            t.write_behind(store, w.key, w.parent);
+        }
+    }
+
+    /// Removes `key` from every tier with nobody waiting for the answer (a
+    /// removal a stopped tier could not finish).
+    pub(super) fn remove_unanswered(&mut self, key: u128) {
+        for t in &self.sides {
+            t.tier.remove(key);
         }
     }
 
@@ -235,14 +326,33 @@ impl Tiers {
         Some(id)
     }
 
-    /// Whether a fetch is being waited for.
+    /// Whether a fetch or a removal is being waited for.
     pub(super) fn fetching(&self) -> bool {
-        self.sides.iter().any(|t| !t.pending.is_empty())
+        self.sides.iter().any(|t| !t.pending.is_empty()) || !self.removals.is_empty()
     }
 
-    /// The earliest time the serve loop stops waiting for a fetch.
+    /// The earliest time the serve loop stops waiting for a fetch or a removal.
     pub(super) fn next_fetch_deadline(&self) -> Option<Instant> {
-        self.sides.iter().flat_map(|t| t.pending.values().map(|p| p.deadline)).min()
+        let fetches = self.sides.iter().flat_map(|t| t.pending.values().map(|p| p.deadline));
+        fetches.chain(self.removals.values().map(|w| w.deadline)).min()
+    }
+
+    /// The removals whose time ran out by `now`: not durable (as far as the
+    /// client's answer goes; the tier goes on trying).
+    pub(super) fn expire_removals(&mut self, now: Instant) -> Vec<Resolved> {
+        let mut out = Vec::new();
+        let sides = &self.sides;
+        self.removals.retain(|&id, w| {
+            let keep = w.deadline > now;
+            if !keep {
+                if let Some(t) = sides.iter().find(|t| t.id == id.0) {
+                    t.tier.unconfirmed();
+                }
+                out.push(Resolved { channel: w.channel, session: w.session, id, durable: false });
+            }
+            keep
+        });
+        out
     }
 
     /// The fetches whose time ran out by `now` (nothing committed): the
@@ -264,12 +374,30 @@ impl Tiers {
 
     /// What tier `id` reports. A write's pin is dropped at once;
     /// reservations and commits of a fill are queued and done
-    /// [`TIER_SLICE`] blocks per pass ([`slice`](Self::slice)).
-    pub(super) fn on_event(&mut self, store: &mut Store, id: TierId, ev: TierEvent) {
-        let Some(t) = self.sides.iter_mut().find(|t| t.id == id) else { return };
+    /// [`TIER_SLICE`] blocks per pass ([`slice`](Self::slice)); a removal
+    /// a client's answer waits for is returned.
+    pub(super) fn on_event(&mut self, store: &mut Store, id: TierId, ev: TierEvent) -> Option<Resolved> {
+        let t = self.sides.iter_mut().find(|t| t.id == id)?;
         match ev {
             TierEvent::Written { pin } => {
                 store.handle_internal(t.session, &Request::Release { handle: pin });
+            }
+            TierEvent::Removed { token, result } => {
+                let w = self.removals.remove(&(id, token))?;
+                if let Err(why) = &result {
+                    t.tier.unconfirmed();
+                    tracing::warn!(
+                        event = "removal_not_durable",
+                        key = %format_args!("{:032x}", w.key),
+                        "a delete or replacement is answered NOT_DURABLE: {why}"
+                    );
+                }
+                return Some(Resolved {
+                    channel: w.channel,
+                    session: w.session,
+                    id: (id, token),
+                    durable: result.is_ok(),
+                });
             }
             TierEvent::Reserve { fetch, blocks, reply } => {
                 let answers = Vec::with_capacity(blocks.len());
@@ -279,6 +407,7 @@ impl Tiers {
                 t.work.push_back(FillWork::Commit { fetch, filled, next: 0, committed: Vec::new() });
             }
         }
+        None
     }
 
     /// Does up to [`TIER_SLICE`] blocks of the tiers' queued fill work (and
@@ -421,29 +550,56 @@ impl Tiers {
     }
 
     /// Stops every tier for a takeover, closing their sessions (which drops
-    /// their pins and reservations).
-    pub(super) fn stop(&mut self, store: &mut Store) -> Stopped {
+    /// their pins and reservations). Every removal a client's answer waits
+    /// for is over then (returned); the writes the tiers had taken and not
+    /// finished, and the keys whose removal failed, are handed back with the
+    /// stopped tiers, for the daemon that serves next.
+    pub(super) fn stop(&mut self, store: &mut Store) -> (Stopped, Vec<Resolved>) {
         self.open.clear();
         self.deleted.clear();
-        Stopped(
-            self.sides
-                .drain(..)
-                .map(|t| {
-                    let stopped = t.tier.stop();
-                    store.close_session(t.session);
-                    (t.id, stopped)
-                })
-                .collect(),
-        )
+        let mut stopped = Stopped::default();
+        let mut resolved = Vec::new();
+        for t in self.sides.drain(..) {
+            let (tier, Handover { pending, removed, unremoved }) = t.tier.stop();
+            store.close_session(t.session);
+            let removed: HashMap<u64, bool> = removed.into_iter().map(|(token, r)| (token, r.is_ok())).collect();
+            self.removals.retain(|&(id, token), w| {
+                if id != t.id {
+                    return true;
+                }
+                let durable = removed.get(&token).copied().unwrap_or(!unremoved.contains(&w.key));
+                resolved.push(Resolved { channel: w.channel, session: w.session, id: (id, token), durable });
+                false
+            });
+            for w in pending {
+                if !stopped.pending.contains(&w) {
+                    stopped.pending.push(w);
+                }
+            }
+            stopped.unremoved.extend(unremoved);
+            stopped.tiers.push((t.id, tier));
+        }
+        (stopped, resolved)
     }
 
-    /// Starts the tiers of `stopped` again (a takeover that did not happen).
+    /// Starts the tiers of `stopped` again (a takeover that did not happen)
+    /// and offers them the writes they had not finished.
     pub(super) fn resume(&mut self, stopped: Stopped, store: &mut Store) {
-        for (id, t) in stopped.0 {
+        for (id, t) in stopped.tiers {
             match t.resume() {
                 Ok(tier) => self.sides.push(TierSide::new(id, tier, store)),
                 Err(e) => tracing::error!("tier {id} did not restart after a failed takeover: {e}"),
             }
+        }
+        for w in stopped.pending {
+            self.rewrite(store, w);
+        }
+    }
+
+    /// Lets every tier touch its storage (the daemon serves from now on).
+    pub(super) fn release(&self) {
+        for t in &self.sides {
+            t.tier.release();
         }
     }
 }
@@ -460,7 +616,7 @@ mod tests {
     struct Scripted;
 
     impl Tier for Scripted {
-        fn write_behind(&self, _len: u64, _pinned: &mut dyn FnMut() -> Option<WriteJob>) {}
+        fn write_behind(&self, _offer: Offer<'_>, _pinned: &mut dyn FnMut() -> Option<WriteJob>) {}
         fn fetch(&self, _job: FetchJob) {}
         fn fetch_bound(&self) -> Duration {
             Duration::from_secs(60)
@@ -469,8 +625,10 @@ mod tests {
         fn kind(&self) -> TierKind {
             TierKind::Disk
         }
-        fn delete(&self, _key: u128) {}
-        fn stop(self: Box<Self>) -> Box<dyn StoppedTier> {
+        fn remove(&self, _key: u128) -> Removal {
+            Removal::Done
+        }
+        fn stop(self: Box<Self>) -> (Box<dyn StoppedTier>, Handover) {
             unreachable!("not stopped in these tests")
         }
     }
@@ -561,10 +719,11 @@ mod tests {
             tenant: None,
         };
         let (a, b) = (1u128, 2u128);
+        let client = store.open_session();
         // A: deleted before the reservation; B: after it.
         let fa = tiers.start_fetch(0, vec![a]).unwrap();
         let fb = tiers.start_fetch(1, vec![b]).unwrap();
-        tiers.delete(a);
+        tiers.remove(0, client, a);
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fa, blocks: vec![spec(a)], reply: tx });
         drain(&mut tiers, &mut store);
@@ -574,7 +733,7 @@ mod tests {
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fb, blocks: vec![spec(b)], reply: tx });
         drain(&mut tiers, &mut store);
         let r = rx.try_recv().unwrap()[0].expect("room for B");
-        tiers.delete(b);
+        tiers.remove(0, client, b);
         tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fb, filled: vec![(r.handle, 300)] });
         let done = drain(&mut tiers, &mut store);
         assert!(done.iter().all(|d| d.committed.is_empty()), "a deleted key was filled back");

@@ -309,6 +309,19 @@ impl Store {
         }
     }
 
+    /// The name and megaslab limit of the tenant row block `key` is counted
+    /// in, if it is a block.
+    pub fn block_tenant_limit(&self, key: u128) -> Option<(&str, Option<u64>)> {
+        let &index = self.keys.get(&key)?;
+        match &self.slots.get(index as usize)?.state {
+            SlotState::Block { tensor, .. } => {
+                let row = self.tenants.get(tensor.tenant);
+                Some((&row.name, row.limit))
+            }
+            _ => None,
+        }
+    }
+
     /// The rows whose figures changed since the last call, as a bit mask
     /// (bit `t` for row `t`), cleared; for the serve loop to publish only those.
     pub fn take_dirty_tenants(&mut self) -> u64 {
