@@ -189,6 +189,29 @@ impl Channel {
         raw.iter().map(decode_completion).collect()
     }
 
+    /// RESERVEs as reservation units (`kachedb_shm::mark_unit`): each run of
+    /// [`unit_len`](Self::unit_len) of them (the last run shorter) is marked
+    /// as one unit and published in one push, so the daemon admits each
+    /// whole or not at all. Their completions, in order.
+    pub(crate) fn call_units(&self, reqs: &[Request]) -> Result<Vec<Completion>> {
+        let mut io = self.lock()?;
+        let out = self.exchange_in(&mut io, reqs, true, self.unit_len());
+        if matches!(out, Err(ClientError::Protocol(_) | ClientError::Disconnected(_))) {
+            self.closed.store(true, Ordering::Release);
+        }
+        self.flush_releases(&mut io);
+        drop(io);
+        self.after_unlock();
+        out?.iter().map(decode_completion).collect()
+    }
+
+    /// The most RESERVEs one reservation unit holds: the ring's capacity
+    /// (the daemon takes a unit's frames from its ring whole; a longer batch
+    /// is admitted in units of this size, each whole or not at all).
+    pub(crate) fn unit_len(&self) -> usize {
+        self.region.layout().ring_capacity as usize
+    }
+
     /// Raw frames (no validation); the raw completions.
     pub(crate) fn call_raw(&self, frames: &[TensorBlockDescriptor]) -> Result<Vec<TensorBlockDescriptor>> {
         self.call_frames(frames)
@@ -232,6 +255,21 @@ impl Channel {
     /// Pushes `frames` (request ids assigned here) and collects one completion
     /// each, in order; `keep = false` discards them.
     fn exchange<F: Frames + ?Sized>(&self, io: &mut Io, frames: &F, keep: bool) -> Result<Vec<TensorBlockDescriptor>> {
+        self.exchange_in(io, frames, keep, 1)
+    }
+
+    /// [`exchange`](Self::exchange) of frames in groups of `unit` (the last
+    /// one shorter): with `unit` above 1 each group is marked as a
+    /// reservation unit (`kachedb_shm::mark_unit`) and pushed only whole,
+    /// never split across two publishes. `unit` is at most the ring's
+    /// capacity.
+    fn exchange_in<F: Frames + ?Sized>(
+        &self,
+        io: &mut Io,
+        frames: &F,
+        keep: bool,
+        unit: usize,
+    ) -> Result<Vec<TensorBlockDescriptor>> {
         if self.inherited() {
             return Err(Self::forked_error());
         }
@@ -246,6 +284,12 @@ impl Channel {
         io.frames.clear();
         io.frames.extend((0..count).map(|i| frames.frame(i, first_id.wrapping_add(i as u32))));
         io.next_request_id = first_id.wrapping_add(count as u32);
+        let unit = unit.clamp(1, self.region.layout().ring_capacity.max(1) as usize);
+        if unit > 1 {
+            for group in io.frames.chunks_mut(unit) {
+                kachedb_shm::mark_unit(group);
+            }
+        }
         let mut buf = [TensorBlockDescriptor::default(); 64];
         // Whether a push of this exchange woke the daemon from its park: its
         // answer then waits for its wake-up first, and our wait polls through
@@ -254,10 +298,20 @@ impl Channel {
         while received < count || io.unacked > 0 {
             if sent < count {
                 let Io { sub, frames: fr, .. } = &mut *io;
-                let n = sub.push_batch(&fr[sent..]).map_err(|e| self.ring_err(e))?;
-                if n > 0 {
-                    sent += n;
-                    woke_daemon |= self.region.doorbell().notify();
+                // Whole groups only: up to the last group boundary that fits.
+                let mut end = count;
+                if unit > 1 {
+                    let room = sub.free_slots_for(count - sent).map_err(|e| self.ring_err(e))?;
+                    if sent + room < count {
+                        end = (sent + room) / unit * unit;
+                    }
+                }
+                if end > sent {
+                    let n = sub.push_batch(&fr[sent..end]).map_err(|e| self.ring_err(e))?;
+                    if n > 0 {
+                        sent += n;
+                        woke_daemon |= self.region.doorbell().notify();
+                    }
                 }
             }
             let in_flight = io.unacked + sent - received;

@@ -274,6 +274,15 @@ impl Client {
     /// page_offset)` each, as [`reserve`](Self::reserve). All or nothing: if one
     /// fails, the others are aborted (one batch of ABORTs) and its error returned.
     /// Write each, then [`commit_many`](Self::commit_many) (or drop to abort).
+    ///
+    /// The batch goes as reservation units (`docs/PROTOCOL.md`, "Reservation
+    /// units") of up to the ring's capacity of RESERVEs (1024 by default),
+    /// which the daemon admits whole or not at all: a refused unit leaves
+    /// nothing reserved and evicts nothing, so a batch that cannot fit costs
+    /// no one a block. A longer batch is admitted in units of that size: if
+    /// a later unit is refused, the earlier ones' reservations are aborted,
+    /// but the blocks they evicted to make room stay evicted. (A daemon
+    /// older than units serves each RESERVE on its own.)
     pub fn reserve_many(&self, items: &[(Key, DType, Shape, u64)]) -> Result<Vec<Reservation>> {
         self.reserve_many_with_parents(items, &[])
     }
@@ -300,7 +309,7 @@ impl Client {
                 Request::reserve(key.0, *dtype, *shape, *page_offset).map_err(invalid)
             })
             .collect::<Result<Vec<_>>>()?;
-        let done = self.channel.call(&reqs)?;
+        let done = self.channel.call_units(&reqs)?;
         let mut out = Vec::with_capacity(items.len());
         let mut first_err = None;
         for (c, (_, dtype, shape, _)) in done.into_iter().zip(items) {

@@ -168,6 +168,34 @@ impl ExtentAllocator {
         Some(Extent { offset: free_offset, len: need })
     }
 
+    /// Allocates exactly `e` (page aligned, non-empty), which must lie within
+    /// one free extent: carves it out, leaving the free pieces before and
+    /// after it. `false` (and nothing changes) if any page of `e` is not
+    /// free. For putting back an extent that was freed a moment ago (a
+    /// refused reservation unit restores the blocks it evicted, at the same
+    /// extents). `O(log n)`.
+    pub fn alloc_at(&mut self, e: Extent) -> bool {
+        if e.len == 0 || !is_page_aligned(e.offset) || !is_page_aligned(e.len) {
+            return false;
+        }
+        let Some(end) = e.offset.checked_add(e.len) else { return false };
+        let Some((&free_offset, &free_len)) = self.free_by_offset.range(..=e.offset).next_back() else {
+            return false;
+        };
+        if free_offset + free_len < end {
+            return false;
+        }
+        self.remove_free(free_offset, free_len);
+        if free_offset < e.offset {
+            self.insert_free(free_offset, e.offset - free_offset);
+        }
+        if end < free_offset + free_len {
+            self.insert_free(end, free_offset + free_len - end);
+        }
+        self.allocated.insert(e.offset, e.len);
+        true
+    }
+
     /// Frees `e`, which must be a live allocation, coalescing it with free
     /// neighbours. Returns `false` (and changes nothing) for a double free or
     /// an extent `alloc` did not hand out; that is a caller bug, so debug
@@ -390,6 +418,39 @@ mod tests {
         let e = a.alloc(PAGE_LEN).unwrap();
         assert_eq!(e.offset, h3.offset + 3 * PAGE_LEN);
         a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn alloc_at_carves_exactly_and_undoes_a_free() {
+        let mut a = ExtentAllocator::new(2 * MIB, 8 * PAGE_LEN);
+        let x = a.alloc(2 * PAGE_LEN).unwrap();
+        let y = a.alloc(3 * PAGE_LEN).unwrap();
+        let z = a.alloc(PAGE_LEN).unwrap();
+        let before = a.clone();
+        // y freed coalesces with nothing on its left (x) or right (z): carve it back.
+        assert!(a.try_free(y).is_ok());
+        assert!(a.alloc_at(y));
+        assert_eq!(format!("{a:?}"), format!("{before:?}"));
+        // Freed between free neighbours, it coalesces into one extent; carving
+        // it back splits that extent into the same pieces.
+        assert!(a.try_free(x).is_ok() && a.try_free(z).is_ok());
+        let two_holes = a.clone();
+        assert!(a.try_free(y).is_ok());
+        assert_eq!(a.free_extent_count(), 1);
+        assert!(a.alloc_at(y));
+        assert_eq!(format!("{a:?}"), format!("{two_holes:?}"));
+        a.check_invariants().unwrap();
+        // Pages that are not all free, or a misaligned or empty extent: refused, nothing changes.
+        for bad in [
+            y,
+            Extent { offset: y.offset - PAGE_LEN, len: 2 * PAGE_LEN },
+            Extent { offset: y.offset + 1, len: PAGE_LEN },
+            Extent { offset: x.offset, len: 0 },
+            Extent { offset: 2 * MIB + 8 * PAGE_LEN, len: PAGE_LEN },
+        ] {
+            assert!(!a.alloc_at(bad), "{bad:?}");
+            assert_eq!(format!("{a:?}"), format!("{two_holes:?}"));
+        }
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! rules is written here once: the RESERVE page offset
 //! ([`page_offset_is_valid`], [`page_offset_of`]), a tensor's byte length
 //! ([`Shape::len_bytes`], [`Shape::check_len`]), what a COMMIT's key fields
-//! name ([`COMMIT_HAS_PARENT`], [`COMMIT_NAMES_KEY`], in `commit_flags`).
+//! name ([`COMMIT_HAS_PARENT`], [`COMMIT_NAMES_KEY`], in `commit_request`),
+//! which RESERVEs form one reservation unit ([`RESERVE_CONTINUES`],
+//! [`continues_unit`], [`unit_len`], [`mark_unit`]).
 //! Everything read from shared
 //! memory is untrusted: decoding never panics and never indexes with an
 //! unchecked value.
@@ -55,6 +57,63 @@ pub const COMMIT_HAS_PARENT: u64 = 1;
 /// bytes before it knows their key reserves with any key and names the real
 /// one here. Decoded as [`Request::CommitAs`]; such a block has no parent.
 pub const COMMIT_NAMES_KEY: u64 = 2;
+
+/// RESERVE flag (the frame's `handle` field, unused by RESERVE otherwise):
+/// the next RESERVE on this ring belongs to the same **reservation unit**
+/// (`docs/PROTOCOL.md`, "Reservation units"). A unit is a run of RESERVEs
+/// each flagged but the last, at most the ring's capacity long; the daemon
+/// admits a unit whole or not at all: if one of its RESERVEs is refused,
+/// every RESERVE of the unit is answered with that refusal and nothing is
+/// left reserved or evicted. A RESERVE without the flag whose predecessor
+/// has none is a unit of its own (every RESERVE of a client that does not
+/// know the flag). Any other bit of a RESERVE's `handle` makes the frame
+/// invalid.
+pub const RESERVE_CONTINUES: u64 = 1;
+
+/// Whether frame `d` is a RESERVE that continues a reservation unit
+/// ([`RESERVE_CONTINUES`]): the next RESERVE on its ring belongs to the same
+/// unit. Read on the raw frame, so that a unit is known before any of it is
+/// decoded.
+pub fn continues_unit(d: &TensorBlockDescriptor) -> bool {
+    d.op == Op::Reserve as u8 && d.handle & RESERVE_CONTINUES != 0
+}
+
+/// How many frames of `frames`, from the first, form its reservation unit:
+/// the run of RESERVEs that [continue](continues_unit) a unit, then the
+/// RESERVE that ends it (if it is there), at most `max_len` (the ring's
+/// capacity) frames. 1 for a first frame that continues no unit, 0 for no
+/// frames. A unit cut short (the frames end, or a frame that is not a
+/// RESERVE follows a flagged one) is the frames that are there.
+pub fn unit_len(frames: &[TensorBlockDescriptor], max_len: usize) -> usize {
+    let mut n = 0;
+    for f in frames.iter().take(max_len.max(1)) {
+        if n > 0 && f.op != Op::Reserve as u8 {
+            break;
+        }
+        n += 1;
+        if !continues_unit(f) {
+            break;
+        }
+    }
+    n
+}
+
+/// Marks `frames` (encoded RESERVEs, at most the ring's capacity) as one
+/// reservation unit: [`RESERVE_CONTINUES`] on every frame but the last,
+/// which ends it. The frames must be published in one push (the daemon
+/// admits the unit it finds on the ring).
+pub fn mark_unit(frames: &mut [TensorBlockDescriptor]) {
+    let n = frames.len();
+    for (i, f) in frames.iter_mut().enumerate() {
+        if f.op == Op::Reserve as u8 {
+            if i + 1 < n {
+                f.handle |= RESERVE_CONTINUES;
+            } else {
+                f.handle &= !RESERVE_CONTINUES;
+            }
+        }
+    }
+}
 
 /// One ring slot: 64 bytes, plain old data, every bit pattern valid.
 #[repr(C)]
@@ -388,6 +447,9 @@ pub enum DecodeError {
     /// [`COMMIT_NAMES_KEY`].
     #[error("COMMIT flags {0:#x} are not 0, COMMIT_HAS_PARENT (1) or COMMIT_NAMES_KEY (2)")]
     BadCommitFlags(u64),
+    /// RESERVE: the `handle` field is neither 0 nor [`RESERVE_CONTINUES`].
+    #[error("RESERVE flags {0:#x} are not 0 or RESERVE_CONTINUES (1)")]
+    BadReserveFlags(u64),
     /// A request carried a non-zero status.
     #[error("request frames must carry status 0, got {0}")]
     StatusInRequest(u8),
@@ -567,6 +629,9 @@ impl Request {
         Ok(match op {
             Op::Ping => Request::Ping,
             Op::Reserve => {
+                if d.handle & !RESERVE_CONTINUES != 0 {
+                    return Err(DecodeError::BadReserveFlags(d.handle));
+                }
                 let (dtype, shape) = checked_dims(d)?;
                 Request::reserve(key, dtype, shape, d.offset)?
             }
@@ -827,6 +892,44 @@ mod tests {
             d.offset = flags;
             assert_eq!(Request::decode(&d), Err(DecodeError::BadCommitFlags(flags)));
         }
+    }
+
+    fn reserve(key: u128) -> TensorBlockDescriptor {
+        Request::reserve(key, DType::U8, Shape::new(&[4]).unwrap(), 0).unwrap().encode(key as u32)
+    }
+
+    #[test]
+    fn reservation_unit_rule() {
+        // A client's batch: every RESERVE but the last continues the unit.
+        let mut unit: Vec<TensorBlockDescriptor> = (0..4).map(reserve).collect();
+        mark_unit(&mut unit);
+        assert_eq!(unit.iter().map(continues_unit).collect::<Vec<_>>(), [true, true, true, false]);
+        // The flag does not change what the frame asks for.
+        for (i, f) in unit.iter().enumerate() {
+            assert_eq!(Request::decode(f), Request::decode(&reserve(i as u128)));
+        }
+        assert_eq!(unit_len(&unit, 1024), 4);
+        assert_eq!(unit_len(&unit[1..], 1024), 3);
+        assert_eq!(unit_len(&unit[3..], 1024), 1);
+        // Capped at the ring's capacity; cut short where the frames end.
+        assert_eq!(unit_len(&unit, 2), 2);
+        assert_eq!(unit_len(&unit[..2], 1024), 2);
+        assert_eq!(unit_len(&[], 1024), 0);
+        // A frame that is not a RESERVE ends a unit before it.
+        let mut mixed = vec![unit[0], TensorBlockDescriptor::request(Op::Get, 9, 9), unit[1]];
+        assert_eq!(unit_len(&mixed, 1024), 1);
+        assert_eq!(unit_len(&mixed[1..], 1024), 1);
+        // A RESERVE without the flag (an old client's) is a unit of its own.
+        mixed[0].handle = 0;
+        assert!(!continues_unit(&mixed[0]));
+        assert_eq!(unit_len(&[reserve(1), reserve(2)], 1024), 1);
+        // The flag means nothing on other ops; other bits of a RESERVE's handle are invalid.
+        let mut g = TensorBlockDescriptor::request(Op::Abort, 1, 0);
+        g.handle = RESERVE_CONTINUES;
+        assert!(!continues_unit(&g));
+        let mut bad = reserve(1);
+        bad.handle = 2;
+        assert_eq!(Request::decode(&bad), Err(DecodeError::BadReserveFlags(2)));
     }
 
     #[test]

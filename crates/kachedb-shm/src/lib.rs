@@ -36,9 +36,9 @@ pub mod wait;
 
 pub use control::Stats;
 pub use descriptor::{
-    page_offset_is_valid, page_offset_of, Completion, DType, DecodeError, LenError, Op, OutOfMemoryCause, Request,
-    Shape, Status, TensorBlockDescriptor, COMMIT_HAS_PARENT, COMMIT_NAMES_KEY, MAX_DIMS, PAGE_LEN, PAGE_OFFSET_ALIGN,
-    WAIT_FOREVER,
+    continues_unit, mark_unit, page_offset_is_valid, page_offset_of, unit_len, Completion, DType, DecodeError,
+    LenError, Op, OutOfMemoryCause, Request, Shape, Status, TensorBlockDescriptor, COMMIT_HAS_PARENT, COMMIT_NAMES_KEY,
+    MAX_DIMS, PAGE_LEN, PAGE_OFFSET_ALIGN, RESERVE_CONTINUES, WAIT_FOREVER,
 };
 pub use region::{CreateOptions, Layout, Region, RegionError};
 pub use ring::{Consumer, HeapRing, Producer, RingError, RingHeader};

@@ -307,6 +307,17 @@ impl Producer {
         Ok((self.mem.capacity - self.queued()) as usize)
     }
 
+    /// Free slots, refreshing the consumer cursor first if the cached copy
+    /// says fewer than `want` are free (as [`push_batch`](Self::push_batch)
+    /// does): for a producer that pushes only whole groups of frames.
+    #[inline]
+    pub fn free_slots_for(&mut self, want: usize) -> Result<usize, RingError> {
+        if ((self.mem.capacity - self.queued()) as usize) < want {
+            self.refresh_head()?;
+        }
+        Ok((self.mem.capacity - self.queued()) as usize)
+    }
+
     /// Pushes one frame and publishes it. `Ok(false)` if the ring is full.
     #[inline]
     pub fn try_push(&mut self, frame: &TensorBlockDescriptor) -> Result<bool, RingError> {

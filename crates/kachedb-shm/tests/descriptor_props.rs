@@ -100,6 +100,7 @@ fn check_request(f: &TensorBlockDescriptor) {
                     check_tensor(f, dtype, &shape, len);
                     assert!(page_offset < 4096 && page_offset & 63 == 0);
                     assert_eq!(page_offset, f.offset);
+                    assert!(f.handle == 0 || f.handle == kachedb_shm::RESERVE_CONTINUES);
                 }
                 Request::Commit { handle, parent } | Request::CommitPin { handle, parent } => {
                     assert!(matches!(op, Op::Commit | Op::CommitPin));
@@ -145,6 +146,9 @@ fn check_request(f: &TensorBlockDescriptor) {
                 assert!(overflow_is_right(&f.shape[..usize::from(f.ndim)], dt.itemsize()));
             }
             DecodeError::BadPageOffset(o) => assert!(o >= 4096 || o & 63 != 0),
+            DecodeError::BadReserveFlags(flags) => {
+                assert!(f.op == Op::Reserve as u8 && flags == f.handle && flags & !kachedb_shm::RESERVE_CONTINUES != 0)
+            }
             DecodeError::BadCommitFlags(flags) => {
                 assert!(
                     (f.op == Op::Commit as u8 || f.op == Op::CommitPin as u8)

@@ -84,7 +84,9 @@ pub(crate) struct Serve {
     rate: RateWindow,
     /// Stats requests, answered at the end of the pass that saw them.
     stats_waiting: Vec<Sender<Stats>>,
-    req: [TensorBlockDescriptor; BATCH],
+    /// The frames of the channel being served (at most [`BATCH`], and the
+    /// rest of a reservation unit they end in).
+    req: Vec<TensorBlockDescriptor>,
     out: Vec<TensorBlockDescriptor>,
     /// Parked WAITs.
     waits: Waits,
@@ -145,7 +147,7 @@ impl Serve {
             metrics: MetricsWriter::new(metrics),
             rate: RateWindow::default(),
             stats_waiting: Vec::new(),
-            req: [TensorBlockDescriptor::default(); BATCH],
+            req: Vec::with_capacity(BATCH),
             out: Vec::with_capacity(BATCH),
             waits,
             wait_state: WaitState::new(),

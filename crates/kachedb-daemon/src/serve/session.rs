@@ -10,7 +10,8 @@ use crate::store::{SessionId, Store};
 use crate::waits::{Waiter, Waits};
 use kachedb_shm::control::ServeStats;
 use kachedb_shm::{
-    Completion, Consumer, Op, Producer, Request, RingError, Status, TensorBlockDescriptor, WAIT_FOREVER,
+    continues_unit, unit_len, Completion, Consumer, Op, Producer, Request, RingError, Status, TensorBlockDescriptor,
+    WAIT_FOREVER,
 };
 use std::collections::HashSet;
 use std::os::unix::net::UnixStream;
@@ -111,7 +112,7 @@ impl Session {
 pub(super) fn serve_all(
     store: &mut Store,
     sessions: &mut [Option<Session>],
-    req: &mut [TensorBlockDescriptor; BATCH],
+    req: &mut Vec<TensorBlockDescriptor>,
     out: &mut Vec<TensorBlockDescriptor>,
     counters: &mut ServeStats,
     metrics: &mut MetricsWriter,
@@ -235,7 +236,11 @@ pub(super) fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeSt
     }
 }
 
-/// Handles what one channel has, bounded by room in its completion ring.
+/// Handles what one channel has, bounded by room in its completion ring
+/// (but for the rest of a reservation unit, whose completions may go to
+/// the backlog). A reservation unit (`kachedb_shm::unit_len`) is served
+/// whole by [`Store::handle_unit`]: if the frames popped end inside one,
+/// the rest of it is taken from the held frames or the ring first.
 /// A WAIT for an absent key parks (in `waits`; the frames after it are held),
 /// and the keys of the COMMITs served are added to `committed` while any WAIT
 /// is parked. With tiers behind the megaslab, each block committed is offered
@@ -248,7 +253,7 @@ pub(super) fn serve_channel(
     store: &mut Store,
     s: &mut Session,
     channel: u32,
-    req: &mut [TensorBlockDescriptor; BATCH],
+    req: &mut Vec<TensorBlockDescriptor>,
     out: &mut Vec<TensorBlockDescriptor>,
     counters: &mut ServeStats,
     metrics: &mut MetricsWriter,
@@ -278,20 +283,29 @@ pub(super) fn serve_channel(
         return Ok(0);
     }
     let from_held = !s.held.is_empty();
-    let n = if !from_held {
-        s.sub.pop_batch(&mut req[..room])?
+    req.clear();
+    if !from_held {
+        req.resize(room, TensorBlockDescriptor::default());
+        let n = s.sub.pop_batch(req)?;
+        req.truncate(n);
     } else {
         let k = s.held.len().min(room);
-        req[..k].copy_from_slice(&s.held[..k]);
-        s.held.drain(..k);
-        k
-    };
+        req.extend(s.held.drain(..k));
+    }
+    complete_unit(s, req)?;
+    let n = req.len();
     if n == 0 {
         return Ok(0);
     }
     out.clear();
     let timer = metrics.batch_start();
+    let unit_cap = s.sub.capacity();
+    // Frames before this index were served as part of a reservation unit.
+    let mut served_to = 0;
     for (i, frame) in req[..n].iter().enumerate() {
+        if i < served_to {
+            continue;
+        }
         // Behind a held answer only COMMITs and DELETEs are served (their
         // answers held too, in order); the rest waits until it is sent.
         if !s.held_answers.is_empty()
@@ -305,6 +319,12 @@ pub(super) fn serve_channel(
         {
             s.held.splice(0..0, req[i..n].iter().copied());
             break;
+        }
+        if continues_unit(frame) {
+            let len = unit_len(&req[i..n], unit_cap);
+            serve_unit(store, s, &req[i..i + len], out, counters, metrics);
+            served_to = i + len;
+            continue;
         }
         counters.ops += 1;
         // The removals this frame's answer waits for (COMMIT, DELETE).
@@ -441,4 +461,83 @@ pub(super) fn serve_channel(
         counters.wakeups_sent += 1;
     }
     Ok(n)
+}
+
+/// If the frames in `req` end inside a reservation unit (their last frame
+/// [continues](continues_unit) one that is shorter than the ring's
+/// capacity), takes the rest of it: from the frames held for this channel
+/// first, then from its ring, one frame at a time, until a frame ends the
+/// unit or none is there (a client publishes a unit in one push, so the
+/// rest is there unless the client broke that rule: the unit is then what
+/// was there).
+fn complete_unit(s: &mut Session, req: &mut Vec<TensorBlockDescriptor>) -> Result<(), RingError> {
+    if !req.last().is_some_and(continues_unit) {
+        return Ok(());
+    }
+    let cap = s.sub.capacity();
+    // Where the last unit starts: walk the frames unit by unit.
+    let (mut at, mut last) = (0, 0);
+    while at < req.len() {
+        last = at;
+        at += unit_len(&req[at..], cap).max(1);
+    }
+    while req.len() - last < cap && req.last().is_some_and(continues_unit) {
+        let next = if !s.held.is_empty() {
+            Some(s.held.remove(0))
+        } else {
+            match s.sub.try_pop() {
+                Ok(f) => f,
+                // Closed (the daemon is stopping): the unit is what was there.
+                Err(RingError::Closed) => None,
+                Err(e) => return Err(e),
+            }
+        };
+        let Some(f) = next else { break };
+        req.push(f);
+    }
+    Ok(())
+}
+
+/// Serves the reservation unit `frames` of channel `s`: decoded, then
+/// admitted whole or refused whole by [`Store::handle_unit`]. A unit with a
+/// frame that fails decoding is refused whole with `INVALID` before any of
+/// it reaches the store. One completion per frame goes to `out`.
+fn serve_unit(
+    store: &mut Store,
+    s: &Session,
+    frames: &[TensorBlockDescriptor],
+    out: &mut Vec<TensorBlockDescriptor>,
+    counters: &mut ServeStats,
+    metrics: &mut MetricsWriter,
+) {
+    counters.ops += frames.len() as u64;
+    let mut unit = Vec::with_capacity(frames.len());
+    let mut invalid = false;
+    for f in frames {
+        match Request::decode(f) {
+            Ok(r) => unit.push((f.request_id, r)),
+            Err(e) => {
+                counters.rejected_frames += 1;
+                tracing::debug!(pid = s.pid, "rejected frame of a reservation unit: {e}");
+                invalid = true;
+            }
+        }
+    }
+    let mut done = Vec::with_capacity(frames.len());
+    if invalid {
+        done.extend(frames.iter().map(|f| Completion {
+            request_id: f.request_id,
+            op: Op::Reserve,
+            status: Status::Invalid,
+            handle: 0,
+            offset: 0,
+            tensor: None,
+        }));
+    } else {
+        store.handle_unit(s.session, &unit, &mut done);
+    }
+    for (f, c) in frames.iter().zip(&done) {
+        metrics.frame(f.op, c.status);
+        out.push(c.encode());
+    }
 }

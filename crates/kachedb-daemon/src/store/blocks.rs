@@ -3,12 +3,15 @@
 
 use super::evict::Unlink;
 use super::handles::{decode_handle, encode_handle, HandleKind};
-use super::slots::{Pin, SlotState, MAX_SLOTS};
+use super::slots::{is_lent, Pin, SlotState, MAX_SLOTS};
+use super::unit::Undo;
 use super::{Reply, SessionId, Store, Tensor};
 use crate::alloc::round_up_to_pages;
 use kachedb_shm::{page_offset_is_valid, DType, Op, Shape, Status};
 
 impl Store {
+    /// RESERVE. On an error the blocks evicted on the way are evicted still:
+    /// the caller undoes them (`unit.rs`).
     pub(super) fn reserve(
         &mut self,
         s: SessionId,
@@ -38,14 +41,16 @@ impl Store {
             self.sessions.get(&s).map_or((0, true), |x| (x.tenant, !x.internal || x.fills_for_tenant));
         let extent = self.alloc_evicting(need_len, tenant, limit_applies)?;
         let tensor = Tensor { key, dtype, shape, len, data_offset: extent.offset + page_offset, extent, tenant };
+        let fresh = self.free_slots.is_empty();
         let Some(index) = self.take_slot(SlotState::Reserved { owner: s, tensor }) else {
             // Unreachable after the check above; give the extent back.
             let _ = self.alloc.try_free(extent);
             return Err(Status::Internal);
         };
+        let generation = self.slots.get(index as usize).map(|slot| slot.generation).ok_or(Status::Internal)?;
+        self.journal.note(Undo::Reserved { session: s, index, fresh, generation });
         self.counters.reservation_opened();
         self.tenants.row(tenant).figures.bytes += extent.len;
-        let generation = self.slots.get(index as usize).map(|slot| slot.generation).ok_or(Status::Internal)?;
         self.sessions.get_mut(&s).ok_or(Status::Internal)?.reservations.insert(index);
         self.hold(s, extent.len, true);
         Ok(Reply {
@@ -65,6 +70,8 @@ impl Store {
             tensor,
             linked: true,
             pins: 0,
+            foreign_pins: 0,
+            holding_children: 0,
             lru_tick: None,
             last_use: 0,
             counted: false,
@@ -146,41 +153,59 @@ impl Store {
         Ok(Reply::default())
     }
 
+    /// GET: a pin of the block of `key` for session `s`. The first pin of a
+    /// block by a client of another tenant is charged to that client's
+    /// tenant (`tenants.rs`, "Limits"): it may evict that tenant's own
+    /// blocks first, or be refused. On an error the blocks evicted on the
+    /// way are evicted still: the caller undoes them (`unit.rs`).
     pub(super) fn get(&mut self, s: SessionId, key: u128) -> Result<Reply, Status> {
         let &index = self.keys.get(&key).ok_or(Status::NotFound)?;
         let tensor = match self.slots.get(index as usize).map(|slot| &slot.state) {
             Some(SlotState::Block { tensor, linked: true, .. }) => *tensor,
             _ => return Err(Status::Internal),
         };
-        let existing = self.sessions.get(&s).ok_or(Status::Internal)?.pins.get(&index).copied();
-        let pin_index = match existing {
+        let session = self.sessions.get(&s).ok_or(Status::Internal)?;
+        let (reader, internal, existing) = (session.tenant, session.internal, session.pins.get(&index).copied());
+        let (pin_index, foreign) = match existing {
             Some(p) => {
                 let pin = self.pin_slots.get_mut(p as usize).and_then(|ps| ps.pin.as_mut()).ok_or(Status::Internal)?;
                 pin.count += 1;
-                p
+                (p, pin.foreign)
             }
             None => {
+                let foreign = !internal && reader != tensor.tenant;
                 self.within_limit(s, tensor.extent.len)?;
+                if foreign {
+                    self.within_tenant_limit(reader, tensor.extent.len)?;
+                }
                 let p = self
-                    .take_pin_slot_for(Pin { session: s, block_index: index, count: 1 })
+                    .take_pin_slot_for(Pin { session: s, block_index: index, count: 1, foreign })
                     .ok_or(Status::OutOfMemory)?;
                 self.sessions.get_mut(&s).ok_or(Status::Internal)?.pins.insert(index, p);
                 self.hold(s, tensor.extent.len, true);
-                p
+                if foreign {
+                    self.tenants.row(reader).borrowed_bytes += tensor.extent.len;
+                }
+                (p, foreign)
             }
         };
         let generation = self.pin_slots.get(pin_index as usize).ok_or(Status::Internal)?.generation;
-        let first_pin = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
-            Some(SlotState::Block { pins, .. }) => {
+        let (first_pin, was_lent) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { pins, foreign_pins, .. }) => {
+                let was_lent = is_lent(*pins, *foreign_pins);
                 *pins += 1;
+                if foreign {
+                    *foreign_pins += 1;
+                }
                 self.counters.pinned();
-                *pins == 1
+                (*pins == 1, was_lent)
             }
             _ => return Err(Status::Internal),
         };
         if first_pin {
             self.resync(index)?;
         }
+        self.lent_changed(index, was_lent)?;
         self.counters.hit(Op::Get, tensor.len);
         Ok(Reply {
             handle: encode_handle(HandleKind::Pin, pin_index, generation),
@@ -199,22 +224,68 @@ impl Store {
             Some(pin) if pin.session == s && ps.generation == generation => pin,
             _ => return Err(Status::BadHandle),
         };
-        let block_index = pin.block_index;
+        let (block_index, foreign) = (pin.block_index, pin.foreign);
         pin.count = pin.count.saturating_sub(1);
         self.counters.unpinned(1);
         if pin.count == 0 {
             self.take_pin_slot(pin_index)?;
-            if let Some(session) = self.sessions.get_mut(&s) {
-                session.pins.remove(&block_index);
-            }
+            let reader = match self.sessions.get_mut(&s) {
+                Some(session) => {
+                    session.pins.remove(&block_index);
+                    session.tenant
+                }
+                None => return Err(Status::Internal),
+            };
             if let Some(SlotState::Block { tensor, .. }) = self.slots.get(block_index as usize).map(|slot| &slot.state)
             {
                 let len = tensor.extent.len;
                 self.hold(s, len, false);
+                if foreign {
+                    self.returned(reader, len)?;
+                }
             }
         }
-        self.drop_block_pins(block_index, 1)?;
+        self.drop_block_pins(block_index, 1, foreign)?;
         Ok(Reply::default())
+    }
+
+    /// Tenant `t`'s client dropped its last pin of another tenant's block of
+    /// `len` extent bytes: `t` borrows it no more.
+    pub(super) fn returned(&mut self, t: super::TenantId, len: u64) -> Result<(), Status> {
+        let row = self.tenants.row(t);
+        row.borrowed_bytes = row.borrowed_bytes.checked_sub(len).ok_or(Status::Internal)?;
+        Ok(())
+    }
+
+    /// Block `index`'s pins changed, and it was lent (`was_lent`) before:
+    /// if that changed, its tenant's lent bytes follow, and so does whether
+    /// it holds its parent (`evict.rs`).
+    pub(super) fn lent_changed(&mut self, index: u32, was_lent: bool) -> Result<(), Status> {
+        let (now_lent, tenant, len, parent) = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { tensor, pins, foreign_pins, parent, .. }) => {
+                (is_lent(*pins, *foreign_pins), tensor.tenant, tensor.extent.len, *parent)
+            }
+            _ => return Err(Status::Internal),
+        };
+        if now_lent == was_lent {
+            return Ok(());
+        }
+        let row = self.tenants.row(tenant);
+        row.lent_bytes =
+            if now_lent { row.lent_bytes + len } else { row.lent_bytes.checked_sub(len).ok_or(Status::Internal)? };
+        let Some(p) = parent else { return Ok(()) };
+        match self.slots.get_mut(p as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { tensor, holding_children, .. }) if tensor.tenant == tenant => {
+                *holding_children = if now_lent {
+                    holding_children.checked_sub(1).ok_or(Status::Internal)?
+                } else {
+                    *holding_children + 1
+                };
+            }
+            Some(SlotState::Block { .. }) => return Ok(()),
+            _ => return Err(Status::Internal),
+        }
+        self.resync(p)
     }
 
     pub(super) fn lookup(&mut self, key: u128) -> Result<Reply, Status> {
@@ -232,16 +303,22 @@ impl Store {
         Ok(Reply::default())
     }
 
-    /// Drops `count` pins of block `index`; at zero the block becomes
-    /// evictable (linked) or is freed (unlinked).
-    pub(super) fn drop_block_pins(&mut self, index: u32, count: u64) -> Result<(), Status> {
-        let (now_unpinned, linked) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
-            Some(SlotState::Block { pins, linked, .. }) => {
+    /// Drops `count` pins of block `index` (`foreign`: held by a client of
+    /// another tenant); at zero the block becomes evictable (linked) or is
+    /// freed (unlinked).
+    pub(super) fn drop_block_pins(&mut self, index: u32, count: u64, foreign: bool) -> Result<(), Status> {
+        let (now_unpinned, linked, was_lent) = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { pins, foreign_pins, linked, .. }) => {
+                let was_lent = is_lent(*pins, *foreign_pins);
                 *pins = pins.checked_sub(count).ok_or(Status::Internal)?;
-                (*pins == 0, *linked)
+                if foreign {
+                    *foreign_pins = foreign_pins.checked_sub(count).ok_or(Status::Internal)?;
+                }
+                (*pins == 0, *linked, was_lent)
             }
             _ => return Err(Status::Internal),
         };
+        self.lent_changed(index, was_lent)?;
         if now_unpinned {
             if linked {
                 self.lru_touch(index)?;
@@ -282,10 +359,12 @@ impl Store {
                 tensor,
                 linked: false,
                 pins: 0,
+                foreign_pins: 0,
                 lru_tick: None,
                 counted: false,
                 parent: None,
                 children: 0,
+                holding_children: 0,
                 ..
             }) => (tensor.extent, tensor.tenant),
             _ => return Err(Status::Internal),
@@ -297,7 +376,7 @@ impl Store {
     }
 
     /// Tenant `tenant`'s extent of `len` bytes was freed.
-    fn tenant_bytes_freed(&mut self, tenant: super::TenantId, len: u64) -> Result<(), Status> {
+    pub(super) fn tenant_bytes_freed(&mut self, tenant: super::TenantId, len: u64) -> Result<(), Status> {
         let f = &mut self.tenants.row(tenant).figures;
         f.bytes = f.bytes.checked_sub(len).ok_or(Status::Internal)?;
         Ok(())

@@ -2,15 +2,19 @@
 //! by the tests after every step, and by the daemon for each stats answer when
 //! started with `--check-invariants` ([`Store::check_counters`] otherwise).
 
-use super::slots::SlotState;
+use super::slots::{is_lent, SlotState};
 use super::{EvictionPolicy, Store};
 use crate::alloc::{round_up_to_pages, Extent, PAGE_LEN};
 use std::collections::{BTreeMap, BTreeSet};
 
 impl Store {
     /// The tenant figures the tables give (`tenants.rs`): each row's bytes,
-    /// linked blocks, reachable and orphaned bytes, evictable bytes and
-    /// clients; the rows add up to the totals; `rooted` as recomputed from
+    /// linked blocks, reachable and orphaned bytes, evictable bytes,
+    /// clients, lent bytes (its blocks pinned only by other tenants' clients)
+    /// and borrowed bytes (other tenants' blocks its clients pin, once per
+    /// pin record); each pin record is foreign exactly when its session is a
+    /// client of another tenant than the block's; the rows add up to the
+    /// totals; `rooted` as recomputed from
     /// the chain links (a linked block is rooted when it names no parent and
     /// was committed naming none, or its parent is rooted: checked as "a
     /// rooted block's parent is rooted, and a block rooted without a parent
@@ -62,6 +66,35 @@ impl Store {
         for s in self.sessions.values().filter(|s| !s.internal) {
             clients[(s.tenant as usize) % n] += 1;
         }
+        // Lent: blocks pinned only by other tenants' clients. Borrowed: each
+        // foreign pin record's block, for the pinning session's tenant.
+        let mut lent = vec![0u64; n];
+        let mut borrowed = vec![0u64; n];
+        for slot in &self.slots {
+            if let SlotState::Block { tensor, pins, foreign_pins, .. } = &slot.state {
+                if is_lent(*pins, *foreign_pins) {
+                    lent[(tensor.tenant as usize) % n] += tensor.extent.len;
+                }
+            }
+        }
+        for pin in self.pin_slots.iter().filter_map(|ps| ps.pin) {
+            let session =
+                self.sessions.get(&pin.session).ok_or_else(|| format!("pin of a closed session {:?}", pin.session))?;
+            let block = match self.slots.get(pin.block_index as usize).map(|slot| &slot.state) {
+                Some(SlotState::Block { tensor, .. }) => tensor,
+                _ => return Err(format!("pin of slot {}, not a block", pin.block_index)),
+            };
+            let foreign = !session.internal && session.tenant != block.tenant;
+            if pin.foreign != foreign {
+                return Err(format!(
+                    "a pin of block {} by {:?} says foreign {}, the tenants say {foreign}",
+                    pin.block_index, pin.session, pin.foreign
+                ));
+            }
+            if foreign {
+                borrowed[(session.tenant as usize) % n] += block.extent.len;
+            }
+        }
         let mut limited_evictable = 0;
         for (t, r) in self.tenants.rows.iter().enumerate() {
             let f = &r.figures;
@@ -71,6 +104,12 @@ impl Store {
                 return Err(format!(
                     "tenant row {t} ({:?}) counts (bytes, blocks, reachable, orphaned, evictable, clients) {have:?}, the tables hold {want:?}",
                     r.name
+                ));
+            }
+            if (r.lent_bytes, r.borrowed_bytes) != (lent[t], borrowed[t]) {
+                return Err(format!(
+                    "tenant row {t} ({:?}) counts (lent, borrowed) bytes ({}, {}), the tables hold ({}, {})",
+                    r.name, r.lent_bytes, r.borrowed_bytes, lent[t], borrowed[t]
                 ));
             }
             if r.limit.is_none() && !r.list.is_empty() {
@@ -96,16 +135,21 @@ impl Store {
     /// in its extent; `keys` and linked blocks agree; `evictable_bytes` is
     /// the bytes of the linked unpinned blocks, and the eviction list holds
     /// exactly those of them the policy lets eviction take (under `Chain`:
-    /// those without children), each under its last use; chain links join
-    /// linked blocks only, agree with the parent and child counts of both
-    /// ends and form no cycle, so a linked block's ancestors are linked; under
-    /// `Chain` no link was ever cut by eviction;
-    /// unlinked blocks are pinned; pin counts agree between blocks, pin
-    /// records and sessions; reservations agree with their sessions; free-slot
-    /// lists hold exactly the free slots; the `O(1)` [`gauges`](Store::gauges)
-    /// count the pins and reservations the tables hold. `O(n log n)`.
+    /// those no child holds), each under its last use; chain links join
+    /// linked blocks only, agree with the parent, child and holding-child
+    /// counts of both ends and form no cycle, so a linked block's ancestors
+    /// are linked; under `Chain` eviction cut no link whose child held its
+    /// parent; unlinked blocks are pinned; pin counts (and those of other
+    /// tenants' clients) agree between blocks, pin records and sessions;
+    /// reservations agree with their sessions; free-slot lists hold exactly
+    /// the free slots; no undo journal is open; the `O(1)`
+    /// [`gauges`](Store::gauges) count the pins and reservations the tables
+    /// hold. `O(n log n)`.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.alloc.check_invariants()?;
+        if self.journal.is_open() || !self.journal.is_empty() {
+            return Err("an undo journal is open between requests".into());
+        }
 
         let free_slots: BTreeSet<u32> = self.free_slots.iter().copied().collect();
         if free_slots.len() != self.free_slots.len() {
@@ -116,6 +160,7 @@ impl Store {
         let mut lru_count = 0usize;
         let mut evictable = 0u64;
         let mut block_pins: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut block_foreign_pins: BTreeMap<u32, u64> = BTreeMap::new();
         for (i, slot) in self.slots.iter().enumerate() {
             let index = u32::try_from(i).map_err(|_| "slot index past u32".to_string())?;
             let on_free_list = free_slots.contains(&index);
@@ -133,7 +178,19 @@ impl Store {
                     }
                     tensor
                 }
-                SlotState::Block { tensor, linked, pins, lru_tick, last_use, counted, parent, children, .. } => {
+                SlotState::Block {
+                    tensor,
+                    linked,
+                    pins,
+                    foreign_pins,
+                    lru_tick,
+                    last_use,
+                    counted,
+                    parent,
+                    children,
+                    holding_children,
+                    ..
+                } => {
                     if *linked {
                         linked_count += 1;
                         if self.keys.get(&tensor.key) != Some(&index) {
@@ -151,7 +208,7 @@ impl Store {
                     if evictable_now {
                         evictable += tensor.extent.len;
                     }
-                    let listed = evictable_now && (self.policy == EvictionPolicy::Lru || *children == 0);
+                    let listed = evictable_now && (self.policy == EvictionPolicy::Lru || *holding_children == 0);
                     match (listed, lru_tick) {
                         (true, Some(tick)) => {
                             let list = if self.tenants.limited(tensor.tenant) {
@@ -188,7 +245,19 @@ impl Store {
                     if links_out != *children as usize {
                         return Err(format!("block {index} counts {children} children, {links_out} links name it"));
                     }
+                    let mut holding = 0u32;
+                    for &(_, c) in self.links.range((index, 0)..=(index, u32::MAX)) {
+                        if self.holds(index, c).map_err(|_| format!("link ({index}, {c}) names no block"))? {
+                            holding += 1;
+                        }
+                    }
+                    if holding != *holding_children {
+                        return Err(format!(
+                            "block {index} counts {holding_children} holding children, {holding} of its children hold it"
+                        ));
+                    }
                     block_pins.insert(index, *pins);
+                    block_foreign_pins.insert(index, *foreign_pins);
                     tensor
                 }
             };
@@ -245,6 +314,7 @@ impl Store {
             return Err("a pin slot is twice on the free list".into());
         }
         let mut pin_sums: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut foreign_sums: BTreeMap<u32, u64> = BTreeMap::new();
         for (i, ps) in self.pin_slots.iter().enumerate() {
             let index = u32::try_from(i).map_err(|_| "pin index past u32".to_string())?;
             match ps.pin {
@@ -262,6 +332,9 @@ impl Store {
                         return Err(format!("pin slot {index} is not listed by its session"));
                     }
                     *pin_sums.entry(pin.block_index).or_default() += pin.count;
+                    if pin.foreign {
+                        *foreign_sums.entry(pin.block_index).or_default() += pin.count;
+                    }
                 }
             }
         }
@@ -279,6 +352,14 @@ impl Store {
         for (&block, &pins) in &block_pins {
             if pins != pin_sums.get(&block).copied().unwrap_or(0) {
                 return Err(format!("block {block} counts {pins} pins that no record holds"));
+            }
+        }
+        for (&block, &foreign) in &block_foreign_pins {
+            if foreign != foreign_sums.get(&block).copied().unwrap_or(0) {
+                return Err(format!(
+                    "block {block} counts {foreign} pins of other tenants' clients, the records hold {:?}",
+                    foreign_sums.get(&block)
+                ));
             }
         }
         for (&id, session) in &self.sessions {
@@ -376,10 +457,11 @@ impl Store {
                 depth.insert(b, base + i + 1);
             }
         }
-        if self.policy == EvictionPolicy::Chain && self.counters.links_cut_by_eviction() != 0 {
+        let cut = (self.counters.links_cut_by_eviction(), self.counters.unheld_links_cut_by_eviction());
+        if self.policy == EvictionPolicy::Chain && cut.0 != cut.1 {
             return Err(format!(
-                "{} chain links cut by eviction under the chain policy",
-                self.counters.links_cut_by_eviction()
+                "{} chain links cut by eviction under the chain policy, only {} of them links that did not hold their parent",
+                cut.0, cut.1
             ));
         }
         Ok(())

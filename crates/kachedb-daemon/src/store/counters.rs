@@ -43,6 +43,11 @@ pub(super) struct Counters {
     links_cut: u64,
     /// Of those, cut by eviction.
     links_cut_by_eviction: u64,
+    /// Of those, links whose child did not hold its parent (another
+    /// tenant's child, or one pinned only by other tenants' clients): the
+    /// only links eviction cuts under the chain policy.
+    #[serde(default)]
+    unheld_links_cut_by_eviction: u64,
 }
 
 impl Counters {
@@ -151,16 +156,36 @@ impl Counters {
         self.parents_missing += 1;
     }
 
-    /// A chain link was cut (its parent unlinked; `by_eviction`: evicted).
-    pub(super) fn link_cut(&mut self, by_eviction: bool) {
+    /// A chain link was cut (its parent unlinked; `by_eviction`: evicted;
+    /// `held`: the child held its parent).
+    pub(super) fn link_cut(&mut self, by_eviction: bool, held: bool) {
         self.links_cut += 1;
         if by_eviction {
             self.links_cut_by_eviction += 1;
+            if !held {
+                self.unheld_links_cut_by_eviction += 1;
+            }
+        }
+    }
+
+    /// Takes back a [`link_cut`](Self::link_cut) with the same arguments (a
+    /// refused unit put the evicted parent back).
+    pub(super) fn link_uncut(&mut self, by_eviction: bool, held: bool) {
+        self.links_cut = self.links_cut.saturating_sub(1);
+        if by_eviction {
+            self.links_cut_by_eviction = self.links_cut_by_eviction.saturating_sub(1);
+            if !held {
+                self.unheld_links_cut_by_eviction = self.unheld_links_cut_by_eviction.saturating_sub(1);
+            }
         }
     }
 
     pub(super) fn links_cut_by_eviction(&self) -> u64 {
         self.links_cut_by_eviction
+    }
+
+    pub(super) fn unheld_links_cut_by_eviction(&self) -> u64 {
+        self.unheld_links_cut_by_eviction
     }
 
     /// A committed block replaced an older block of its key.
@@ -172,6 +197,32 @@ impl Counters {
     pub(super) fn evicted(&mut self, extent_len: u64) {
         self.evictions += 1;
         self.evicted_bytes += extent_len;
+    }
+
+    /// Takes back an [`evicted`](Self::evicted) (a refused unit put the block back).
+    pub(super) fn unevicted(&mut self, extent_len: u64) {
+        self.evictions = self.evictions.saturating_sub(1);
+        self.evicted_bytes = self.evicted_bytes.saturating_sub(extent_len);
+    }
+
+    /// `n` more answers of `op`, each `status` (the RESERVEs of a refused
+    /// unit that were not served, answered with its refusal).
+    pub(super) fn answered_unserved(&mut self, op: Op, status: Status, n: u64) {
+        self.requests[op as usize] += n;
+        match status {
+            Status::Ok => self.ok[op as usize] += n,
+            s => self.errors[s as usize] += n,
+        }
+    }
+
+    /// `n` answers of `op` counted `Ok` become `status` (the RESERVEs of a
+    /// refused unit admitted before its refusal).
+    pub(super) fn reanswered(&mut self, op: Op, status: Status, n: u64) {
+        self.ok[op as usize] = self.ok[op as usize].saturating_sub(n);
+        match status {
+            Status::Ok => self.ok[op as usize] += n,
+            s => self.errors[s as usize] += n,
+        }
     }
 
     /// Writes the counter fields of `st` (the gauges are the caller's).

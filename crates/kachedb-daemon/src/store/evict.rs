@@ -3,7 +3,8 @@
 //! and the allocation that evicts from its head until a reservation fits (see
 //! the module docs of [`store`](super), "Eviction", and `docs/eviction.md`).
 
-use super::slots::SlotState;
+use super::slots::{is_lent, Slot, SlotState};
+use super::unit::Undo;
 use super::{Store, TenantId};
 use crate::alloc::Extent;
 use kachedb_shm::Status;
@@ -40,27 +41,40 @@ pub(super) enum Unlink {
 }
 
 impl Store {
+    /// Makes room for `need_len` more bytes within tenant `t`'s limit, if it
+    /// has one: evicts from `t`'s own list until its charged bytes plus
+    /// `need_len` fit, or, if even that could not make them fit (a dry run in
+    /// the same order decides first), refuses with OUT_OF_MEMORY naming the
+    /// limit and evicts nothing (`tenants.rs`, "Limits").
+    pub(super) fn within_tenant_limit(&mut self, t: TenantId, need_len: u64) -> Result<(), Status> {
+        let Some(limit) = self.tenants.get(t).limit else { return Ok(()) };
+        let wanted = self.charged_bytes(t).saturating_add(need_len);
+        if wanted <= limit {
+            return Ok(());
+        }
+        if need_len > limit || !self.tenant_can_free(t, wanted - limit) {
+            self.limit_hit = Some(limit);
+            self.tenant_limit_hit = true;
+            self.tenants.row(t).figures.limit_refusals += 1;
+            self.counters.tenant_limit_hit();
+            return Err(Status::OutOfMemory);
+        }
+        while self.charged_bytes(t).saturating_add(need_len) > limit {
+            // The dry run above says the list does not run empty first.
+            let (&tick, &index) = self.tenants.get(t).list.first_key_value().ok_or(Status::Internal)?;
+            self.evict(index, tick)?;
+        }
+        Ok(())
+    }
+
     /// An extent of `need_len` bytes (a page multiple) for tenant `t`,
     /// evicting if needed (see the module docs, and `tenants.rs` for the
-    /// tenant's limit, which applies when `limit_applies`).
+    /// tenant's limit, which applies when `limit_applies`). On an error the
+    /// blocks evicted on the way are evicted still: the caller undoes them
+    /// (`unit.rs`).
     pub(super) fn alloc_evicting(&mut self, need_len: u64, t: TenantId, limit_applies: bool) -> Result<Extent, Status> {
-        if let Some(limit) = self.tenants.get(t).limit.filter(|_| limit_applies) {
-            let used = self.tenants.get(t).figures.bytes;
-            if used.saturating_add(need_len) > limit {
-                let over = used.saturating_add(need_len) - limit;
-                if need_len > limit || !self.tenant_can_free(t, over) {
-                    self.limit_hit = Some(limit);
-                    self.tenant_limit_hit = true;
-                    self.tenants.row(t).figures.limit_refusals += 1;
-                    self.counters.tenant_limit_hit();
-                    return Err(Status::OutOfMemory);
-                }
-                while self.tenants.get(t).figures.bytes.saturating_add(need_len) > limit {
-                    // The dry run above says the list does not run empty first.
-                    let (&tick, &index) = self.tenants.get(t).list.first_key_value().ok_or(Status::Internal)?;
-                    self.evict(index, tick)?;
-                }
-            }
+        if limit_applies {
+            self.within_tenant_limit(t, need_len)?;
         }
         if let Some(e) = self.alloc.alloc(need_len) {
             return Ok(e);
@@ -90,10 +104,18 @@ impl Store {
         }
     }
 
-    /// Evicts block `index`, which is on its list under `tick`.
-    fn evict(&mut self, index: u32, tick: u64) -> Result<(), Status> {
-        let (extent_len, tenant) = match self.slots.get(index as usize).map(|slot| &slot.state) {
-            Some(SlotState::Block { tensor, .. }) => (tensor.extent.len, tensor.tenant),
+    /// Evicts block `index`, which is on its list under `tick`; noted in the
+    /// open undo journal (`unit.rs`), so that a refusal can put it back.
+    pub(super) fn evict(&mut self, index: u32, tick: u64) -> Result<(), Status> {
+        let (extent_len, tenant) = match self.slots.get(index as usize) {
+            Some(slot @ Slot { state: SlotState::Block { tensor, .. }, .. }) => {
+                if self.journal.is_open() {
+                    let children = self.links.range((index, 0)..=(index, u32::MAX)).map(|&(_, c)| c).collect();
+                    let (generation, state) = (slot.generation, slot.state.clone());
+                    self.journal.note(Undo::Evicted { index, generation, state, children });
+                }
+                (tensor.extent.len, tensor.tenant)
+            }
             _ => return Err(Status::Internal),
         };
         self.unlink(index, Unlink::Evicted)?;
@@ -121,20 +143,20 @@ impl Store {
     }
 
     /// Puts block `index` where its state now says, after a change of
-    /// `linked`, `pins` or `children`: counted in `evictable_bytes` when linked
-    /// and unpinned; on the eviction list of its tenant (its own with a
-    /// limit, else the store's; under its `last_use`) when, besides, the
-    /// policy is LRU or it has no children.
+    /// `linked`, `pins` or `holding_children`: counted in `evictable_bytes`
+    /// when linked and unpinned; on the eviction list of its tenant (its own
+    /// with a limit, else the store's; under its `last_use`) when, besides,
+    /// the policy is LRU or no child holds it.
     pub(super) fn resync(&mut self, index: u32) -> Result<(), Status> {
         let lru_policy = self.policy == EvictionPolicy::Lru;
-        let Some(SlotState::Block { tensor, linked, pins, lru_tick, last_use, counted, children, .. }) =
+        let Some(SlotState::Block { tensor, linked, pins, lru_tick, last_use, counted, holding_children, .. }) =
             self.slots.get_mut(index as usize).map(|slot| &mut slot.state)
         else {
             return Err(Status::Internal);
         };
         let (len, t) = (tensor.extent.len, tensor.tenant);
         let evictable = *linked && *pins == 0;
-        let listed = evictable && (lru_policy || *children == 0);
+        let listed = evictable && (lru_policy || *holding_children == 0);
         let was_counted = std::mem::replace(counted, evictable);
         let old_tick = if listed { lru_tick.replace(*last_use) } else { lru_tick.take() };
         let new_tick = listed.then_some(*last_use);
@@ -206,7 +228,8 @@ impl Store {
     /// Links just-committed block `index` (no children yet) to the linked
     /// block of key `parent`; a parent that is not linked, or is the block
     /// itself, is counted and the block stays without one. A new block has no
-    /// children, so no link can close a cycle.
+    /// children, so no link can close a cycle. It holds its parent if it is
+    /// of the parent's tenant (it is unpinned, so not lent).
     pub(super) fn link_parent(&mut self, index: u32, parent: u128) -> Result<(), Status> {
         let p = match self.keys.get(&parent) {
             Some(&p) if p != index => p,
@@ -215,46 +238,78 @@ impl Store {
                 return Ok(());
             }
         };
-        match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
-            Some(SlotState::Block { parent: own, children: 0, linked: true, .. }) if own.is_none() => *own = Some(p),
+        let tenant = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { parent: own, children: 0, linked: true, tensor, .. }) if own.is_none() => {
+                *own = Some(p);
+                tensor.tenant
+            }
             _ => return Err(Status::Internal),
-        }
+        };
         match self.slots.get_mut(p as usize).map(|slot| &mut slot.state) {
-            Some(SlotState::Block { children, linked: true, .. }) => *children += 1,
+            Some(SlotState::Block { children, holding_children, linked: true, tensor, .. }) => {
+                *children += 1;
+                if tensor.tenant == tenant {
+                    *holding_children += 1;
+                }
+            }
             _ => return Err(Status::Internal),
         }
         self.links.insert((p, index));
         self.resync(p)
     }
 
+    /// Whether linked block `child` holds its parent `parent` off the
+    /// eviction list (under the chain policy): of the parent's tenant, and
+    /// not lent.
+    pub(super) fn holds(&self, parent: u32, child: u32) -> Result<bool, Status> {
+        let tenant_of = |i: u32| match self.slots.get(i as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { tensor, pins, foreign_pins, .. }) => {
+                Ok((tensor.tenant, is_lent(*pins, *foreign_pins)))
+            }
+            _ => Err(Status::Internal),
+        };
+        let ((pt, _), (ct, lent)) = (tenant_of(parent)?, tenant_of(child)?);
+        Ok(pt == ct && !lent)
+    }
+
     /// Cuts the chain links of block `index`, which is being unlinked: its
     /// children become blocks without a parent (counted), and its parent
     /// loses a child (and may become a leaf).
     pub(super) fn cut_links(&mut self, index: u32, why: Unlink) -> Result<(), Status> {
-        let parent = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
-            Some(SlotState::Block { parent, children, .. }) => {
-                *children = 0;
-                parent.take()
-            }
-            _ => return Err(Status::Internal),
-        };
         let kids: Vec<u32> = self.links.range((index, 0)..=(index, u32::MAX)).map(|&(_, c)| c).collect();
         for c in kids {
+            let held = self.holds(index, c)?;
             self.links.remove(&(index, c));
             match self.slots.get_mut(c as usize).map(|slot| &mut slot.state) {
                 Some(SlotState::Block { parent, .. }) if *parent == Some(index) => *parent = None,
                 _ => return Err(Status::Internal),
             }
-            self.counters.link_cut(why == Unlink::Evicted);
+            self.counters.link_cut(why == Unlink::Evicted, held);
             self.orphan_subtree(c)?;
         }
+        let parent = match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { parent, children, holding_children, .. }) => {
+                *children = 0;
+                *holding_children = 0;
+                *parent
+            }
+            _ => return Err(Status::Internal),
+        };
         if let Some(p) = parent {
+            let held = self.holds(p, index)?;
             if !self.links.remove(&(p, index)) {
                 return Err(Status::Internal);
             }
+            match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+                Some(SlotState::Block { parent, .. }) => *parent = None,
+                _ => return Err(Status::Internal),
+            }
             match self.slots.get_mut(p as usize).map(|slot| &mut slot.state) {
-                Some(SlotState::Block { children, .. }) => {
+                Some(SlotState::Block { children, holding_children, .. }) => {
                     *children = children.checked_sub(1).ok_or(Status::Internal)?;
+                    if held {
+                        *holding_children = holding_children.checked_sub(1).ok_or(Status::Internal)?;
+                    }
                 }
                 _ => return Err(Status::Internal),
             }
@@ -266,7 +321,8 @@ impl Store {
     /// Block `index`, whose link to its parent was cut, and every rooted
     /// block below it are rooted no more (their bytes move from reachable to
     /// orphaned). A block that is not rooted has no rooted descendant, so
-    /// the walk stops there: each block is orphaned at most once in its life.
+    /// the walk stops there: each block is orphaned at most once in its life
+    /// (unless a refused unit puts it back: `unit.rs`).
     fn orphan_subtree(&mut self, index: u32) -> Result<(), Status> {
         let mut stack = vec![index];
         while let Some(i) = stack.pop() {
@@ -278,6 +334,7 @@ impl Store {
                 Some(SlotState::Block { .. }) => continue,
                 _ => return Err(Status::Internal),
             };
+            self.journal.note(Undo::Orphaned { index: i });
             self.resident(tenant, len, true, false)?;
             self.resident(tenant, len, false, true)?;
             stack.extend(self.links.range((i, 0)..=(i, u32::MAX)).map(|&(_, c)| c));

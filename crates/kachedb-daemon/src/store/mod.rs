@@ -49,19 +49,23 @@
 //! head of the **eviction list**, one at a time (each freed extent coalesces
 //! with its neighbours), until the reservation fits. The list holds linked
 //! unpinned blocks in least-recently-used order; under
-//! [`EvictionPolicy::Chain`] (the default) only those without children (the
-//! leaves): evicting a leaf may make its parent a leaf, which joins the list
-//! at its own last use. So under `Chain` a linked block's ancestors stay
-//! linked: eviction never leaves a hole in front of a block. Under
-//! [`EvictionPolicy::Lru`] every linked unpinned block is on the list. "Used"
-//! means committed, found by GET or LOOKUP, or released by its last pin.
-//! Pinned blocks, unlinked-but-pinned blocks and reservations are never on
-//! the list. If even freeing every linked unpinned block could not give enough
-//! bytes (`free + evictable < needed`) the answer is `OUT_OF_MEMORY` and
-//! **nothing is evicted**. Otherwise eviction proceeds; if the list runs empty
-//! first (fragmentation by pinned blocks or reservations, or, under `Chain`,
-//! unpinned ancestors of pinned blocks) the answer is `OUT_OF_MEMORY` and the
-//! blocks evicted on the way stay evicted (they were the least recently used).
+//! [`EvictionPolicy::Chain`] (the default) only those that no child *holds*
+//! (the leaves; a child holds its parent when it is of the same tenant and
+//! not pinned only by other tenants' clients, `tenants.rs`): evicting a leaf
+//! may make its parent a leaf, which joins the list at its own last use. So
+//! under `Chain` a linked block's ancestors of its own tenant stay linked
+//! while it is unpinned or pinned by its own tenant: eviction never leaves a
+//! hole in a tenant's own chain. Under [`EvictionPolicy::Lru`] every linked
+//! unpinned block is on the list. "Used" means committed, found by GET or
+//! LOOKUP, or released by its last pin. Pinned blocks, unlinked-but-pinned
+//! blocks and reservations are never on the list. If even freeing every
+//! linked unpinned block could not give enough bytes (`free + evictable <
+//! needed`) the answer is `OUT_OF_MEMORY` at once. Otherwise eviction
+//! proceeds; if the list runs empty first (fragmentation by pinned blocks or
+//! reservations, or, under `Chain`, unpinned ancestors of pinned blocks) the
+//! answer is `OUT_OF_MEMORY` too. **A refused request changes nothing**: the
+//! blocks evicted on the way are put back as they were (`unit.rs`), and so
+//! are those of a refused reservation unit.
 //!
 //! # Cost
 //!
@@ -70,6 +74,7 @@
 //! which is `O(log n)` per block evicted, and an unlink of a block with `k`
 //! children (DELETE, replacement, LRU eviction of a parent), `O(k log n)`.
 //! `close_session` is `O(p log n)` in the session's pins and reservations.
+//! Undoing a refused request or unit costs what it did.
 //!
 //! # Files
 //!
@@ -79,7 +84,8 @@
 //! eviction; `slots` the
 //! slot tables behind handles, `handles` the handle encoding; `counters` what
 //! is counted; `check` the invariant check; `state` the store's serialized
-//! form (handed to a new daemon by a takeover).
+//! form (handed to a new daemon by a takeover); `unit` reservation units and
+//! the undo journal that makes a refused request change nothing.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -105,6 +111,9 @@ mod tenant_tests;
 mod tenants;
 #[cfg(test)]
 mod tests;
+mod unit;
+#[cfg(test)]
+mod unit_tests;
 
 pub use evict::EvictionPolicy;
 pub use gauges::Gauges;
@@ -227,6 +236,10 @@ pub struct Store {
     /// and of the other linked blocks; the sums of the tenants' figures.
     reachable_bytes: u64,
     orphaned_bytes: u64,
+    /// While a request or reservation unit is being served: what it changed,
+    /// to undo if it is refused (`unit.rs`). Closed and empty between requests.
+    #[serde(skip)]
+    journal: unit::Journal,
 }
 
 impl Store {
@@ -258,6 +271,7 @@ impl Store {
             tenants: tenants::Tenants::default(),
             reachable_bytes: 0,
             orphaned_bytes: 0,
+            journal: unit::Journal::default(),
         }
     }
 
@@ -276,7 +290,7 @@ impl Store {
             match *req {
                 Request::Ping => Ok(Reply::default()),
                 Request::Reserve { key, dtype, shape, len, page_offset } => {
-                    self.reserve(s, key, dtype, shape, len, page_offset)
+                    self.atomically(|st| st.reserve(s, key, dtype, shape, len, page_offset))
                 }
                 Request::Commit { handle, parent } => self.commit(s, handle, parent),
                 Request::CommitPin { handle, parent } => self.commit_pin(s, handle, parent),
@@ -284,13 +298,13 @@ impl Store {
                 Request::Abort { handle } => self.abort(s, handle),
                 // A WAIT is a GET here; the serve loop parks it while NOT_FOUND.
                 Request::Get { key } => {
-                    let r = self.get(s, key);
+                    let r = self.atomically(|st| st.get(s, key));
                     if !internal && matches!(r, Ok(_) | Err(Status::NotFound)) {
                         self.count_request(tenant, Op::Get, key, r.is_ok());
                     }
                     r
                 }
-                Request::Wait { key, .. } => self.get(s, key),
+                Request::Wait { key, .. } => self.atomically(|st| st.get(s, key)),
                 Request::Release { handle } => self.release(s, handle),
                 Request::Lookup { key } => {
                     let r = self.lookup(key);

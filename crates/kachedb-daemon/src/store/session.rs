@@ -96,9 +96,16 @@ impl Store {
         }
         let mut pins = 0;
         for (&block_index, &pin_index) in &session.pins {
-            let r = self.take_pin_slot(pin_index).and_then(|count| {
-                pins += count;
-                self.drop_block_pins(block_index, count)
+            let r = self.take_pin_slot(pin_index).and_then(|pin| {
+                pins += pin.count;
+                if pin.foreign {
+                    let len = match self.slots.get(block_index as usize).map(|slot| &slot.state) {
+                        Some(SlotState::Block { tensor, .. }) => tensor.extent.len,
+                        _ => return Err(Status::Internal),
+                    };
+                    self.returned(session.tenant, len)?;
+                }
+                self.drop_block_pins(block_index, pin.count, pin.foreign)
             });
             if r.is_err() {
                 self.counters.internal_error();

@@ -23,8 +23,14 @@ pub(super) enum SlotState {
         linked: bool,
         /// Pins, all sessions together.
         pins: u64,
-        /// Its key in `lru` (its `last_use`); `Some` exactly when eviction may
-        /// take it now ([`Store::attach`]).
+        /// Of `pins`, those held by clients of another tenant than its own
+        /// (not by the daemon's own sessions). When they are all its pins the
+        /// block is **lent** ([`is_lent`]): charged to those tenants' limits
+        /// instead of its own, and it holds no parent.
+        #[serde(default)]
+        foreign_pins: u64,
+        /// Its key on its eviction list (its `last_use`); `Some` exactly when
+        /// eviction may take it now ([`Store::resync`]).
         lru_tick: Option<u64>,
         /// Tick of its last use (commit, GET, LOOKUP, last RELEASE).
         last_use: u64,
@@ -35,6 +41,12 @@ pub(super) enum SlotState {
         parent: Option<u32>,
         /// Linked blocks that name it as parent (0 when unlinked).
         children: u32,
+        /// Of `children`, those that hold it off the eviction list under
+        /// [`EvictionPolicy::Chain`](super::EvictionPolicy::Chain): the ones
+        /// of its own tenant that are not lent. Another tenant's child, or one
+        /// pinned only by other tenants' clients, does not keep it cached.
+        #[serde(default)]
+        holding_children: u32,
         /// Linked, and its chain back to its root is whole: it was committed
         /// naming no parent, or linked to a rooted parent, and no link above
         /// it has been cut since (false when unlinked). A rooted block's
@@ -57,6 +69,17 @@ pub(super) struct Pin {
     pub(super) block_index: u32,
     /// GETs not yet released; > 0.
     pub(super) count: u64,
+    /// The session is a client of another tenant than the block's (the
+    /// daemon's own sessions never are): the pin counts in the block's
+    /// `foreign_pins`, and the block's extent in that tenant's borrowed bytes.
+    #[serde(default)]
+    pub(super) foreign: bool,
+}
+
+/// Whether a block with `pins` pins, `foreign_pins` of them held by other
+/// tenants' clients, is lent: pinned, and only by other tenants' clients.
+pub(super) fn is_lent(pins: u64, foreign_pins: u64) -> bool {
+    pins > 0 && foreign_pins == pins
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -109,12 +132,12 @@ impl Store {
         Some(index)
     }
 
-    /// Empties pin slot `index` (bumping its generation); returns the count it held.
-    pub(super) fn take_pin_slot(&mut self, index: u32) -> Result<u64, Status> {
+    /// Empties pin slot `index` (bumping its generation); returns the pin it held.
+    pub(super) fn take_pin_slot(&mut self, index: u32) -> Result<Pin, Status> {
         let ps = self.pin_slots.get_mut(index as usize).ok_or(Status::Internal)?;
         let pin = ps.pin.take().ok_or(Status::Internal)?;
         ps.generation = next_generation(ps.generation);
         self.free_pin_slots.push(index);
-        Ok(pin.count)
+        Ok(pin)
     }
 }

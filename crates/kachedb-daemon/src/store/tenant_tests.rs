@@ -8,6 +8,7 @@ use super::tests::{reserve_req, SLAB_OFFSET};
 use super::*;
 use crate::alloc::PAGE_LEN;
 use kachedb_shm::control::{MAX_TENANTS, OTHER_TENANT};
+use kachedb_shm::OutOfMemoryCause;
 
 fn ok(st: &mut Store, s: SessionId, req: Request) -> Completion {
     let c = st.handle(s, 1, &req);
@@ -116,11 +117,35 @@ fn a_block_that_cannot_fit_within_the_limit_changes_nothing() {
     totals_add_up(&st);
 }
 
-/// Under `chain`, a tenant's blocks that are parents of another tenant's
-/// blocks are not leaves: the dry run sees that evicting the tenant's own
-/// list cannot free them, and refuses without evicting anything.
+/// Under `chain`, a tenant's blocks held by children of its own are not
+/// leaves: the dry run sees that evicting the tenant's own list cannot free
+/// them, and refuses without evicting anything.
 #[test]
 fn the_dry_run_follows_the_chain_policy() {
+    let mut st = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
+    st.set_tenant_limits(None, &[("a".into(), 4 * PAGE_LEN)], true);
+    let a = st.open_session();
+    st.set_session_tenant(a, "a");
+    // a: chain 1 <- 2 <- 3 <- 4, its leaf 4 pinned by a itself.
+    for k in 1..=4 {
+        put(&mut st, a, k, (k > 1).then(|| k - 1));
+    }
+    let pin = ok(&mut st, a, Request::Get { key: 4 });
+    let c = st.handle(a, 1, &reserve_req(5, 100, 0));
+    st.check_invariants().unwrap();
+    assert_eq!(c.status, Status::OutOfMemory, "a's chain is held by its own pinned leaf");
+    assert_eq!(st.stats().evictions, 0);
+    // Released, the chain is evictable tail first.
+    ok(&mut st, a, Request::Release { handle: pin.handle });
+    assert_eq!(put(&mut st, a, 5, None).status, Status::Ok);
+    assert!(st.peek(4).is_none() && st.peek(1).is_some() && st.peek(3).is_some());
+}
+
+/// Another tenant's child does not hold a parent: a tenant at its limit
+/// evicts its own block although `b` stored a block naming it as parent;
+/// `b`'s block stays, without its parent (a cut link, counted).
+#[test]
+fn another_tenants_child_does_not_hold_a_parent() {
     let mut st = Store::new(SLAB_OFFSET, 16 * PAGE_LEN);
     st.set_tenant_limits(None, &[("a".into(), 3 * PAGE_LEN)], true);
     let (a, b) = (st.open_session(), st.open_session());
@@ -131,14 +156,125 @@ fn the_dry_run_follows_the_chain_policy() {
     put(&mut st, a, 2, Some(1));
     put(&mut st, a, 3, Some(2));
     put(&mut st, b, 10, Some(3));
-    let c = st.handle(a, 1, &reserve_req(4, 100, 0));
-    st.check_invariants().unwrap();
-    assert_eq!(c.status, Status::OutOfMemory, "a's chain is held by b's child");
-    assert_eq!(st.stats().evictions, 0);
-    // Once b's block goes, a's chain is evictable tail first.
-    ok(&mut st, b, Request::Delete { key: 10 });
     assert_eq!(put(&mut st, a, 4, None).status, Status::Ok);
-    assert!(st.peek(3).is_none() && st.peek(1).is_some() && st.peek(2).is_some());
+    assert!(st.peek(3).is_none() && st.peek(1).is_some() && st.peek(2).is_some() && st.peek(10).is_some());
+    let s = st.stats();
+    assert_eq!((s.links_cut, s.links_cut_by_eviction, s.chained_blocks), (1, 1, 1));
+    assert_eq!((row(&st, "b").orphaned_bytes, row(&st, "a").evictions), (PAGE_LEN, 1));
+    totals_add_up(&st);
+}
+
+/// Issue 41's parent attack, both ways a victim stores: with a limit, and on
+/// the shared list (no limits). The attacker stores a tiny block naming each
+/// of the victim's blocks as its parent, pins them, and leaves (its session
+/// closes: its blocks stay). The victim keeps storing.
+#[test]
+fn another_tenants_children_cannot_refuse_a_tenant() {
+    for limited in [true, false] {
+        let mut st = Store::new(SLAB_OFFSET, 48 * PAGE_LEN);
+        if limited {
+            st.set_tenant_limits(None, &[("v".into(), 16 * PAGE_LEN)], true);
+        }
+        let (v, x) = (st.open_session(), st.open_session());
+        st.set_session_tenant(v, "v");
+        st.set_session_tenant(x, "x");
+        let victim_blocks = if limited { 16 } else { 24 };
+        for k in 0..victim_blocks {
+            put(&mut st, v, k, None);
+        }
+        for k in 0..victim_blocks {
+            put(&mut st, x, 1000 + k, Some(k));
+            if !limited {
+                ok(&mut st, x, Request::Get { key: 1000 + k });
+            }
+        }
+        if limited {
+            st.close_session(x);
+        }
+        st.check_invariants().unwrap();
+        for k in 100..140 {
+            assert_eq!(put(&mut st, v, k, None).status, Status::Ok, "victim put {k} (limited {limited})");
+        }
+        assert!(row(&st, "v").evictions > 0);
+        assert_eq!(row(&st, "x").blocks, victim_blocks as u64, "the attacker's blocks stay, without parents");
+        totals_add_up(&st);
+    }
+}
+
+/// A pin is charged to the tenant that made it: `x` pinning all of `v`'s
+/// blocks does not make `v`'s puts fail (they are `v`'s bytes but lent, not
+/// charged to `v`); `x`'s pins count against `x`'s limit, where a GET past
+/// it evicts `x`'s own blocks first, or (none left) is refused and changes
+/// nothing.
+#[test]
+fn a_pin_of_another_tenants_block_is_charged_to_the_reader() {
+    let mut st = Store::new(SLAB_OFFSET, 64 * PAGE_LEN);
+    st.set_tenant_limits(None, &[("v".into(), 8 * PAGE_LEN), ("x".into(), 10 * PAGE_LEN)], true);
+    let (v, x) = (st.open_session(), st.open_session());
+    st.set_session_tenant(v, "v");
+    st.set_session_tenant(x, "x");
+    for k in 0..8 {
+        put(&mut st, v, k, None);
+    }
+    put(&mut st, x, 500, None);
+    put(&mut st, x, 501, None);
+    let pins: Vec<Completion> = (0..8).map(|k| ok(&mut st, x, Request::Get { key: k })).collect();
+    // x: 2 own + 8 borrowed = its limit of 10.
+    assert_eq!((st.tenants.get(1).lent_bytes, st.charged_bytes(2)), (8 * PAGE_LEN, 10 * PAGE_LEN));
+    // v stores on: its 8 pinned blocks are x's charge.
+    for k in 10..20 {
+        assert_eq!(put(&mut st, v, k, None).status, Status::Ok, "v's put {k}");
+    }
+    assert!((0..8).all(|k| st.peek(k).is_some()), "the pinned blocks stay");
+    // x pins one more of v's: past its limit, its own 500 goes first.
+    ok(&mut st, x, Request::Get { key: 19 });
+    assert!(st.peek(500).is_none() && st.peek(501).is_some());
+    ok(&mut st, x, Request::Get { key: 18 });
+    assert!(st.peek(501).is_none());
+    // Nothing of its own left to evict: refused, naming its limit, nothing changed.
+    let before = super::unit_tests::fingerprint(&st);
+    let c = st.handle(x, 1, &Request::Get { key: 17 });
+    st.check_invariants().unwrap();
+    assert_eq!(c.status, Status::OutOfMemory);
+    assert_eq!(OutOfMemoryCause::of(c.handle, c.offset), OutOfMemoryCause::TenantLimit(10 * PAGE_LEN));
+    assert_eq!(super::unit_tests::fingerprint(&st), before);
+    // A second GET of a block it pins already costs nothing more.
+    ok(&mut st, x, Request::Get { key: 0 });
+    // Released (or x gone), v's blocks are v's charge again.
+    ok(&mut st, x, Request::Release { handle: pins[1].handle });
+    st.close_session(x);
+    assert_eq!((st.tenants.get(1).lent_bytes, st.tenants.get(2).borrowed_bytes), (0, 0));
+    totals_add_up(&st);
+}
+
+/// A leaf of `v`'s chain pinned by `x` holds none of `v`'s chain: `v`
+/// evicts its ancestors (its link is cut) and stores on. A pin by `v`
+/// itself, or by the daemon's own session (a tier's write-behind), holds
+/// the chain as before.
+#[test]
+fn a_pinned_leaf_of_another_tenant_holds_no_chain() {
+    let mut st = Store::new(SLAB_OFFSET, 64 * PAGE_LEN);
+    st.set_tenant_limits(None, &[("v".into(), 8 * PAGE_LEN)], true);
+    let (v, x, daemon) = (st.open_session(), st.open_session(), st.open_internal_session());
+    st.set_session_tenant(v, "v");
+    st.set_session_tenant(x, "x");
+    for k in 0..8 {
+        put(&mut st, v, k, (k > 0).then(|| k - 1));
+    }
+    // The daemon's pin of the leaf holds the chain: v is refused as before.
+    let tier_pin = st.handle_internal(daemon, &Request::Get { key: 7 });
+    assert_eq!(tier_pin.status, Status::Ok);
+    assert_eq!(st.handle(v, 1, &reserve_req(50, 100, 0)).status, Status::OutOfMemory);
+    assert_eq!(st.handle_internal(daemon, &Request::Release { handle: tier_pin.handle }).status, Status::Ok);
+    st.check_invariants().unwrap();
+    // x's pin of the leaf holds nothing.
+    ok(&mut st, x, Request::Get { key: 7 });
+    for k in 100..120 {
+        assert_eq!(put(&mut st, v, k, None).status, Status::Ok, "v's put {k}");
+    }
+    assert!(st.peek(7).is_some() && st.peek(6).is_none());
+    assert_eq!(st.stats().links_cut_by_eviction, 1);
+    totals_add_up(&st);
 }
 
 /// A tenant without a limit is evicted by anyone (as before tenants); a

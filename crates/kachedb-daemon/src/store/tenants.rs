@@ -21,21 +21,39 @@
 //! A tenant with a limit (`--tenant-limit NAME=SIZE`, else
 //! `--tenant-limit-default`) keeps its evictable blocks on an eviction list
 //! of its own; the blocks of tenants without one are on the store's list
-//! (`Store::lru`). A RESERVE of tenant T (see `evict.rs`):
+//! (`Store::lru`). The limit bounds the tenant's **charged bytes**
+//! ([`Store::charged_bytes`]): the extent bytes of its reservations and
+//! blocks, less its *lent* blocks (pinned, and only by other tenants'
+//! clients), plus the other tenants' blocks its clients pin (*borrowed*,
+//! each block once per client session). So a pin is charged to the tenant
+//! that made it: the daemon's own sessions (the tiers' write-behind pins)
+//! pin for the block's tenant. A RESERVE of tenant T (see `evict.rs`):
 //!
-//! 1. if T's bytes plus the new extent pass T's limit, evicts from T's own
-//!    list (least recently used leaves first, as the policy says) until they
-//!    do not; if even that could not make it fit (checked first by a dry run
-//!    of the same order), the answer is OUT_OF_MEMORY with
+//! 1. if T's charged bytes plus the new extent pass T's limit, evicts from
+//!    T's own list (least recently used leaves first, as the policy says)
+//!    until they do not; if even that could not make it fit (checked first
+//!    by a dry run of the same order), the answer is OUT_OF_MEMORY with
 //!    [`OutOfMemoryCause::TenantLimit`](kachedb_shm::OutOfMemoryCause) and
 //!    nothing is evicted;
 //! 2. if the megaslab has no room, evicts the least recently used of the
 //!    heads of the store's list and (if T has a limit) T's own list.
 //!
+//! A GET (or WAIT) by T's client that pins another tenant's block for that
+//! session the first time does step 1 for the block's extent: it evicts T's
+//! own blocks to make room within T's limit, or is refused the same way.
+//!
+//! Chain links (`evict.rs`): under the chain policy a block is held off its
+//! list only by its *holding* children, those of its own tenant that are
+//! not lent. Another tenant's child, or a child pinned only by another
+//! tenant's client, does not keep it cached: its eviction cuts that link.
+//!
 //! So a tenant's blocks are evicted only by itself, or, for a tenant without
-//! a limit, by anyone: never another tenant's pinned or limited blocks.
-//! Limits that add up to more than the megaslab can leave a tenant under its
-//! limit with OUT_OF_MEMORY (the others hold their share).
+//! a limit, by anyone: never another tenant's pinned or limited blocks; and
+//! no tenant's pins or children make another tenant's blocks count against
+//! that tenant's limit or stay cached for it. Limits that add up to more
+//! than the megaslab can leave a tenant under its limit with OUT_OF_MEMORY
+//! (the others hold their share); a tenant without a limit can pin or hold
+//! as much as the megaslab has.
 
 use super::slots::SlotState;
 use super::{SessionId, Store};
@@ -127,6 +145,14 @@ pub(super) struct Tenant {
     pub(super) list: BTreeMap<u64, u32>,
     /// Extent bytes of its linked unpinned blocks.
     pub(super) evictable_bytes: u64,
+    /// Extent bytes of its blocks that are lent: pinned, and only by other
+    /// tenants' clients. Not charged to its limit ([`Store::charged_bytes`]).
+    #[serde(default)]
+    pub(super) lent_bytes: u64,
+    /// Extent bytes of other tenants' blocks that its clients pin, each block
+    /// once per client session that pins it. Charged to its limit.
+    #[serde(default)]
+    pub(super) borrowed_bytes: u64,
     #[serde(skip)]
     window: Window<TenantSketch>,
 }
@@ -403,10 +429,18 @@ impl Store {
         }
     }
 
+    /// What tenant `t`'s limit bounds: the extent bytes of its reservations
+    /// and blocks, less those lent to other tenants (pinned only by their
+    /// clients), plus those it borrows (other tenants' blocks its clients pin).
+    pub(super) fn charged_bytes(&self, t: TenantId) -> u64 {
+        let r = self.tenants.get(t);
+        r.figures.bytes.saturating_sub(r.lent_bytes).saturating_add(r.borrowed_bytes)
+    }
+
     /// Whether evicting from tenant `t`'s own list, in the order eviction
     /// would, frees at least `over` bytes: a dry run of the chain policy
-    /// (a parent of `t`'s whose last child goes joins the list at its own
-    /// last use). `O(k log n)` in the blocks it would evict.
+    /// (a parent of `t`'s whose last holding child goes joins the list at
+    /// its own last use). `O(k log n)` in the blocks it would evict.
     pub(super) fn tenant_can_free(&self, t: TenantId, over: u64) -> bool {
         let row = self.tenants.get(t);
         if row.evictable_bytes < over {
@@ -429,13 +463,14 @@ impl Store {
             };
             freed += tensor.extent.len;
             let Some(p) = *parent else { continue };
-            if let Some(SlotState::Block { tensor: pt, pins: 0, linked: true, children, last_use, .. }) =
+            // Each block the run evicts is `t`'s and unpinned: a holding child of a parent of `t`'s.
+            if let Some(SlotState::Block { tensor: pt, pins: 0, linked: true, holding_children, last_use, .. }) =
                 self.slots.get(p as usize).map(|s| &s.state)
             {
                 if pt.tenant == t && self.policy == super::EvictionPolicy::Chain {
                     let gone = children_gone.entry(p).or_insert(0);
                     *gone += 1;
-                    if *gone == *children {
+                    if *gone == *holding_children {
                         joined.insert(*last_use, p);
                     }
                 }
