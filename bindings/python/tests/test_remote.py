@@ -933,3 +933,62 @@ def test_a_fill_from_disk_counts_in_the_disk_histogram_not_the_remote_one(cluste
         assert "kachedb_disk_fill_duration_seconds_count 1" in lines
     finally:
         b.stop()
+
+
+# --- issue 41: a value's namespace, the tenant a fill counts for ---------------------
+
+
+def test_a_keyed_value_copied_into_another_namespace_is_never_served(cluster, tmp_path):
+    """The keyed tags cover the namespace: a value a node of namespace X wrote,
+    copied by anyone with Redis access to the same block key in namespace Y,
+    is refused by a node of Y holding the same fleet key (a miss, counted in
+    ``remote_auth_failures``), never served; values written in Y are served.
+    Both a block of one chunk (verified in round one) and one of five."""
+    ns_x, ns_y = f"t-{uuid.uuid4().hex[:8]}", f"t-{uuid.uuid4().hex[:8]}"
+    fleet = key_file(tmp_path, "fleet.key", os.urandom(32))
+    x = node(cluster.url, ns_x, "--remote-key-file", fleet)
+    y_writer = node(cluster.url, ns_y, "--remote-key-file", fleet)
+    y = node(cluster.url, ns_y, "--remote-key-file", fleet)
+    rc = cluster.client()
+    try:
+        big = np.frombuffer(pattern(300_000, 13), dtype=np.uint8).copy()  # 5 chunks
+        small = np.frombuffer(pattern(1000, 14), dtype=np.uint8).copy()  # 1 chunk
+        own = np.frombuffer(pattern(200_000, 15), dtype=np.uint8).copy()
+        with x.connect() as k:
+            k.put("replay/big", big)
+            k.put("replay/small", small)
+        wait_written(x, 2)
+        with y_writer.connect() as k:
+            k.put("replay/own", own)
+        wait_written(y_writer, 1)
+        for name, chunks in (("replay/big", 5), ("replay/small", 1)):
+            for i in range(chunks):
+                copy_value(rc, redis_key(ns_x, name, i), redis_key(ns_y, name, i))
+            assert rc.exists(redis_key(ns_x, name, chunks)) == 0
+        with y.connect() as k:
+            for name in ("replay/big", "replay/small"):
+                with pytest.raises(kachedb.NotFound):
+                    k.get(name)
+                assert k.lookup([name]) == 0
+            got = k.get_numpy("replay/own")
+            assert got.tobytes() == own.tobytes()
+            del got
+        st = remote(y)
+        assert st["remote_fills"] == 1, st
+        assert st["remote_auth_failures"] >= 2 and st["remote_corrupt"] == 0, st
+        assert y.stats()["blocks"] == 1
+        # The values are good in their own namespace: a node of X serves them.
+        x2 = node(cluster.url, ns_x, "--remote-key-file", fleet)
+        try:
+            with x2.connect() as k:
+                got = k.get_numpy("replay/big")
+                assert got.tobytes() == big.tobytes()
+                del got
+            assert remote(x2)["remote_fills"] == 1 and remote(x2)["remote_auth_failures"] == 0
+        finally:
+            x2.stop()
+        assert_clean(x, y_writer, y)
+    finally:
+        rc.close()
+        for d in (x, y_writer, y):
+            d.stop()
