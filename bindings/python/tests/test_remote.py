@@ -992,3 +992,58 @@ def test_a_keyed_value_copied_into_another_namespace_is_never_served(cluster, tm
         rc.close()
         for d in (x, y_writer, y):
             d.stop()
+
+
+def tenant_rows(d: Daemon) -> dict:
+    return {t["name"]: t for t in d.stats()["tenants"]}
+
+
+def test_fills_count_for_the_tenant_whose_miss_started_them_within_its_limit(cluster):
+    """Node A writes two chains of 1 MiB blocks through; on node B a client of
+    tenant ``t1`` (``--tenant-limit t1=4MiB``) looks them up, one chain after
+    the other. The filled blocks count for t1 (not for ``default``), t1 stays
+    within its limit by evicting its own filled blocks, and a block of the
+    default tenant on B is left alone. Bytes read back are right."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    mib = 1 << 20
+    a = node(cluster.url, ns)
+    b = node(cluster.url, ns, "--tenant-limit", "t1=4MiB")
+    chains = [[f"tenant/{c}/{i}" for i in range(3)] for c in range(2)]
+    data = {k: np.frombuffer(pattern(mib, 100 + 10 * c + i), dtype=np.uint8).copy()
+            for c, ks in enumerate(chains) for i, k in enumerate(ks)}
+    try:
+        with a.connect() as ka:
+            for ks in chains:
+                ka.put_many(ks, [data[k] for k in ks], chain=True)
+        wait_written(a, len(data))
+        with b.connect() as kd:
+            kd.put("tenant/default-own", np.full(2 * mib, 5, dtype=np.uint8))
+        default_bytes = tenant_rows(b)["default"]["bytes"]
+        assert default_bytes >= 2 * mib
+        with kachedb.connect(b.socket, tenant="t1") as kt:
+            assert kt.lookup(chains[0]) == 3
+            rows = tenant_rows(b)
+            assert rows["t1"]["blocks"] == 3 and rows["t1"]["bytes"] == 3 * mib, rows["t1"]
+            assert rows["default"]["blocks"] == 1 and rows["default"]["bytes"] == default_bytes, rows["default"]
+            # The second chain does not fit beside the first within 4 MiB:
+            # t1's own filled blocks make room.
+            assert kt.lookup(chains[1]) == 3
+            rows = tenant_rows(b)
+            assert rows["t1"]["bytes"] <= 4 * mib and rows["t1"]["limit_bytes"] == 4 * mib, rows["t1"]
+            assert rows["t1"]["evictions"] >= 2, rows["t1"]
+            assert rows["default"]["blocks"] == 1 and rows["default"]["bytes"] == default_bytes, rows["default"]
+            assert rows["default"]["evictions"] == 0, rows["default"]
+            for k in chains[1]:
+                got = kt.get_numpy(k)
+                assert got.tobytes() == data[k].tobytes(), k
+                del got
+        st = remote(b)
+        assert st["remote_fills"] == 6 and st["remote_corrupt"] == 0 and st["remote_errors"] == 0, st
+        with b.connect() as kd:
+            got = kd.get_numpy("tenant/default-own")
+            assert int(got.min()) == 5 == int(got.max())
+            del got
+        assert_clean(a, b)
+    finally:
+        a.stop()
+        b.stop()

@@ -86,7 +86,7 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
     };
     let (whole, heads) = timeout_at(deadline, read_heads(ctx, &conn, &job.keys)).await.map_err(|_| Cancelled)?;
     if !whole.is_empty() {
-        land_all(ctx, job.id, &whole, filled).await;
+        land_all(ctx, job, &whole, filled).await;
     }
     drop(whole);
     for group in budget_groups(heads) {
@@ -98,7 +98,7 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
             .map_err(|_| Cancelled)?;
         let blocks = timeout_at(deadline, read_rests(ctx, &conn, group)).await.map_err(|_| Cancelled)?;
         if !blocks.is_empty() {
-            land_all(ctx, job.id, &blocks, filled).await;
+            land_all(ctx, job, &blocks, filled).await;
         }
     }
     Ok(())
@@ -124,11 +124,12 @@ fn budget_groups(heads: Vec<(Header, Vec<u8>)>) -> Vec<Vec<(Header, Vec<u8>)>> {
     groups
 }
 
-/// Asks the serve loop for reservations for `blocks` and copies each into
-/// its own; adds the landed ones to `filled`. A local wait (the serve loop
-/// answers at its next pass, or drops the sender when it stops), so not
-/// bounded by the deadline: cancelling it could lose reservations made.
-async fn land_all(ctx: &Ctx, fetch: u64, blocks: &[Verified], filled: &mut Vec<(u64, u64)>) {
+/// Asks the serve loop for reservations for `blocks` of fetch `job` and
+/// copies each into its own; adds the landed ones to `filled`. A local wait
+/// (the serve loop answers at its next pass, or drops the sender when it
+/// stops), so not bounded by the deadline: cancelling it could lose
+/// reservations made.
+async fn land_all(ctx: &Ctx, job: &FetchJob, blocks: &[Verified], filled: &mut Vec<(u64, u64)>) {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let specs = blocks
         .iter()
@@ -139,11 +140,12 @@ async fn land_all(ctx: &Ctx, fetch: u64, blocks: &[Verified], filled: &mut Vec<(
             len: b.header.len,
             parent: None,
             // The remote format names no tenant (the cluster is the
-            // fleet's): a block filled from it is the default tenant's.
-            tenant: None,
+            // fleet's): a block filled from it counts for the tenant whose
+            // miss asked for it, within that tenant's limit.
+            tenant: Some(job.tenant.clone()),
         })
         .collect();
-    ctx.send(TierEvent::Reserve { fetch, blocks: specs, reply: tx });
+    ctx.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
     if let Ok(reserved) = rx.await {
         for (b, r) in blocks.iter().zip(reserved) {
             let Some(r) = r else { continue };
