@@ -933,3 +933,117 @@ def test_a_fill_from_disk_counts_in_the_disk_histogram_not_the_remote_one(cluste
         assert "kachedb_disk_fill_duration_seconds_count 1" in lines
     finally:
         b.stop()
+
+
+# --- issue 41: a value's namespace, the tenant a fill counts for ---------------------
+
+
+def test_a_keyed_value_copied_into_another_namespace_is_never_served(cluster, tmp_path):
+    """The keyed tags cover the namespace: a value a node of namespace X wrote,
+    copied by anyone with Redis access to the same block key in namespace Y,
+    is refused by a node of Y holding the same fleet key (a miss, counted in
+    ``remote_auth_failures``), never served; values written in Y are served.
+    Both a block of one chunk (verified in round one) and one of five."""
+    ns_x, ns_y = f"t-{uuid.uuid4().hex[:8]}", f"t-{uuid.uuid4().hex[:8]}"
+    fleet = key_file(tmp_path, "fleet.key", os.urandom(32))
+    x = node(cluster.url, ns_x, "--remote-key-file", fleet)
+    y_writer = node(cluster.url, ns_y, "--remote-key-file", fleet)
+    y = node(cluster.url, ns_y, "--remote-key-file", fleet)
+    rc = cluster.client()
+    try:
+        big = np.frombuffer(pattern(300_000, 13), dtype=np.uint8).copy()  # 5 chunks
+        small = np.frombuffer(pattern(1000, 14), dtype=np.uint8).copy()  # 1 chunk
+        own = np.frombuffer(pattern(200_000, 15), dtype=np.uint8).copy()
+        with x.connect() as k:
+            k.put("replay/big", big)
+            k.put("replay/small", small)
+        wait_written(x, 2)
+        with y_writer.connect() as k:
+            k.put("replay/own", own)
+        wait_written(y_writer, 1)
+        for name, chunks in (("replay/big", 5), ("replay/small", 1)):
+            for i in range(chunks):
+                copy_value(rc, redis_key(ns_x, name, i), redis_key(ns_y, name, i))
+            assert rc.exists(redis_key(ns_x, name, chunks)) == 0
+        with y.connect() as k:
+            for name in ("replay/big", "replay/small"):
+                with pytest.raises(kachedb.NotFound):
+                    k.get(name)
+                assert k.lookup([name]) == 0
+            got = k.get_numpy("replay/own")
+            assert got.tobytes() == own.tobytes()
+            del got
+        st = remote(y)
+        assert st["remote_fills"] == 1, st
+        assert st["remote_auth_failures"] >= 2 and st["remote_corrupt"] == 0, st
+        assert y.stats()["blocks"] == 1
+        # The values are good in their own namespace: a node of X serves them.
+        x2 = node(cluster.url, ns_x, "--remote-key-file", fleet)
+        try:
+            with x2.connect() as k:
+                got = k.get_numpy("replay/big")
+                assert got.tobytes() == big.tobytes()
+                del got
+            assert remote(x2)["remote_fills"] == 1 and remote(x2)["remote_auth_failures"] == 0
+        finally:
+            x2.stop()
+        assert_clean(x, y_writer, y)
+    finally:
+        rc.close()
+        for d in (x, y_writer, y):
+            d.stop()
+
+
+def tenant_rows(d: Daemon) -> dict:
+    return {t["name"]: t for t in d.stats()["tenants"]}
+
+
+def test_fills_count_for_the_tenant_whose_miss_started_them_within_its_limit(cluster):
+    """Node A writes two chains of 1 MiB blocks through; on node B a client of
+    tenant ``t1`` (``--tenant-limit t1=4MiB``) looks them up, one chain after
+    the other. The filled blocks count for t1 (not for ``default``), t1 stays
+    within its limit by evicting its own filled blocks, and a block of the
+    default tenant on B is left alone. Bytes read back are right."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    mib = 1 << 20
+    a = node(cluster.url, ns)
+    b = node(cluster.url, ns, "--tenant-limit", "t1=4MiB")
+    chains = [[f"tenant/{c}/{i}" for i in range(3)] for c in range(2)]
+    data = {k: np.frombuffer(pattern(mib, 100 + 10 * c + i), dtype=np.uint8).copy()
+            for c, ks in enumerate(chains) for i, k in enumerate(ks)}
+    try:
+        with a.connect() as ka:
+            for ks in chains:
+                ka.put_many(ks, [data[k] for k in ks], chain=True)
+        wait_written(a, len(data))
+        with b.connect() as kd:
+            kd.put("tenant/default-own", np.full(2 * mib, 5, dtype=np.uint8))
+        default_bytes = tenant_rows(b)["default"]["bytes"]
+        assert default_bytes >= 2 * mib
+        with kachedb.connect(b.socket, tenant="t1") as kt:
+            assert kt.lookup(chains[0]) == 3
+            rows = tenant_rows(b)
+            assert rows["t1"]["blocks"] == 3 and rows["t1"]["bytes"] == 3 * mib, rows["t1"]
+            assert rows["default"]["blocks"] == 1 and rows["default"]["bytes"] == default_bytes, rows["default"]
+            # The second chain does not fit beside the first within 4 MiB:
+            # t1's own filled blocks make room.
+            assert kt.lookup(chains[1]) == 3
+            rows = tenant_rows(b)
+            assert rows["t1"]["bytes"] <= 4 * mib and rows["t1"]["limit_bytes"] == 4 * mib, rows["t1"]
+            assert rows["t1"]["evictions"] >= 2, rows["t1"]
+            assert rows["default"]["blocks"] == 1 and rows["default"]["bytes"] == default_bytes, rows["default"]
+            assert rows["default"]["evictions"] == 0, rows["default"]
+            for k in chains[1]:
+                got = kt.get_numpy(k)
+                assert got.tobytes() == data[k].tobytes(), k
+                del got
+        st = remote(b)
+        assert st["remote_fills"] == 6 and st["remote_corrupt"] == 0 and st["remote_errors"] == 0, st
+        with b.connect() as kd:
+            got = kd.get_numpy("tenant/default-own")
+            assert int(got.min()) == 5 == int(got.max())
+            del got
+        assert_clean(a, b)
+    finally:
+        a.stop()
+        b.stop()

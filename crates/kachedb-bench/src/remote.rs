@@ -14,7 +14,7 @@
 //! values of B's tier threads and of the redis-servers.
 //!
 //! A second pair of daemons (A', B') runs with a fleet key
-//! (`--remote-key-file`, keyed BLAKE3 tags) in its own namespace: its
+//! (`--remote-key-file`, keyed tags) in its own namespace: its
 //! write-behind and fills are timed in the same run: B and B' fill the same
 //! batches in turn, the order flipping every batch, and the keyed fill
 //! throughput is printed as a share of the unkeyed one (the median of the

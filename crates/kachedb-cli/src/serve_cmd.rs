@@ -151,10 +151,12 @@ pub struct ServeArgs {
     pub remote_password_file: Option<PathBuf>,
     /// A file holding the fleet key: 32 random bytes, or 64 hex digits
     /// (`openssl rand -hex 32 > key; chmod 600 key`), the same on every node
-    /// of the fleet. Values are then written with keyed tags (keyed BLAKE3)
-    /// and only values with a valid tag are served; without it the tier
-    /// trusts every writer to its namespace. The file must not be readable by
-    /// group or others. Never on the command line (docs/remote.md).
+    /// of the fleet. Values are then written with keyed tags over the
+    /// namespace, the header and the bytes, and only values with valid tags
+    /// are served; without it the tier trusts every writer to its namespace.
+    /// The file must be the daemon user's own, not readable or writable by
+    /// group or others, and not a symbolic link. Never on the command line
+    /// (docs/remote.md).
     #[arg(long, value_name = "PATH")]
     pub remote_key_file: Option<PathBuf>,
     /// Key prefix in the remote store: daemons with the same namespace share
@@ -457,23 +459,55 @@ fn keep_heap_pages() {
     }
 }
 
-/// The fleet key in `path`: a regular file that group and others can
-/// neither read nor write, holding 32 bytes or 64 hex digits.
+/// Most bytes read from a key file: a key is 32 bytes, or 64 hex digits and
+/// some whitespace.
+const KEY_FILE_MAX_LEN: u64 = 4096;
+
+/// The fleet key in `path`: a regular file of the daemon's own user that
+/// group and others can neither read nor write, holding 32 bytes or 64 hex
+/// digits. The file is opened without following a symbolic link (`O_NOFOLLOW`)
+/// and its owner, mode and type are read from the open descriptor (`fstat`),
+/// so what is checked is what is read, whatever happens to the path meanwhile.
 fn read_key_file(path: &std::path::Path) -> Result<kachedb_daemon::remote::format::FleetKey, String> {
-    use std::os::unix::fs::PermissionsExt;
+    use rustix::fs::{FileType, Mode, OFlags};
+    use std::io::Read;
     let shown = path.display();
-    let meta = std::fs::metadata(path).map_err(|e| format!("--remote-key-file {shown}: {e}"))?;
-    if !meta.is_file() {
-        return Err(format!("--remote-key-file {shown}: not a regular file"));
+    // NONBLOCK: opening a FIFO does not wait for a writer (it is then refused as not a file).
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
+    let fd = rustix::fs::open(path, flags, Mode::empty()).map_err(|e| match e {
+        rustix::io::Errno::LOOP => format!(
+            "--remote-key-file {shown}: a symbolic link; the daemon does not follow one (it could be pointed at another \
+             file): give the path of the key file itself"
+        ),
+        e => format!("--remote-key-file {shown}: {}", std::io::Error::from(e)),
+    })?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| format!("--remote-key-file {shown}: {}", std::io::Error::from(e)))?;
+    let (owner, mode) = (st.st_uid, st.st_mode & 0o7777);
+    let me = rustix::process::geteuid().as_raw();
+    let what = format!("--remote-key-file {shown} (owned by uid {owner}, mode {mode:03o})");
+    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+        return Err(format!("{what}: not a regular file: give the path of a file holding the key"));
     }
-    let mode = meta.permissions().mode() & 0o777;
-    if mode & 0o077 != 0 {
+    if owner != me {
         return Err(format!(
-            "--remote-key-file {shown}: the key is readable or writable by group or others (mode {mode:03o}); \
-             anyone who reads it can forge blocks every node serves: chmod 600 {shown}"
+            "{what}: the fleet key must belong to the daemon's user (uid {me}), who alone may read it: \
+             chown {me} {shown} && chmod 600 {shown}"
         ));
     }
-    let bytes = std::fs::read(path).map_err(|e| format!("--remote-key-file {shown}: {e}"))?;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "{what}: group or others can read or write the key; anyone who reads it can forge blocks every node \
+             serves: chmod 600 {shown}"
+        ));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::from(fd)
+        .take(KEY_FILE_MAX_LEN + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("--remote-key-file {shown}: {e}"))?;
+    if bytes.len() as u64 > KEY_FILE_MAX_LEN {
+        return Err(format!("{what}: longer than {KEY_FILE_MAX_LEN} bytes: give 32 bytes or 64 hex digits"));
+    }
     kachedb_daemon::remote::format::FleetKey::parse(&bytes).map_err(|e| format!("--remote-key-file {shown}: {e}"))
 }
 

@@ -405,6 +405,58 @@ fn still_serves(old: &Daemon, kc: &Client, key: Key, round: u8) {
     assert_eq!(v["daemon_pid"].as_u64(), Some(u64::from(old.child.id())), "{v}");
 }
 
+/// The geometry words of the region header, as a client reads them
+/// through its mapping: (channel count, ring capacity, channel stride).
+fn header_geometry(region: &kachedb_shm::Region) -> (u32, u32, u64) {
+    use kachedb_shm::region::RegionHeader;
+    use std::mem::offset_of;
+    use std::sync::atomic::{AtomicU32, AtomicU64};
+    let base = region.base();
+    // SAFETY: the header page is mapped (shared) while `region` lives; these
+    // offsets are in it and aligned for their widths, and every access to the
+    // header's words is atomic (the daemon copies and restores it with
+    // atomic loads and stores).
+    unsafe {
+        let at32 = |off: usize| (*base.add(off).cast::<AtomicU32>()).load(Ordering::Relaxed);
+        let at64 = |off: usize| (*base.add(off).cast::<AtomicU64>()).load(Ordering::Relaxed);
+        (
+            at32(offset_of!(RegionHeader, channel_count)),
+            at32(offset_of!(RegionHeader, ring_capacity)),
+            at64(offset_of!(RegionHeader, channel_stride)),
+        )
+    }
+}
+
+/// Another geometry than `l` that the header's own checks accept: the same
+/// megaslab offset and length and the same region length, another channel
+/// count or ring capacity.
+fn other_geometry(l: &kachedb_shm::region::Layout) -> kachedb_shm::region::Layout {
+    use kachedb_shm::region::Layout;
+    (1..=l.channel_count * 2)
+        .flat_map(|ch| (1..=20).map(move |p| (ch, 1u32 << p)))
+        .filter(|&(ch, cap)| (ch, cap) != (l.channel_count, l.ring_capacity))
+        .filter_map(|(ch, cap)| Layout::new(ch, cap, l.slab_len).ok())
+        .find(|o| o.slab_offset == l.slab_offset && o.region_len == l.region_len)
+        .expect("another layout with the same megaslab offset")
+}
+
+/// Writes `to`'s channel count, ring capacity and channel stride into the
+/// region header through `region`'s mapping, as a hostile client can.
+fn write_geometry(region: &kachedb_shm::Region, to: &kachedb_shm::region::Layout) {
+    use kachedb_shm::region::RegionHeader;
+    use std::mem::offset_of;
+    use std::sync::atomic::{AtomicU32, AtomicU64};
+    let base = region.base();
+    // SAFETY: as in `header_geometry`.
+    unsafe {
+        let at32 = |off: usize| &*base.add(off).cast::<AtomicU32>();
+        let at64 = |off: usize| &*base.add(off).cast::<AtomicU64>();
+        at32(offset_of!(RegionHeader, channel_count)).store(to.channel_count, Ordering::Relaxed);
+        at32(offset_of!(RegionHeader, ring_capacity)).store(to.ring_capacity, Ordering::Relaxed);
+        at64(offset_of!(RegionHeader, channel_stride)).store(to.channel_stride, Ordering::Relaxed);
+    }
+}
+
 /// Issue 25, item 11: the region header is writable by every client, and a
 /// takeover must not trust it. A client writes another valid geometry (same
 /// megaslab offset and length, other channel count or ring capacity) into
@@ -413,9 +465,6 @@ fn still_serves(old: &Daemon, kc: &Client, key: Key, round: u8) {
 /// old daemon serves on: its clients (old and new) are served.
 #[test]
 fn takeover_is_refused_when_a_client_wrote_the_region_header() {
-    use kachedb_shm::region::{Layout, RegionHeader};
-    use std::mem::offset_of;
-    use std::sync::atomic::{AtomicU32, AtomicU64};
     let dir = TempDir::new("tampered-header");
     let sock = dir.socket();
     let mut old = Daemon::spawn_with(&sock, "8MiB", &[]);
@@ -425,45 +474,87 @@ fn takeover_is_refused_when_a_client_wrote_the_region_header() {
     kc.put(key, &[7u8; 4096]).expect("put");
     let region = kc.region().clone();
     let l = *region.layout();
-    // Another geometry that the header's own checks accept: the same offsets
-    // of the megaslab and the same region length.
-    let other = (1..=l.channel_count * 2)
-        .flat_map(|ch| (1..=20).map(move |p| (ch, 1u32 << p)))
-        .filter(|&(ch, cap)| (ch, cap) != (l.channel_count, l.ring_capacity))
-        .filter_map(|(ch, cap)| Layout::new(ch, cap, l.slab_len).ok())
-        .find(|o| o.slab_offset == l.slab_offset && o.region_len == l.region_len)
-        .expect("another layout with the same megaslab offset");
-    let base = region.base();
-    // SAFETY: the header page is mapped (shared, writable) while `region`
-    // lives; these offsets are in it and aligned for their widths, and every
-    // access to the header's words is atomic (the daemon copies it with
-    // atomic loads).
-    unsafe {
-        let at32 = |off: usize| &*base.add(off).cast::<AtomicU32>();
-        let at64 = |off: usize| &*base.add(off).cast::<AtomicU64>();
-        at32(offset_of!(RegionHeader, channel_count)).store(other.channel_count, Ordering::Relaxed);
-        at32(offset_of!(RegionHeader, ring_capacity)).store(other.ring_capacity, Ordering::Relaxed);
-        at64(offset_of!(RegionHeader, channel_stride)).store(other.channel_stride, Ordering::Relaxed);
-    }
+    let other = other_geometry(&l);
+    write_geometry(&region, &other);
     let mut next = Daemon::spawn_with(&sock, "8MiB", &["--takeover"]);
     refused_takeover(&mut next, &mut old, "the region header says");
     let log = next.log();
     let said = format!("{} channels x {} slots", other.channel_count, other.ring_capacity);
     let serves = format!("{} channels x {} slots", l.channel_count, l.ring_capacity);
     assert!(log.contains(&said) && log.contains(&serves), "the refusal names neither geometry:\n{log}");
-    // Put the header back, so that the new client below attaches (the daemon
-    // serves the geometry it made, whatever the header says).
-    // SAFETY: as above.
-    unsafe {
-        let at32 = |off: usize| &*base.add(off).cast::<AtomicU32>();
-        let at64 = |off: usize| &*base.add(off).cast::<AtomicU64>();
-        at32(offset_of!(RegionHeader, channel_count)).store(l.channel_count, Ordering::Relaxed);
-        at32(offset_of!(RegionHeader, ring_capacity)).store(l.ring_capacity, Ordering::Relaxed);
-        at64(offset_of!(RegionHeader, channel_stride)).store(l.channel_stride, Ordering::Relaxed);
-    }
     still_serves(&old, &kc, key, 1);
     old.signal(rustix::process::Signal::TERM);
     old.wait_exit(Duration::from_secs(30)).expect("the old daemon stops");
+}
+
+/// Issue 41, item 4: after the takeover above is refused, the header a
+/// client wrote does not stay in the region. The old daemon keeps the header
+/// words it wrote when it made the region and writes them back when a
+/// takeover fails: read through the scribbling client's own mapping (no
+/// other client says hello in between), the header holds the daemon's
+/// geometry again. A client connecting afterwards maps that geometry and
+/// round-trips a block; the old daemon logged the restore.
+#[test]
+fn a_header_a_client_wrote_is_restored_when_the_takeover_is_refused() {
+    let dir = TempDir::new("restored-header");
+    let sock = dir.socket();
+    let mut old = Daemon::spawn_with(&sock, "8MiB", &[]);
+    old.wait_ready();
+    let kc = Client::connect(&old.opts()).expect("connect");
+    let key = Key::from_bytes(b"before");
+    kc.put(key, &[7u8; 4096]).expect("put");
+    let region = kc.region().clone();
+    let l = *region.layout();
+    let want = (l.channel_count, l.ring_capacity, l.channel_stride);
+    let other = other_geometry(&l);
+    write_geometry(&region, &other);
+    assert_ne!(header_geometry(&region), want);
+    let mut next = Daemon::spawn_with(&sock, "8MiB", &["--takeover"]);
+    refused_takeover(&mut next, &mut old, "the region header says");
+    let t = Instant::now();
+    while header_geometry(&region) != want {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the header still says {:?} after the refused takeover (the daemon serves {want:?}):\n{}",
+            header_geometry(&region),
+            old.log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let later = Client::connect(&old.opts()).expect("a client after the refused takeover");
+    assert_eq!(*later.region().layout(), l, "a later client mapped another geometry than the daemon serves");
+    let k2 = Key::from_bytes(b"after the refusal");
+    later.put(k2, &[3u8; 8192]).expect("put after the refusal");
+    assert_eq!(&*later.get(k2).expect("get").expect("present"), &[3u8; 8192][..]);
+    assert_eq!(&*later.get(key).expect("get").expect("present"), &[7u8; 4096][..]);
+    assert!(old.log().contains("region header restored after a takeover that did not happen"), "{}", old.log());
+    still_serves(&old, &kc, key, 1);
+    old.signal(rustix::process::Signal::TERM);
+    old.wait_exit(Duration::from_secs(30)).expect("the old daemon stops");
+}
+
+/// Issue 41, item 4: a client writes another geometry into the region
+/// header (no takeover at all); the daemon restores its own header words
+/// before it answers the next hello, so the next client maps the geometry
+/// the daemon serves and round-trips a block.
+#[test]
+fn a_header_a_client_wrote_is_restored_before_the_next_hello_is_answered() {
+    let dir = TempDir::new("hello-header");
+    let sock = dir.socket();
+    let mut d = Daemon::spawn_with(&sock, "8MiB", &[]);
+    d.wait_ready();
+    let kc = Client::connect(&d.opts()).expect("connect");
+    let region = kc.region().clone();
+    let l = *region.layout();
+    write_geometry(&region, &other_geometry(&l));
+    let later = Client::connect(&d.opts()).expect("a client after the header was written");
+    assert_eq!(*later.region().layout(), l, "a later client mapped the geometry a client wrote");
+    let key = Key::from_bytes(b"hello-restored");
+    later.put(key, &[9u8; 4096]).expect("put");
+    assert_eq!(&*kc.get(key).expect("get").expect("present"), &[9u8; 4096][..]);
+    assert_eq!(header_geometry(&region), (l.channel_count, l.ring_capacity, l.channel_stride));
+    d.signal(rustix::process::Signal::TERM);
+    d.wait_exit(Duration::from_secs(30)).expect("the daemon stops");
 }
 
 /// Issue 25, item 12: a takeover whose new daemon cannot start (a remote

@@ -547,6 +547,10 @@ fn a_tenant_writing_faster_than_the_disk_refuses_no_put() {
     assert!(d.log().contains("not written"), "no log line about the writes not taken:\n{}", d.log());
 }
 
+/// A request of the crash test's client: key, round, put version (`None`:
+/// a DELETE), acknowledged.
+type Request = (usize, u64, Option<u64>, bool);
+
 /// What the model knows of a key: the version last acknowledged (`None`:
 /// deleted, or never put), and the request in flight at the kill, if any
 /// (`Some(v)` a put of version `v`, `None` a DELETE).
@@ -579,7 +583,7 @@ fn crash_consistency_of_puts_re_puts_and_deletes_against_a_model() {
     let model: Arc<Mutex<Vec<Known>>> = Arc::new(Mutex::new(vec![Known::default(); keys.len()]));
     // Every request, for a failure's message: (key, round, put version or
     // delete, acknowledged).
-    let history: Arc<Mutex<Vec<(usize, u64, Option<u64>, bool)>>> = Arc::new(Mutex::new(Vec::new()));
+    let history: Arc<Mutex<Vec<Request>>> = Arc::new(Mutex::new(Vec::new()));
     let mut rng = Rng::new(0x41);
     let mut next_version = 1u64;
     let (mut ops_total, mut checked, mut served_total, mut acked_total) = (0u64, 0u64, 0u64, 0u64);

@@ -251,6 +251,7 @@ pub(crate) fn run(ctl: Control) -> Option<i32> {
                     return Some(successor);
                 }
                 close(t, &metrics, &events);
+                restore_region_header(&region, "after a takeover that did not happen");
             }
         }
     }
@@ -464,6 +465,7 @@ fn handle_line(
             // The channel's rings were reset when it was recycled; reset again in
             // case it was never used.
             region.reset_channel(ch);
+            restore_region_header(region, "before answering a hello");
             c.channel = Some(ch);
             events.send(Event::Attach { channel: ch, stream: c.stream.clone(), pid: c.pid, uid: c.uid, tenant });
             let reply = HelloReply {
@@ -615,6 +617,21 @@ fn takeover_allowed(t: &mut Conn, versions: &[u32], access: &Access) -> Result<(
         ));
     }
     Ok(())
+}
+
+/// Writes back the region header's words (all but the doorbell) that a peer
+/// changed, so that no client attaching later maps a geometry or generation
+/// a peer wrote (`Region::restore_header`), and logs it; `when` says at
+/// which point the daemon looked.
+fn restore_region_header(region: &Region, when: &str) {
+    let words = region.restore_header();
+    if words > 0 {
+        tracing::warn!(
+            event = "region_header_restored",
+            words,
+            "region header restored {when}: {words} of its 16 words had been changed (by a client?)"
+        );
+    }
 }
 
 /// Writes `reply` with the region fd attached (`SCM_RIGHTS`).

@@ -97,6 +97,11 @@ pub struct WriteJob {
 pub struct FetchJob {
     /// Fetch id (the serve loop matches the answer to the parked channel by it).
     pub id: u64,
+    /// The tenant of the client whose miss started the fetch (the name of
+    /// the row it is counted in). A tier that keeps no tenant with its
+    /// blocks (the remote tier: the cluster is the fleet's) fills them for
+    /// this one ([`FillSpec::tenant`]), within its limit.
+    pub tenant: String,
     /// Keys, in chain order.
     pub keys: Vec<u128>,
 }

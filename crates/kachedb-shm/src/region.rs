@@ -31,7 +31,9 @@ pub const HEADER_LEN: u64 = PAGE_LEN;
 
 /// The header at offset 0 of a region. Written once by the daemon before any
 /// client maps it; clients copy it once at attach and validate it. The
-/// doorbell is the only live field.
+/// doorbell is the only live field. Every peer maps the page writable, so
+/// the daemon keeps its own copy of the words before the doorbell and writes
+/// them back when a peer changed them ([`Region::restore_header`]).
 #[repr(C, align(64))]
 #[derive(Debug)]
 pub struct RegionHeader {
@@ -78,6 +80,10 @@ const _: () = {
     assert!(core::mem::offset_of!(RegionHeader, doorbell) == 128);
     assert!(core::mem::size_of::<RegionHeader>() <= HEADER_LEN as usize);
 };
+
+/// The 8-byte words of the header before the doorbell: every field but the
+/// doorbell, and the padding up to its cache line.
+const HEADER_WORDS: usize = core::mem::offset_of!(RegionHeader, doorbell) / 8;
 
 /// The trusted geometry of a region, computed from three numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -293,6 +299,10 @@ pub struct Region {
     fd: OwnedFd,
     layout: Layout,
     generation: u64,
+    /// The header's words before the doorbell as this process made them
+    /// (create) or checked them (attach); [`Region::restore_header`] writes
+    /// them back.
+    header_words: [u64; HEADER_WORDS],
 }
 
 impl std::fmt::Debug for Region {
@@ -369,7 +379,9 @@ impl Region {
         // SAFETY: the mapping is at least HEADER_LEN bytes, page aligned, and no
         // other process has the fd yet, so nothing else accesses it.
         unsafe { std::ptr::write(map.as_mut_ptr().cast::<RegionHeader>(), header) };
-        let region = Arc::new(Region { _fork: None, map, fd, layout, generation });
+        // What was written, padding included (no peer has the fd yet).
+        let header_words = read_header_words(&map);
+        let region = Arc::new(Region { _fork: None, map, fd, layout, generation, header_words });
         for ch in 0..layout.channel_count {
             region.reset_channel(ch);
         }
@@ -404,18 +416,19 @@ impl Region {
         // daemon's fd may be huge (and sparse), and mapping and pre-faulting
         // all of it before the header is checked would allocate that much
         // shared memory, charged to this process.
-        let header = {
+        let (header, header_words) = {
             let page = memmap2::MmapOptions::new()
                 .len(HEADER_LEN as usize)
                 .map_raw(fd.as_raw_fd())
                 .map_err(|e| RegionError::Os { what: "mmap of the region header", source: e })?;
-            copy_header(&page)
+            let words = read_header_words(&page);
+            (header_of(&words), words)
         };
         let layout = Layout::from_header(&header, fd_len)?;
         // Only now the whole region (its size is the checked layout's).
         let map = map_fd(&fd, layout.region_len, populate)?;
         let fork = crate::fork::record(map.as_mut_ptr(), map.len());
-        Ok(Arc::new(Region { _fork: Some(fork), map, fd, layout, generation: header.generation }))
+        Ok(Arc::new(Region { _fork: Some(fork), map, fd, layout, generation: header.generation, header_words }))
     }
 
     /// Opens a region by path (`/proc/<pid>/fd/<n>` of another process); for
@@ -449,6 +462,39 @@ impl Region {
     /// Base address of the mapping in this process.
     pub fn base(&self) -> *mut u8 {
         self.map.as_mut_ptr()
+    }
+
+    /// Writes back the header words before the doorbell that differ from
+    /// what this process made them (or checked them to be at attach);
+    /// returns how many 8-byte words it wrote (0: the header was intact).
+    /// Every peer maps the header writable: a daemon calls this before it
+    /// answers a hello and after a takeover failed, so that no client
+    /// attaching later reads a geometry or generation a peer wrote. The
+    /// doorbell, which clients write, is not touched. A peer writing the
+    /// header at the same time can still win a word; the next call restores it.
+    pub fn restore_header(&self) -> usize {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let base = self.map.as_ptr().cast::<AtomicU64>();
+        let mut restored = 0;
+        for (i, &want) in self.header_words.iter().enumerate() {
+            // SAFETY: the header page is mapped for the life of self and is
+            // page aligned, so word i < HEADER_WORDS (16) is in bounds and
+            // 8-byte aligned; AtomicU64 is valid for every bit pattern, and
+            // every process accesses these words atomically only.
+            let word = unsafe { &*base.add(i) };
+            // SYNC POINT: Relaxed load and store, paired with the Relaxed
+            // loads of `read_header_words` in a client that attaches later:
+            // it maps the region after it receives the fd in the answer to
+            // its hello, which is sent after this store, and the
+            // sendmsg/recvmsg pair orders the two (as it orders the header
+            // written at creation). A client attached earlier never reads
+            // the header again.
+            if word.load(Ordering::Relaxed) != want {
+                word.store(want, Ordering::Relaxed);
+                restored += 1;
+            }
+        }
+        restored
     }
 
     /// The daemon's doorbell.
@@ -536,22 +582,31 @@ impl Region {
     }
 }
 
-/// A copy of the header fields before the doorbell, read once as aligned
-/// 64-bit atomic loads (the daemon, or any peer, may write the page while we
-/// read it: plain reads of it would be a data race). The copy is then
-/// validated ([`Layout::from_header`]) and never re-read.
-fn copy_header(page: &memmap2::MmapRaw) -> RegionHeader {
+/// The header words before the doorbell, read once as aligned 64-bit
+/// atomic loads (the daemon, or any peer, may write the page while we read
+/// it: plain reads of it would be a data race). A client validates the copy
+/// ([`header_of`], [`Layout::from_header`]) and never re-reads it.
+fn read_header_words(page: &memmap2::MmapRaw) -> [u64; HEADER_WORDS] {
     use std::sync::atomic::{AtomicU64, Ordering};
-    const WORDS: usize = core::mem::offset_of!(RegionHeader, doorbell) / 8;
-    let mut bytes = [0u8; WORDS * 8];
+    let mut words = [0u64; HEADER_WORDS];
     let base = page.as_ptr().cast::<AtomicU64>();
-    for (i, chunk) in bytes.chunks_exact_mut(8).enumerate() {
-        // SAFETY: the page is HEADER_LEN (4096) bytes, mapped and page aligned,
-        // so word i < 16 is in bounds and 8-byte aligned; AtomicU64 is valid for
-        // every bit pattern, and the mapping outlives this loop. Relaxed: the
-        // fields were written before the fd was handed over (sendmsg/recvmsg
-        // order them); no later write is trusted anyway.
-        let w = unsafe { (*base.add(i)).load(Ordering::Relaxed) };
+    for (i, w) in words.iter_mut().enumerate() {
+        // SAFETY: the mapping is at least HEADER_LEN (4096) bytes and page
+        // aligned, so word i < 16 is in bounds and 8-byte aligned; AtomicU64 is
+        // valid for every bit pattern, and the mapping outlives this loop.
+        // SYNC POINT: Relaxed, paired with the daemon's writes of the header
+        // (at creation, and `Region::restore_header`'s Relaxed stores), which
+        // happen before it hands the fd over: sendmsg/recvmsg order them; no
+        // later write is trusted anyway.
+        *w = unsafe { (*base.add(i)).load(Ordering::Relaxed) };
+    }
+    words
+}
+
+/// The header fields of `words` (from [`read_header_words`]), unchecked.
+fn header_of(words: &[u64; HEADER_WORDS]) -> RegionHeader {
+    let mut bytes = [0u8; HEADER_WORDS * 8];
+    for (chunk, w) in bytes.chunks_exact_mut(8).zip(words) {
         chunk.copy_from_slice(&w.to_ne_bytes());
     }
     let u32_at = |off: usize| u32::from_ne_bytes(bytes[off..off + 4].try_into().expect("4 bytes"));
@@ -622,6 +677,42 @@ mod tests {
         assert!(r.slab_ptr(0, 16).is_none());
         assert!(r.slab_ptr(r.layout().region_len - 8, 16).is_none());
         assert!(r.slab_ptr(u64::MAX - 1, 16).is_none());
+    }
+
+    /// A peer writes the header's geometry, generation and magic (through its
+    /// own mapping) and the doorbell word; `restore_header` writes back the
+    /// words the region was made with, leaves the doorbell as the peer set
+    /// it, and a later attach sees the region as made. An intact header
+    /// restores nothing.
+    #[test]
+    fn restore_header_writes_back_what_a_peer_changed_and_leaves_the_doorbell() {
+        use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+        let r = small();
+        assert_eq!(r.restore_header(), 0);
+        let peer = Region::attach_path(&r.proc_path()).unwrap();
+        let base = peer.base();
+        // SAFETY: the header page is mapped (shared) while `peer` lives; the
+        // offsets are in it and aligned for their widths; all accesses are atomic.
+        let (at32, at64) = unsafe {
+            (|off: usize| &*base.add(off).cast::<AtomicU32>(), |off: usize| &*base.add(off).cast::<AtomicU64>())
+        };
+        use core::mem::offset_of;
+        at64(0).store(0, Relaxed);
+        at64(offset_of!(RegionHeader, generation)).store(!r.generation(), Relaxed);
+        at32(offset_of!(RegionHeader, channel_count)).store(1, Relaxed);
+        let bell = offset_of!(RegionHeader, doorbell);
+        let rang = at32(bell).load(Relaxed) ^ 0x5a5a;
+        at32(bell).store(rang, Relaxed);
+        assert!(Region::attach_path(&r.proc_path()).is_err(), "a bad magic attaches");
+        assert_eq!(r.restore_header(), 3);
+        assert_eq!(at32(bell).load(Relaxed), rang, "the doorbell was written");
+        let later = Region::attach_path(&r.proc_path()).unwrap();
+        assert_eq!((later.layout(), later.generation()), (r.layout(), r.generation()));
+        assert_eq!(r.restore_header(), 0);
+        // A region attached (as a daemon taking over does) restores what it checked.
+        at32(offset_of!(RegionHeader, ring_capacity)).store(2, Relaxed);
+        assert_eq!(later.restore_header(), 1);
+        assert_eq!(Region::attach_path(&r.proc_path()).unwrap().layout(), r.layout());
     }
 
     #[test]

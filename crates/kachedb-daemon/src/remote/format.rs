@@ -22,7 +22,7 @@
 //!
 //! ```text
 //! 0   magic b"KDBR"
-//! 4   u16 format version: FORMAT_PLAIN (1) or FORMAT_KEYED (3)
+//! 4   u16 format version: FORMAT_PLAIN (1) or FORMAT_KEYED (4)
 //! 6   u16 header length (HEADER_LEN)
 //! 8   u8  dtype code, u8 ndim, u16 zero
 //! 12  u32 chunk count
@@ -34,23 +34,38 @@
 //! 72  u64 xxh3-64 of the tensor bytes
 //! 80  u64 xxh3-64 of header bytes 0..80
 //! 88  8 zero bytes
-//!     format 3 (keyed: written by a holder of the fleet key)
+//!     format 4 (keyed: written by a holder of the fleet key)
 //! 72  [u8; 16] block tag: AEGIS-128X4 MAC (block subkey, 128-bit tag) of
-//!     header bytes 0..72 then the tensor bytes
-//! 88  [u8; 8]  header tag: keyed BLAKE3 (header subkey) of header bytes 0..88,
-//!     first 8 bytes
+//!     the namespace (u32 length, then its bytes), header bytes 0..72, then
+//!     the tensor bytes
+//! 88  [u8; 8]  header tag: keyed BLAKE3 (header subkey) of the namespace
+//!     (u32 length, then its bytes) and header bytes 0..88, first 8 bytes
 //! ```
+//!
+//! # What a value is
+//!
+//! A value's identity is its namespace, its block key, its dtype, shape,
+//! length and chunking, and its tensor bytes. With a fleet key both tags
+//! cover all of it: the header fields and the key are header bytes, the
+//! namespace is fed in before them (it is not stored: a reader feeds its
+//! own). A value copied into another namespace's keys, or under another
+//! block key, does not verify there ([`FormatError::HeaderTag`]). Without a
+//! key the checksums cover the header and the bytes, not the namespace:
+//! every writer is trusted, and one can store anything under any key.
 //!
 //! # Fleet key
 //!
 //! A fleet shares one 32-byte secret ([`FleetKey`]). From it two subkeys are
 //! derived (BLAKE3 `derive_key`, contexts [`BLOCK_TAG_CONTEXT`] and
-//! [`HEADER_TAG_CONTEXT`]). A node with the key writes format 3 and reads
-//! only format 3; a node without it writes format 1 and reads only format 1.
+//! [`HEADER_TAG_CONTEXT`]). A node with the key writes format 4 and reads
+//! only format 4; a node without it writes format 1 and reads only format 1.
 //! Neither reads the other's values ([`FormatError::UnkeyedValue`],
 //! [`FormatError::KeyedValue`]); a daemon of another format refuses a value
-//! of this one as an unknown version (format 2, keyed BLAKE3 block tags, is
-//! no longer read: such a value is a miss and is written over). The header
+//! of this one as an unknown version. The earlier keyed formats are not read:
+//! format 2 (keyed BLAKE3 block tags) and format 3 (this layout, with tags
+//! that do not cover the namespace) are unknown versions
+//! ([`FormatError::Version`]), misses that are never served; they are
+//! written over as the fleet stores those blocks again, or expire. The header
 //! tag lets a reader refuse a forged header before it downloads anything
 //! else; the block tag (128 bits) is what authenticates the value: a value
 //! whose tag does not verify was written with another key, corrupted, or
@@ -87,8 +102,9 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 pub const MAGIC: [u8; 4] = *b"KDBR";
 /// The format of values written without a fleet key (checksums only).
 pub const FORMAT_PLAIN: u16 = 1;
-/// The format of values written with a fleet key (keyed tags).
-pub const FORMAT_KEYED: u16 = 3;
+/// The format of values written with a fleet key (keyed tags over the
+/// namespace, the header and the tensor bytes).
+pub const FORMAT_KEYED: u16 = 4;
 /// Header bytes at the start of chunk 0.
 pub const HEADER_LEN: usize = 96;
 /// Smallest chunk payload accepted (below it a large block needs too many keys).
@@ -101,9 +117,9 @@ pub const DEFAULT_CHUNK_BYTES: u32 = 1024 * 1024;
 /// Bytes of a fleet key.
 pub const FLEET_KEY_LEN: usize = 32;
 /// BLAKE3 `derive_key` context of the block-tag subkey.
-pub const BLOCK_TAG_CONTEXT: &str = "kachedb remote tier 2026 block tag v3 aegis128x4";
+pub const BLOCK_TAG_CONTEXT: &str = "kachedb remote tier 2026 block tag v4 aegis128x4 namespace";
 /// BLAKE3 `derive_key` context of the header-tag subkey.
-pub const HEADER_TAG_CONTEXT: &str = "kachedb remote tier 2026 header tag v2";
+pub const HEADER_TAG_CONTEXT: &str = "kachedb remote tier 2026 header tag v4 namespace";
 /// Most dims a shape has.
 const MAX_DIMS: usize = 6;
 /// Bytes of the block tag kept in the header.
@@ -134,8 +150,9 @@ pub enum FormatError {
     /// The header checksum does not match.
     #[error("header checksum mismatch")]
     HeaderChecksum,
-    /// The header tag does not verify: another fleet key, or forged.
-    #[error("header tag mismatch (written with another fleet key, or forged)")]
+    /// The header tag does not verify: another fleet key, another namespace
+    /// (a value copied from it), or forged.
+    #[error("header tag mismatch (written with another fleet key or in another namespace, or forged)")]
     HeaderTag,
     /// The header names another key than the one asked for.
     #[error("header key mismatch")]
@@ -164,8 +181,9 @@ pub enum FormatError {
     /// The tensor bytes do not hash to the header's checksum.
     #[error("payload checksum mismatch")]
     Checksum,
-    /// The block tag does not verify: another fleet key, corrupted, or forged.
-    #[error("block tag mismatch (written with another fleet key, corrupted, or forged)")]
+    /// The block tag does not verify: another fleet key or namespace,
+    /// corrupted, or forged.
+    #[error("block tag mismatch (written with another fleet key or in another namespace, corrupted, or forged)")]
     BlockTag,
 }
 
@@ -228,20 +246,62 @@ impl FleetKey {
         Ok(FleetKey::new(&raw))
     }
 
-    fn header_tag(&self, header: &[u8]) -> [u8; HEADER_TAG_LEN] {
-        let h = blake3::keyed_hash(&self.header, &header[..88]);
+    /// The header tag of `header` (its bytes 0..88) in `namespace`.
+    fn header_tag(&self, namespace: &str, header: &[u8]) -> [u8; HEADER_TAG_LEN] {
+        let mut h = blake3::Hasher::new_keyed(&self.header);
+        h.update(&namespace_prefix(namespace));
+        h.update(namespace.as_bytes());
+        h.update(&header[..88]);
         let mut t = [0u8; HEADER_TAG_LEN];
-        t.copy_from_slice(&h.as_bytes()[..HEADER_TAG_LEN]);
+        t.copy_from_slice(&h.finalize().as_bytes()[..HEADER_TAG_LEN]);
         t
     }
 }
 
-/// What proves a block's bytes: a checksum (format 1) or a keyed tag (format 3).
+/// The length of `namespace` as the tags take it before its bytes (u32,
+/// little-endian), so that no two (namespace, header) pairs feed the same bytes.
+fn namespace_prefix(namespace: &str) -> [u8; 4] {
+    u32::try_from(namespace.len()).unwrap_or(u32::MAX).to_le_bytes()
+}
+
+/// Where a node's values live and what seals them: its namespace (the
+/// prefix of its Redis keys, covered by the keyed tags) and its fleet key,
+/// if it has one.
+#[derive(Clone, Debug)]
+pub struct Scope {
+    namespace: String,
+    fleet: Option<FleetKey>,
+}
+
+impl Scope {
+    /// Values in `namespace`, sealed with `fleet`'s key (format 4) or, without
+    /// one, with checksums (format 1).
+    pub fn new(namespace: &str, fleet: Option<FleetKey>) -> Scope {
+        Scope { namespace: namespace.to_owned(), fleet }
+    }
+
+    /// The namespace.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The fleet key, if any.
+    pub fn fleet(&self) -> Option<&FleetKey> {
+        self.fleet.as_ref()
+    }
+
+    /// The Redis key of chunk `index` of block `key` ([`chunk_key`]).
+    pub fn chunk_key(&self, key: u128, index: u32) -> String {
+        chunk_key(&self.namespace, key, index)
+    }
+}
+
+/// What proves a block's bytes: a checksum (format 1) or a keyed tag (format 4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Seal {
     /// xxh3-64 of the tensor bytes.
     Checksum(u64),
-    /// AEGIS-128X4 MAC of header bytes 0..72 and the tensor bytes.
+    /// AEGIS-128X4 MAC of the namespace, header bytes 0..72 and the tensor bytes.
     Tag([u8; BLOCK_TAG_LEN]),
 }
 
@@ -325,7 +385,7 @@ fn tags_equal(a: &[u8], b: &[u8]) -> bool {
 pub enum Sealer {
     /// Format 1.
     Plain(Box<Xxh3>),
-    /// Format 3.
+    /// Format 4.
     Keyed(Box<aegis::aegis128x4::Aegis128X4Mac<BLOCK_TAG_LEN>>),
 }
 
@@ -339,12 +399,15 @@ impl std::fmt::Debug for Sealer {
 }
 
 impl Sealer {
-    /// A sealer for the block `h` describes, keyed with `fleet` if given.
-    pub fn new(h: &Header, fleet: Option<&FleetKey>) -> Sealer {
-        match fleet {
+    /// A sealer for the block `h` describes in `scope`: keyed with its
+    /// fleet key (over its namespace and `h`'s fields first) if it has one.
+    pub fn new(h: &Header, scope: &Scope) -> Sealer {
+        match scope.fleet() {
             None => Sealer::Plain(Box::new(Xxh3::new())),
             Some(k) => {
                 let mut m = aegis::aegis128x4::Aegis128X4Mac::<BLOCK_TAG_LEN>::new(&k.block);
+                m.update(&namespace_prefix(scope.namespace()));
+                m.update(scope.namespace().as_bytes());
                 m.update(&h.fields(FORMAT_KEYED)[..BLOCK_TAG_COVERS]);
                 Sealer::Keyed(Box::new(m))
             }
@@ -381,10 +444,10 @@ impl Header {
         Some(Header { key, dtype, shape, len, chunk_bytes, chunk_count, seal: Seal::Checksum(0) })
     }
 
-    /// The header of a block of `data`, sealed with `fleet`'s key if given
-    /// (format 3), else with a checksum (format 1).
-    pub fn sealed(mut self, data: &[u8], fleet: Option<&FleetKey>) -> Header {
-        let mut s = Sealer::new(&self, fleet);
+    /// The header of a block of `data` in `scope`, sealed with its fleet
+    /// key if it has one (format 4), else with a checksum (format 1).
+    pub fn sealed(mut self, data: &[u8], scope: &Scope) -> Header {
+        let mut s = Sealer::new(&self, scope);
         s.update(data);
         self.seal = s.finish();
         self
@@ -422,10 +485,10 @@ impl Header {
         b
     }
 
-    /// The header bytes. A header sealed with a tag needs the same `fleet`
-    /// key for its header tag (without it the header tag is zero: no reader
-    /// accepts it).
-    pub fn encode(&self, fleet: Option<&FleetKey>) -> [u8; HEADER_LEN] {
+    /// The header bytes. A header sealed with a tag needs the same `scope`
+    /// (namespace and fleet key) for its header tag (without a key the header
+    /// tag is zero: no reader accepts it).
+    pub fn encode(&self, scope: &Scope) -> [u8; HEADER_LEN] {
         match self.seal {
             Seal::Checksum(c) => {
                 let mut b = self.fields(FORMAT_PLAIN);
@@ -437,8 +500,8 @@ impl Header {
             Seal::Tag(t) => {
                 let mut b = self.fields(FORMAT_KEYED);
                 b[72..88].copy_from_slice(&t);
-                if let Some(k) = fleet {
-                    let ht = k.header_tag(&b);
+                if let Some(k) = scope.fleet() {
+                    let ht = k.header_tag(scope.namespace(), &b);
                     b[88..96].copy_from_slice(&ht);
                 }
                 b
@@ -447,9 +510,10 @@ impl Header {
     }
 
     /// Decodes and checks the header at the start of chunk 0 of the block
-    /// asked for as `key`, read by a node holding `fleet` (or none) whose
-    /// megaslab sets `limits`.
-    pub fn decode(chunk0: &[u8], key: u128, limits: &Limits, fleet: Option<&FleetKey>) -> Result<Header, FormatError> {
+    /// asked for as `key`, read in `scope` (its namespace and fleet key, or
+    /// none) by a node whose megaslab sets `limits`.
+    pub fn decode(chunk0: &[u8], key: u128, limits: &Limits, scope: &Scope) -> Result<Header, FormatError> {
+        let fleet = scope.fleet();
         if chunk0.len() < HEADER_LEN {
             return Err(FormatError::Short(chunk0.len()));
         }
@@ -482,7 +546,7 @@ impl Header {
                 Seal::Checksum(u64_at(72))
             }
             Some(k) => {
-                if !tags_equal(&k.header_tag(b), &b[88..96]) {
+                if !tags_equal(&k.header_tag(scope.namespace(), b), &b[88..96]) {
                     return Err(FormatError::HeaderTag);
                 }
                 let mut t = [0u8; BLOCK_TAG_LEN];
@@ -525,12 +589,12 @@ impl Header {
         Ok(Header { key, dtype, shape, len, chunk_bytes, chunk_count, seal })
     }
 
-    /// Chunk 0's value: this header and the first piece of `payload_start`
-    /// (the tensor bytes, or at least their first piece).
-    pub fn chunk0(&self, payload_start: &[u8], fleet: Option<&FleetKey>) -> Vec<u8> {
+    /// Chunk 0's value in `scope`: this header and the first piece of
+    /// `payload_start` (the tensor bytes, or at least their first piece).
+    pub fn chunk0(&self, payload_start: &[u8], scope: &Scope) -> Vec<u8> {
         let n = self.piece(0).end as usize;
         let mut v = Vec::with_capacity(HEADER_LEN + n);
-        v.extend_from_slice(&self.encode(fleet));
+        v.extend_from_slice(&self.encode(scope));
         v.extend_from_slice(&payload_start[..n.min(payload_start.len())]);
         v
     }
@@ -543,12 +607,12 @@ pub fn pieces<'a>(chunk0: &'a [u8], rest: &'a [Vec<u8>]) -> impl Iterator<Item =
 }
 
 /// Checks that `chunk0` (header included, as [`Header::decode`] accepted it
-/// with the same `fleet`) and `rest` (chunks 1.., in order) are exactly the
+/// in the same `scope`) and `rest` (chunks 1.., in order) are exactly the
 /// block `h` describes: every piece of the right length and the bytes
-/// hashing to its checksum, or to its tag under `fleet`'s key.
-pub fn verify(h: &Header, chunk0: &[u8], rest: &[Vec<u8>], fleet: Option<&FleetKey>) -> Result<(), FormatError> {
+/// hashing to its checksum, or to its tag in `scope`.
+pub fn verify(h: &Header, chunk0: &[u8], rest: &[Vec<u8>], scope: &Scope) -> Result<(), FormatError> {
     verify_lengths(h, chunk0, rest)?;
-    let mut s = Sealer::new(h, fleet);
+    let mut s = Sealer::new(h, scope);
     for p in pieces(chunk0, rest) {
         s.update(p);
     }
@@ -570,8 +634,8 @@ pub fn verify_lengths(h: &Header, chunk0: &[u8], rest: &[Vec<u8>]) -> Result<(),
     Ok(())
 }
 
-/// Checks the seal `sealer` computed (made by [`Sealer::new`] for `h` with
-/// the reader's key, fed every tensor byte in order) against `h`'s.
+/// Checks the seal `sealer` computed (made by [`Sealer::new`] for `h` in the
+/// reader's scope, fed every tensor byte in order) against `h`'s.
 pub fn verify_seal(h: &Header, sealer: &Sealer) -> Result<(), FormatError> {
     match (h.seal, sealer.finish()) {
         (Seal::Checksum(want), Seal::Checksum(got)) if want == got => Ok(()),
@@ -590,34 +654,44 @@ mod tests {
     const CB: u32 = MIN_CHUNK_BYTES;
     const LIMITS: Limits = Limits { max_len: 1 << 30 };
 
-    fn block_with(len: usize, fleet: Option<&FleetKey>) -> (Header, Vec<u8>, Vec<Vec<u8>>) {
+    fn block_with(len: usize, scope: &Scope) -> (Header, Vec<u8>, Vec<Vec<u8>>) {
         let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
         let h = Header::new(0xABCD_u128 << 64 | 42, DType::U8, Shape::new(&[len as u64]).unwrap(), len as u64, CB)
             .unwrap()
-            .sealed(&data, fleet);
-        let c0 = h.chunk0(&data, fleet);
+            .sealed(&data, scope);
+        let c0 = h.chunk0(&data, scope);
         let rest =
             (1..h.chunk_count).map(|i| data[h.piece(i).start as usize..h.piece(i).end as usize].to_vec()).collect();
         (h, c0, rest)
     }
 
     fn block(len: usize) -> (Header, Vec<u8>, Vec<Vec<u8>>) {
-        block_with(len, None)
+        block_with(len, &plain())
     }
 
     fn fleet(byte: u8) -> FleetKey {
         FleetKey::new(&[byte; FLEET_KEY_LEN])
     }
 
+    /// Namespace "ns", no fleet key.
+    fn plain() -> Scope {
+        Scope::new("ns", None)
+    }
+
+    /// Namespace "ns", the fleet key of `byte`.
+    fn keyed(byte: u8) -> Scope {
+        Scope::new("ns", Some(fleet(byte)))
+    }
+
     #[test]
     fn round_trips_sizes_around_chunk_edges() {
-        for k in [None, Some(fleet(1))] {
+        for k in [plain(), keyed(1)] {
             for len in [0usize, 1, CB as usize - 1, CB as usize, CB as usize + 1, 3 * CB as usize + 17] {
-                let (h, c0, rest) = block_with(len, k.as_ref());
+                let (h, c0, rest) = block_with(len, &k);
                 assert_eq!(h.chunk_count as usize, len.div_ceil(CB as usize).max(1));
-                let back = Header::decode(&c0, h.key, &LIMITS, k.as_ref()).unwrap();
+                let back = Header::decode(&c0, h.key, &LIMITS, &k).unwrap();
                 assert_eq!(back, h);
-                verify(&back, &c0, &rest, k.as_ref()).unwrap();
+                verify(&back, &c0, &rest, &k).unwrap();
                 let joined: Vec<u8> = pieces(&c0, &rest).flatten().copied().collect();
                 assert_eq!(joined.len(), len);
                 assert_eq!(h.chunk_value_len(0), c0.len() as u64);
@@ -637,7 +711,7 @@ mod tests {
     #[test]
     fn header_corruption_is_refused() {
         let (h, c0, _) = block(1000);
-        let d = |b: &[u8], key| Header::decode(b, key, &LIMITS, None);
+        let d = |b: &[u8], key| Header::decode(b, key, &LIMITS, &plain());
         assert_eq!(d(&c0[..HEADER_LEN - 1], h.key), Err(FormatError::Short(HEADER_LEN - 1)));
         assert_eq!(d(&c0, h.key + 1), Err(FormatError::Key));
         let mut bad = c0.clone();
@@ -658,11 +732,11 @@ mod tests {
     fn inconsistent_headers_with_valid_checksums_are_refused() {
         let (h, _, _) = block(1000);
         let reseal = |f: &dyn Fn(&mut [u8; HEADER_LEN])| {
-            let mut b = h.encode(None);
+            let mut b = h.encode(&plain());
             f(&mut b);
             let hc = xxh3_64(&b[..80]);
             b[80..88].copy_from_slice(&hc.to_le_bytes());
-            Header::decode(&b, h.key, &LIMITS, None)
+            Header::decode(&b, h.key, &LIMITS, &plain())
         };
         assert!(reseal(&|b| b[8] = 200).is_err(), "unknown dtype");
         assert!(reseal(&|b| b[9] = 7).is_err(), "ndim");
@@ -683,9 +757,9 @@ mod tests {
             Header::new(7, DType::U8, Shape::new(&[u64::from(MAX_CHUNK_BYTES), chunks]).unwrap(), len, MAX_CHUNK_BYTES)
                 .unwrap();
         assert_eq!(h.chunk_count, u32::MAX);
-        let b = h.encode(None);
-        assert_eq!(Header::decode(&b, 7, &LIMITS, None), Err(FormatError::TooLarge { len, max: LIMITS.max_len }));
-        assert!(Header::decode(&b, 7, &Limits { max_len: u64::MAX }, None).is_ok(), "only the limit refuses it");
+        let b = h.encode(&plain());
+        assert_eq!(Header::decode(&b, 7, &LIMITS, &plain()), Err(FormatError::TooLarge { len, max: LIMITS.max_len }));
+        assert!(Header::decode(&b, 7, &Limits { max_len: u64::MAX }, &plain()).is_ok(), "only the limit refuses it");
     }
 
     #[test]
@@ -693,16 +767,16 @@ mod tests {
         let (h, c0, rest) = block(2 * CB as usize + 100);
         let mut bad0 = c0.clone();
         *bad0.last_mut().unwrap() ^= 1;
-        assert_eq!(verify(&h, &bad0, &rest, None), Err(FormatError::Checksum));
+        assert_eq!(verify(&h, &bad0, &rest, &plain()), Err(FormatError::Checksum));
         let mut bad = rest.clone();
         bad[1][5] ^= 0x80;
-        assert_eq!(verify(&h, &c0, &bad, None), Err(FormatError::Checksum));
+        assert_eq!(verify(&h, &c0, &bad, &plain()), Err(FormatError::Checksum));
         let mut short = rest.clone();
         short[0].pop();
-        assert!(matches!(verify(&h, &c0, &short, None), Err(FormatError::ChunkLen { index: 1, .. })));
-        assert!(verify(&h, &c0, &rest[..1], None).is_err(), "a missing chunk");
+        assert!(matches!(verify(&h, &c0, &short, &plain()), Err(FormatError::ChunkLen { index: 1, .. })));
+        assert!(verify(&h, &c0, &rest[..1], &plain()).is_err(), "a missing chunk");
         let swapped = vec![rest[0].clone(), rest[0].clone()];
-        assert!(verify(&h, &c0, &swapped, None).is_err());
+        assert!(verify(&h, &c0, &swapped, &plain()).is_err());
     }
 
     /// Keyed values: only a node with the same key reads them; a keyless node
@@ -710,28 +784,28 @@ mod tests {
     /// with its plain checksum fixed up fails the tag.
     #[test]
     fn keyed_values_are_read_only_with_the_same_key() {
-        let (a, b) = (fleet(1), fleet(2));
-        let (h, c0, rest) = block_with(3 * CB as usize, Some(&a));
+        let (a, b) = (keyed(1), keyed(2));
+        let (h, c0, rest) = block_with(3 * CB as usize, &a);
         assert!(matches!(h.seal, Seal::Tag(_)));
         assert_eq!(u16::from_le_bytes([c0[4], c0[5]]), FORMAT_KEYED);
-        assert_eq!(Header::decode(&c0, h.key, &LIMITS, Some(&b)), Err(FormatError::HeaderTag));
-        assert_eq!(Header::decode(&c0, h.key, &LIMITS, None), Err(FormatError::KeyedValue));
-        let ok = Header::decode(&c0, h.key, &LIMITS, Some(&a)).unwrap();
-        verify(&ok, &c0, &rest, Some(&a)).unwrap();
+        assert_eq!(Header::decode(&c0, h.key, &LIMITS, &b), Err(FormatError::HeaderTag));
+        assert_eq!(Header::decode(&c0, h.key, &LIMITS, &plain()), Err(FormatError::KeyedValue));
+        let ok = Header::decode(&c0, h.key, &LIMITS, &a).unwrap();
+        verify(&ok, &c0, &rest, &a).unwrap();
         // The header of A's value with B's header tag (a forger who guessed
         // it): the block tag still fails under B.
         let mut forged = c0.clone();
-        let ht = b.header_tag(&forged[..HEADER_LEN]);
+        let ht = b.fleet().unwrap().header_tag(b.namespace(), &forged[..HEADER_LEN]);
         forged[88..96].copy_from_slice(&ht);
-        let hb = Header::decode(&forged, h.key, &LIMITS, Some(&b)).unwrap();
-        assert_eq!(verify(&hb, &forged, &rest, Some(&b)), Err(FormatError::BlockTag));
+        let hb = Header::decode(&forged, h.key, &LIMITS, &b).unwrap();
+        assert_eq!(verify(&hb, &forged, &rest, &b), Err(FormatError::BlockTag));
         // A payload byte changed: the tag fails.
         let mut bad = rest.clone();
         bad[0][9] ^= 1;
-        assert_eq!(verify(&ok, &c0, &bad, Some(&a)), Err(FormatError::BlockTag));
+        assert_eq!(verify(&ok, &c0, &bad, &a), Err(FormatError::BlockTag));
         // An unkeyed value (valid checksums) at a keyed node.
         let (hp, p0, _) = block(100);
-        assert_eq!(Header::decode(&p0, hp.key, &LIMITS, Some(&a)), Err(FormatError::UnkeyedValue));
+        assert_eq!(Header::decode(&p0, hp.key, &LIMITS, &a), Err(FormatError::UnkeyedValue));
         assert!(FormatError::UnkeyedValue.is_auth() && FormatError::BlockTag.is_auth());
         assert!(!FormatError::Checksum.is_auth());
     }
@@ -741,12 +815,12 @@ mod tests {
     /// is pinned: a change of the MAC or of what it covers changes the format.
     #[test]
     fn the_block_tag_is_the_same_for_any_cut_and_pinned() {
-        let k = fleet(7);
+        let k = keyed(7);
         let data: Vec<u8> = (0..300_001u32).map(|i| (i * 131 + 17) as u8).collect();
         let h = Header::new(42, DType::U8, Shape::new(&[data.len() as u64]).unwrap(), data.len() as u64, CB).unwrap();
-        let whole = h.sealed(&data, Some(&k)).seal;
+        let whole = h.sealed(&data, &k).seal;
         for cut in [1usize, 15, 16, 17, 63, 64, 255, 256, 4096, 65_537] {
-            let mut s = Sealer::new(&h, Some(&k));
+            let mut s = Sealer::new(&h, &k);
             for p in data.chunks(cut) {
                 s.update(p);
             }
@@ -754,19 +828,55 @@ mod tests {
         }
         let Seal::Tag(t) = whole else { panic!("a keyed seal") };
         let hex: String = t.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex, "89ae843afe3ece7c8669670d0ae69ac1");
+        assert_eq!(hex, "a6c551df9470b6c90a27c0af8746f95a", "format 4, namespace \"ns\"");
     }
 
-    /// A keyed value of format 2 (BLAKE3 block tags) is not read: an unknown
-    /// version, a miss.
+    /// Keyed values of the earlier formats are not read: format 2 (BLAKE3
+    /// block tags) and format 3 (tags that do not cover the namespace) are
+    /// unknown versions, misses, whatever their tags.
     #[test]
-    fn a_format_2_value_is_an_unknown_version() {
-        let a = fleet(1);
-        let (h, mut c0, _) = block_with(1000, Some(&a));
-        c0[4..6].copy_from_slice(&2u16.to_le_bytes());
-        let ht = a.header_tag(&c0[..HEADER_LEN]);
-        c0[88..96].copy_from_slice(&ht);
-        assert_eq!(Header::decode(&c0, h.key, &LIMITS, Some(&a)), Err(FormatError::Version(2)));
+    fn earlier_keyed_formats_are_unknown_versions() {
+        let a = keyed(1);
+        for old in [2u16, 3] {
+            let (h, mut c0, _) = block_with(1000, &a);
+            c0[4..6].copy_from_slice(&old.to_le_bytes());
+            let ht = a.fleet().unwrap().header_tag(a.namespace(), &c0[..HEADER_LEN]);
+            c0[88..96].copy_from_slice(&ht);
+            assert_eq!(Header::decode(&c0, h.key, &LIMITS, &a), Err(FormatError::Version(old)));
+            assert!(!FormatError::Version(old).is_auth());
+        }
+    }
+
+    /// The keyed tags cover the namespace: a value sealed in namespace "ns"
+    /// is refused in "ns2" under the same fleet key (its header tag first);
+    /// with its header tag made for "ns2" (only a key holder could), the
+    /// block tag still fails there. The block key is a header field, covered
+    /// by both tags: the value asked for under another key is refused. A plain value's
+    /// checksums do not cover the namespace (every writer is trusted).
+    #[test]
+    fn the_keyed_tags_cover_the_namespace_and_the_key() {
+        let here = keyed(1);
+        let there = Scope::new("ns2", Some(fleet(1)));
+        let (h, c0, rest) = block_with(3 * CB as usize + 5, &here);
+        assert_eq!(Header::decode(&c0, h.key, &LIMITS, &there), Err(FormatError::HeaderTag));
+        assert!(FormatError::HeaderTag.is_auth());
+        let mut moved = c0.clone();
+        let ht = there.fleet().unwrap().header_tag(there.namespace(), &moved[..HEADER_LEN]);
+        moved[88..96].copy_from_slice(&ht);
+        let hm = Header::decode(&moved, h.key, &LIMITS, &there).unwrap();
+        assert_eq!(verify(&hm, &moved, &rest, &there), Err(FormatError::BlockTag));
+        // The namespace's length is fed before its bytes: "ns" + "x…" and
+        // "nsx" + "…" do not feed the same bytes.
+        let shifted = Scope::new("nsx", Some(fleet(1)));
+        assert_ne!(
+            here.fleet().unwrap().header_tag("ns", &c0[..HEADER_LEN]),
+            shifted.fleet().unwrap().header_tag("nsx", &c0[..HEADER_LEN])
+        );
+        assert_eq!(Header::decode(&c0, h.key ^ 1, &LIMITS, &here), Err(FormatError::Key));
+        verify(&Header::decode(&c0, h.key, &LIMITS, &here).unwrap(), &c0, &rest, &here).unwrap();
+        let (hp, p0, prest) = block(1000);
+        let elsewhere = Scope::new("ns2", None);
+        verify(&Header::decode(&p0, hp.key, &LIMITS, &elsewhere).unwrap(), &p0, &prest, &elsewhere).unwrap();
     }
 
     #[test]

@@ -295,6 +295,8 @@ struct Ctx {
     metrics: Arc<Metrics>,
     /// What a header may claim (the megaslab's size).
     limits: format::Limits,
+    /// The namespace and fleet key values are read and written in.
+    scope: Arc<format::Scope>,
     /// Blocks written at once.
     write_slots: tokio::sync::Semaphore,
     /// Fetches running at once ([`MAX_FETCHES`]).
@@ -360,7 +362,8 @@ impl RemoteTier {
         let worker_nice = worker_nice_value(cfg.worker_nice);
         match &cfg.key {
             Some(_) => tracing::info!(
-                "remote tier: values are authenticated with the fleet key (keyed BLAKE3); values without a valid tag are refused"
+                namespace = %cfg.namespace,
+                "remote tier: values are authenticated with the fleet key (keyed tags over the namespace, the header and the bytes); values without a valid tag are refused"
             ),
             None => tracing::warn!(
                 namespace = %cfg.namespace,
@@ -382,6 +385,7 @@ impl RemoteTier {
             .build()?;
         metrics.remote.enabled.store(true, Relaxed);
         let limits = format::Limits { max_len: region.layout().slab_len };
+        let scope = Arc::new(format::Scope::new(&cfg.namespace, cfg.key.clone()));
         let ctx = Arc::new(Ctx {
             link: Link { cfg: cfg.clone(), state: tokio::sync::Mutex::new((None, None)) },
             cfg,
@@ -389,6 +393,7 @@ impl RemoteTier {
             events,
             metrics,
             limits,
+            scope,
             write_slots: tokio::sync::Semaphore::new(WRITE_CONCURRENCY),
             fetch_slots: tokio::sync::Semaphore::new(MAX_FETCHES),
             fill_budget: tokio::sync::Semaphore::new((FILL_BUDGET_BYTES >> 10) as usize),
@@ -590,10 +595,10 @@ mod tests {
         let header =
             format::Header::new(9, DType::U8, Shape::new(&[len as u64]).unwrap(), len as u64, format::MIN_CHUNK_BYTES)
                 .unwrap()
-                .sealed(&data, None);
+                .sealed(&data, &ctx.scope);
         let block = reader::Verified {
             header,
-            chunk0: header.chunk0(&data, None),
+            chunk0: header.chunk0(&data, &ctx.scope),
             rest: (1..header.chunk_count)
                 .map(|i| data[header.piece(i).start as usize..header.piece(i).end as usize].to_vec())
                 .collect(),

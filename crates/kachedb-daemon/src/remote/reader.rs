@@ -86,7 +86,7 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
     };
     let (whole, heads) = timeout_at(deadline, read_heads(ctx, &conn, &job.keys)).await.map_err(|_| Cancelled)?;
     if !whole.is_empty() {
-        land_all(ctx, job.id, &whole, filled).await;
+        land_all(ctx, job, &whole, filled).await;
     }
     drop(whole);
     for group in budget_groups(heads) {
@@ -98,7 +98,7 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
             .map_err(|_| Cancelled)?;
         let blocks = timeout_at(deadline, read_rests(ctx, &conn, group)).await.map_err(|_| Cancelled)?;
         if !blocks.is_empty() {
-            land_all(ctx, job.id, &blocks, filled).await;
+            land_all(ctx, job, &blocks, filled).await;
         }
     }
     Ok(())
@@ -124,11 +124,12 @@ fn budget_groups(heads: Vec<(Header, Vec<u8>)>) -> Vec<Vec<(Header, Vec<u8>)>> {
     groups
 }
 
-/// Asks the serve loop for reservations for `blocks` and copies each into
-/// its own; adds the landed ones to `filled`. A local wait (the serve loop
-/// answers at its next pass, or drops the sender when it stops), so not
-/// bounded by the deadline: cancelling it could lose reservations made.
-async fn land_all(ctx: &Ctx, fetch: u64, blocks: &[Verified], filled: &mut Vec<(u64, u64)>) {
+/// Asks the serve loop for reservations for `blocks` of fetch `job` and
+/// copies each into its own; adds the landed ones to `filled`. A local wait
+/// (the serve loop answers at its next pass, or drops the sender when it
+/// stops), so not bounded by the deadline: cancelling it could lose
+/// reservations made.
+async fn land_all(ctx: &Ctx, job: &FetchJob, blocks: &[Verified], filled: &mut Vec<(u64, u64)>) {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let specs = blocks
         .iter()
@@ -139,11 +140,12 @@ async fn land_all(ctx: &Ctx, fetch: u64, blocks: &[Verified], filled: &mut Vec<(
             len: b.header.len,
             parent: None,
             // The remote format names no tenant (the cluster is the
-            // fleet's): a block filled from it is the default tenant's.
-            tenant: None,
+            // fleet's): a block filled from it counts for the tenant whose
+            // miss asked for it, within that tenant's limit.
+            tenant: Some(job.tenant.clone()),
         })
         .collect();
-    ctx.send(TierEvent::Reserve { fetch, blocks: specs, reply: tx });
+    ctx.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
     if let Ok(reserved) = rx.await {
         for (b, r) in blocks.iter().zip(reserved) {
             let Some(r) = r else { continue };
@@ -229,14 +231,13 @@ enum HeadRead {
 /// that fits in it is verified whole.
 async fn read_head(ctx: &Ctx, conn: &super::Conn, key: u128) -> HeadRead {
     let end = FIRST_READ_BYTES as u64 - 1;
-    let chunk0 = match get_range(ctx, conn, format::chunk_key(&ctx.cfg.namespace, key, 0), 0, end).await {
+    let chunk0 = match get_range(ctx, conn, ctx.scope.chunk_key(key, 0), 0, end).await {
         Err(()) => return HeadRead::Error,
         // Absent (a real value is never empty: it starts with a header).
         Ok(v) if v.is_empty() => return HeadRead::Missing,
         Ok(v) => v,
     };
-    let fleet = ctx.cfg.key.as_ref();
-    let h = match Header::decode(&chunk0, key, &ctx.limits, fleet) {
+    let h = match Header::decode(&chunk0, key, &ctx.limits, &ctx.scope) {
         Ok(h) => h,
         Err(e) => return HeadRead::Refused(e),
     };
@@ -248,9 +249,9 @@ async fn read_head(ctx: &Ctx, conn: &super::Conn, key: u128) -> HeadRead {
         // Hashed on a task of its own, so the blocks of a round that arrive
         // together are verified on the runtime's threads at once rather than
         // one after another on this fetch's.
-        let fleet = fleet.cloned();
+        let scope = ctx.scope.clone();
         let hashed = tokio::spawn(async move {
-            let verdict = format::verify(&h, &chunk0, &[], fleet.as_ref());
+            let verdict = format::verify(&h, &chunk0, &[], &scope);
             (verdict, chunk0)
         });
         return match hashed.await {
@@ -301,7 +302,6 @@ async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<(Header, Vec<u8>)>
 /// The rest of block `h` (the part of chunk 0 round one did not read, and
 /// chunks 1..), verified: its bytes are hashed in order as they arrive.
 async fn read_rest(ctx: &Ctx, conn: &super::Conn, h: Header, mut chunk0: Vec<u8>) -> (u128, Result<Verified, Refused>) {
-    let ns = &ctx.cfg.namespace;
     let want0 = h.chunk_value_len(0);
     let have0 = chunk0.len() as u64;
     if have0 < want0 && have0 < FIRST_READ_BYTES as u64 {
@@ -309,7 +309,7 @@ async fn read_rest(ctx: &Ctx, conn: &super::Conn, h: Header, mut chunk0: Vec<u8>
         let e = format::FormatError::ChunkLen { index: 0, len: chunk0.len(), want: want0 };
         return (h.key, Err(Refused::Bad(e)));
     }
-    let mut sealer = format::Sealer::new(&h, ctx.cfg.key.as_ref());
+    let mut sealer = format::Sealer::new(&h, &ctx.scope);
     sealer.update(chunk0.get(format::HEADER_LEN..).unwrap_or(&[]));
     // The reads in order: what is left of chunk 0 (index 0), then chunks 1..;
     // each asks for one byte more than it expects.
@@ -318,7 +318,7 @@ async fn read_rest(ctx: &Ctx, conn: &super::Conn, h: Header, mut chunk0: Vec<u8>
     let mut rest = Vec::with_capacity((h.chunk_count - 1) as usize);
     let mut s = futures_util::stream::iter(reads)
         .map(|(index, start, want)| {
-            let key = format::chunk_key(ns, h.key, index);
+            let key = ctx.scope.chunk_key(h.key, index);
             async move { (index, want, get_range(ctx, conn, key, start, format::chunk_read_end(start, want)).await) }
         })
         .buffered(CHUNK_WINDOW);

@@ -4,13 +4,14 @@
 //! header) last, so a reader that finds the header finds its chunks too. A
 //! reader meeting a block half-overwritten by another writer sees a checksum
 //! (or tag) mismatch: a miss, never wrong bytes. With a fleet key the block
-//! is sealed with keyed tags (format 3), else with checksums (format 1). Each
+//! is sealed with keyed tags over the namespace (format 4), else with
+//! checksums (format 1). Each
 //! request waits at most the tier's timeout. Every read of the pinned block
 //! runs under the slab gate (hashing it, and copying each chunk into its
 //! request), never across a network wait. Whatever the outcome, the pin goes
 //! back to the serve loop.
 
-use super::format::{self, Header};
+use super::format::Header;
 use super::{Ctx, RemoteCells, TierEvent, WriteJob, CHUNK_WINDOW};
 use futures_util::{StreamExt, TryStreamExt};
 use std::sync::atomic::Ordering::Relaxed;
@@ -64,18 +65,17 @@ fn with_block<R>(
 }
 
 async fn write_block(ctx: &Ctx, job: &WriteJob) -> Result<(), String> {
-    let fleet = ctx.cfg.key.as_ref();
+    let scope = &*ctx.scope;
     let header = Header::new(job.key, job.dtype, job.shape, job.len, ctx.cfg.chunk_bytes)
         .ok_or("block needs too many chunks")?;
-    let header = with_block(ctx, job, 0..job.len, |data| header.sealed(data, fleet))?;
+    let header = with_block(ctx, job, 0..job.len, |data| header.sealed(data, scope))?;
     let conn = ctx.link.conn().await?;
-    let ns = &ctx.cfg.namespace;
     // The SET of chunk `i`, its value copied from the block now (under the gate).
     let set_cmd = |i: u32| -> Result<redis::Cmd, String> {
         let mut cmd = redis::cmd("SET");
-        cmd.arg(format::chunk_key(ns, job.key, i));
+        cmd.arg(scope.chunk_key(job.key, i));
         if i == 0 {
-            let value = with_block(ctx, job, header.piece(0), |first| header.chunk0(first, fleet))?;
+            let value = with_block(ctx, job, header.piece(0), |first| header.chunk0(first, scope))?;
             cmd.arg(value);
         } else {
             with_block(ctx, job, header.piece(i), |piece| {

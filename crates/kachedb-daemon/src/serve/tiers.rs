@@ -123,6 +123,8 @@ struct TierSide {
 /// A fetch a channel is parked on, at one tier.
 struct Pending {
     channel: u32,
+    /// The tenant of the channel's client ([`FetchJob::tenant`]).
+    tenant: String,
     /// When the loop stops waiting for this tier.
     deadline: Instant,
     /// The keys asked for.
@@ -314,15 +316,16 @@ impl Tiers {
         }
     }
 
-    /// Asks the first tier to fill `keys` for `channel`; the fetch's id, or
-    /// `None` without a tier.
-    pub(super) fn start_fetch(&mut self, channel: u32, keys: Vec<u128>) -> Option<u64> {
+    /// Asks the first tier to fill `keys` for `channel`, whose client is
+    /// counted as `tenant`; the fetch's id, or `None` without a tier.
+    pub(super) fn start_fetch(&mut self, channel: u32, tenant: &str, keys: Vec<u128>) -> Option<u64> {
         let t = self.sides.first_mut()?;
         self.next_fetch += 1;
         let id = self.next_fetch;
         self.open.insert(id);
-        t.pending.insert(id, Pending { channel, deadline: Instant::now() + t.tier.fetch_bound(), keys: keys.clone() });
-        t.tier.fetch(FetchJob { id, keys });
+        let deadline = Instant::now() + t.tier.fetch_bound();
+        t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys: keys.clone() });
+        t.tier.fetch(FetchJob { id, tenant: tenant.to_owned(), keys });
         Some(id)
     }
 
@@ -542,9 +545,9 @@ impl Tiers {
             };
             p.keys.retain(|&k| store.peek(k).is_none());
             p.deadline = Instant::now() + t.tier.fetch_bound();
-            let keys = p.keys.clone();
+            let job = FetchJob { id: fetch, tenant: p.tenant.clone(), keys: p.keys.clone() };
             t.pending.insert(fetch, p);
-            t.tier.fetch(FetchJob { id: fetch, keys });
+            t.tier.fetch(job);
         }
         did
     }
@@ -633,6 +636,51 @@ mod tests {
         }
     }
 
+    /// A tier that records the fetches it is asked for and does nothing else.
+    #[derive(Debug, Default)]
+    struct Recording(std::sync::Arc<std::sync::Mutex<Vec<FetchJob>>>);
+
+    impl Tier for Recording {
+        fn write_behind(&self, _offer: Offer<'_>, _pinned: &mut dyn FnMut() -> Option<WriteJob>) {}
+        fn fetch(&self, job: FetchJob) {
+            self.0.lock().unwrap().push(job);
+        }
+        fn fetch_bound(&self) -> Duration {
+            Duration::from_secs(60)
+        }
+        fn landed(&self, _len: u64) {}
+        fn kind(&self) -> TierKind {
+            TierKind::Remote
+        }
+        fn remove(&self, _key: u128) -> Removal {
+            Removal::Done
+        }
+        fn stop(self: Box<Self>) -> (Box<dyn StoppedTier>, Handover) {
+            unreachable!("not stopped in these tests")
+        }
+    }
+
+    /// Issue 41, item 3: a fetch names the tenant of the client whose miss
+    /// started it, at the first tier and at the next one its missing keys
+    /// go to, so a tier that keeps no tenant fills for that one.
+    #[test]
+    fn a_fetch_names_the_asking_tenant_at_every_tier() {
+        let mut store = Store::new(0, 64 * 4096);
+        let (first, second) = (Recording::default(), Recording::default());
+        let (asked_first, asked_second) = (first.0.clone(), second.0.clone());
+        let mut tiers = Tiers::new(vec![Box::new(first), Box::new(second)], &mut store);
+        let fetch = tiers.start_fetch(3, "team-a", vec![5, 6]).unwrap();
+        let jobs = asked_first.lock().unwrap().clone();
+        assert_eq!(jobs.len(), 1);
+        assert_eq!((jobs[0].id, jobs[0].tenant.as_str(), jobs[0].keys.clone()), (fetch, "team-a", vec![5, 6]));
+        // The first tier has neither key: both go on to the second tier.
+        tiers.on_event(&mut store, 0, TierEvent::Filled { fetch, filled: vec![] });
+        drain(&mut tiers, &mut store);
+        let jobs = asked_second.lock().unwrap().clone();
+        assert_eq!(jobs.len(), 1);
+        assert_eq!((jobs[0].id, jobs[0].tenant.as_str(), jobs[0].keys.clone()), (fetch, "team-a", vec![5, 6]));
+    }
+
     fn reserve(key: u128, len: u64) -> Request {
         Request::Reserve { key, dtype: DType::U8, shape: Shape::for_bytes(len).unwrap(), len, page_offset: 0 }
     }
@@ -663,7 +711,7 @@ mod tests {
         );
 
         // The fetch asks for room for K, which is missing.
-        let fetch = tiers.start_fetch(0, vec![key]).unwrap();
+        let fetch = tiers.start_fetch(0, "default", vec![key]).unwrap();
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         let spec = FillSpec {
             key,
@@ -721,8 +769,8 @@ mod tests {
         let (a, b) = (1u128, 2u128);
         let client = store.open_session();
         // A: deleted before the reservation; B: after it.
-        let fa = tiers.start_fetch(0, vec![a]).unwrap();
-        let fb = tiers.start_fetch(1, vec![b]).unwrap();
+        let fa = tiers.start_fetch(0, "default", vec![a]).unwrap();
+        let fb = tiers.start_fetch(1, "default", vec![b]).unwrap();
         tiers.remove(0, client, a);
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fa, blocks: vec![spec(a)], reply: tx });
@@ -741,7 +789,7 @@ mod tests {
         assert_eq!(store.stats().reserved, 0);
         // Every fetch of then is over: the DELETEs are forgotten, and a new fetch fills B.
         assert!(tiers.open.is_empty() && tiers.deleted.is_empty());
-        let fc = tiers.start_fetch(0, vec![b]).unwrap();
+        let fc = tiers.start_fetch(0, "default", vec![b]).unwrap();
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fc, blocks: vec![spec(b)], reply: tx });
         drain(&mut tiers, &mut store);

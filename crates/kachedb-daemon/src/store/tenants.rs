@@ -309,6 +309,13 @@ impl Store {
         self.tenants.get(t).name.clone()
     }
 
+    /// The name of the tenant row session `s` is counted in (the default
+    /// tenant's for a session that is not open).
+    pub fn session_tenant(&self, s: SessionId) -> &str {
+        let t = self.sessions.get(&s).map_or(DEFAULT_ROW, |x| x.tenant);
+        &self.tenants.get(t).name
+    }
+
     /// Says whose block session `s` (one of the daemon's own: a tier's)
     /// reserves next: tenant `name` (a name a block file gave; `None`, or
     /// with accounting off: the default tenant). A fill reserved so counts
