@@ -136,19 +136,30 @@ def test_a_wait_parked_in_the_old_daemon_is_answered_by_the_new_one():
 
 
 def raw_takeover_request(sock_path: str, versions: list) -> tuple:
-    """Sends a takeover request as a new daemon would; (socket, first line, fds)."""
+    """Sends a takeover request as a new daemon would, and the go the daemon
+    asks for; (socket, the offer or the refusal line, fds)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(sock_path)
     s.settimeout(30)
     s.sendall(json.dumps({"op": "takeover", "state_versions": versions}).encode() + b"\n")
     data, fds = b"", []
-    while b"\n" not in data:
-        chunk, got, _, _ = socket.recv_fds(s, 65536, 16)
-        if not chunk:
-            break
-        data += chunk
-        fds += got
-    return s, data.split(b"\n", 1)[0], fds
+
+    def line() -> bytes:
+        nonlocal data, fds
+        while b"\n" not in data:
+            chunk, got, _, _ = socket.recv_fds(s, 65536, 16)
+            if not chunk:
+                break
+            data += chunk
+            fds += got
+        first, _, data = data.partition(b"\n")
+        return first
+
+    first = line()
+    if b'"pause_ms"' in first:
+        s.sendall(json.dumps({"op": "takeover_go"}).encode() + b"\n")
+        first = line()
+    return s, first, fds
 
 
 def check_serving_as_before(d: Daemon, pid: int) -> None:

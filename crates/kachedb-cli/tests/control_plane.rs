@@ -91,16 +91,17 @@ fn takeover_asked_on_a_client_connection_is_refused_and_the_session_goes() {
     drop(peers);
 }
 
-/// Item 13: a peer of the daemon's uid that asks for a takeover, takes the
-/// offer and then trickles its verdict one byte every 300 ms (so that no
-/// single read waits long) holds the running daemon for one step as a whole
-/// (`--takeover-timeout-ms 1500`), not for as long as it trickles: a client
-/// blocked in a GET meanwhile is answered while the peer still trickles, by
-/// the same daemon.
+/// Item 13: a peer of the daemon's uid that asks for a takeover, says go,
+/// takes the offer and then trickles its verdict one byte every 300 ms (so
+/// that no single read waits long) holds the running daemon's clients for
+/// the pause as a whole (`--takeover-pause-ms 1500`), not for as long as it
+/// trickles: a client blocked in a GET meanwhile is answered while the peer
+/// still trickles, by the same daemon.
 #[test]
 fn a_trickling_takeover_peer_holds_the_daemon_one_step_at_most() {
     let dir = TempDir::new("trickle-takeover");
-    let mut d = Daemon::spawn_with(&dir.socket(), "8MiB", &["--takeover-timeout-ms", "1500"]);
+    let mut d =
+        Daemon::spawn_with(&dir.socket(), "8MiB", &["--takeover-timeout-ms", "1500", "--takeover-pause-ms", "1500"]);
     d.wait_ready();
     let kc = Client::connect(&d.opts()).expect("connect");
     kc.put(Key::from_bytes(b"held"), &[7u8; 4096]).expect("put");
@@ -108,6 +109,9 @@ fn a_trickling_takeover_peer_holds_the_daemon_one_step_at_most() {
     peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     send(&peer, &ControlRequest::Takeover { state_versions: vec![kachedb_daemon::takeover::STATE_VERSION] });
     let mut r = BufReader::new(&peer);
+    let prepare = answer(&mut r);
+    assert_eq!(prepare["pause_ms"], 1500, "no prepare: {prepare}");
+    send(&peer, &ControlRequest::TakeoverGo);
     let offer = answer(&mut r);
     assert_eq!(offer["ok"], true, "no offer: {offer}");
     drop(r);
