@@ -13,6 +13,7 @@
 //! [`events`](crate::events) queue and takes channels from the
 //! [`channels`](crate::channels) pool. Messages are `kachedb_shm::control`'s types.
 
+use crate::binding::{self, PeerIds, TenantBinding};
 use crate::channels::Channels;
 use crate::events::{Event, EventSender};
 use crate::metrics::{Metrics, Refusal as Refused};
@@ -38,6 +39,9 @@ pub struct Access {
     pub uid: u32,
     /// Extra groups whose members (by primary gid) are allowed.
     pub allow_gids: Vec<u32>,
+    /// Tenants bound to uids and gids: which tenant an admitted peer acts
+    /// as is decided at its hello ([`binding::tenant_for`]).
+    pub bindings: Vec<TenantBinding>,
     /// Most connections open at once; one more is closed at accept.
     pub max_connections: usize,
     /// How long a connection that is not a client's may go without sending a
@@ -89,6 +93,10 @@ pub(crate) struct Conn {
     channel: Option<u32>,
     pid: i32,
     uid: u32,
+    /// The peer's gid and supplementary groups when it connected
+    /// (`SO_PEERCRED`, `SO_PEERGROUPS`), for the tenant bindings.
+    gid: u32,
+    groups: Vec<u32>,
     /// Why the daemon refused this connection, if it did (counted when it closes).
     refusal: Option<Refused>,
     /// The daemon closes this connection for a protocol error (the client
@@ -106,11 +114,17 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    /// A connection handed over by the daemon this one took over from.
+    /// A connection handed over by the daemon this one took over from. The
+    /// kernel keeps the peer's credentials from its connect with the socket,
+    /// so its gid and groups are read again here (the handed-over state
+    /// carries only its uid).
     pub(crate) fn taken_over(stream: Arc<UnixStream>, st: &ConnState) -> Conn {
         let mut lines = LineBuffer::new();
         let _ = lines.extend(&st.unread);
+        let ids = peer_ids(&stream);
         Conn {
+            gid: ids.as_ref().map_or(u32::MAX, |i| i.gid),
+            groups: ids.map(|i| i.groups).unwrap_or_default(),
             stream,
             lines,
             channel: st.channel,
@@ -220,7 +234,7 @@ pub(crate) fn run(ctl: Control) -> Option<i32> {
         }
         for fd in ready {
             let close_it = match conns.get_mut(&fd) {
-                Some(c) => service(c, &region, &channels, &events),
+                Some(c) => service(c, &region, &channels, &events, &access.bindings),
                 None => false,
             };
             if close_it {
@@ -303,6 +317,7 @@ fn accept_all(
                 if stream.set_nonblocking(true).is_err() {
                     continue;
                 }
+                let groups = if access.bindings.is_empty() { Vec::new() } else { peer_groups(&stream) };
                 let fd = stream.as_raw_fd();
                 conns.insert(
                     fd,
@@ -312,6 +327,8 @@ fn accept_all(
                         channel: None,
                         pid,
                         uid,
+                        gid,
+                        groups,
                         refusal: None,
                         refused: false,
                         idle_since: Some(Instant::now()),
@@ -358,7 +375,13 @@ fn close(c: Conn, metrics: &Metrics, events: &EventSender) {
 
 /// Reads what is there; handles complete lines up to a takeover request (the
 /// last thing read on its connection). Returns true to close.
-fn service(c: &mut Conn, region: &Arc<Region>, channels: &Channels, events: &EventSender) -> bool {
+fn service(
+    c: &mut Conn,
+    region: &Arc<Region>,
+    channels: &Channels,
+    events: &EventSender,
+    bindings: &[TenantBinding],
+) -> bool {
     let mut tmp = [0u8; 4096];
     loop {
         match (&*c.stream).read(&mut tmp) {
@@ -377,7 +400,7 @@ fn service(c: &mut Conn, region: &Arc<Region>, channels: &Channels, events: &Eve
     while c.takeover.is_none() {
         let Some(line) = c.lines.next_line() else { break };
         c.asked = true;
-        if handle_line(c, &line, region, channels, events) {
+        if handle_line(c, &line, region, channels, events, bindings) {
             return true;
         }
         // A client's connection stays open for its life; any other is idle
@@ -410,7 +433,14 @@ fn write_reply<T: serde::Serialize>(stream: &UnixStream, reply: &Reply<T>) -> Re
 }
 
 /// Returns true to close the connection.
-fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Channels, events: &EventSender) -> bool {
+fn handle_line(
+    c: &mut Conn,
+    line: &[u8],
+    region: &Arc<Region>,
+    channels: &Channels,
+    events: &EventSender,
+    bindings: &[TenantBinding],
+) -> bool {
     let msg = match control::from_line::<ControlRequest>(line) {
         Ok(msg) => msg,
         Err(e) => {
@@ -438,6 +468,14 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
                 reply_err(c, Refused::Protocol, &format!("{why}: name another tenant in the hello, or none"));
                 return true;
             }
+            let ids = PeerIds { uid: c.uid, gid: c.gid, groups: c.groups.clone() };
+            let tenant = match binding::tenant_for(bindings, &ids, tenant.as_deref()) {
+                Ok(t) => t,
+                Err(why) => {
+                    reply_err(c, Refused::Tenant, &why);
+                    return true;
+                }
+            };
             let Some(ch) = channels.take(c.pid) else {
                 let held = match channels.quarantined() {
                     0 => String::new(),
@@ -450,7 +488,13 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
             // case it was never used.
             region.reset_channel(ch);
             c.channel = Some(ch);
-            events.send(Event::Attach { channel: ch, stream: c.stream.clone(), pid: c.pid, uid: c.uid, tenant });
+            events.send(Event::Attach {
+                channel: ch,
+                stream: c.stream.clone(),
+                pid: c.pid,
+                uid: c.uid,
+                tenant: tenant.clone(),
+            });
             let reply = HelloReply {
                 channel: ch,
                 generation: region.generation(),
@@ -462,7 +506,14 @@ fn handle_line(c: &mut Conn, line: &[u8], region: &Arc<Region>, channels: &Chann
                 tracing::warn!("could not hand the region to pid {}: {e}", c.pid);
                 return true;
             }
-            tracing::info!(event = "client_connected", channel = ch, pid = c.pid, uid = c.uid, "client connected");
+            tracing::info!(
+                event = "client_connected",
+                channel = ch,
+                pid = c.pid,
+                uid = c.uid,
+                tenant = tenant.as_deref().unwrap_or(kachedb_shm::control::DEFAULT_TENANT),
+                "client connected"
+            );
             false
         }
         ControlRequest::Takeover { state_versions } => {
@@ -579,4 +630,28 @@ fn send_with_fd(stream: &UnixStream, reply: &Reply<HelloReply>, region: &Region)
         s.write_all(&bytes[n..])?;
     }
     Ok(())
+}
+
+/// The supplementary groups of `stream`'s peer (`SO_PEERGROUPS`); none
+/// where the kernel does not report them (before Linux 4.13: then a
+/// `--tenant-gid` binding matches the primary gid only), said once in the log.
+fn peer_groups(stream: &UnixStream) -> Vec<u32> {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    match kachedb_shm::trust::peer_groups(stream) {
+        Ok(g) => g,
+        Err(e) => {
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "cannot read a peer's supplementary groups (SO_PEERGROUPS: {e}): --tenant-gid matches primary gids only"
+                );
+            }
+            Vec::new()
+        }
+    }
+}
+
+/// `stream`'s peer's gid and groups, read again from the socket.
+fn peer_ids(stream: &UnixStream) -> Option<PeerIds> {
+    let cred = kachedb_shm::trust::peer_cred(stream).ok()?;
+    Some(PeerIds { uid: cred.uid, gid: cred.gid, groups: peer_groups(stream) })
 }

@@ -268,9 +268,12 @@ pub(super) fn serve_channel(
                 c
             }
             Ok(r @ Request::Delete { key }) if !tiers.is_empty() => {
-                // Through to the tiers, whether or not the key was local.
+                // Through to the tiers, whether or not the key was local;
+                // not when it was refused (another bound tenant's block).
                 let c = store.handle(s.session, frame.request_id, &r);
-                tiers.delete(key);
+                if c.status != Status::Denied {
+                    tiers.delete(key);
+                }
                 c
             }
             Ok(r @ (Request::Get { key } | Request::Lookup { key }))
@@ -343,6 +346,9 @@ pub(super) fn serve_channel(
             }
         };
         metrics.frame(frame.op, c.status);
+        if c.status == Status::Denied {
+            super::denials::denied(store, s.session, s.pid, s.uid, frame);
+        }
         if c.status == Status::Ok && matches!(c.op, Op::Get | Op::Lookup | Op::Wait) && tiers.wants_requests() {
             if let Ok(Request::Get { key } | Request::Lookup { key } | Request::Wait { key, .. }) =
                 Request::decode(frame)
