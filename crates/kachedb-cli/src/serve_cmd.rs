@@ -132,6 +132,21 @@ pub struct ServeArgs {
     /// refused).
     #[arg(long, value_enum, default_value_t = Switch::On, value_name = "ON|OFF")]
     pub tenant_accounting: Switch,
+    /// Binds tenant NAME to these uids, e.g. `team-a=1001,1002` (numeric;
+    /// repeatable, one flag per tenant): a client of another uid naming
+    /// NAME is refused at connect, and a client of these uids is NAME's
+    /// (naming none, it is put in NAME; naming another tenant, it is
+    /// refused). Only NAME's clients may then replace or delete NAME's
+    /// blocks (others get DENIED); every client may still read them. Binds,
+    /// never admits: a client must still be the daemon's uid or in an
+    /// --allow-gid group. docs/tenants.md.
+    #[arg(long = "tenant-uid", value_name = "NAME=UID[,UID…]", value_parser = parse_tenant_ids)]
+    pub tenant_uids: Vec<(String, Vec<u32>)>,
+    /// Binds tenant NAME to these groups, e.g. `team-b=2000` (numeric;
+    /// repeatable): as --tenant-uid, for clients whose primary gid or one of
+    /// whose supplementary groups is one of them. A tenant may have both.
+    #[arg(long = "tenant-gid", value_name = "NAME=GID[,GID…]", value_parser = parse_tenant_ids)]
+    pub tenant_gids: Vec<(String, Vec<u32>)>,
     /// Seconds a request window runs (the distinct keys asked for in it
     /// give the hit-ratio ceiling; docs/metrics.md "How reusable is the
     /// cache"); a new one starts at its end.
@@ -282,6 +297,27 @@ fn parse_tenant_limit(s: &str) -> Result<(String, u64), String> {
     Ok((name.to_owned(), parse_size(size)?))
 }
 
+/// `NAME=ID[,ID…]` of `--tenant-uid` and `--tenant-gid`.
+fn parse_tenant_ids(s: &str) -> Result<(String, Vec<u32>), String> {
+    let (name, ids) = s.split_once('=').ok_or_else(|| format!("{s:?}: give NAME=ID[,ID…], e.g. team-a=1001,1002"))?;
+    kachedb_shm::control::check_tenant_name(name)?;
+    if name == kachedb_shm::control::DEFAULT_TENANT {
+        return Err(format!(
+            "{name:?} is the tenant of every client that names none and cannot be bound: bind a tenant of a name of its own"
+        ));
+    }
+    let mut out = Vec::new();
+    for id in ids.split(',') {
+        let n = id.trim().parse::<u32>().map_err(|_| {
+            format!("{id:?} in {s:?} is not a numeric id: give numbers (`id -u NAME` / `getent group NAME` print them)")
+        })?;
+        if !out.contains(&n) {
+            out.push(n);
+        }
+    }
+    Ok((name.to_owned(), out))
+}
+
 /// `kachedb serve --eviction`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Eviction {
@@ -331,12 +367,56 @@ fn tenant_config(a: &ServeArgs) -> Result<kachedb_daemon::TenantConfig, Box<dyn 
         )
         .into());
     }
+    let bindings = tenant_bindings(a)?;
+    if !accounting && !bindings.is_empty() {
+        return Err("--tenant-uid and --tenant-gid need --tenant-accounting on".into());
+    }
+    let rows = names.iter().copied().chain(bindings.iter().map(|b| &b.name)).collect::<std::collections::BTreeSet<_>>();
+    if rows.len() > kachedb_shm::control::MAX_TENANTS - 2 {
+        return Err(format!(
+            "--tenant-limit, --tenant-uid and --tenant-gid name {} tenants; the daemon counts at most {} besides `default` and `_other`",
+            rows.len(),
+            kachedb_shm::control::MAX_TENANTS - 2
+        )
+        .into());
+    }
     Ok(kachedb_daemon::TenantConfig {
         limits: a.tenant_limits.clone(),
         default_limit: a.tenant_limit_default,
         accounting,
         request_window: std::time::Duration::from_secs(a.request_window),
+        bindings,
     })
+}
+
+/// The tenants bound by `--tenant-uid` and `--tenant-gid`, one per name
+/// (a tenant may have both flags, each once).
+fn tenant_bindings(a: &ServeArgs) -> Result<Vec<kachedb_daemon::TenantBinding>, Box<dyn std::error::Error>> {
+    let mut out: Vec<kachedb_daemon::TenantBinding> = Vec::new();
+    for (flag, list, gids) in [("--tenant-uid", &a.tenant_uids, false), ("--tenant-gid", &a.tenant_gids, true)] {
+        let mut seen = std::collections::BTreeSet::new();
+        for (name, ids) in list {
+            if !seen.insert(name) {
+                return Err(format!(
+                    "{flag} {name}=…: tenant {name:?} is named twice; give all its ids in one flag ({name}=ID,ID,…)"
+                )
+                .into());
+            }
+            let i = match out.iter().position(|b| &b.name == name) {
+                Some(i) => i,
+                None => {
+                    out.push(kachedb_daemon::TenantBinding { name: name.clone(), ..Default::default() });
+                    out.len() - 1
+                }
+            };
+            if gids {
+                out[i].gids = ids.clone();
+            } else {
+                out[i].uids = ids.clone();
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The tenants' limits on disk bytes: `--tenant-disk-limit` (and its
@@ -665,6 +745,15 @@ fn finish(daemon: Daemon, a: &ServeArgs, say: &dyn Fn(String)) -> Result<(), Box
             "no --remote-key-file: values not authenticated, every writer trusted"
         };
         say(format!("remote tier {url} (namespace {}; {trust})", a.remote_namespace));
+    }
+    for b in tenant_bindings(a)? {
+        let list = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        say(format!(
+            "tenant {:?} bound to uids [{}] and gids [{}]: only their clients act as it, replace or delete its blocks",
+            b.name,
+            list(&b.uids),
+            list(&b.gids)
+        ));
     }
     if a.on_sighup == OnSighup::Takeover {
         reload_on_sighup()?;

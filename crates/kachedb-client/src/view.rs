@@ -264,9 +264,17 @@ impl Reservation {
         }
     }
     /// Makes the block visible under its key (linked to its parent, if any).
+    /// If the daemon refuses it (`Denied`: the key's block belongs to a
+    /// tenant bound to other users or groups), the reservation is still
+    /// open there; it is aborted before the error returns.
     pub fn commit(mut self) -> Result<()> {
         let req = self.commit_request(false);
-        self.finish(req)
+        let r = self.finish(req);
+        if matches!(r, Err(ClientError::Denied)) {
+            // Dropped unfinished: its ABORT goes.
+            drop(self.unfinished());
+        }
+        r
     }
     /// Makes the block visible under its key and returns a pinned view of
     /// it, in one request (COMMIT_PIN): the extent stays out of eviction and
@@ -301,10 +309,31 @@ impl Reservation {
     /// Commits many reservations of one client with one batch of COMMITs (a
     /// closed client still finishes them), in order, each with its parent (so
     /// a chain reserved in order links block by block). Every COMMIT is sent; the first
-    /// error is returned. Reservations of different clients are refused
+    /// error is returned; the reservations whose COMMIT the daemon refused
+    /// (`Denied`) are aborted first. Reservations of different clients are refused
     /// (`Invalid`, and dropped: aborted one by one).
-    pub fn commit_all(reservations: Vec<Reservation>) -> Result<()> {
-        finish_all(reservations, |r| r.commit_request(false)).map(|_| ())
+    pub fn commit_all(mut reservations: Vec<Reservation>) -> Result<()> {
+        let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(()) };
+        if reservations.iter().any(|r| !Arc::ptr_eq(&r.channel, &channel)) {
+            return Err(ClientError::Invalid("a batch of reservations must all come from one client".into()));
+        }
+        let reqs: Vec<Request> = reservations.iter_mut().map(|r| r.commit_request(false)).collect();
+        let done = channel.finish_many(&reqs)?;
+        let mut first_err = None;
+        let mut refused = Vec::new();
+        for (r, c) in reservations.into_iter().zip(&done) {
+            if let Err(e) = ok_or(*c, 0) {
+                if matches!(e, ClientError::Denied) {
+                    refused.push(r);
+                }
+                first_err.get_or_insert(e);
+            }
+        }
+        if !refused.is_empty() {
+            // Still open at the daemon: one batch of ABORTs.
+            let _ = Self::abort_all(refused);
+        }
+        first_err.map_or(Ok(()), Err)
     }
 
     /// [`commit_pinned`](Self::commit_pinned) of many reservations of one

@@ -13,6 +13,7 @@
 //! [`events`](crate::events) queue and takes channels from the
 //! [`channels`](crate::channels) pool. Messages are `kachedb_shm::control`'s types.
 
+use crate::binding::{self, PeerIds, TenantBinding};
 use crate::channels::Channels;
 use crate::events::{Event, EventSender};
 use crate::metrics::{Metrics, Refusal as Refused};
@@ -38,6 +39,9 @@ pub struct Access {
     pub uid: u32,
     /// Extra groups whose members (by primary gid) are allowed.
     pub allow_gids: Vec<u32>,
+    /// Tenants bound to uids and gids: which tenant an admitted peer acts
+    /// as is decided at its hello ([`binding::tenant_for`]).
+    pub bindings: Vec<TenantBinding>,
     /// Most connections open at once; one more is closed at accept.
     pub max_connections: usize,
     /// How long a connection that is not a client's may go without sending a
@@ -92,6 +96,10 @@ pub(crate) struct Conn {
     channel: Option<u32>,
     pid: i32,
     uid: u32,
+    /// The peer's gid and supplementary groups when it connected
+    /// (`SO_PEERCRED`, `SO_PEERGROUPS`), for the tenant bindings.
+    gid: u32,
+    groups: Vec<u32>,
     /// Why the daemon refused this connection, if it did (counted when it closes).
     refusal: Option<Refused>,
     /// The daemon closes this connection for a protocol error (the client
@@ -111,11 +119,17 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    /// A connection handed over by the daemon this one took over from.
+    /// A connection handed over by the daemon this one took over from. The
+    /// kernel keeps the peer's credentials from its connect with the socket,
+    /// so its gid and groups are read again here (the handed-over state
+    /// carries only its uid).
     pub(crate) fn taken_over(stream: Arc<UnixStream>, st: &ConnState) -> Conn {
         let mut lines = LineBuffer::new();
         let _ = lines.extend(&st.unread);
+        let ids = peer_ids(&stream);
         Conn {
+            gid: ids.as_ref().map_or(u32::MAX, |i| i.gid),
+            groups: ids.map(|i| i.groups).unwrap_or_default(),
             stream,
             lines,
             channel: st.channel,
@@ -311,6 +325,7 @@ fn accept_all(
                 if stream.set_nonblocking(true).is_err() {
                     continue;
                 }
+                let groups = if access.bindings.is_empty() { Vec::new() } else { peer_groups(&stream) };
                 let fd = stream.as_raw_fd();
                 conns.insert(
                     fd,
@@ -320,6 +335,8 @@ fn accept_all(
                         channel: None,
                         pid,
                         uid,
+                        gid,
+                        groups,
                         refusal: None,
                         refused: false,
                         idle_since: Some(Instant::now()),
@@ -454,6 +471,14 @@ fn handle_line(
                 reply_err(c, Refused::Protocol, &format!("{why}: name another tenant in the hello, or none"));
                 return true;
             }
+            let ids = PeerIds { uid: c.uid, gid: c.gid, groups: c.groups.clone() };
+            let tenant = match binding::tenant_for(&access.bindings, &ids, tenant.as_deref()) {
+                Ok(t) => t,
+                Err(why) => {
+                    reply_err(c, Refused::Tenant, &why);
+                    return true;
+                }
+            };
             let Some(ch) = channels.take(c.pid) else {
                 let held = match channels.quarantined() {
                     0 => String::new(),
@@ -467,7 +492,13 @@ fn handle_line(
             region.reset_channel(ch);
             restore_region_header(region, "before answering a hello");
             c.channel = Some(ch);
-            events.send(Event::Attach { channel: ch, stream: c.stream.clone(), pid: c.pid, uid: c.uid, tenant });
+            events.send(Event::Attach {
+                channel: ch,
+                stream: c.stream.clone(),
+                pid: c.pid,
+                uid: c.uid,
+                tenant: tenant.clone(),
+            });
             let reply = HelloReply {
                 channel: ch,
                 generation: region.generation(),
@@ -479,7 +510,14 @@ fn handle_line(
                 tracing::warn!("could not hand the region to pid {}: {e}", c.pid);
                 return true;
             }
-            tracing::info!(event = "client_connected", channel = ch, pid = c.pid, uid = c.uid, "client connected");
+            tracing::info!(
+                event = "client_connected",
+                channel = ch,
+                pid = c.pid,
+                uid = c.uid,
+                tenant = tenant.as_deref().unwrap_or(kachedb_shm::control::DEFAULT_TENANT),
+                "client connected"
+            );
             false
         }
         ControlRequest::Takeover { state_versions } => {
@@ -644,4 +682,28 @@ fn send_with_fd(stream: &UnixStream, reply: &Reply<HelloReply>, region: &Region)
         s.write_all(&bytes[n..])?;
     }
     Ok(())
+}
+
+/// The supplementary groups of `stream`'s peer (`SO_PEERGROUPS`); none
+/// where the kernel does not report them (before Linux 4.13: then a
+/// `--tenant-gid` binding matches the primary gid only), said once in the log.
+fn peer_groups(stream: &UnixStream) -> Vec<u32> {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    match kachedb_shm::trust::peer_groups(stream) {
+        Ok(g) => g,
+        Err(e) => {
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "cannot read a peer's supplementary groups (SO_PEERGROUPS: {e}): --tenant-gid matches primary gids only"
+                );
+            }
+            Vec::new()
+        }
+    }
+}
+
+/// `stream`'s peer's gid and groups, read again from the socket.
+fn peer_ids(stream: &UnixStream) -> Option<PeerIds> {
+    let cred = kachedb_shm::trust::peer_cred(stream).ok()?;
+    Some(PeerIds { uid: cred.uid, gid: cred.gid, groups: peer_groups(stream) })
 }

@@ -89,6 +89,18 @@ pub struct TenantConfig {
     pub accounting: bool,
     /// How long a request window runs (`--request-window`).
     pub request_window: std::time::Duration,
+    /// Tenants bound to uids and gids (`--tenant-uid`, `--tenant-gid`): only
+    /// their peers may act as them, and only their sessions may replace or
+    /// delete their blocks (`crate::binding`, docs/tenants.md). Each name
+    /// once, never the default tenant; needs `accounting`.
+    pub bindings: Vec<crate::binding::TenantBinding>,
+}
+
+impl TenantConfig {
+    /// The names of the bound tenants.
+    pub fn bound_names(&self) -> Vec<String> {
+        self.bindings.iter().map(|b| b.name.clone()).collect()
+    }
 }
 
 impl Default for TenantConfig {
@@ -98,6 +110,7 @@ impl Default for TenantConfig {
             default_limit: None,
             accounting: true,
             request_window: crate::serve::DEFAULT_REQUEST_WINDOW,
+            bindings: Vec::new(),
         }
     }
 }
@@ -141,6 +154,9 @@ pub enum ServeError {
     /// The disk tier could not start.
     #[error(transparent)]
     Disk(#[from] crate::disk::DiskError),
+    /// The tenants' settings cannot be applied.
+    #[error("{0}")]
+    Tenants(String),
     /// `--takeover` did not happen.
     #[error(transparent)]
     Takeover(#[from] crate::takeover::TakeoverError),
@@ -318,6 +334,7 @@ impl Daemon {
         store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
         store.set_tenant_limits(cfg.tenants.default_limit, &cfg.tenants.limits, cfg.tenants.accounting);
+        store.set_bound_tenants(&cfg.tenants.bound_names()).map_err(ServeError::Tenants)?;
         let control_lock = lock.dup().map_err(io_err("duplicating the instance lock for", &sock))?;
         let started = Parts {
             channels: Arc::new(Channels::new(cfg.channels)),
@@ -339,8 +356,10 @@ impl Daemon {
     /// Takes over from the daemon serving `cfg.socket_path` (`kachedb serve
     /// --takeover`, `crate::takeover`): its region, socket, lock, clients and
     /// store. The region's geometry is the old daemon's; of `cfg`, the limits,
-    /// the eviction policy, the remote tier and the metrics address (when the
-    /// old daemon had no metrics listener) apply.
+    /// the tenant bindings (to the blocks at once, to the hellos from then on;
+    /// a client connected before keeps its tenant), the eviction policy, the
+    /// remote tier and the metrics address (when the old daemon had no
+    /// metrics listener) apply.
     ///
     /// Everything that can fail (reading the state, checking the region
     /// against it, the remote tier's options, binding the metrics address,
@@ -414,6 +433,7 @@ impl Daemon {
         store.set_max_uid_bytes(cfg.max_uid_bytes);
         store.set_eviction_policy(cfg.eviction);
         store.set_tenant_limits(cfg.tenants.default_limit, &cfg.tenants.limits, cfg.tenants.accounting);
+        store.set_bound_tenants(&cfg.tenants.bound_names()).map_err(|e| taken.refuse(&e))?;
         let listener = UnixListener::from(taken.listener.try_clone().map_err(io_err("duplicating the socket", &sock))?);
         let metrics_listener = match (&taken.metrics, cfg.metrics_addr) {
             (Some(fd), _) => Some(std::net::TcpListener::from(
@@ -607,6 +627,7 @@ impl Parts {
         let access = Access {
             uid: rustix::process::geteuid().as_raw(),
             allow_gids: cfg.allow_gids.clone(),
+            bindings: cfg.tenants.bindings.clone(),
             max_connections: cfg.max_connections.max(1) as usize,
             hello_timeout: cfg.hello_timeout,
             takeover_timeout: cfg.takeover_timeout,

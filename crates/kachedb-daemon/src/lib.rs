@@ -1,5 +1,6 @@
 //! KacheDB daemon: the megaslab allocator ([`alloc`]), the block store
-//! ([`store`]), the control socket thread ([`control`]), the serve loop
+//! ([`store`]), the control socket thread ([`control`]) and who may act as
+//! which tenant there ([`binding`]), the serve loop
 //! (`serve`) and the daemon's start and shutdown ([`daemon`]).
 //!
 //! Arrows point one way: `daemon` starts `control` and runs `serve`; both
@@ -12,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod binding;
 pub mod channels;
 pub mod control;
 pub mod daemon;
@@ -27,5 +29,6 @@ pub mod takeover;
 pub mod tier;
 mod waits;
 
+pub use binding::TenantBinding;
 pub use daemon::{Daemon, Ended, ServeConfig, ServeError, TakeoverSummary, TenantConfig};
 pub use store::EvictionPolicy;

@@ -122,8 +122,10 @@ pub enum Refusal {
     ChannelsFull = 1,
     /// A control message it could not accept (bad JSON, wrong version, hello twice, too long).
     Protocol = 2,
+    /// A hello naming a tenant the peer may not act as (`crate::binding`).
+    Tenant = 3,
 }
-const REFUSAL_NAMES: [&str; 3] = ["permission", "channels_full", "protocol"];
+const REFUSAL_NAMES: [&str; 4] = ["permission", "channels_full", "protocol", "tenant"];
 
 impl Refusal {
     /// The `reason` label value.
@@ -488,7 +490,7 @@ pub struct Metrics {
     /// The disk tier's counters.
     pub disk: DiskCells,
     /// Clients refused, by [`Refusal`]; written by the control thread.
-    refused: [AtomicU64; 3],
+    refused: [AtomicU64; REFUSAL_NAMES.len()],
     /// A [`Health`] code (for `/healthz`).
     health: AtomicU8,
     channels: u32,

@@ -503,6 +503,10 @@ pub struct StoreStats {
     pub bad_handle: u64,
     /// Completions with status `TOO_LARGE`.
     pub too_large: u64,
+    /// Completions with status `DENIED`: COMMITs that would have replaced,
+    /// and DELETEs, of a block of a tenant bound to other users or groups
+    /// (`kachedb serve --tenant-uid` / `--tenant-gid`); nothing changed.
+    pub denied: u64,
     /// Completions with status `INTERNAL`, plus internal errors met while
     /// closing sessions (each one is a bug).
     pub internal: u64,

@@ -1,6 +1,6 @@
 //! Who trusts whom on the control socket, for both ends: the peer's
 //! credentials ([`peer_cred`], `SO_PEERCRED`, defined for a peer in another
-//! PID namespace) and the rule for a socket directory nobody else can swap
+//! PID namespace; [`peer_groups`], `SO_PEERGROUPS`) and the rule for a socket directory nobody else can swap
 //! the socket in ([`check_socket_dir`]).
 
 use std::os::fd::{AsFd, AsRawFd};
@@ -20,7 +20,8 @@ pub struct PeerCred {
 }
 
 /// Reads `SO_PEERCRED` of a connected Unix socket; a pid of 0 comes back as
-/// `pid: None`. The one raw `getsockopt` of the workspace: rustix's
+/// `pid: None`. One of the two raw `getsockopt`s of the workspace (with
+/// [`peer_groups`]): rustix's
 /// `socket_peercred` reads into a `UCred` whose `pid` is a `Pid` (a
 /// `NonZeroI32`), and the kernel reports pid 0 for a peer in a PID namespace
 /// we cannot see (another container), which that type cannot hold.
@@ -46,6 +47,40 @@ pub fn peer_cred(sock: impl AsFd) -> std::io::Result<PeerCred> {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "short SO_PEERCRED answer"));
     }
     Ok(PeerCred { pid: u32::try_from(cred.pid).ok().filter(|&p| p != 0), uid: cred.uid, gid: cred.gid })
+}
+
+/// Most supplementary groups a process can have (`NGROUPS_MAX` on Linux).
+const MAX_GROUPS: usize = 65_536;
+
+/// Reads `SO_PEERGROUPS` of a connected Unix socket: the peer's
+/// supplementary groups when it called `connect` (Linux 4.13 and later;
+/// older kernels answer `ENOPROTOOPT`). The list is fixed at connect, as
+/// `SO_PEERCRED` is: a process cannot leave a group it connected with by
+/// changing its credentials afterwards.
+pub fn peer_groups(sock: impl AsFd) -> std::io::Result<Vec<u32>> {
+    let fd = sock.as_fd().as_raw_fd();
+    let mut groups: Vec<libc::gid_t> = vec![0; 32];
+    loop {
+        let mut len = std::mem::size_of_val(groups.as_slice()) as libc::socklen_t;
+        // SAFETY: `groups` is a buffer of plain integers (every bit pattern
+        // valid) of exactly `len` bytes that outlives the call, so the kernel
+        // writes at most that many bytes into it; the fd is borrowed for the call.
+        let rc = unsafe {
+            libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERGROUPS, groups.as_mut_ptr().cast(), &mut len)
+        };
+        let n = len as usize / std::mem::size_of::<libc::gid_t>();
+        if rc == 0 {
+            groups.truncate(n.min(groups.len()));
+            return Ok(groups);
+        }
+        let e = std::io::Error::last_os_error();
+        // Too small a buffer: the kernel says in `len` how much it needs.
+        if e.raw_os_error() == Some(libc::ERANGE) && n > groups.len() && n <= MAX_GROUPS {
+            groups.resize(n, 0);
+            continue;
+        }
+        return Err(e);
+    }
 }
 
 /// Checks that `dir` (a control socket's directory) cannot be used by
@@ -82,5 +117,15 @@ mod tests {
         assert_eq!(c.pid, Some(std::process::id()));
         assert_eq!(c.uid, rustix::process::geteuid().as_raw());
         assert_eq!(c.gid, rustix::process::getegid().as_raw());
+    }
+
+    #[test]
+    fn peer_groups_of_a_socketpair_are_ours() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut got = peer_groups(&a).unwrap();
+        let mut want: Vec<u32> = rustix::process::getgroups().unwrap().iter().map(|g| g.as_raw()).collect();
+        got.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(got, want);
     }
 }

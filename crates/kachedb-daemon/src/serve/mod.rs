@@ -17,8 +17,10 @@
 //! This file is the loop and its events; the rest, by what they hold:
 //! * [`session`] — one channel's session and the serving of its requests;
 //! * [`tiers`] — the tier side: write-behind, fills, their slices;
-//! * [`handover`] — the state a takeover carries, saved and restored.
+//! * [`handover`] — the state a takeover carries, saved and restored;
+//! * [`denials`] — the log of the COMMITs and DELETEs answered `DENIED`.
 
+mod denials;
 mod handover;
 mod session;
 mod tiers;

@@ -8,7 +8,7 @@ use super::BATCH;
 use crate::metrics::MetricsWriter;
 use crate::store::{SessionId, Store};
 use crate::waits::{Waiter, Waits};
-use kachedb_shm::control::ServeStats;
+use kachedb_shm::control::{ServeStats, DEFAULT_TENANT};
 use kachedb_shm::{
     continues_unit, unit_len, Completion, Consumer, Op, Producer, Request, RingError, Status, TensorBlockDescriptor,
     WAIT_FOREVER,
@@ -353,9 +353,12 @@ pub(super) fn serve_channel(
                 c
             }
             Ok(r @ Request::Delete { key }) if !tiers.is_empty() => {
-                // Through to the tiers, whether or not the key was local.
+                // Through to the tiers, whether or not the key was local;
+                // not when it was refused (another bound tenant's block).
                 let c = store.handle(s.session, frame.request_id, &r);
-                removals = Some(tiers.remove(channel, s.session, key));
+                if c.status != Status::Denied {
+                    removals = Some(tiers.remove(channel, s.session, key));
+                }
                 c
             }
             Ok(r @ (Request::Get { key } | Request::Lookup { key }))
@@ -373,7 +376,7 @@ pub(super) fn serve_channel(
                         }
                     }
                 }
-                if let Some(id) = tiers.start_fetch(channel, store.session_tenant(s.session), keys.clone()) {
+                if let Some(id) = tiers.start_fetch(channel, store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT), keys.clone()) {
                     s.fetch = Some(PendingFetch { id, keys, started: Instant::now() });
                     s.waiting = true;
                     s.held.splice(0..0, req[i..n].iter().copied());
@@ -402,7 +405,7 @@ pub(super) fn serve_channel(
                         // it parked for a COMMIT or its deadline. The channel
                         // waits on the WAIT, not on the fetch.
                         if !tiers.is_empty() && !s.remote_asked.contains(&key) {
-                            tiers.start_fetch(channel, store.session_tenant(s.session), vec![key]);
+                            tiers.start_fetch(channel, store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT), vec![key]);
                         }
                         let rest = &req[i + 1..n];
                         s.held.splice(0..0, rest.iter().copied());
@@ -428,6 +431,9 @@ pub(super) fn serve_channel(
             }
         };
         metrics.frame(frame.op, c.status);
+        if c.status == Status::Denied {
+            super::denials::denied(store, s.session, s.pid, s.uid, frame);
+        }
         if c.status == Status::Ok && matches!(c.op, Op::Get | Op::Lookup | Op::Wait) && tiers.wants_requests() {
             if let Ok(Request::Get { key } | Request::Lookup { key } | Request::Wait { key, .. }) =
                 Request::decode(frame)

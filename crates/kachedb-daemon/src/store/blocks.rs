@@ -60,8 +60,17 @@ impl Store {
         })
     }
 
+    /// COMMIT of session `s`'s reservation `handle`. A COMMIT that would
+    /// replace a block session `s` may not change ([`may_change`](Self::may_change))
+    /// is `DENIED` and changes nothing: the reservation stays open, for the
+    /// client to ABORT (or COMMIT under another key).
     pub(super) fn commit(&mut self, s: SessionId, handle: u64, parent: Option<u128>) -> Result<Reply, Status> {
         let index = self.own_reservation(s, handle)?;
+        let key = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Reserved { tensor, .. }) => tensor.key,
+            _ => return Err(Status::Internal),
+        };
+        self.may_change(s, key)?;
         let slot = self.slots.get_mut(index as usize).ok_or(Status::Internal)?;
         let SlotState::Reserved { tensor, .. } = slot.state else {
             return Err(Status::Internal);
@@ -102,7 +111,7 @@ impl Store {
     /// request: the pin is on the block just committed (the key names it until
     /// another request runs), so nothing can evict, replace-and-free or reuse
     /// its extent in between. A pin slot is checked first, so an
-    /// OUT_OF_MEMORY answer leaves the reservation open.
+    /// OUT_OF_MEMORY answer leaves the reservation open (as a `DENIED` one does).
     pub(super) fn commit_pin(&mut self, s: SessionId, handle: u64, parent: Option<u128>) -> Result<Reply, Status> {
         let index = self.own_reservation(s, handle)?;
         if self.free_pin_slots.is_empty() && self.pin_slots.len() >= MAX_SLOTS {
@@ -122,13 +131,15 @@ impl Store {
     /// `key`, the key it was reserved with set aside (`COMMIT_NAMES_KEY`):
     /// from here on exactly a COMMIT (COMMIT_PIN) of a reservation made
     /// with `key`, without a parent. An unknown or finished handle is
-    /// `BAD_HANDLE` and changes nothing; an OUT_OF_MEMORY (no pin slot)
-    /// leaves the reservation open under its old key.
+    /// `BAD_HANDLE` and changes nothing; an OUT_OF_MEMORY (no pin slot) or a
+    /// `DENIED` (`key`'s block is one `s` may not replace) leaves the
+    /// reservation open under its old key.
     pub(super) fn commit_as(&mut self, s: SessionId, handle: u64, key: u128, pin: bool) -> Result<Reply, Status> {
         let index = self.own_reservation(s, handle)?;
         if pin && self.free_pin_slots.is_empty() && self.pin_slots.len() >= MAX_SLOTS {
             return Err(Status::OutOfMemory);
         }
+        self.may_change(s, key)?;
         match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
             Some(SlotState::Reserved { tensor, .. }) => tensor.key = key,
             _ => return Err(Status::Internal),
@@ -297,10 +308,34 @@ impl Store {
         Ok(Reply::default())
     }
 
-    pub(super) fn delete(&mut self, key: u128) -> Result<Reply, Status> {
+    /// DELETE of `key` by session `s`: `DENIED`, changing nothing, for a
+    /// block `s` may not change ([`may_change`](Self::may_change)).
+    pub(super) fn delete(&mut self, s: SessionId, key: u128) -> Result<Reply, Status> {
         let &index = self.keys.get(&key).ok_or(Status::NotFound)?;
+        self.may_change(s, key)?;
         self.unlink(index, Unlink::Dropped)?;
         Ok(Reply::default())
+    }
+
+    /// Whether session `s` may replace or delete the block of `key` (`Ok`
+    /// when there is none): a block of a bound tenant (`--tenant-uid`,
+    /// `--tenant-gid`) only that tenant's sessions and the daemon's own (a
+    /// tier's fills) may; any other block, any session. Reading is open to
+    /// all: keys are shared across tenants on purpose (the same prefix is
+    /// the same KV).
+    pub(super) fn may_change(&self, s: SessionId, key: u128) -> Result<(), Status> {
+        let Some(&index) = self.keys.get(&key) else { return Ok(()) };
+        let owner = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { tensor, .. }) => tensor.tenant,
+            _ => return Err(Status::Internal),
+        };
+        if !self.tenant_bound(owner) {
+            return Ok(());
+        }
+        match self.sessions.get(&s) {
+            Some(x) if x.internal || x.tenant == owner => Ok(()),
+            _ => Err(Status::Denied),
+        }
     }
 
     /// Drops `count` pins of block `index` (`foreign`: held by a client of

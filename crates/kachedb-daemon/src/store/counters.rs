@@ -7,7 +7,9 @@ use kachedb_shm::{Op, Status};
 
 /// Table index of an op or status code (codes are below 16).
 const CODES: usize = 16;
-const _: () = assert!((Op::Stats as usize) < CODES && (Status::Internal as usize) < CODES);
+const _: () = assert!(
+    (Op::Stats as usize) < CODES && (Status::Internal as usize) < CODES && (Status::NotDurable as usize) < CODES
+);
 
 /// Counters of a [`Store`](super::Store), indexed by wire code.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -255,6 +257,7 @@ impl Counters {
         st.invalid = err(Status::Invalid);
         st.bad_handle = err(Status::BadHandle);
         st.too_large = err(Status::TooLarge);
+        st.denied = err(Status::Denied);
         st.internal = err(Status::Internal);
     }
 }

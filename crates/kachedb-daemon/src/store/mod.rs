@@ -19,6 +19,12 @@
 //!   GET of that block by that session returns the *same* handle and adds one,
 //!   every RELEASE of it drops one. Different sessions pinning the same block
 //!   get different handles.
+//! * A block belongs to the **tenant** of the session that reserved it
+//!   (`tenants.rs`). Any session may GET or LOOKUP any block (keys are shared
+//!   across tenants on purpose), but a block of a tenant bound to uids or
+//!   gids may be replaced (COMMIT of its key) or deleted only by that
+//!   tenant's sessions and the daemon's own; anyone else gets `DENIED`, and
+//!   nothing changes (a refused COMMIT leaves its reservation open).
 //!
 //! # Handles
 //!
@@ -103,6 +109,8 @@ mod gauges;
 mod handles;
 #[cfg(test)]
 mod model_tests;
+#[cfg(test)]
+mod ownership_tests;
 mod session;
 mod slots;
 mod state;
@@ -313,7 +321,7 @@ impl Store {
                     }
                     r
                 }
-                Request::Delete { key } => self.delete(key),
+                Request::Delete { key } => self.delete(s, key),
                 Request::Stats => {
                     Ok(Reply { handle: self.keys.len() as u64, offset: self.alloc.used_bytes(), tensor: None })
                 }

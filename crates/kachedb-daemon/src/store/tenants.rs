@@ -134,9 +134,15 @@ pub(super) struct Tenant {
     pub(super) name: String,
     /// Limit on `figures.bytes`; fixed while the row is in use.
     pub(super) limit: Option<u64>,
-    /// Named by `--tenant-limit` (or the default or `_other` row): never
-    /// given to another name.
+    /// Named by `--tenant-limit` or bound (or the default or `_other` row):
+    /// never given to another name.
     pub(super) pinned_row: bool,
+    /// Bound to uids or gids (`--tenant-uid`, `--tenant-gid`): only its own
+    /// sessions and the daemon's replace or delete its blocks
+    /// ([`Store::set_bound_tenants`]). Set from the command line, also after
+    /// a takeover (not in the handed-over state).
+    #[serde(skip)]
+    pub(super) bound: bool,
     /// Sessions of this tenant open now.
     pub(super) sessions: u64,
     pub(super) figures: TenantFigures,
@@ -293,6 +299,58 @@ impl Store {
         }
     }
 
+    /// Marks tenants `names` bound to uids or gids (`kachedb serve
+    /// --tenant-uid`, `--tenant-gid`; which peer acts as which is the control
+    /// socket's, `crate::binding`): from now on only their own sessions and
+    /// the daemon's replace or delete their blocks (`DENIED` otherwise). They
+    /// get rows now, kept for good; every other row is unbound. Call after
+    /// [`set_tenant_limits`](Self::set_tenant_limits), before serving (also
+    /// on a restored store: the marker is not in the handed-over state).
+    /// `Err` (nothing bound) without tenant accounting, or when a name finds
+    /// no row of its own.
+    pub fn set_bound_tenants(&mut self, names: &[String]) -> Result<(), String> {
+        for t in 0..MAX_TENANTS {
+            self.tenants.rows[t].bound = false;
+        }
+        if names.is_empty() {
+            return Ok(());
+        }
+        if !self.tenants.accounting {
+            return Err("binding tenants to uids or gids needs tenant accounting on (--tenant-accounting on)".into());
+        }
+        let mut rows = Vec::with_capacity(names.len());
+        for name in names {
+            if name == DEFAULT_TENANT || name == OTHER_TENANT {
+                return Err(format!("tenant {name:?} cannot be bound: bind a tenant of a name of its own"));
+            }
+            let t = self.tenants.resolve(name);
+            if t == OTHER_ROW {
+                return Err(format!(
+                    "tenant {name:?} cannot be bound: all {MAX_TENANTS} tenant rows are in use (bind fewer tenants, or restart rather than take over)"
+                ));
+            }
+            // Pinned at once, so that the next name cannot be given this row.
+            self.tenants.row(t).pinned_row = true;
+            rows.push(t);
+        }
+        for t in rows {
+            self.tenants.row(t).bound = true;
+        }
+        Ok(())
+    }
+
+    /// Whether tenant row `t` is bound to uids or gids.
+    #[inline]
+    pub(super) fn tenant_bound(&self, t: TenantId) -> bool {
+        self.tenants.get(t).bound
+    }
+
+    /// The name of session `s`'s tenant, if `s` is open.
+    pub fn session_tenant(&self, s: SessionId) -> Option<&str> {
+        let t = self.sessions.get(&s)?.tenant;
+        Some(&self.tenants.get(t).name)
+    }
+
     /// Says that session `s` is a client of tenant `name` (checked by the
     /// caller with `kachedb_shm::control::check_tenant_name`); its
     /// reservations and requests count for that tenant from now on. Returns
@@ -307,13 +365,6 @@ impl Store {
             tenants.row(t).sessions += 1;
         }
         self.tenants.get(t).name.clone()
-    }
-
-    /// The name of the tenant row session `s` is counted in (the default
-    /// tenant's for a session that is not open).
-    pub fn session_tenant(&self, s: SessionId) -> &str {
-        let t = self.sessions.get(&s).map_or(DEFAULT_ROW, |x| x.tenant);
-        &self.tenants.get(t).name
     }
 
     /// Says whose block session `s` (one of the daemon's own: a tier's)
