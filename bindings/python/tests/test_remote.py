@@ -578,6 +578,89 @@ def test_a_takeover_keeps_the_cache_and_the_new_daemon_runs_the_tier(cluster):
         a.stop()
 
 
+def test_a_takeover_hands_the_remote_write_queue_to_the_new_daemon(cluster):
+    """Blocks committed while every master is paused are queued for the
+    remote tier when a new daemon takes over: the old daemon hands the queue
+    over (none dropped), and the new daemon writes them once the cluster
+    answers again. (Before: the old daemon dropped its queue, counted.)"""
+    from test_takeover import take_over
+
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    args = ("--remote", cluster.url, "--remote-namespace", ns, "--remote-chunk-bytes", CHUNK)
+    slow = ("--remote-timeout-ms", "20000")
+    a = node(cluster.url, ns, *slow)
+    ports = list(cluster.procs)
+    paused = False
+    try:
+        with a.connect() as kc:
+            kc.put("warm", torch.arange(10))
+            wait_written(a, 1)
+            for p in ports:
+                cluster.pause_node(p, True)
+            paused = True
+            keys = [f"queued/{i}" for i in range(6)]
+            for i, k in enumerate(keys):
+                kc.put(k, torch.full((5000,), float(i)))
+            poll_until(lambda: remote(a)["remote_queue_blocks"] == len(keys), 30, "the writes to queue")
+        take_over(a, 0, *args, *slow)
+        for p in ports:
+            cluster.pause_node(p, False)
+        paused = False
+        wait_written(a, len(keys))
+        st = remote(a)
+        assert st["remote_dropped_writes"] == 0, st
+        assert all(in_redis(ns, cluster, k) for k in keys), st
+        assert_clean(a)
+    finally:
+        if paused:
+            for p in ports:
+                cluster.pause_node(p, False)
+        a.stop()
+
+
+def test_a_delete_is_the_nodes_own_and_the_fleets_copy_goes_in_redis(cluster):
+    """What a DELETE does with a remote tier (docs/remote.md, "DELETE and
+    replacement across the fleet"): it is durable on the node (RAM and disk)
+    but leaves the fleet's copy in the cluster, so a later miss on the node
+    fills the key again, with the bytes the fleet holds; a re-put writes the
+    newer bytes over the fleet's copy once its write-behind lands. The
+    fleet's copy goes only in Redis (by its key names) or by TTL, after which
+    every node's miss is a miss."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    a = node(cluster.url, ns)
+    b = node(cluster.url, ns)
+    try:
+        with a.connect() as ka, b.connect() as kb:
+            v1 = torch.full((3000,), 1.0)
+            ka.put("fleet/k", v1)
+            wait_written(a, 1)
+            assert ka.delete("fleet/k")
+            # Node-local: the cluster still has it, and A's next miss fills it.
+            assert in_redis(ns, cluster, "fleet/k")
+            assert same(ka.get("fleet/k"), v1)
+            # A replacement: once its write lands, the fleet serves the newer bytes.
+            v2 = torch.full((3000,), 2.0)
+            ka.put("fleet/k", v2)
+            wait_written(a, 2)
+            assert same(kb.get("fleet/k"), v2)
+            # The fleet's copy goes in Redis: then no node fills it.
+            assert kb.delete("fleet/k") and ka.delete("fleet/k")
+            rc = cluster.client()
+            try:
+                # A 12 KB block is one chunk: chunk 0 (its header and bytes).
+                assert rc.delete(redis_key(ns, "fleet/k", 0)) == 1
+            finally:
+                rc.close()
+            assert not in_redis(ns, cluster, "fleet/k")
+            for kc in (ka, kb):
+                with pytest.raises(kachedb.NotFound):
+                    kc.get("fleet/k")
+        assert_clean(a, b)
+    finally:
+        a.stop()
+        b.stop()
+
+
 # --- issue 25: a keyed tier, hostile headers, deadlines -----------------------------
 
 

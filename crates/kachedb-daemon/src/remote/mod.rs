@@ -45,7 +45,7 @@ mod writer;
 
 use crate::metrics::{Metrics, RemoteCells};
 use crate::tier::{
-    FetchJob, FillSpec, Handover, Offer, Removal, StoppedTier, Tier, TierError, TierEvent, TierEvents, TierKind,
+    FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent, TierEvents, TierKind,
     WriteJob,
 };
 use kachedb_shm::Region;
@@ -303,6 +303,8 @@ struct Ctx {
     fetch_slots: tokio::sync::Semaphore,
     /// KiB of blocks being downloaded ([`FILL_BUDGET_BYTES`]).
     fill_budget: tokio::sync::Semaphore,
+    /// The writes taken and not finished, by pin: what a stop hands over.
+    pending: std::sync::Mutex<std::collections::HashMap<u64, PendingWrite>>,
 }
 
 impl Ctx {
@@ -397,6 +399,7 @@ impl RemoteTier {
             write_slots: tokio::sync::Semaphore::new(WRITE_CONCURRENCY),
             fetch_slots: tokio::sync::Semaphore::new(MAX_FETCHES),
             fill_budget: tokio::sync::Semaphore::new((FILL_BUDGET_BYTES >> 10) as usize),
+            pending: Default::default(),
         });
         // Connect now, so the first miss does not pay for it.
         let c = ctx.clone();
@@ -427,6 +430,7 @@ impl Tier for RemoteTier {
         };
         cells.queue_bytes.fetch_add(len, Relaxed);
         RemoteCells::add(&cells.queue_blocks, 1);
+        self.ctx.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(job.pin, PendingWrite { key: job.key, parent: job.parent });
         if let Some(rt) = &self.rt {
             rt.spawn(writer::write(self.ctx.clone(), job));
         }
@@ -467,11 +471,15 @@ impl Tier for RemoteTier {
     }
 
     /// Stops the tier's threads, waiting for a copy in progress to finish, so
-    /// nothing of the tier touches the megaslab afterwards. Queued writes are
-    /// dropped (counted in `remote_dropped_writes`); the caller drops their
-    /// pins and the fills' reservations by closing the tier's session.
+    /// nothing of the tier touches the megaslab afterwards. The writes queued
+    /// or in flight are handed back, for whichever daemon serves next to
+    /// write again (a write cut short is written whole then: chunk 0 goes
+    /// last, so a reader never takes a half-written block for one); the
+    /// caller drops their pins and the fills' reservations by closing the
+    /// tier's session.
     fn stop(self: Box<Self>) -> (Box<dyn StoppedTier>, Handover) {
-        ((*self).stop_within(Duration::from_secs(5)), Handover::default())
+        // Writes in flight need not finish: they are handed over.
+        (*self).stop_within(Duration::from_millis(200))
     }
 }
 
@@ -488,20 +496,22 @@ impl RemoteTier {
     /// [`Tier::stop`], giving the runtime's tasks `grace` to end. The gate
     /// closes first: whatever the runtime still runs after `grace`, no copy
     /// into or out of the megaslab does.
-    fn stop_within(mut self, grace: Duration) -> Box<dyn StoppedTier> {
+    fn stop_within(mut self, grace: Duration) -> (Box<dyn StoppedTier>, Handover) {
         self.ctx.slab.close();
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(grace);
         }
         let cells = self.ctx.cells();
-        RemoteCells::add(&cells.dropped_writes, cells.queue_blocks.swap(0, Relaxed));
+        cells.queue_blocks.store(0, Relaxed);
         cells.queue_bytes.store(0, Relaxed);
-        Box::new(StoppedRemote {
+        let pending = std::mem::take(&mut *self.ctx.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        let stopped = Box::new(StoppedRemote {
             cfg: self.ctx.cfg.clone(),
             region: self.ctx.slab.region.clone(),
             events: self.ctx.events.clone(),
             metrics: self.ctx.metrics.clone(),
-        })
+        });
+        (stopped, Handover { pending: pending.into_values().collect(), ..Handover::default() })
     }
 }
 

@@ -36,6 +36,7 @@ pub(super) async fn write(ctx: Arc<Ctx>, job: WriteJob) {
     }
     cells.queue_bytes.fetch_sub(job.len, Relaxed);
     cells.queue_blocks.fetch_sub(1, Relaxed);
+    ctx.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&job.pin);
     ctx.send(TierEvent::Written { pin: job.pin });
 }
 

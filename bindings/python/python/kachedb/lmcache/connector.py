@@ -526,6 +526,14 @@ class KacheDBConnector(RemoteConnector):
         except kachedb.Disconnected as e:
             self._link.failed(e)
             return False
+        except kachedb.Denied:
+            # Another bound tenant's block (docs/tenants.md): not this engine's to remove.
+            return False
+        except kachedb.NotDurable as e:
+            # Gone from RAM and never served again from disk, but not yet
+            # durably removed there (docs/disk.md): say it was not removed.
+            logger.warning("KacheDB: removing %s is not durable yet: %s", key, e)
+            return False
 
     def __repr__(self) -> str:
         return f"<KacheDBConnector {self.plugin_name} socket={self.socket!r}>"
