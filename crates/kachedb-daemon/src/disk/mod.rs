@@ -306,9 +306,11 @@ struct Tomb {
 /// numbered before it is still queued or running, so the map holds only
 /// the keys removed while writes were behind (or whose removal failed).
 ///
-/// It also knows which keys the tier may hold besides its index: those
-/// with writes queued or running, and those being evicted (out of the
-/// index, file not yet unlinked). Nothing holds its mutex while doing I/O.
+/// It also knows which keys the tier may hold — those in its index (a copy
+/// of the index's keys, kept with it, so that the serve loop, which asks
+/// at every COMMIT, never waits for the index's mutex), those with writes
+/// queued or running, and those being evicted (out of the index, file not yet
+/// unlinked or not yet synced). Nothing holds its mutex while doing I/O.
 #[derive(Debug, Default)]
 struct Order {
     /// The last number given out.
@@ -317,9 +319,11 @@ struct Order {
     writes: BTreeMap<u64, PendingWrite>,
     /// Keys with writes queued or running, with how many.
     writing: HashMap<u128, u32>,
-    /// Keys taken out of the index for eviction whose files are not
-    /// unlinked yet, with how many such evictions.
+    /// Keys taken out of the index for eviction whose unlinks are not
+    /// durable yet, with how many such evictions.
     evicting: HashMap<u128, u32>,
+    /// The keys of the index (changed under the index's mutex too).
+    on_disk: std::collections::HashSet<u128>,
     tombs: HashMap<u128, Tomb>,
 }
 
@@ -816,17 +820,16 @@ impl Tier for DiskTier {
         if s.lost.load(Relaxed) {
             return Removal::Done;
         }
-        // Before the rebuild is done, any key may be on disk (and the rebuild
-        // holds the index's mutex for long); after it, the index and `Order`
-        // are read together (a write is indexed before it leaves `Order`).
+        // Before the rebuild is done, any key may be on disk; after it, the
+        // keys on disk, written or evicted are all in `Order` (a write is
+        // indexed before it leaves `writing`).
         let indexed = s.indexed.load(Acquire);
-        let ix = indexed.then(|| lock(&s.index));
         let mut order = lock(&s.order);
-        let may_hold = ix.as_ref().is_none_or(|ix| ix.contains(key))
+        let may_hold = !indexed
+            || order.on_disk.contains(&key)
             || order.writing.contains_key(&key)
             || order.evicting.contains_key(&key)
             || order.tombs.get(&key).is_some_and(|t| !t.done);
-        drop(ix);
         if !may_hold {
             return Removal::Done;
         }
@@ -949,6 +952,7 @@ fn discard_torn(s: &Shared, key: u128, why: &dyn std::fmt::Display) {
     }
     let mut ix = lock(&s.index);
     ix.remove(key);
+    lock(&s.order).on_disk.remove(&key);
     s.publish(&ix);
 }
 
@@ -986,7 +990,7 @@ fn rebuild_index(s: &Shared, run: u64) {
     let mut bytes = 0u64;
     let victims = {
         let mut ix = lock(&s.index);
-        let order = lock(&s.order);
+        let mut order = lock(&s.order);
         for (_, key, parent, b, tenant) in &found {
             // Removed (deleted or replaced) while the rebuild ran.
             if order.tombs.contains_key(key) {
@@ -994,6 +998,7 @@ fn rebuild_index(s: &Shared, run: u64) {
             }
             let t = ix.tenant(tenant.as_deref().unwrap_or(kachedb_shm::control::DEFAULT_TENANT));
             ix.insert(*key, *parent, *b, t);
+            order.on_disk.insert(*key);
             recovered += 1;
             bytes += b;
         }
@@ -1002,6 +1007,7 @@ fn rebuild_index(s: &Shared, run: u64) {
         let mut order = lock(&s.order);
         for (key, _) in &v {
             count_in(&mut order.evicting, *key);
+            order.on_disk.remove(key);
         }
         drop(order);
         s.publish(&ix);
@@ -1175,6 +1181,7 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
                 let mut order = lock(&s.order);
                 for (key, _) in v {
                     count_in(&mut order.evicting, *key);
+                    order.on_disk.remove(key);
                 }
             }
             s.publish(&ix);
@@ -1232,7 +1239,10 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
         let w = &batch[st.at];
         ix.unreserve(st.bytes, st.tenant);
         match out[st.at] {
-            Ok(true) if !superseded(s, w.job.key, w.seq) => ix.insert(w.job.key, w.job.parent, st.bytes, st.tenant),
+            Ok(true) if !superseded(s, w.job.key, w.seq) => {
+                ix.insert(w.job.key, w.job.parent, st.bytes, st.tenant);
+                lock(&s.order).on_disk.insert(w.job.key);
+            }
             Ok(true) => out[st.at] = Ok(false),
             _ => s.dir.remove_tmp(&st.tmp),
         }
@@ -1405,7 +1415,9 @@ fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<()
                 Ok(removed) => {
                     // Out of the index now, under the commit lock: a newer
                     // write renamed in after this is indexed after it.
-                    lock(&s.index).remove(j.key);
+                    let mut ix = lock(&s.index);
+                    ix.remove(j.key);
+                    lock(&s.order).on_disk.remove(&j.key);
                     unlinked += u64::from(removed);
                     needs_sync |= removed || evicting;
                     done.push((j.key, tomb.seq));

@@ -45,8 +45,8 @@ mod writer;
 
 use crate::metrics::{Metrics, RemoteCells};
 use crate::tier::{
-    FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent, TierEvents, TierKind,
-    WriteJob,
+    FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent, TierEvents,
+    TierKind, WriteJob,
 };
 use kachedb_shm::Region;
 use redis::aio::MultiplexedConnection;
@@ -430,7 +430,11 @@ impl Tier for RemoteTier {
         };
         cells.queue_bytes.fetch_add(len, Relaxed);
         RemoteCells::add(&cells.queue_blocks, 1);
-        self.ctx.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(job.pin, PendingWrite { key: job.key, parent: job.parent });
+        self.ctx
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(job.pin, PendingWrite { key: job.key, parent: job.parent });
         if let Some(rt) = &self.rt {
             rt.spawn(writer::write(self.ctx.clone(), job));
         }

@@ -376,7 +376,9 @@ pub(super) fn serve_channel(
                         }
                     }
                 }
-                if let Some(id) = tiers.start_fetch(channel, store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT), keys.clone()) {
+                if let Some(id) =
+                    tiers.start_fetch(channel, store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT), keys.clone())
+                {
                     s.fetch = Some(PendingFetch { id, keys, started: Instant::now() });
                     s.waiting = true;
                     s.held.splice(0..0, req[i..n].iter().copied());
@@ -405,7 +407,11 @@ pub(super) fn serve_channel(
                         // it parked for a COMMIT or its deadline. The channel
                         // waits on the WAIT, not on the fetch.
                         if !tiers.is_empty() && !s.remote_asked.contains(&key) {
-                            tiers.start_fetch(channel, store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT), vec![key]);
+                            tiers.start_fetch(
+                                channel,
+                                store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT),
+                                vec![key],
+                            );
                         }
                         let rest = &req[i + 1..n];
                         s.held.splice(0..0, rest.iter().copied());
