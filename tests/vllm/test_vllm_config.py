@@ -115,3 +115,114 @@ def test_kv_tp_replicas_only_for_a_tp_only_world():
     dcp = NS(parallel_config=NS(decode_context_parallel_size=2, prefill_context_parallel_size=1),
              model_config=NS(use_mla=True))
     assert kv_tp_replicas(dcp, NS(kv_tp_replicas=2), 4, 1, 4) == 1
+
+
+# -- each KV-cache group's layout -----------------------------------------------
+
+def _mamba(state_dtype, **kw):
+    """A Mamba2 group's spec as vLLM declares it, its page padded to an attention
+    page of 1 MiB (so two state dtypes of one size give equal page sizes)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    args = dict(block_size=32, shapes=((3, 512), (8, 64, 32)), dtypes=(torch.bfloat16, state_dtype),
+                page_size_padded=1 << 20)
+    args.update(kw)
+    return MambaSpec(**args)
+
+
+def _attention(**kw):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    args = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    args.update(kw)
+    return FullAttentionSpec(**args)
+
+
+def _hybrid_fields(state_spec, attention_spec=None):
+    groups = [keys.group_layout(0, ["model.layers.0.mixer"], state_spec),
+              keys.group_layout(1, ["model.layers.1.mixer"], attention_spec or _attention())]
+    return keys.namespace_fields(**dict(BASE, group_layouts=groups))
+
+
+def test_hybrid_state_dtypes_of_one_size_get_different_namespaces():
+    """The review's case: two Nemotron-H engines differing only in
+    mamba_ssm_cache_dtype (float16 vs bfloat16, both padded to the attention
+    page) had equal tokens and bytes per block, hence one namespace."""
+    import torch
+
+    f16, bf16 = _mamba(torch.float16), _mamba(torch.bfloat16)
+    assert f16.page_size_bytes == bf16.page_size_bytes  # what the old namespace saw: equal
+    a, b = keys.namespace_digest(_hybrid_fields(f16)), keys.namespace_digest(_hybrid_fields(bf16))
+    assert a != b
+    assert keys.namespace_digest(_hybrid_fields(_mamba(torch.float16))) == a  # equal specs: one namespace
+
+
+@pytest.mark.parametrize("change", [
+    {"shapes": ((3, 512), (8, 64, 16))}, {"mamba_cache_mode": "align"}, {"page_size_padded": 2 << 20},
+    {"block_size": 96}, {"num_speculative_blocks": 1},
+])
+def test_every_state_spec_field_changes_the_namespace(change):
+    import torch
+
+    base = keys.namespace_digest(_hybrid_fields(_mamba(torch.float32)))
+    assert keys.namespace_digest(_hybrid_fields(_mamba(torch.float32, **change))) != base
+
+
+def test_window_kind_and_unpadded_page_change_the_namespace():
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    def window(w, **kw):
+        return SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=w,
+                                 **kw)
+
+    state = _mamba(torch.float32)
+    full = keys.namespace_digest(_hybrid_fields(state, _attention()))
+    w512 = keys.namespace_digest(_hybrid_fields(state, window(512)))
+    w1024 = keys.namespace_digest(_hybrid_fields(state, window(1024)))
+    assert len({full, w512, w1024}) == 3
+    # the same padded page, another unpadded one (head size): another namespace
+    padded = keys.group_layout(1, ["l"], _attention(page_size_padded=1 << 20))
+    other = keys.group_layout(1, ["l"], _attention(head_size=32, page_size_padded=1 << 20))
+    assert padded["page_size_bytes"] == other["page_size_bytes"] and padded != other
+    assert padded["real_page_size_bytes"] != other["real_page_size_bytes"]
+    # which layers a group holds is part of it
+    assert keys.group_layout(1, ["a"], _attention()) != keys.group_layout(1, ["b"], _attention())
+
+
+def test_a_group_layout_is_equal_in_every_process():
+    """No address, no per-process repr: two processes computing one spec's
+    layout get the same namespace (else engines would silently never share)."""
+    code = ("import torch, json; from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec;"
+            "from kachedb.vllm import keys;"
+            "g=[keys.group_layout(0,['m'],MambaSpec(block_size=32,shapes=((3,512),(8,64,32)),"
+            "dtypes=(torch.bfloat16,torch.float16),page_size_padded=1<<20)),"
+            "keys.group_layout(1,['a'],SlidingWindowSpec(block_size=32,num_kv_heads=2,head_size=64,"
+            "dtype=torch.bfloat16,sliding_window=512))];"
+            "print(json.dumps(g,sort_keys=True))")
+    outs = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+            for _ in range(2)}
+    assert len(outs) == 1, outs
+    text = outs.pop()
+    assert " at 0x" not in text and "MambaSpec" in text and "float16" in text
+
+
+def test_plain_never_lets_an_address_in():
+    class Opaque:
+        pass
+
+    assert keys.plain(Opaque()) == "Opaque"
+    assert keys.plain({"b": (1, 2), "a": {3}}) == {"a": [3], "b": [1, 2]}
+
+
+def test_a_spec_without_a_kv_cache_config_refuses_to_start():
+    from types import SimpleNamespace as NS
+
+    from kachedb.vllm.spec import group_layouts
+
+    with pytest.raises(RuntimeError, match="no KV-cache config"):
+        group_layouts(None, [NS(group_id=0, layer_names=("l",))])
+    with pytest.raises(RuntimeError, match="not in vLLM's KV-cache config"):
+        group_layouts(NS(kv_cache_groups=[]), [NS(group_id=0, layer_names=("l",))])

@@ -254,6 +254,9 @@ def _spec(socket, extra, events=True):
         OffloadingParallelConfig,
     )
 
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
     from kachedb.vllm import spec as _s
 
     cfg = OffloadingConfig(
@@ -268,7 +271,16 @@ def _spec(socket, extra, events=True):
                                           data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
                                           is_parallelism_agnostic=False),
     )
-    return _s.KacheDBOffloadingSpec(cfg)
+    # What KacheDBConnector does around vLLM's connector constructor.
+    _s._building.kv_cache_config = KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"],
+                                          FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32,
+                                                            dtype=torch.bfloat16))])
+    try:
+        return _s.KacheDBOffloadingSpec(cfg)
+    finally:
+        _s._building.kv_cache_config = None
 
 
 def _key(i):

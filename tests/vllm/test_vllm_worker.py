@@ -194,6 +194,68 @@ def test_missing_block_is_a_failed_load_from_there_on(daemon):
     w.shutdown()
 
 
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_a_block_that_can_never_load_is_deleted_and_reported(daemon, bad):
+    # A block in this engine's namespace of another layout (written by anything
+    # but this layout's worker): the load fails from there on, as for a missing
+    # block, and the block is deleted, so the next lookup no longer finds it.
+    c, layers = caches()
+    w, spec = worker(daemon.socket, c)
+    w.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3], [4], [0]), KacheDBLoadStoreSpec(keys(4, 300)))
+    w.wait({1})
+    dkeys = [spec.daemon_key(k) for k in keys(4, 300)]
+    wrong = torch.zeros((LAYERS, PAGE // 2), dtype=torch.uint8) if bad == "shape" else \
+        torch.zeros((LAYERS, PAGE // 2), dtype=torch.int16)
+    before = dict(_state.COUNTERS)
+    with kachedb.connect(daemon.socket) as kc:
+        kc.put(dkeys[2], wrong)
+        assert kc.lookup(dkeys) == 4
+    snapshot = [t[40:44].clone() for t in layers]
+    w.submit_load(2, KacheDBLoadStoreSpec(keys(4, 300)), GPULoadStoreSpec([40, 41, 42, 43], [4], [0]))
+    assert {r.job_id: r.success for r in w.get_finished()} == {1: True, 2: True}
+    assert w.take_invalid_block_ids() == {42, 43}
+    for t, s in zip(layers, snapshot):
+        assert torch.equal(t[40:42], t[0:2]) and torch.equal(t[42:44], s[2:4])
+    with kachedb.connect(daemon.socket) as kc:
+        assert kc.lookup(dkeys) == 2  # the unloadable block is gone, the good ones stay
+        assert kc.lookup(dkeys[3:]) == 1
+        kc.delete_many(dkeys)
+    assert _state.COUNTERS["load_unloadable_blocks"] - before.get("load_unloadable_blocks", 0) == 1
+    assert _state.COUNTERS["load_deleted_unloadable_blocks"] - before.get("load_deleted_unloadable_blocks", 0) == 1
+    w.shutdown()
+
+
+def test_a_request_loads_one_block_at_most_twice(daemon):
+    # A block the daemon holds that fails every load (here: it is simply never
+    # loaded) would send vLLM's recompute policy round for ever: lookup hit, load
+    # fail, lookup hit ... The manager's lookups miss a key the request has
+    # already been handed to a load MAX_LOADS_PER_KEY times; other requests, and
+    # the request's other keys, still hit.
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kachedb.vllm.manager import MAX_LOADS_PER_KEY, KacheDBOffloadingManager
+
+    ns = os.urandom(16)
+    spec = SimpleNamespace(socket=daemon.socket, retry_s=0.2, world_size=1, store_ranks=[0],
+                           daemon_key=lambda k, rank=None: ns + bytes(k))
+    m = KacheDBOffloadingManager(spec)
+    k = keys(2, 1200)
+    with kachedb.connect(daemon.socket) as kc:
+        for key in k:
+            kc.put(spec.daemon_key(key), torch.zeros(16, dtype=torch.uint8))
+    req = ReqContext(req_id="again")
+    assert MAX_LOADS_PER_KEY == 2
+    for _ in range(MAX_LOADS_PER_KEY):
+        assert m.lookup(k[0], req) == LookupResult.HIT
+        m.prepare_load([k[0]], req)
+    assert m.lookup(k[0], req) == LookupResult.MISS
+    assert m.lookup(k[1], req) == LookupResult.HIT
+    assert m.lookup(k[0], ReqContext(req_id="other")) == LookupResult.HIT
+    with kachedb.connect(daemon.socket) as kc:
+        kc.delete_many([spec.daemon_key(key) for key in k])
+    m.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["batched", "reserve"])
 def test_stored_blocks_chain_on_from_the_spec_parent(daemon, mode):
     # Each stored block names the one before it; a job's first block names the

@@ -4,10 +4,12 @@ vLLM's block hashes identify a run of tokens (chained from the previous
 block), not the model that computed its KV. A KacheDB key is therefore
 ``namespace || vLLM offload key``, where the namespace is a digest of
 everything that makes the bytes of a block differ: model identity and its
-config, dtype and KV-cache dtype, tokens per block and bytes per block, the
-tensor-parallel shard the block belongs to and the world size, the KV layout
-and this module's layout version. Two engines share blocks exactly when their
-namespaces are equal.
+config, dtype and KV-cache dtype, tokens per block and bytes per block, each
+offloaded KV-cache group's spec (kind, block size, window, state shapes and
+dtypes, Mamba type and cache mode, padded and unpadded page size: every field
+vLLM's spec has, ``group_layout``), the tensor-parallel shard the block belongs
+to and the world size, the KV layout and this module's layout version. Two
+engines share blocks exactly when their namespaces are equal.
 
 Tensor-parallel ranks whose KV is the same (``kv_tp_replicas`` consecutive
 ranks: all of them for MLA, whose latent KV is replicated) share one namespace:
@@ -19,9 +21,12 @@ the spec gathers from the engine's config.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
-from typing import Any, Dict, Iterable, Mapping, Optional
+import re
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from .._identity import canonical as _canonical
 from .._identity import model_identity, weights_fingerprint
@@ -57,6 +62,7 @@ def namespace_fields(
     pp_size: int = 1,
     world_size: int = 1,
     kv_layout: Optional[str] = None,
+    group_layouts: Optional[List[Mapping[str, Any]]] = None,
     hash_algo: Optional[str] = None,
     salt: Optional[str] = None,
 ) -> Dict[str, Any]:
@@ -92,10 +98,57 @@ def namespace_fields(
         "pp_size": int(pp_size),
         "world_size": int(world_size),
         "kv_layout": kv_layout,
+        "groups": None if group_layouts is None else [dict(g) for g in group_layouts],
         "hash_algo": hash_algo,
         "salt": salt,
     }
     return fields
+
+
+#: A ``repr`` that names a memory address: the same value prints differently in
+#: each process, so only its type may enter a namespace.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON values that are equal in every process exactly when
+    the values are: dataclasses as their type name and fields, enums as their
+    class and name, dtypes and other objects by ``str`` (an object whose text
+    names an address by its type alone)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out: Dict[str, Any] = {"type": type(value).__name__}
+        for f in dataclasses.fields(value):
+            out[f.name] = plain(getattr(value, f.name))
+        return out
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [plain(v) for v in value]
+        return sorted(items, key=json.dumps) if isinstance(value, (set, frozenset)) else items
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    text = str(value)
+    return type(value).__name__ if _ADDRESS.search(text) else text
+
+
+def group_layout(group_id: int, layer_names: Iterable[str], kv_cache_spec: Any) -> Dict[str, Any]:
+    """What the bytes of one offloaded KV-cache group depend on: its index, its
+    layers, and its vLLM ``KVCacheSpec`` — every field (kind, block size,
+    sliding window, head counts and sizes, dtype, state shapes and dtypes, Mamba
+    type and cache mode, ...) and its padded and unpadded page sizes."""
+    out: Dict[str, Any] = {"group_id": int(group_id), "layers": [str(n) for n in layer_names]}
+    if kv_cache_spec is None:
+        out["spec"] = None
+        return out
+    out["spec"] = plain(kv_cache_spec)
+    for prop in ("page_size_bytes", "real_page_size_bytes"):
+        try:
+            out[prop] = int(getattr(kv_cache_spec, prop))
+        except Exception:  # a spec without it, or one that cannot say
+            out[prop] = None
+    return out
 
 
 def namespace_digest(fields: Mapping[str, Any]) -> bytes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import sys
-from typing import TYPE_CHECKING, Any, Collection, Iterable, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Collection, Dict, Iterable, List, Optional, Set
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -52,6 +52,36 @@ class KacheDBLoadStoreSpec(LoadStoreSpec):
 
     def __repr__(self) -> str:
         return f"KacheDBLoadStoreSpec({len(self.keys)} keys)"
+
+
+#: How many times one request may load one block. vLLM recomputes a block
+#: whose load failed and asks the lookup again; a block the daemon holds but
+#: that cannot load (another layout's bytes in this namespace, a delete the
+#: daemon refused) would be found and fail again for ever. Past this many loads
+#: the request's lookups miss it, so the request computes it and finishes. Two:
+#: a request preempted after a load may load it once more.
+MAX_LOADS_PER_KEY = 2
+
+
+class _Loads:
+    """Per request (in its ``ReqContext``): how many times each offload key was
+    handed to a load."""
+
+    def __init__(self) -> None:
+        self.count: Dict[bytes, int] = {}
+
+
+def _loads(req_context: ReqContext) -> Optional[_Loads]:
+    """The request's ``_Loads`` (made at its first load); ``None`` without
+    per-request state (no context, a vLLM without it)."""
+    get, put = getattr(req_context, "get_state", None), getattr(req_context, "set_state", None)
+    if get is None or put is None:
+        return None
+    st = get(_Loads)
+    if st is None:
+        st = _Loads()
+        put(st)
+    return st
 
 
 class _ChainTail:
@@ -187,6 +217,11 @@ class KacheDBOffloadingManager(OffloadingManager):
         kc = self.link.client()
         if kc is None:
             return LookupResult.MISS
+        get = getattr(req_context, "get_state", None)
+        loads = get(_Loads) if get is not None else None
+        if loads is not None and loads.count.get(bytes(key), 0) >= MAX_LOADS_PER_KEY:
+            COUNTERS["lookup_reload_refused"] += 1
+            return LookupResult.MISS
         keys = self._ranks_keys(key)
         try:
             n = kc.lookup(keys)
@@ -212,6 +247,10 @@ class KacheDBOffloadingManager(OffloadingManager):
         if keys:
             # The request's next store chains on from the last block it loads.
             _set_chain_tail(req_context, keys[-1])
+            loads = _loads(req_context)
+            if loads is not None:
+                for k in keys:
+                    loads.count[k] = loads.count.get(k, 0) + 1
         return KacheDBLoadStoreSpec(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput:

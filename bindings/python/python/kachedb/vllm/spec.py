@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -67,6 +67,27 @@ def kv_tp_replicas(vllm_config: Any, kv_cache_config: Any, tp_size: int, pp_size
     if replicas < 1 or tp_size % replicas:
         return 1
     return replicas
+
+
+def group_layouts(kv_cache_config: Any, groups: Any) -> List[Dict[str, Any]]:
+    """Each offloaded group's layout (``keys.group_layout``), its spec taken
+    from vLLM's ``KVCacheConfig`` (``kv_cache_groups[group_id]``). Without a
+    KV-cache config (a vLLM that does not hand it to the connector) the engine
+    cannot name its groups' layouts, and refuses to start rather than share
+    blocks whose layout it cannot tell apart."""
+    kv_groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if kv_groups is None:
+        raise RuntimeError(
+            "KacheDB: vLLM gave the connector no KV-cache config, so the keys cannot name each KV-cache "
+            "group's layout (state dtypes, windows, page sizes); this vLLM is not supported"
+        )
+    out = []
+    for g in groups:
+        gid = int(g.group_id)
+        if not 0 <= gid < len(kv_groups):
+            raise RuntimeError(f"KacheDB: offloaded group {gid} is not in vLLM's KV-cache config ({len(kv_groups)} groups)")
+        out.append(_keys.group_layout(gid, g.layer_names, kv_groups[gid].kv_cache_spec))
+    return out
 
 
 def _hf_config_dict(vllm_config: Any, model: str) -> Optional[Dict[str, Any]]:
@@ -173,6 +194,7 @@ class KacheDBOffloadingSpec(OffloadingSpec):
                 pp_size=config.parallel.pp_size,
                 world_size=self.world_size,
                 kv_layout=f"{config.kv_cache_layout or 'default'}/groups={len(config.groups)}",
+                group_layouts=group_layouts(_current_kv_cache_config(), config.groups),
                 hash_algo=hash_algo,
                 salt=extra.get("namespace"),
             )

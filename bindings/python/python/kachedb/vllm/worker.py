@@ -46,8 +46,11 @@ the first rank of their group stored (``spec.is_store_writer``).
 
 Failures never give wrong KV to the engine: a block missing (evicted or deleted
 since the lookup) or of the wrong shape is reported to vLLM as a failed load
-(``get_block_ids_with_load_errors``), which recomputes it; a full store skips
-the store; a daemon that is gone turns the tier off (``_link``).
+(``get_block_ids_with_load_errors``), which recomputes it; a block of the wrong
+shape or dtype can never load in this namespace, so it is also deleted from the
+daemon (``_drop_unloadable``; the manager bounds a request's loads of one key
+besides, ``MAX_LOADS_PER_KEY``); a full store skips the store; a daemon that is
+gone turns the tier off (``_link``).
 """
 
 from __future__ import annotations
@@ -445,6 +448,8 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                 if v is None or tuple(v.shape) != group.shape or v.dtype != torch.uint8:
                     break
                 n_ok += 1
+            if n_ok < len(views) and views[n_ok] is not None and kc is not None:
+                self._drop_unloadable(kc, dkeys[n_ok], views[n_ok], group)
             stream_ctx = torch.cuda.stream(self._stream) if self.cuda else _nullctx()
             if self.cuda:
                 self._stream.wait_stream(torch.cuda.current_stream(group.device))
@@ -476,6 +481,31 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         else:
             self._done(job_id, nbytes, started)
         return True
+
+    def _drop_unloadable(self, kc: Any, dkey: bytes, view: Any, group: _Group) -> None:
+        """Deletes a block of this engine's namespace that is not of its layout
+        (written by something that is not this layout's worker): it can never
+        load, and left in place every lookup would find it again and every load
+        fail on it. A delete the daemon refuses (another tenant's block) is
+        logged; the manager's per-request bound ends the retries then."""
+        import kachedb
+
+        COUNTERS["load_unloadable_blocks"] += 1
+        _log_once(
+            "unloadable",
+            "KacheDB: block %s is %s %s, this engine's blocks are uint8 %s: deleted (it can never load here)",
+            dkey.hex(),
+            getattr(view, "dtype", "?"),
+            tuple(getattr(view, "shape", ())),
+            group.shape,
+        )
+        try:
+            kc.delete(dkey)
+            COUNTERS["load_deleted_unloadable_blocks"] += 1
+        except kachedb.Disconnected as e:
+            self.link.failed(e)
+        except kachedb.KacheDBError as e:
+            _log_once("unloadable_delete", "KacheDB: could not delete unloadable block %s (%s)", dkey.hex(), e)
 
     # -- completion ------------------------------------------------------
     def _reap(self, block: bool) -> None:
