@@ -25,8 +25,10 @@ pub struct ServeArgs {
     /// of available memory, at most 4 GiB.
     #[arg(long, value_parser = parse_size)]
     pub size: Option<u64>,
-    /// Control socket path [default: $XDG_RUNTIME_DIR/kachedb/kachedb_<N>.sock or /tmp/kachedb-<uid>/kachedb_<N>.sock].
-    #[arg(long, env = "KACHEDB_SOCKET")]
+    /// Control socket path [default: $KACHEDB_SOCKET for instance 0, else
+    /// $XDG_RUNTIME_DIR/kachedb/kachedb_<N>.sock or /tmp/kachedb-<uid>/kachedb_<N>.sock:
+    /// the one rule every client applies, kachedb_shm::naming::default_socket_path].
+    #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Most clients connected at once (one channel each).
     #[arg(long, default_value_t = 64)]
@@ -609,8 +611,9 @@ pub struct StatsArgs {
     /// Daemon instance.
     #[arg(long, default_value_t = 0)]
     pub instance: u32,
-    /// Control socket path (default as for `serve`).
-    #[arg(long, env = "KACHEDB_SOCKET")]
+    /// Control socket path (default as for `serve`: $KACHEDB_SOCKET for
+    /// instance 0, else the instance's default path).
+    #[arg(long)]
     pub socket: Option<PathBuf>,
     /// A live view, refreshed every SECS seconds (default 1) until Ctrl-C:
     /// rates per second, hit ratios, memory. With --json: one object per line.

@@ -1238,3 +1238,53 @@ fn same_uid_client_is_admitted() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// `$KACHEDB_SOCKET` has one rule everywhere (`naming::default_socket_path`):
+/// it names instance 0's socket, and no other instance's. The daemon, `kachedb
+/// stats` and the Rust client agree on both instances; before, `serve` and
+/// `stats` applied it to every instance while the clients applied it to
+/// instance 0 only, so `KACHEDB_SOCKET=/x kachedb serve --instance 1` served
+/// on `/x` where `connect(instance=1)` never looked.
+#[test]
+fn kachedb_socket_names_instance_0_for_every_binary_and_client() {
+    let dir = TempDir::new("socket-rule");
+    let xdg = dir.0.join("run");
+    std::fs::create_dir_all(&xdg).unwrap();
+    std::fs::set_permissions(&xdg, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let env_socket = dir.0.join("env.sock");
+    let serve = |instance: u32| {
+        let mut cmd = std::process::Command::new(daemon_bin());
+        cmd.args(["serve", "--size", "64MiB", "--instance", &instance.to_string()])
+            .env("XDG_RUNTIME_DIR", &xdg)
+            .env("KACHEDB_SOCKET", &env_socket)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd
+    };
+    let stats_of = |instance: u32| -> serde_json::Value {
+        let out = std::process::Command::new(BIN)
+            .args(["stats", "--json", "--instance", &instance.to_string()])
+            .env("XDG_RUNTIME_DIR", &xdg)
+            .env("KACHEDB_SOCKET", &env_socket)
+            .output()
+            .expect("kachedb stats");
+        assert!(out.status.success(), "kachedb stats --instance {instance}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("stats JSON")
+    };
+    let instance1 = xdg.join("kachedb").join("kachedb_1.sock");
+    let mut one = Daemon::launch(serve(1), &instance1);
+    one.wait_ready();
+    assert!(!env_socket.exists(), "instance 1 must not serve on $KACHEDB_SOCKET");
+    let mut zero = Daemon::launch(serve(0), &env_socket);
+    zero.wait_ready();
+    assert!(!xdg.join("kachedb").join("kachedb_0.sock").exists(), "instance 0 serves on $KACHEDB_SOCKET");
+    // Each instance's stats, found by instance number alone, come from its own daemon.
+    let (s0, s1) = (stats_of(0), stats_of(1));
+    assert_eq!(s0["socket"].as_str(), Some(env_socket.to_str().unwrap()), "{s0}");
+    assert_eq!(s1["socket"].as_str(), Some(instance1.to_str().unwrap()), "{s1}");
+    zero.signal(rustix::process::Signal::TERM);
+    one.signal(rustix::process::Signal::TERM);
+    assert!(zero.wait_exit(Duration::from_secs(20)).is_some_and(|s| s.success()), "{}", zero.log());
+    assert!(one.wait_exit(Duration::from_secs(20)).is_some_and(|s| s.success()), "{}", one.log());
+}

@@ -10,8 +10,10 @@ pub fn region_name(instance: u32) -> String {
     format!("kachedb_{instance}")
 }
 
-/// The default control socket path for `instance`:
-/// `$KACHEDB_SOCKET` if set (instance 0 only), else
+/// The default control socket path for `instance`, the one rule the daemon,
+/// the CLI, the Rust client and the Python package (through this function)
+/// apply: `$KACHEDB_SOCKET` if set (instance 0 only: another instance is
+/// another daemon, which never shares instance 0's socket), else
 /// `$XDG_RUNTIME_DIR/kachedb/kachedb_<instance>.sock` if that directory exists,
 /// else `/tmp/kachedb-<uid>/kachedb_<instance>.sock`.
 pub fn default_socket_path(instance: u32) -> PathBuf {
