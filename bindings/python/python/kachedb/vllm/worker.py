@@ -35,9 +35,12 @@ job is committed. vLLM leaves the blocks of a store job
 untouched until the job is reported finished: its scheduler frees or reuses
 a stored block only after the job's completion, and flushes a job whose
 blocks it must reuse sooner (preemption) through ``wait`` before the step's
-forward pass (``jobs_to_flush``). On CUDA the copies run on a side stream from
-the registered region (``register_cuda``); reservations and pins are held
-until the copy's event has completed.
+forward pass (``jobs_to_flush``). What differs between devices is behind one
+seam (``copies.py``): on CUDA the copies run on a side stream from the
+registered region (``register_cuda``) and complete later, so reservations are
+committed and pins dropped only once the copies' event has completed, and the
+compute stream waits for a load's event; on the CPU engine they are done when
+issued. The CPU suite drives the asynchronous branch with a stand-in device.
 
 With tensor parallelism every rank stores and loads its own blocks under its
 own namespace, except ranks that hold the same KV as a lower rank (MLA: every
@@ -61,13 +64,14 @@ import threading
 import weakref
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from ._link import daemon_link
+from .copies import copies_for
 from ._state import COUNTERS, LOADED_KEYS, STORED_KEYS, dump, stats_path
 
 if TYPE_CHECKING:
@@ -133,24 +137,27 @@ class _Group:
             first.storage_offset(),
         )
 
-    def copy_block_out(self, dst: torch.Tensor, block_id: int, non_blocking: bool = False) -> None:
+    def copy_block_out(self, dst: torch.Tensor, block_id: int, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Copies block ``block_id`` into ``dst`` (``(num_layers, page)``) with ``copy(dst, src)``."""
         if self.blocks is not None:
-            dst.copy_(self.blocks[block_id], non_blocking=non_blocking)
+            copy(dst, self.blocks[block_id])
             return
         for l, t in enumerate(self.layers):
-            dst[l, : t.shape[1]].copy_(t[block_id], non_blocking=non_blocking)
+            copy(dst[l, : t.shape[1]], t[block_id])
 
-    def copy_block_in(self, block_id: int, src: torch.Tensor, non_blocking: bool = False) -> None:
+    def copy_block_in(self, block_id: int, src: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Copies ``src`` (``(num_layers, page)``) into block ``block_id`` with ``copy(dst, src)``."""
         if self.blocks is not None:
-            self.blocks[block_id].copy_(src, non_blocking=non_blocking)
+            copy(self.blocks[block_id], src)
             return
         for l, t in enumerate(self.layers):
-            t[block_id].copy_(src[l, : t.shape[1]], non_blocking=non_blocking)
+            copy(t[block_id], src[l, : t.shape[1]])
 
 
 @dataclass
 class _Pending:
-    """A CUDA transfer in flight: what to commit or release once ``event`` completes."""
+    """Copies in flight on an asynchronous device (``copies.py``): what to commit
+    or release once ``event`` completes."""
 
     job_id: int
     event: Any
@@ -225,7 +232,9 @@ class _StoreThread:
 
 
 class KacheDBOffloadingWorker(OffloadingWorker):
-    def __init__(self, spec: "KacheDBOffloadingSpec", kv_caches: CanonicalKVCaches) -> None:
+    def __init__(self, spec: "KacheDBOffloadingSpec", kv_caches: CanonicalKVCaches, copies: Any = None) -> None:
+        """``copies``: how block copies run on the KV caches' device (``copies.py``;
+        default: ``copies_for`` that device)."""
         self.spec = spec
         self.link = daemon_link(spec.socket, f"worker rank {spec.rank}", spec.retry_s, getattr(spec, "tenant", None))
         self.groups: List[_Group] = []
@@ -236,8 +245,10 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                 t = t.view(torch.uint8) if t.dtype != torch.uint8 else t
                 layers.append(t[:, : ref.page_size_bytes])
             self.groups.append(_Group(layers))
-        self.cuda = self.groups[0].device.type == "cuda"
-        self._stream: Any = torch.cuda.Stream(device=self.groups[0].device) if self.cuda else None
+        self.copies = copies if copies is not None else copies_for(self.groups[0].device)
+        #: Copies may still run after the call that queued them: reservations are
+        #: committed and views dropped once their event completes (``_reap``).
+        self.asynchronous: bool = bool(self.copies.asynchronous)
         self._registered = False
         self._finished: List[TransferResult] = []
         self._pending: List[_Pending] = []
@@ -248,7 +259,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         #: ``"auto"`` (a store job runs on the thread when its spec says the engine
         #: keeps stepping until it is reported), ``True`` (every job) or ``False``.
         self._thread_mode: Any = getattr(spec, "store_thread", "auto")
-        threaded = self._thread_mode is not False and not self.cuda
+        threaded = self._thread_mode is not False and not self.asynchronous
         self._stores: Optional[_StoreThread] = _StoreThread(self._store_job, self._done) if threaded else None
         _WORKERS.add(self)
         self.link.client()
@@ -256,9 +267,9 @@ class KacheDBOffloadingWorker(OffloadingWorker):
     # -- helpers ---------------------------------------------------------
     def _client(self) -> Any:
         kc = self.link.client()
-        if kc is not None and self.cuda and not self._registered:
+        if kc is not None and self.asynchronous and not self._registered:
             try:
-                kc.register_cuda()
+                self.copies.register(kc)
                 self._registered = True
             except Exception as e:  # copies still work, as pageable ones
                 COUNTERS["register_cuda_failed"] += 1
@@ -295,12 +306,11 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             self._stores.submit(job_id, src_spec, dst_spec)
             return True
         started = time.perf_counter()
-        nbytes, cuda_hold, cuda_blocks = self._store(src_spec, dst_spec)
-        if cuda_hold:
+        nbytes, async_hold, async_blocks = self._store(src_spec, dst_spec)
+        if async_hold:
             # Committed (made visible) once the device->shm copies have completed.
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-            self._pending.append(_Pending(job_id, ev, nbytes, started, cuda_hold, commit=True, blocks=cuda_blocks))
+            ev = self.copies.record()
+            self._pending.append(_Pending(job_id, ev, nbytes, started, async_hold, commit=True, blocks=async_blocks))
         else:
             self._done(job_id, nbytes, started)
         return True
@@ -313,16 +323,17 @@ class KacheDBOffloadingWorker(OffloadingWorker):
     def _store(
         self, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec, copy_threads: Optional[int] = None
     ) -> Tuple[int, List[Any], int]:
-        """Reserves, copies and (CPU) commits one job's blocks; ``(bytes,
-        reservations to commit once the copies complete (CUDA), their blocks)``.
+        """Reserves, copies and (synchronous copies) commits one job's blocks;
+        ``(bytes, reservations to commit once the copies complete (asynchronous
+        copies), their blocks)``.
         ``copy_threads``: most threads of a CPU copy (``None``: by size)."""
         import kachedb
 
         started = time.perf_counter()
         keys = getattr(dst_spec, "keys", [])
         nbytes = 0
-        cuda_hold: List[Any] = []
-        cuda_blocks = 0
+        async_hold: List[Any] = []
+        async_blocks = 0
         if not getattr(self.spec, "is_store_writer", True):
             # Another rank holds the same KV (MLA) and stores it, once, under the
             # key this rank reads too.
@@ -345,10 +356,10 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                 held = self._store_blocks(kc, group, ids, dkeys, parents, first, copy_threads)
                 nbytes += len(ids) * group.num_layers * group.page
                 STORED_KEYS.extend(k.hex() for k in dkeys)
-                if self.cuda:
+                if self.asynchronous:
                     # Committed once the copies' event completes (_reap).
-                    cuda_hold.extend(held)
-                    cuda_blocks += len(ids)
+                    async_hold.extend(held)
+                    async_blocks += len(ids)
                     continue
                 for r in held:
                     r.commit()
@@ -364,7 +375,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             COUNTERS["store_errors"] += 1
             _log_once("store_error", "KacheDB store failed (%s): skipped", e)
         COUNTERS["store_seconds"] += time.perf_counter() - started
-        return nbytes, cuda_hold, cuda_blocks
+        return nbytes, async_hold, async_blocks
 
     def _store_blocks(
         self,
@@ -378,11 +389,11 @@ class KacheDBOffloadingWorker(OffloadingWorker):
     ) -> List[Any]:
         """Reserves the blocks of one group and copies them out of the KV cache
         into the reservations; returns the reservations, not committed yet (the
-        caller commits: at once on CPU, when the copies' event completes on
-        CUDA). One code path for both: ``store_mode`` ``batched`` makes one
-        RESERVE batch (``reserve_many``), ``reserve`` one RESERVE per block; on
-        CUDA the copies run on the side stream after the forward pass that
-        wrote the blocks. On CPU a batch whose blocks are plain byte ranges of
+        caller commits: at once for synchronous copies, when the copies' event
+        completes for asynchronous ones). One code path for both: ``store_mode``
+        ``batched`` makes one RESERVE batch (``reserve_many``), ``reserve`` one
+        RESERVE per block; asynchronous copies (CUDA) run after the forward pass
+        that wrote the blocks (``copies.begin``). On CPU a batch whose blocks are plain byte ranges of
         the KV cache is written by one native call (``write_ranges``: streaming
         stores, GIL released once, no tensor made, on ``copy_threads``
         threads) instead of a torch copy per block, whose OpenMP team would
@@ -393,19 +404,18 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             outs = [r.out for r in held]
         else:
             held = [kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True)]
-            ranges = None if self.cuda else group.ranges(ids)
+            ranges = None if self.asynchronous else group.ranges(ids)
             outs = [] if ranges is not None else list(held[0].out)
         try:
             if ranges is not None:
                 held[0].write_ranges(*ranges, threads=copy_threads)
-            elif self.cuda:
-                self._stream.wait_stream(torch.cuda.current_stream(group.device))
-            with torch.cuda.stream(self._stream) if self.cuda else _nullctx():
+            else:
+                self.copies.begin()
+            with self.copies.stream():
                 for out, b in zip(outs, ids):
-                    group.copy_block_out(out, b, non_blocking=self.cuda)
+                    group.copy_block_out(out, b, self.copies.copy)
         except BaseException:
-            if self.cuda:
-                self._stream.synchronize()
+            self.copies.abandon()
             outs = None
             for r in held:
                 try:
@@ -450,12 +460,11 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                 n_ok += 1
             if n_ok < len(views) and views[n_ok] is not None and kc is not None:
                 self._drop_unloadable(kc, dkeys[n_ok], views[n_ok], group)
-            stream_ctx = torch.cuda.stream(self._stream) if self.cuda else _nullctx()
-            if self.cuda:
-                self._stream.wait_stream(torch.cuda.current_stream(group.device))
-            with stream_ctx:
+            if n_ok:
+                self.copies.begin()
+            with self.copies.stream():
                 for b, v in zip(ids[:n_ok], views[:n_ok]):
-                    group.copy_block_in(b, v, non_blocking=self.cuda)
+                    group.copy_block_in(b, v, self.copies.copy)
             nbytes += n_ok * group.num_layers * group.page
             COUNTERS["loaded_blocks"] += n_ok
             if n_ok:
@@ -468,15 +477,15 @@ class KacheDBOffloadingWorker(OffloadingWorker):
                 COUNTERS["load_failures"] += 1
                 self._invalid.update(failed)
                 self._failed_jobs.add(job_id)
-            if self.cuda:
+            if self.asynchronous:
+                # The views (and their pins) live until the copies have read them.
                 hold.extend(views[:n_ok])
             del views
         COUNTERS["load_seconds"] += time.perf_counter() - started
-        if self.cuda and hold:
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
+        if self.asynchronous and hold:
+            ev = self.copies.record()
             # The loaded blocks must be in place before the forward pass reads them.
-            torch.cuda.current_stream(self.groups[0].device).wait_event(ev)
+            self.copies.before_compute(ev)
             self._pending.append(_Pending(job_id, ev, nbytes, started, hold))
         else:
             self._done(job_id, nbytes, started)
@@ -514,8 +523,8 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         still = []
         for p in self._pending:
             if block:
-                p.event.synchronize()
-            elif not p.event.query():
+                self.copies.wait(p.event)
+            elif not self.copies.done(p.event):
                 still.append(p)
                 continue
             if p.commit:
@@ -592,14 +601,6 @@ def flush_stores() -> None:
 
 
 atexit.register(flush_stores)
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
 
 
 _logged: Set[str] = set()
