@@ -91,6 +91,10 @@ def _bytes_of(memory_obj: MemoryObj) -> Any:
 class KacheDBConnector(RemoteConnector):
     """LMCache's ``RemoteConnector`` over the KacheDB daemon (see the module doc)."""
 
+    #: ``direct.py`` routes a backend's blocking calls to this connector's
+    #: ``load_now`` / ``store_now`` (a subclass that does not serve them sets False).
+    SERVES_DIRECT_CALLS = True
+
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,

@@ -50,14 +50,14 @@ _ORIGINAL = "_kachedb_original"
 def _direct_connector(backend: Any) -> Any:
     """The ``KacheDBConnector`` ``backend`` calls through LMCache's instrumented
     connector, or ``None`` when its calls must go LMCache's way (no
-    connection, another connector, MLA's worker-0 key rewrite)."""
-    from .connector import KacheDBConnector
-
+    connection, another connector, MLA's worker-0 key rewrite). A connector
+    serves these calls when its class says so (``SERVES_DIRECT_CALLS``: the
+    connector imports this module, never the other way round)."""
     conn = getattr(backend, "connection", None)
     if type(conn) is not InstrumentedRemoteConnector or getattr(backend, "_mla_worker_id_as0_mode", False):
         return None
     inner = getattr(conn, "_connector", None)
-    return inner if isinstance(inner, KacheDBConnector) else None
+    return inner if getattr(type(inner), "SERVES_DIRECT_CALLS", False) is True else None
 
 
 def _batched_get_blocking(self: Any, keys: List[Any]) -> List[Optional[Any]]:

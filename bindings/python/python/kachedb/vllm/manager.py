@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import sys
-from typing import TYPE_CHECKING, Any, Collection, Dict, Iterable, List, Optional, Set
+from typing import Any, Collection, Dict, Iterable, List, Optional, Set
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -31,10 +31,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ._link import daemon_link
+from .engine_spec import DEFAULT_KV_EVENTS_MAX_BLOCKS, EngineSpec
 from ._state import COUNTERS
-
-if TYPE_CHECKING:
-    from .spec import KacheDBOffloadingSpec
 
 
 class KacheDBLoadStoreSpec(LoadStoreSpec):
@@ -126,12 +124,6 @@ def engine_keeps_stepping() -> bool:
     return False
 
 
-#: How many blocks the KV events report as loadable from KacheDB at most at once
-#: (``kv_events_max_blocks``; past it the oldest is reported removed): what the
-#: scheduler keeps for them, and vLLM keeps each one's tokens.
-DEFAULT_KV_EVENTS_MAX_BLOCKS = 65536
-
-
 class _Reported:
     """The offload keys the KV events have reported as loadable from KacheDB and
     not yet as removed (oldest first, at most ``max_blocks``), and the events
@@ -179,7 +171,7 @@ class _Reported:
 
 
 class KacheDBOffloadingManager(OffloadingManager):
-    def __init__(self, spec: "KacheDBOffloadingSpec") -> None:
+    def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
         self.link = daemon_link(spec.socket, "scheduler", spec.retry_s, getattr(spec, "tenant", None))
         self._storing: Set[bytes] = set()

@@ -23,7 +23,7 @@ from .. import _identity
 from .._link import engine_tenant
 from . import keys as _keys
 from .config import parse_store_thread
-from .manager import DEFAULT_KV_EVENTS_MAX_BLOCKS
+from .engine_spec import DEFAULT_KV_EVENTS_MAX_BLOCKS
 from ._state import NAMESPACES
 
 #: The engine config being built, set by ``KacheDBConnector`` around vLLM's

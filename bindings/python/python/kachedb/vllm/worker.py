@@ -64,18 +64,16 @@ import threading
 import weakref
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from ._link import daemon_link
+from .engine_spec import EngineSpec
 from .copies import copies_for
 from ._state import COUNTERS, LOADED_KEYS, STORED_KEYS, dump, stats_path
-
-if TYPE_CHECKING:
-    from .spec import KacheDBOffloadingSpec
 
 
 class _Group:
@@ -232,7 +230,7 @@ class _StoreThread:
 
 
 class KacheDBOffloadingWorker(OffloadingWorker):
-    def __init__(self, spec: "KacheDBOffloadingSpec", kv_caches: CanonicalKVCaches, copies: Any = None) -> None:
+    def __init__(self, spec: EngineSpec, kv_caches: CanonicalKVCaches, copies: Any = None) -> None:
         """``copies``: how block copies run on the KV caches' device (``copies.py``;
         default: ``copies_for`` that device)."""
         self.spec = spec
