@@ -189,9 +189,9 @@ pub struct ServeArgs {
     pub remote_ttl_s: Option<u64>,
     /// Most block bytes waiting to be written to the remote store (pinned in
     /// the megaslab meanwhile); blocks committed beyond it are not written
-    /// (counted as remote_dropped_writes).
-    #[arg(long, value_parser = parse_size, default_value = "1GiB", value_name = "SIZE")]
-    pub remote_queue_bytes: u64,
+    /// (counted as remote_dropped_writes) [default: 1GiB].
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub remote_queue_bytes: Option<u64>,
     /// Bytes per remote value (a block is cut into chunks of this size;
     /// 64KiB to 64MiB).
     #[arg(long, value_parser = parse_size, default_value = "1MiB", value_name = "SIZE")]
@@ -512,7 +512,7 @@ fn remote_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::remote::RemoteC
         namespace: a.remote_namespace.clone(),
         timeout: std::time::Duration::from_millis(a.remote_timeout_ms),
         ttl: a.remote_ttl_s.filter(|&s| s > 0).map(std::time::Duration::from_secs),
-        queue_bytes: a.remote_queue_bytes,
+        queue_bytes: a.remote_queue_bytes.unwrap_or(kachedb_daemon::remote::DEFAULT_QUEUE_BYTES),
         chunk_bytes,
         worker_nice: a.remote_worker_nice,
         key: a.remote_key_file.as_deref().map(read_key_file).transpose()?,
