@@ -213,6 +213,7 @@ impl Channel {
     }
 
     /// Raw frames (no validation); the raw completions.
+    #[cfg(feature = "testing")]
     pub(crate) fn call_raw(&self, frames: &[TensorBlockDescriptor]) -> Result<Vec<TensorBlockDescriptor>> {
         self.call_frames(frames)
     }

@@ -44,7 +44,7 @@ pub use view::{BlockView, Reservation};
 
 use channel::Channel;
 use error::{invalid, ok_or, status_error};
-use kachedb_shm::{page_offset_of, Completion, Region, Request, Status, TensorBlockDescriptor, WAIT_FOREVER};
+use kachedb_shm::{page_offset_of, Completion, Region, Request, Status, WAIT_FOREVER};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -427,8 +427,12 @@ impl Client {
 
     /// Sends raw frames as they are (no validation; request ids are assigned)
     /// and returns the raw completions: for tests of the daemon's handling of
-    /// malformed input.
-    pub fn call_raw(&self, frames: &[TensorBlockDescriptor]) -> Result<Vec<TensorBlockDescriptor>> {
+    /// malformed input (feature `testing`).
+    #[cfg(feature = "testing")]
+    pub fn call_raw(
+        &self,
+        frames: &[kachedb_shm::TensorBlockDescriptor],
+    ) -> Result<Vec<kachedb_shm::TensorBlockDescriptor>> {
         self.channel.call_raw(frames)
     }
 
