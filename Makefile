@@ -22,7 +22,7 @@ build-tests:
 	$(CARGO) test --release --locked --no-run
 	$(LOOM) $(CARGO) test --release --locked -p kachedb-shm --test loom_ring --no-run
 
-## system-deps: redis-server for the side-by-side benchmark, e2fsprogs (mkfs.ext4) for the disk tier's fault tests (Debian packages; needs root)
+## system-deps: redis-server for the side-by-side benchmark, e2fsprogs (mkfs.ext4) for the disk tier's fault tests, systemd's tools, strace and setpriv for the deploy tests (Debian packages; needs root)
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then echo "== installing redis-server"; (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; \
@@ -30,6 +30,10 @@ system-deps:
 	@command -v mkfs.ext4 >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then echo "== installing e2fsprogs"; (apt-get update -qq && apt-get install -y -qq e2fsprogs) >/dev/null; \
 	  else echo "== mkfs.ext4 missing: sudo apt-get install -y e2fsprogs (the disk tier's fault tests; they skip without root anyway)"; fi; }
+	@for tp in systemd-analyze:systemd strace:strace setpriv:util-linux; do \
+	  t=$${tp%%:*}; p=$${tp##*:}; command -v $$t >/dev/null 2>&1 && continue; \
+	  if [ "$$(id -u)" = 0 ]; then echo "== installing $$p ($$t)"; (apt-get update -qq && apt-get install -y -qq $$p) >/dev/null; \
+	  else echo "== $$t missing: sudo apt-get install -y $$p (tests/test_deploy.py)"; fi; done
 
 ## build: the full `kachedb` binary (with demo and bench) at target/release/kachedb
 build:
