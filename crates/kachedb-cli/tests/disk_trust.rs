@@ -476,6 +476,7 @@ fn a_disk_directory_others_can_write_or_with_links_planted_is_refused() {
     assert!(status.is_some_and(|s| !s.success()), "started on another user's directory:\n{log}");
     assert!(log.contains("belongs to uid 65534"), "{log}");
     assert!(victim.join("precious").exists(), "the daemon deleted a file through another user's link");
+    assert!(!theirs.join("lock").exists(), "the daemon made its lock file in a directory it then refused");
     // Writable by others.
     let open = tmp.0.join("open");
     std::fs::create_dir_all(&open).unwrap();
@@ -483,6 +484,7 @@ fn a_disk_directory_others_can_write_or_with_links_planted_is_refused() {
     let (status, log) = start(&open);
     assert!(status.is_some_and(|s| !s.success()), "started on a world-writable directory:\n{log}");
     assert!(log.contains("lets its group or others write"), "{log}");
+    assert!(!open.join("lock").exists(), "the daemon made its lock file in a directory it then refused");
     // The daemon's own directory, a link planted as `tmp`.
     let mine = tmp.0.join("mine");
     std::fs::create_dir_all(&mine).unwrap();

@@ -117,6 +117,9 @@ impl TierDir {
         }
         let root = rustix::fs::open(path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
             .map_err(io_err("opening the directory", path))?;
+        // Refused before anything is made in it (the lock file).
+        let st = rustix::fs::fstat(&root).map_err(io_err("reading the status of", path))?;
+        check_owner(path, &st, uid)?;
         let lock = take_lock(&root, path)?;
         Self::with(path, root, lock, uid)
     }
