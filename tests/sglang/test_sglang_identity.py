@@ -1,8 +1,9 @@
-"""Servers share pages exactly when their KV would be equal (issue 25, item 1):
-the namespace comes from SGLang's server arguments in the scheduler process,
-not only from ``HiCacheStorageConfig`` and the host pool. Two processes publish
+"""Servers share pages exactly when their KV would be equal: the namespace
+comes from SGLang's server arguments in the scheduler process, not only from
+``HiCacheStorageConfig`` and the host pool. Two processes publish
 ``ServerArgs`` as SGLang's scheduler does and use real host pools of the same
-geometry and dtype (bfloat16) on one daemon:
+geometry and dtype (bfloat16) on one daemon (test_sglang_server.py does the
+same with real servers):
 
 * ``base``: ``--dtype bfloat16``;
 * ``fp8``: the same model path with ``--quantization fp8`` (on-the-fly FP8
@@ -28,28 +29,18 @@ F32 = {"dtype": "float32", "kv_cache_dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
-def model(workdir):
-    from transformers import LlamaConfig
-
-    path = workdir / "llama-config-only"
-    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16").save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def runs(workdir, model):
+def runs(workdir):
     d = Daemon(str(workdir / "identity.sock")).start()
     try:
-        spec = {"socket": d.socket, "pages": PAGES, "model": model, "expected": str(workdir / "identity-expected.pt")}
-        w = run_pools(workdir, "identity-writer", dict(spec, role="write", configs=[
-            {"name": "base", "args": BASE, "prompts": ["P"]},
-            {"name": "fp8", "args": FP8, "prompts": ["P", "Q"]},
+        spec = {"socket": d.socket, "pages": PAGES, "expected": str(workdir / "identity-expected")}
+        w = run_pools(workdir, "identity-writer", dict(spec, configs=[
+            {"name": "base", "args": BASE, "write": ["P"]},
+            {"name": "fp8", "args": FP8, "write": ["P", "Q"]},
         ]), script="identity_proc.py")
-        r = run_pools(workdir, "identity-reader", dict(spec, role="read", configs=[
-            {"name": "base-again", "args": BASE},
-            {"name": "fp8", "args": FP8},
-            {"name": "f32", "args": F32},
+        r = run_pools(workdir, "identity-reader", dict(spec, configs=[
+            {"name": "base-again", "args": BASE, "read": ["P", "Q"]},
+            {"name": "fp8", "args": FP8, "read": ["P", "Q"]},
+            {"name": "f32", "args": F32, "read": ["P", "Q"]},
         ]), script="identity_proc.py")
         yield w, r, d.stats()
     finally:
@@ -58,12 +49,12 @@ def runs(workdir, model):
 
 def test_namespace_carries_the_server_settings(runs):
     w, _, _ = runs
-    base, fp8 = w["base"]["fields"], w["fp8"]["fields"]
+    base, fp8 = w["base"]["server"], w["fp8"]["server"]
     assert base["quantization"] is None and fp8["quantization"] == "fp8"
     assert base["dtype"] == fp8["dtype"] == "bfloat16"
     assert base["model_path"] == fp8["model_path"]
     # same model path, same pool: stored twice, once per server
-    assert w["fp8"]["P"] == [True] * PAGES
+    assert w["fp8"]["P"]["set"] == [True] * PAGES
     assert w["fp8"]["stats"]["set_pages_stored"] == 2 * PAGES and w["fp8"]["stats"]["set_pages_present"] == 0
 
 
@@ -71,20 +62,20 @@ def test_identical_servers_find_all_pages(runs):
     r = runs[1]["base-again"]
     assert r["P"]["exists"] == PAGES
     assert r["P"]["get"] == [True] * PAGES
-    assert r["P"]["equal_to"] == ["base/P"]
+    assert r["P"]["equal_to"] == ["base"]
 
 
 def test_quantization_alone_separates_servers(runs):
     base, fp8 = runs[1]["base-again"], runs[1]["fp8"]
     assert base["Q"]["exists"] == 0 and base["Q"]["get"] == [False] * PAGES  # fp8's own prompt
-    assert fp8["P"]["exists"] == PAGES and fp8["P"]["equal_to"] == ["fp8/P"]  # its own bytes, not base's
-    assert fp8["Q"]["exists"] == PAGES and fp8["Q"]["equal_to"] == ["fp8/Q"]
+    assert fp8["P"]["exists"] == PAGES and fp8["P"]["equal_to"] == ["fp8"]  # its own bytes, not base's
+    assert fp8["Q"]["exists"] == PAGES and fp8["Q"]["equal_to"] == ["fp8"]
 
 
 def test_dtype_alone_separates_servers(runs):
     f32 = runs[1]["f32"]
     assert f32["P"]["exists"] == 0 and f32["Q"]["exists"] == 0
-    assert f32["P"]["get"] == [False] * PAGES
+    assert f32["P"]["get"] == [False] * PAGES and f32["P"]["untouched"]
 
 
 def test_no_pins_left(runs):

@@ -13,7 +13,7 @@ from .._link import engine_tenant, resolve_socket
 
 #: ``--hicache-storage-backend-extra-config`` options the backend reads (SGLang's own
 #: options, e.g. ``tp_lcm_size``, pass through to SGLang).
-KNOWN_OPTIONS = ("socket", "namespace", "tenant", "retry_seconds")
+KNOWN_OPTIONS = ("socket", "namespace", "tenant", "retry_seconds", "no_server_args")
 
 
 def hicache_config(socket: Optional[str] = None, **options: Any) -> Dict[str, Any]:
@@ -31,7 +31,11 @@ def hicache_config(socket: Optional[str] = None, **options: Any) -> Dict[str, An
     (the daemon tenant the backend connects as; default: ``namespace`` made a
     tenant name, else the daemon's ``default``; a bad name raises
     ``ValueError``), ``retry_seconds`` (how often a missing daemon is retried,
-    default 5); other entries are passed through to SGLang.
+    default 5), ``no_server_args`` (``True``: a process without SGLang's server
+    arguments shares pages, with other such processes only; without it the
+    backend of such a process stores and finds nothing; an SGLang server's
+    scheduler process always has them); other entries are passed through to
+    SGLang.
     """
     cfg: Dict[str, Any] = {
         "backend_name": "kachedb",

@@ -31,6 +31,15 @@ Failures never reach SGLang's controller as exceptions: a missing daemon (at
 start or later) turns the tier off with one warning (misses, skipped stores;
 retried every ``retry_seconds``), a full store or any other error makes that
 call a miss / ``False`` and is logged once.
+
+A process without SGLang's server arguments (SGLang publishes them in its
+scheduler process, where its cache controller builds this backend) shares
+nothing: its namespace could not tell servers apart that differ only in
+quantization, dtype or KV-cache dtype. The backend then stores nothing and
+finds nothing (every lookup and load a miss, every store skipped and
+``False``, all counted) after one warning naming the cause and the fix, unless
+the extra config says ``no_server_args: true`` (the process has none on
+purpose: it shares only with other such processes).
 """
 
 from __future__ import annotations
@@ -65,6 +74,13 @@ def _is_storage_writer(c: Any) -> bool:
     if isinstance(w, bool):
         return w
     return not bool(getattr(c, "is_mla_model", False)) or int(getattr(c, "tp_rank", 0)) == int(getattr(c, "dcp_rank", 0))
+
+
+def _flag(v: Any) -> bool:
+    """An extra-config switch: JSON ``true`` / 1, or the strings "true", "1", "yes", "on"."""
+    if isinstance(v, str):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    return bool(v)
 
 
 def _server_args() -> Optional[Dict[str, Any]]:
@@ -213,7 +229,9 @@ class KacheDBStorage(HiCacheStorage):
     ``default``), ``retry_seconds`` (how often a
     missing daemon is retried, default 5), ``interface_v1`` (SGLang's switch to
     the zero-copy page interface; ``batch_exists`` / ``exists`` look in the
-    namespace of the interface it selects).
+    namespace of the interface it selects), ``no_server_args`` (``true``: a
+    process without SGLang's server arguments shares, with other such
+    processes only; without it such a process stores and finds nothing).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[Dict[str, Any]] = None) -> None:
@@ -225,6 +243,10 @@ class KacheDBStorage(HiCacheStorage):
         self.tenant = engine_tenant(extra.get("tenant"), self.salt)
         self.retry_s = float(extra.get("retry_seconds", _DEFAULT_RETRY_S))
         self.interface_v1 = bool(extra.get("interface_v1", 0))
+        #: The extra config says this process has no server arguments on purpose.
+        self.no_server_args = _flag(extra.get("no_server_args", False))
+        #: Why this backend shares nothing (no server arguments), else None.
+        self.refused: Optional[str] = None
         self.metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         #: Whether this rank stores pages: every rank, except for rank-replicated
         #: KV (MLA), where one rank per DCP shard does (SGLang's own rule).
@@ -243,6 +265,9 @@ class KacheDBStorage(HiCacheStorage):
                 "set_pages_present",
                 "set_pages_failed",
                 "set_pages_replica_skipped",
+                "exists_pages_refused",
+                "get_pages_refused",
+                "set_pages_refused",
                 "store_full",
                 "errors",
             )
@@ -258,18 +283,36 @@ class KacheDBStorage(HiCacheStorage):
         self._link = DaemonLink(
             self.socket, logger=logger, label="SGLang", role="HiCache", retry_s=self.retry_s, tenant=self.tenant
         )
-        self._link.client()  # connect now (or warn now); every call retries if it failed
+        if self.refused is None:
+            self._link.client()  # connect now (or warn now); every call retries if it failed
 
     # -- setup -----------------------------------------------------------
     def _set_namespaces(self) -> None:
         pool = self.mem_pool_host
         server = _server_args()
-        if server is None:
+        if server is not None:
+            self.refused = None
+        elif self.no_server_args:
+            self.refused = None
+            self._log_once(
+                "no_server_args_ok",
+                "KacheDB HiCache: no SGLang server arguments in this process and no_server_args is set: "
+                "pages are shared only with other processes without server arguments (their namespace cannot "
+                "tell quantization, dtype or KV-cache dtype apart)",
+            )
+        else:
+            self.refused = "no SGLang server arguments in this process"
             self._log_once(
                 "no_server_args",
-                "KacheDB HiCache: no SGLang server arguments in this process (not a scheduler process?): "
-                "the namespace cannot tell quantization, dtype or KV-cache dtype apart, and matches only "
-                "backends without server arguments",
+                "KacheDB HiCache is OFF in this process: it stores nothing and finds nothing (every lookup and "
+                "load a miss, every store skipped; counted in kachedb_stats()). Cause: this process has no SGLang "
+                "server arguments (sglang.srt.runtime_context has none published), so the page namespace could "
+                "not tell servers apart that differ only in --quantization, --dtype or --kv-cache-dtype, and "
+                "sharing could load another server's KV. SGLang publishes them in its scheduler process, where its "
+                "cache controller builds this backend. Fix: build the backend there (or publish the ServerArgs "
+                "first: sglang.srt.runtime_context.publish(server_args, role='scheduler')); to share among processes "
+                "that have no server arguments on purpose, add \"no_server_args\": true to "
+                "--hicache-storage-backend-extra-config",
             )
         self.fields_v1 = _keys.namespace_fields(
             self.storage_config, pool, interface="v1", salt=self.salt, server_args=server
@@ -336,6 +379,9 @@ class KacheDBStorage(HiCacheStorage):
         self._add(exists_calls=1)
         if not keys:
             return 0
+        if self.refused is not None:
+            self._add(exists_pages_refused=len(keys))
+            return 0
         kc = self._link.client()
         if kc is None:
             return 0
@@ -359,6 +405,9 @@ class KacheDBStorage(HiCacheStorage):
         self._add(set_pages=n)
         if n == 0:
             return []
+        if self.refused is not None:
+            self._add(set_pages_refused=n)
+            return [False] * n
         if not self.is_writer:
             # Another rank holds the same KV (MLA) and stores it, once, under the
             # namespace this rank reads too (SGLang's controller skips these backups).
@@ -394,6 +443,9 @@ class KacheDBStorage(HiCacheStorage):
         self._add(get_pages=n)
         if n == 0:
             return []
+        if self.refused is not None:
+            self._add(get_pages_refused=n)
+            return [False] * n
         kc = self._link.client()
         if kc is None:
             return [False] * n
@@ -487,6 +539,9 @@ class KacheDBStorage(HiCacheStorage):
         out: List[Optional[torch.Tensor]] = [None] * n
         if n == 0:
             return out
+        if self.refused is not None:
+            self._add(get_pages_refused=n)
+            return out
         kc = self._link.client()
         if kc is None:
             return out
@@ -540,6 +595,9 @@ class KacheDBStorage(HiCacheStorage):
             self._add(set_pages_failed=n)
             self._log_once("gvalues", "KacheDB HiCache set needs one tensor per key (zero-copy pointers: use interface_v1)")
             return False
+        if self.refused is not None:
+            self._add(set_pages_refused=n)
+            return False
         if not self.is_writer:
             self._add(set_pages_replica_skipped=n)
             return True
@@ -586,7 +644,8 @@ class KacheDBStorage(HiCacheStorage):
         """This backend's counters, link state and namespace fields (for debugging a miss)."""
         return {
             **self.counters,
-            "tier_off": not self._link.is_on,
+            "tier_off": self.refused is not None or not self._link.is_on,
+            "refused": self.refused,
             "outages": self._link.outages,
             "reconnects": self._link.reconnects,
             "socket": self.socket,
