@@ -185,7 +185,10 @@ def main() -> int:
             src = host.alloc(tokens)
             dst = host.alloc(tokens)
             page_bytes = host.get_data_page(int(src[0]), flat=True).numel() * host.dtype.itemsize
-            kdb = StorageBackendFactory.create_backend("dynamic", config(layout, kachedb.sglang.hicache_config(sock)), host)
+            # No SGLang server in this process: its pages are this benchmark's alone.
+            kdb = StorageBackendFactory.create_backend(
+                "dynamic", config(layout, kachedb.sglang.hicache_config(sock, no_server_args=True)), host
+            )
             kdb.register_mem_pool_host(host)
             fb = StorageBackendFactory.create_backend("file", config(layout, {"file_storage_path": file_dir}), host)
             fb.register_mem_pool_host(host)

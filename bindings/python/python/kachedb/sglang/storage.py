@@ -45,7 +45,6 @@ purpose: it shares only with other such processes).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -56,7 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 import kachedb
 
-from .._link import DaemonLink, engine_tenant
+from .._link import DaemonLink, engine_tenant, resolve_socket
 from . import keys as _keys
 
 logger = logging.getLogger("kachedb.sglang")
@@ -237,7 +236,8 @@ class KacheDBStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[Dict[str, Any]] = None) -> None:
         extra = dict(storage_config.extra_config or {})
         self.storage_config = storage_config
-        self.socket = extra.get("socket") or os.environ.get("KACHEDB_SOCKET") or None
+        # The one rule for the default (kachedb.default_socket_path: $KACHEDB_SOCKET, else the default path).
+        self.socket = resolve_socket(extra.get("socket"))
         self.salt = extra.get("namespace")
         #: The daemon tenant this backend's client connects as.
         self.tenant = engine_tenant(extra.get("tenant"), self.salt)
