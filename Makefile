@@ -82,7 +82,7 @@ test:
 test-steps: setup test-rust test-loom test-python
 
 ## test-engines: the vLLM, LMCache and SGLang suites, each in its own virtual environment
-## (created on first use: ~25 GB of disk and 10-15 min of downloads; then ~15-25 min a run)
+## (created on first use: ~25 GB of disk and 10-15 min of downloads; then ~35 min a run)
 test-engines: test-vllm test-lmcache test-sglang
 
 ## test-all: both (what CI runs, .ci/run)
