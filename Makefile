@@ -9,7 +9,7 @@ PIP := $(PYTHON) -m pip
 PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2" \
 	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17" "auditwheel>=6"
 
-.PHONY: setup system-deps build build-tests package-bin wheel python demo test test-steps test-rust test-python test-loom \
+.PHONY: setup system-deps build build-bench build-tests package-bin wheel python demo test test-steps test-rust test-python test-loom \
 	test-miri test-engines test-all bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang \
 	lmcache-env test-lmcache bench-lmcache
 
@@ -35,18 +35,18 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then echo "== installing $$p ($$t)"; (apt-get update -qq && apt-get install -y -qq $$p) >/dev/null; \
 	  else echo "== $$t missing: sudo apt-get install -y $$p (tests/test_deploy.py)"; fi; done
 
-## build: the full `kachedb` binary (with demo and bench) at target/release/kachedb
+## build: the `kachedb` binary at target/release/kachedb, the one the Python package ships
 build:
 	$(CARGO) build --release --locked -p kachedb-cli
 
-## package-bin: the `kachedb` binary the Python package ships (no demo, no benchmarks), stripped and copied
-## into the package source; target/release/kachedb is the full one again afterwards (both
-## builds stay in cargo's cache: switching between them only relinks)
+## build-bench: the benchmarks and the demo, target/release/kachedb-bench
+build-bench:
+	$(CARGO) build --release --locked -p kachedb-bench
+
+## package-bin: the `kachedb` binary, stripped and copied into the Python package's source
 PKG_BIN := bindings/python/python/kachedb/bin/kachedb
-package-bin:
-	$(CARGO) build --release --locked -p kachedb-cli --no-default-features
+package-bin: build
 	install -D -m 755 -s target/release/kachedb $(PKG_BIN)
-	$(CARGO) build --release --locked -p kachedb-cli
 
 ## wheel: the kachedb-shm wheel (extension + the binary), into target/wheel; the main
 ## environment, the engine environments and the wheel test install it
@@ -169,9 +169,9 @@ test-miri:
 	$(CARGO) +nightly miri test -p kachedb-shm --test heap_ring
 
 ## bench: every benchmark, printing figures against their same-run baselines
-bench: build python
-	./target/release/kachedb bench ring
-	./target/release/kachedb bench ops
+bench: build-bench python
+	./target/release/kachedb-bench ring
+	./target/release/kachedb-bench ops
 	$(PYTHON) benchmarks/python_ops.py
 	$(PYTHON) benchmarks/compare.py
 

@@ -1,14 +1,15 @@
-//! The benchmarks and the demo of the `kachedb` command: `kachedb bench ring`,
-//! `kachedb bench ops`, `kachedb bench remote`, `kachedb bench disk`, `kachedb demo`, and the hidden child processes they
-//! start by re-executing the current binary.
+//! The `kachedb-bench` command: the benchmarks (`ring`, `ops`, `remote`,
+//! `disk`), the demo, and the hidden child processes they start by
+//! re-executing this binary: `bench-child` and `demo-child`, and `serve`, the
+//! daemon the benchmarks start (the code of `kachedb serve`, from `kachedb-cli`,
+//! linked in so that a benchmark needs nothing beside this binary; `--socket`
+//! measures a daemon already running instead).
 //!
-//! `kachedb-cli` flattens [`Command`] into its subcommands when built with its
-//! `bench` feature (on by default) and hands the parsed value to [`run`]. The
-//! child processes are started as `<current exe> bench-child …` and
-//! `<current exe> demo-child …`, so the binary that runs [`run`] must parse
-//! [`Command`] too.
+//! The shipped `kachedb` binary carries none of this; its `bench` and `demo`
+//! commands forward here for one release (`kachedb-cli`).
 
-use clap::Subcommand;
+use clap::{Parser, Subcommand};
+use std::ffi::OsString;
 
 pub mod demo;
 pub mod disk;
@@ -18,26 +19,23 @@ pub mod ring;
 pub mod scrape;
 pub mod spawn;
 
-/// The subcommands this crate adds to `kachedb`.
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Start a daemon (unless one runs), put a tensor from one process and get it
-    /// back in another, verifying every byte.
-    Demo(demo::DemoArgs),
-    /// Internal: the writer/reader processes of `demo`.
-    #[command(hide = true)]
-    DemoChild(demo::DemoChildArgs),
-    /// Benchmarks (print a table, or JSON lines with --json).
+/// KacheDB's benchmarks and demo.
+#[derive(Debug, Parser)]
+#[command(
+    name = "kachedb-bench",
+    version,
+    about = "KacheDB's benchmarks (each figure against a baseline measured in the same run) and the demo.",
+    long_about = None
+)]
+pub struct Cli {
+    /// What to run.
     #[command(subcommand)]
-    Bench(BenchCommand),
-    /// Internal: the child side of a benchmark (spawned by `bench`).
-    #[command(hide = true)]
-    BenchChild(ring::ChildArgs),
+    pub command: Command,
 }
 
-/// Benchmarks.
+/// Subcommands of `kachedb-bench`.
 #[derive(Debug, Subcommand)]
-pub enum BenchCommand {
+pub enum Command {
     /// The SPSC ring across two processes: throughput per message and batched,
     /// against a naive ring in the same run, and ping-pong round trips.
     Ring(ring::RingArgs),
@@ -53,17 +51,55 @@ pub enum BenchCommand {
     /// and writes of the same files, O_DIRECT next to buffered, GET latency
     /// during disk I/O, restart after kill -9 with 100 000 blocks on disk.
     Disk(disk::DiskArgs),
+    /// Start a daemon (unless one runs), put a tensor from one process and get it
+    /// back in another, verifying every byte.
+    Demo(demo::DemoArgs),
+    /// Internal: the writer/reader processes of `demo`.
+    #[command(hide = true)]
+    DemoChild(demo::DemoChildArgs),
+    /// Internal: the child side of `ring`.
+    #[command(hide = true)]
+    BenchChild(ring::ChildArgs),
+    /// Internal: the daemon a benchmark starts (`kachedb serve`'s code and flags).
+    #[command(hide = true)]
+    Serve(Box<kachedb_cli::serve_cmd::ServeArgs>),
+}
+
+/// Exit status of a usage error (clap's).
+const USAGE: u8 = 2;
+
+/// Parses `args` (program name first) and runs the command; returns the exit status.
+pub fn main_with_args<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { USAGE } else { 0 };
+        }
+    };
+    match run(&cli.command) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("kachedb-bench: error: {e}");
+            1
+        }
+    }
 }
 
 /// Runs `command`.
 pub fn run(command: &Command) -> Result<(), Box<dyn std::error::Error>> {
     match command {
+        Command::Ring(a) => ring::run(a),
+        Command::Ops(a) => ops::run(a),
+        Command::Remote(a) => remote::run(a),
+        Command::Disk(a) => disk::run(a),
         Command::Demo(a) => demo::run(a),
         Command::DemoChild(a) => demo::child(a),
-        Command::Bench(BenchCommand::Ring(a)) => ring::run(a),
-        Command::Bench(BenchCommand::Ops(a)) => ops::run(a),
-        Command::Bench(BenchCommand::Remote(a)) => remote::run(a),
-        Command::Bench(BenchCommand::Disk(a)) => disk::run(a),
         Command::BenchChild(a) => ring::child(a),
+        Command::Serve(a) => kachedb_cli::serve_cmd::serve(a),
     }
 }

@@ -1,10 +1,13 @@
-//! The `kachedb` command line: `serve` and `stats`; with the `bench` feature
-//! (on by default) also `demo`, `bench ring` and `bench ops` from `kachedb-bench`.
+//! The `kachedb` command line: `serve` and `stats`. This binary is the one
+//! shipped: the Python package (`kachedb-shm` on the package index) carries it
+//! as built here and runs it for `kachedb serve|stats`; the engine config
+//! commands (`vllm-config`, …) are the package's own and are listed here so
+//! that `kachedb --help` names every command.
 //!
-//! The Python package (`kachedb-shm` on the package index) ships this binary
-//! built without the `bench` feature and runs it for `kachedb serve|stats`;
-//! the engine config commands (`vllm-config`, …) are the package's own and are
-//! listed here so that `kachedb --help` names every command.
+//! The benchmarks and the demo are the `kachedb-bench` binary (crate
+//! `kachedb-bench`). `kachedb bench …` and `kachedb demo …` are kept for one
+//! release: they run the `kachedb-bench` beside this binary with the same
+//! arguments, or say where the benchmarks are when there is none.
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -43,16 +46,10 @@ pub enum Command {
     /// (Python package: `kachedb sglang-config --help`).
     #[command(disable_help_flag = true)]
     SglangConfig(PackageCommand),
-    /// `demo`, `bench ring|ops` and their hidden child processes.
-    #[cfg(feature = "bench")]
-    #[command(flatten)]
-    Bench(kachedb_bench::Command),
-    /// Benchmarks: not in this build (the one the Python package ships).
-    #[cfg(not(feature = "bench"))]
+    /// Deprecated: `kachedb-bench ring|ops|remote|disk` (run when it is beside this binary).
     #[command(hide = true, disable_help_flag = true)]
     Bench(PackageCommand),
-    /// The demo: not in this build (the one the Python package ships).
-    #[cfg(not(feature = "bench"))]
+    /// Deprecated: `kachedb-bench demo` (run when it is beside this binary).
     #[command(hide = true, disable_help_flag = true)]
     Demo(PackageCommand),
 }
@@ -87,17 +84,8 @@ where
         Command::VllmConfig(_) => return in_package("vllm-config"),
         Command::LmcacheConfig(_) => return in_package("lmcache-config"),
         Command::SglangConfig(_) => return in_package("sglang-config"),
-        #[cfg(feature = "bench")]
-        Command::Bench(c) => kachedb_bench::run(&c),
-        #[cfg(not(feature = "bench"))]
-        Command::Bench(_) | Command::Demo(_) => {
-            eprintln!(
-                "kachedb: the benchmarks and the demo are not part of this build (the one the Python package ships): \
-                 run `python benchmarks/python_ops.py` from a KacheDB checkout for the Python figures, or build the \
-                 full binary (`cargo build --release -p kachedb-cli`) for `kachedb demo` and `kachedb bench ring|ops`"
-            );
-            return USAGE;
-        }
+        Command::Bench(a) => return to_bench_binary("bench", &[], &a.args),
+        Command::Demo(a) => return to_bench_binary("demo", &["demo".into()], &a.args),
     };
     match result {
         Ok(()) => 0,
@@ -116,4 +104,36 @@ fn in_package(cmd: &str) -> u8 {
          or the `kachedb` command that the package installs"
     );
     USAGE
+}
+
+/// The benchmarks' binary, looked for beside this one.
+pub const BENCH_BINARY: &str = "kachedb-bench";
+
+/// `kachedb bench|demo …` (deprecated, kept one release): runs the
+/// `kachedb-bench` beside this binary as `kachedb-bench <lead> <args>`, in
+/// place of this process, after a note on stderr; without one, says where the
+/// benchmarks are. Returns the exit status when it does not exec.
+fn to_bench_binary(cmd: &str, lead: &[OsString], args: &[OsString]) -> u8 {
+    use std::os::unix::process::CommandExt;
+    let beside = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join(BENCH_BINARY)));
+    match beside {
+        Some(bench) if bench.is_file() => {
+            eprintln!(
+                "kachedb: `kachedb {cmd}` is deprecated and goes in the next release: running `{}`",
+                bench.display()
+            );
+            let e = std::process::Command::new(&bench).args(lead).args(args).exec();
+            eprintln!("kachedb: error: cannot run {}: {e}", bench.display());
+            1
+        }
+        _ => {
+            eprintln!(
+                "kachedb: the benchmarks and the demo are the `{BENCH_BINARY}` binary, not part of `kachedb` \
+                 (the one the Python package ships): from a KacheDB checkout, `cargo build --release -p kachedb-bench` \
+                 and run `target/release/{BENCH_BINARY} ring|ops|remote|disk|demo`; \
+                 `python benchmarks/python_ops.py` gives the Python figures"
+            );
+            USAGE
+        }
+    }
 }
