@@ -188,19 +188,12 @@ pub enum DlOwner {
     /// tensor, which may or may not hold the GIL: its `Drop` must not need Python,
     /// and should not block (while it runs with the GIL, every Python thread waits).
     Rust(Box<dyn Any + Send>),
-    /// A Python object. Its reference is dropped with the GIL taken (the deleter
-    /// may run on a thread that does not hold it). Only the test hooks export
-    /// with one.
-    #[cfg(feature = "testing")]
-    Py(Py<PyAny>),
 }
 
 impl fmt::Debug for DlOwner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DlOwner::Rust(_) => f.write_str("DlOwner::Rust(..)"),
-            #[cfg(feature = "testing")]
-            DlOwner::Py(obj) => write!(f, "DlOwner::Py({:p})", obj.as_ptr()),
         }
     }
 }
@@ -212,18 +205,6 @@ impl DlOwner {
             DlOwner::Rust(owner) => {
                 // A panicking Drop must not unwind into the consumer's C frames.
                 let _ = catch_unwind(AssertUnwindSafe(move || drop_without_gil(owner)));
-            }
-            #[cfg(feature = "testing")]
-            DlOwner::Py(obj) => {
-                // SAFETY: Py_IsInitialized may be called at any time, with or
-                // without the GIL.
-                if unsafe { ffi::Py_IsInitialized() } == 0 {
-                    // The interpreter is gone (a tensor freed after finalisation):
-                    // there is no one to decref for, leak the reference.
-                    std::mem::forget(obj);
-                    return;
-                }
-                let _ = catch_unwind(AssertUnwindSafe(move || Python::with_gil(move |_py| drop(obj))));
             }
         }
     }
@@ -538,17 +519,6 @@ unsafe impl Send for RawBytes {}
 // SAFETY: as for Send: sharing the address gives no access by itself.
 unsafe impl Sync for RawBytes {}
 
-/// How a [`DLPackBuffer`] keeps its memory alive in the capsules it exports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum OwnerMode {
-    /// Each capsule holds a clone of the buffer's `Arc` owner (no GIL to drop it).
-    Shared,
-    /// Each capsule holds a reference to the buffer object itself (a Python owner,
-    /// dropped with the GIL): the test hooks' path.
-    #[cfg(feature = "testing")]
-    PyObject,
-}
-
 /// A byte range exportable as DLPack: `torch.from_dlpack(buf)`, `numpy.from_dlpack(buf)`.
 /// It exports a 1-D `uint8` tensor of its bytes, or, once [`typed`](Self::typed),
 /// a block's dtype (as [`DlDtype::of`] maps it) and shape.
@@ -560,7 +530,6 @@ pub struct DLPackBuffer {
     len: usize,
     owner: Arc<dyn Any + Send + Sync>,
     read_only: bool,
-    mode: OwnerMode,
     /// Element type of the export.
     dtype: DlDtype,
     /// The export's shape: the first `ndim` entries.
@@ -574,7 +543,6 @@ impl fmt::Debug for DLPackBuffer {
             .field("data", &self.data.0)
             .field("len", &self.len)
             .field("read_only", &self.read_only)
-            .field("mode", &self.mode)
             .field("dtype", &self.dtype)
             .field("shape", &&self.shape[..self.ndim])
             .finish_non_exhaustive()
@@ -590,39 +558,9 @@ impl DLPackBuffer {
     /// `data .. data + len` must stay valid for reads and writes for as long as
     /// `owner` (or any clone of the `Arc`) is alive.
     pub unsafe fn new(data: NonNull<u8>, len: usize, owner: Arc<dyn Any + Send + Sync>, read_only: bool) -> Self {
-        // SAFETY: forwarded contract.
-        unsafe { Self::bytes(data, len, owner, read_only, OwnerMode::Shared) }
-    }
-
-    /// Like [`DLPackBuffer::new`], but capsules hold the Python buffer object itself.
-    #[cfg(feature = "testing")]
-    ///
-    /// # Safety
-    /// As for [`DLPackBuffer::new`].
-    pub(crate) unsafe fn new_py_owned(
-        data: NonNull<u8>,
-        len: usize,
-        owner: Arc<dyn Any + Send + Sync>,
-        read_only: bool,
-    ) -> Self {
-        // SAFETY: forwarded contract.
-        unsafe { Self::bytes(data, len, owner, read_only, OwnerMode::PyObject) }
-    }
-
-    /// The exporter of `len` bytes at `data` as a 1-D `uint8` tensor.
-    ///
-    /// # Safety
-    /// As for [`DLPackBuffer::new`].
-    unsafe fn bytes(
-        data: NonNull<u8>,
-        len: usize,
-        owner: Arc<dyn Any + Send + Sync>,
-        read_only: bool,
-        mode: OwnerMode,
-    ) -> Self {
         let mut shape = [0; MAX_EXPORT_NDIM];
         shape[0] = len as u64;
-        DLPackBuffer { data: RawBytes(data), len, owner, read_only, mode, dtype: DlDtype::U8, shape, ndim: 1 }
+        DLPackBuffer { data: RawBytes(data), len, owner, read_only, dtype: DlDtype::U8, shape, ndim: 1 }
     }
 }
 
@@ -671,14 +609,9 @@ impl DLPackBuffer {
                 "a KacheDB block is exported without copying; copy the result (.clone() / .copy()) instead of copy=True",
             ));
         }
-        let owner = match this.mode {
-            OwnerMode::Shared => DlOwner::Rust(Box::new(Arc::clone(&this.owner))),
-            #[cfg(feature = "testing")]
-            OwnerMode::PyObject => DlOwner::Py(slf.clone().into_any().unbind()),
-        };
+        let owner = DlOwner::Rust(Box::new(Arc::clone(&this.owner)));
         // SAFETY: `this.owner` keeps the range valid (DLPackBuffer::new's contract),
-        // and the capsule's owner keeps `this.owner` alive: either a clone of the Arc,
-        // or a reference to this buffer object, which holds the Arc.
+        // and the capsule's owner, a clone of that Arc, keeps it alive.
         unsafe { tensor_capsule(slf.py(), this.data.0, this.len, this.dtype, &this.shape[..this.ndim], owner, format) }
     }
 
@@ -720,7 +653,6 @@ impl DLPackBuffer {
             len: this.len,
             owner: Arc::clone(&this.owner),
             read_only: this.read_only,
-            mode: this.mode,
             dtype: DlDtype::of(dtype, reader),
             shape: dims,
             ndim: shape.len(),

@@ -74,12 +74,12 @@ impl Drop for TestStorage {
     }
 }
 
-/// `_test_buffer(n, fill=0, *, py_owner=False, readonly=False)`: `n` bytes set to
-/// `fill`, as a [`DLPackBuffer`]. With `py_owner=True` the exported capsules keep the buffer
-/// object itself alive (the Python-owner path) instead of a Rust `Arc`.
+/// `_test_buffer(n, fill=0, *, readonly=False)`: `n` bytes set to `fill`, as a
+/// [`DLPackBuffer`] (exported as the daemon's blocks are: each capsule holds a
+/// clone of the storage's `Arc`).
 #[pyfunction]
-#[pyo3(signature = (n, fill=0, *, py_owner=false, readonly=false))]
-pub fn _test_buffer(n: i64, fill: i64, py_owner: bool, readonly: bool) -> PyResult<DLPackBuffer> {
+#[pyo3(signature = (n, fill=0, *, readonly=false))]
+pub fn _test_buffer(n: i64, fill: i64, readonly: bool) -> PyResult<DLPackBuffer> {
     let len = usize::try_from(n).map_err(|_| PyValueError::new_err(format!("n must be >= 0, got {n}")))?;
     let fill =
         u8::try_from(fill).map_err(|_| PyValueError::new_err(format!("fill must be a byte (0..=255), got {fill}")))?;
@@ -87,13 +87,7 @@ pub fn _test_buffer(n: i64, fill: i64, py_owner: bool, readonly: bool) -> PyResu
     let data = storage.data;
     // SAFETY: the storage's allocation is valid for `len` bytes until the storage is
     // dropped, which happens only when the last clone of this Arc goes.
-    Ok(unsafe {
-        if py_owner {
-            DLPackBuffer::new_py_owned(data, len, storage, readonly)
-        } else {
-            DLPackBuffer::new(data, len, storage, readonly)
-        }
-    })
+    Ok(unsafe { DLPackBuffer::new(data, len, storage, readonly) })
 }
 
 /// `_live_test_buffers()`: how many test buffers' memory is still allocated.

@@ -108,9 +108,11 @@ def test_stats_without_a_daemon_fails_and_says_how_to_start_one(tmp_socket_dir):
 
 
 def test_bench_is_not_in_the_package():
-    """`bench` reaches the binary like any argument; the binary the package
-    ships has no benchmarks, and says where they are."""
-    for args in (["bench"], ["bench", "--help"], ["bench", "ops", "--help"]):
-        out = run_cli(*args)
+    """`bench` and `demo` reach the binary like any argument; the binary the
+    package ships has no benchmarks (no `kachedb-bench` beside it), and says
+    where they are."""
+    env = {k: v for k, v in os.environ.items() if k != "KACHEDB_BIN"}  # the packaged binary
+    for args in (["bench"], ["bench", "--help"], ["bench", "ops", "--help"], ["demo"]):
+        out = run_cli(*args, env=env)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
-        assert "benchmarks/python_ops.py" in out.stderr and "kachedb bench ring|ops" in out.stderr
+        assert "benchmarks/python_ops.py" in out.stderr and "kachedb-bench ring|ops" in out.stderr
