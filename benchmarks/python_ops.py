@@ -609,7 +609,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="benchmarks/python_ops.py",
         description="Python-side figures: get round trip, get of big blocks as views, put against torch copy "
-        "bandwidth, batched get_many. (`kachedb bench ring|ops` are the Rust benchmarks.)",
+        "bandwidth, batched get_many. (`kachedb-bench ring|ops` are the Rust benchmarks.)",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object per line instead of a table")
     ap.add_argument("--quick", action="store_true", help="a short run: blocks of 1 and 64 MiB, a 64 MiB put, fewer repetitions")

@@ -1,4 +1,4 @@
-//! `kachedb demo`: a put in one process, a get in another, every byte checked.
+//! `kachedb-bench demo`: a put in one process, a get in another, every byte checked.
 
 use crate::spawn::DaemonProcess;
 use clap::Args;
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
-/// Options of `kachedb demo`.
+/// Options of `kachedb-bench demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// Use the daemon at this socket instead of starting one.

@@ -1,4 +1,4 @@
-//! `kachedb bench disk`: the disk tier (`serve --disk`) against plain file
+//! `kachedb-bench disk`: the disk tier (`serve --disk`) against plain file
 //! I/O of the same bytes on the same file system, in the same run.
 //!
 //! * **Write-behind**: a daemon with `--disk` takes blocks of 64 KiB, 2 MiB
@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// Options of `kachedb bench disk`.
+/// Options of `kachedb-bench disk`.
 #[derive(Debug, Args)]
 pub struct DiskArgs {
     /// Print one JSON object per line instead of a table.
@@ -97,7 +97,7 @@ impl WorkerClass {
     }
 }
 
-/// A part of `kachedb bench disk` (`--only`).
+/// A part of `kachedb-bench disk` (`--only`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Part {
     /// Write-behind vs plain write.
@@ -339,7 +339,7 @@ pub fn run(a: &DiskArgs) -> Res<()> {
     let slab = (total as u64 + (256 << 20)).next_multiple_of(1 << 20);
     if !a.json {
         println!(
-            "kachedb bench disk — {} ({} of blocks, megaslab {} MiB, tier threads at nice +{}, class {}), {rounds} rounds, medians; load {}",
+            "kachedb-bench disk — {} ({} of blocks, megaslab {} MiB, tier threads at nice +{}, class {}), {rounds} rounds, medians; load {}",
             disk.display(),
             kachedb_shm::units::human_bytes(total as u64),
             slab >> 20,

@@ -1,4 +1,4 @@
-//! `kachedb bench ops`: operations against a real daemon process.
+//! `kachedb-bench ops`: operations against a real daemon process.
 
 use crate::spawn::{cpu_seconds, DaemonProcess};
 use clap::Args;
@@ -9,7 +9,7 @@ use serde_json::json;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// Options of `kachedb bench ops`.
+/// Options of `kachedb-bench ops`.
 #[derive(Debug, Args)]
 pub struct OpsArgs {
     /// Print one JSON object per line instead of a table.
@@ -83,7 +83,7 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
     let kc = Client::connect(&ConnectOptions { socket, ..Default::default() })?;
     let out = Out { json: a.json };
     if !a.json {
-        println!("kachedb bench ops — client and daemon are separate processes; medians of {reps} runs");
+        println!("kachedb-bench ops — client and daemon are separate processes; medians of {reps} runs");
     }
 
     // Round trips.

@@ -1,4 +1,4 @@
-//! `kachedb bench remote`: the remote tier (`serve --remote`) against a Redis
+//! `kachedb-bench remote`: the remote tier (`serve --remote`) against a Redis
 //! Cluster, started for the run (3 masters on 127.0.0.1) unless `--remote`
 //! names one.
 //!
@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// Options of `kachedb bench remote`.
+/// Options of `kachedb-bench remote`.
 #[derive(Debug, Args)]
 pub struct RemoteArgs {
     /// Print one JSON object per line instead of a table.
@@ -252,7 +252,7 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     if !a.json {
-        println!("kachedb bench remote — {url}, namespace {ns}; two daemons (node A writes, node B fills)");
+        println!("kachedb-bench remote — {url}, namespace {ns}; two daemons (node A writes, node B fills)");
         if cluster.is_some() {
             println!(
                 "  the 3 redis-servers started here run at nice {} (they stand for other machines; the plain-client baseline reads the same servers)",

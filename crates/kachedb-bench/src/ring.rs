@@ -1,7 +1,7 @@
-//! `kachedb bench ring`: the SPSC ring between two real processes.
+//! `kachedb-bench ring`: the SPSC ring between two real processes.
 //!
 //! The parent creates a small sealed region (one channel) and, for every
-//! measurement, spawns this executable as `kachedb bench-child --region
+//! measurement, spawns this executable as `kachedb-bench bench-child --region
 //! /proc/<pid>/fd/<n> --mode …`; the child attaches the region by that path.
 //! The parent produces into the channel's submission ring, the child consumes;
 //! the completion ring carries the child's "ready" and "done (count,
@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 type BoxError = Box<dyn std::error::Error>;
 
-/// Options of `kachedb bench ring`.
+/// Options of `kachedb-bench ring`.
 #[derive(Debug, Args)]
 pub struct RingArgs {
     /// Print one JSON object per line instead of a table.
@@ -984,7 +984,7 @@ impl Output {
                 "not pinned".to_string()
             };
             println!(
-                "kachedb bench ring: 64-byte frames across two processes, ring capacity {} slots, {pin}",
+                "kachedb-bench ring: 64-byte frames across two processes, ring capacity {} slots, {pin}",
                 v["capacity"]
             );
             if let Some(idle) = v["machine_idle_percent_before"].as_f64() {

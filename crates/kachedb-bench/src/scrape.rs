@@ -1,6 +1,6 @@
 //! The cost of being watched: GET-hit round trips against a daemon, with and
 //! without a watcher at a given rate, in the same run: a scraper reading
-//! `GET /metrics` (`kachedb bench ops --scrape-hz 50`), or a poller asking for
+//! `GET /metrics` (`kachedb-bench ops --scrape-hz 50`), or a poller asking for
 //! `kachedb stats` over the control socket with a store of many blocks
 //! (`--stats-hz 20 --stats-blocks 100000`).
 //!

@@ -1,4 +1,4 @@
-//! Starting a daemon as a child process for `demo` and `bench ops`.
+//! Starting a daemon as a child process for `demo` and `kachedb-bench ops`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
