@@ -4,7 +4,7 @@
 
 use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat, Reader};
 use crate::errors::{client_err, InvalidArgument, KacheDBError};
-use kachedb_client::{BlockView, ConnectOptions, DType, Key, Reservation, Shape};
+use kachedb_client::{BlockView, ConnectOptions, DType, Key, Reservation, Shape, Value};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
@@ -91,7 +91,7 @@ fn parents_of(parents: Option<&Bound<'_, PyAny>>, count: usize) -> PyResult<Vec<
     Ok(v)
 }
 
-/// A source block of `put_many_values`: its dtype, shape and bytes.
+/// A source block of `put_many`: its dtype, shape and bytes.
 struct SrcBlock {
     key: Key,
     dtype: DType,
@@ -364,7 +364,7 @@ impl NativeClient {
     /// `parent`: the key of the block this one follows in a chain, or `None`.
     #[allow(clippy::too_many_arguments)] // the Python signature
     #[pyo3(signature = (key, code, dims, address, nbytes, parent=None))]
-    fn put_raw(
+    fn put(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
@@ -380,7 +380,7 @@ impl NativeClient {
         py.allow_threads(|| {
             // SAFETY: the Python caller holds the source for the whole call.
             let bytes = unsafe { src.slice() };
-            self.inner.put_tensor_with_parent(k, parent, dt, &sh, bytes)
+            self.inner.put(k, Value::tensor(dt, sh, bytes).parent(parent))
         })
         .map_err(client_err)
     }
@@ -393,7 +393,7 @@ impl NativeClient {
     /// batch, the copies (GIL released, threads for large batches), one COMMIT
     /// batch; all or nothing. `parents`: one key (or `None`) per block.
     #[pyo3(signature = (keys, values, codes, source, parents=None))]
-    fn put_many_values(
+    fn put_many(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
@@ -448,12 +448,14 @@ impl NativeClient {
             blocks.push(SrcBlock { key, dtype: dtype(code)?, shape: shape(&dims)?, src: Src { address, nbytes } });
         }
         py.allow_threads(|| {
-            let tensors: Vec<_> = blocks
+            let parent = |i: usize| parents.get(i).copied().flatten();
+            let values: Vec<_> = blocks
                 .iter()
+                .enumerate()
                 // SAFETY: the caller's `values` (and `keep`) hold every source for the whole call.
-                .map(|b| (b.key, b.dtype, b.shape, unsafe { b.src.slice() }))
+                .map(|(i, b)| (b.key, Value::tensor(b.dtype, b.shape, unsafe { b.src.slice() }).parent(parent(i))))
                 .collect();
-            self.inner.put_many_tensors_with_parents(&tensors, &parents)
+            self.inner.put_many(&values)
         })
         .map_err(client_err)?;
         drop(keep);
@@ -464,14 +466,14 @@ impl NativeClient {
     /// gathered from `len(addresses) / len(keys)` raw byte ranges
     /// (`addresses[i]`, `lengths[i]`) in order: one RESERVE batch, the copies
     /// (GIL released, threads for large batches), one COMMIT batch; all or
-    /// nothing (`Client::put_many_gathered`). `parents`: one key (or `None`)
+    /// nothing (`Client::put_ranges`). `parents`: one key (or `None`)
     /// per block.
     ///
     /// The caller vouches that every range is readable memory of this process
     /// that stays alive and unmodified during the call.
     #[allow(clippy::too_many_arguments)] // the Python signature
     #[pyo3(signature = (keys, code, dims, addresses, lengths, parents=None))]
-    fn put_gathered(
+    fn put_ranges(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
@@ -488,7 +490,7 @@ impl NativeClient {
         py.allow_threads(|| {
             // SAFETY: the Python caller vouches for every range for the whole call.
             let sources: Vec<&[u8]> = ranges.iter().map(|r| unsafe { r.slice() }).collect();
-            self.inner.put_many_gathered(&keys, dt, &sh, &sources, &parents)
+            self.inner.put_ranges(&keys, dt, &sh, &sources, &parents)
         })
         .map_err(client_err)
     }
@@ -498,14 +500,14 @@ impl NativeClient {
     /// raw byte ranges in order, then releases the pins together; stops at the
     /// first missing key or block that is not of dtype `code` and
     /// `block_len` bytes. Returns how many blocks were copied
-    /// (`Client::get_prefix_scattered`).
+    /// (`Client::get_prefix_into`).
     ///
     /// The caller vouches that every range is writable memory of this process
     /// that nothing else touches during the call; ranges that overlap one
     /// another or the shared region are refused (`InvalidArgument`, nothing
     /// asked of the daemon).
     #[pyo3(signature = (keys, code, block_len, addresses, lengths))]
-    fn get_prefix_scattered(
+    fn get_prefix_into(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
@@ -534,7 +536,7 @@ impl NativeClient {
                     unsafe { std::slice::from_raw_parts_mut(r.address as *mut u8, r.nbytes) }
                 })
                 .collect();
-            self.inner.get_prefix_scattered(&keys, dt, block_len, &mut dests)
+            self.inner.get_prefix_into(&keys, dt, block_len, &mut dests)
         })
         .map_err(client_err)
     }

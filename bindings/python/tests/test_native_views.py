@@ -42,7 +42,7 @@ def test_get_view_maps_every_key_form_as_key_of(kc, key):
     from test_keys import reference_key_of
 
     src = torch.arange(24, dtype=torch.int32).reshape(2, 3, 4)
-    kc._native.put_raw(reference_key_of(key), 3, [2, 3, 4], src.data_ptr(), src.nbytes)
+    kc._native.put(reference_key_of(key), 3, [2, 3, 4], src.data_ptr(), src.nbytes)
     t = kc._native.get_view(key)
     assert type(t).__name__ == "KVView" and isinstance(t, torch.Tensor)
     assert t.dtype == torch.int32 and t.shape == (2, 3, 4)

@@ -2,7 +2,7 @@
 
 use crate::spawn::DaemonProcess;
 use clap::Args;
-use kachedb_client::{Client, ConnectOptions, DType, Key, Shape};
+use kachedb_client::{Client, ConnectOptions, DType, Key, Shape, Value};
 use kachedb_shm::units::{human_bytes, parse_size};
 use std::path::PathBuf;
 use std::process::Command;
@@ -90,7 +90,7 @@ pub fn child(a: &DemoChildArgs) -> Result<(), Box<dyn std::error::Error>> {
         "put" => {
             let src: Vec<u8> = (0..len).map(pattern).collect();
             let t = Instant::now();
-            kc.put_tensor(key, DType::F16, &shape, &src)?;
+            kc.put(key, Value::tensor(DType::F16, shape, &src))?;
             let dt = t.elapsed();
             println!(
                 "demo: pid {} put f16{:?} ({}) in {:.1} ms ({:.2} GB/s)",

@@ -2,7 +2,7 @@
 
 use crate::spawn::{cpu_seconds, DaemonProcess};
 use clap::Args;
-use kachedb_client::{Client, ConnectOptions, DType, Key, Shape};
+use kachedb_client::{Client, ConnectOptions, DType, Key, Shape, Value};
 use kachedb_shm::units::{human_bytes, parse_size};
 use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
 use serde_json::json;
@@ -343,7 +343,7 @@ pub fn run(a: &OpsArgs) -> Result<(), Box<dyn std::error::Error>> {
         memcpy.push(t.elapsed().as_secs_f64());
         std::hint::black_box(&dst);
         let t = Instant::now();
-        kc.put_tensor(key, DType::U8, &shape, &src)?;
+        kc.put(key, Value::tensor(DType::U8, shape, &src))?;
         put.push(t.elapsed().as_secs_f64());
     }
     let (m, p) = (median(&mut memcpy), median(&mut put));

@@ -1,13 +1,13 @@
 //! The batch calls and WAIT against the real `kachedb` daemon binary:
 //! `get_prefix`, `reserve_many` / `commit_many` / `abort_many`, `delete_many`,
-//! `put_many_tensors`, and `wait_for` across real processes (committed before,
+//! `put_many` of tensors, and `wait_for` across real processes (committed before,
 //! during, never). No assertion on timings (deadlines are only upper bounds
 //! that a broken WAIT would blow through).
 //!
 //! Child processes are this test binary run again (`tests/common`), with
 //! `KDB_CHILD_ROLE` naming what the child does.
 
-use kachedb_client::{Client, ClientError, DType, Key, Shape};
+use kachedb_client::{Client, ClientError, DType, Key, Shape, Value};
 use std::time::Duration;
 
 mod common;
@@ -142,12 +142,12 @@ fn reserve_many_commits_together_and_is_all_or_nothing() {
     assert!(matches!(e, ClientError::Invalid(_)), "{e}");
     assert!(kc.reserve_many(&[]).expect("empty").is_empty());
     kc.commit_many(Vec::new()).expect("empty commit");
-    // put_many_tensors is all or nothing too (one block's length does not match).
+    // put_many of tensors is all or nothing too (one block's length does not match).
     let ok = pattern(k("pm", 0), 100);
     let e = kc
-        .put_many_tensors(&[
-            (k("pm", 0), DType::U8, Shape::new(&[100]).unwrap(), &ok[..]),
-            (k("pm", 1), DType::F32, Shape::new(&[100]).unwrap(), &ok[..]),
+        .put_many(&[
+            (k("pm", 0), Value::tensor(DType::U8, Shape::new(&[100]).unwrap(), &ok[..])),
+            (k("pm", 1), Value::tensor(DType::F32, Shape::new(&[100]).unwrap(), &ok[..])),
         ])
         .expect_err("length mismatch");
     assert!(matches!(e, ClientError::Invalid(_)), "{e}");
@@ -176,7 +176,7 @@ fn put_many_of_a_large_batch_copies_every_block() {
 /// equal, in order; the pins released; uneven or mis-sized ranges refused
 /// before anything is reserved; a block of another size ends the prefix.
 #[test]
-fn put_gathered_and_get_prefix_scattered_move_ranges_in_order() {
+fn put_ranges_and_get_prefix_into_move_ranges_in_order() {
     let dir = TempDir::new("gather");
     let daemon = Daemon::start(&dir.socket(), "256MiB");
     let kc = Client::connect(&daemon.opts()).expect("connect");
@@ -192,7 +192,7 @@ fn put_gathered_and_get_prefix_scattered_move_ranges_in_order() {
         .map(|(i, j)| &pool[slot(i, j)..slot(i, j) + range])
         .collect();
     let shape = Shape::new(&[(per * range) as u64]).expect("shape");
-    kc.put_many_gathered(&keys, DType::U8, &shape, &sources, &[]).expect("put_many_gathered");
+    kc.put_ranges(&keys, DType::U8, &shape, &sources, &[]).expect("put_ranges");
     let views = kc.get_prefix(&keys).expect("prefix");
     assert_eq!(views.len(), blocks);
     for (i, v) in views.iter().enumerate() {
@@ -210,7 +210,7 @@ fn put_gathered_and_get_prefix_scattered_move_ranges_in_order() {
         .flat_map(|i| (0..per).map(move |j| j * blocks + i))
         .map(|c| by_slot[c].take().expect("once"))
         .collect();
-    let n = kc.get_prefix_scattered(&keys, DType::U8, per * range, &mut ordered).expect("get_prefix_scattered");
+    let n = kc.get_prefix_into(&keys, DType::U8, per * range, &mut ordered).expect("get_prefix_into");
     assert_eq!(n, blocks);
     drop(ordered);
     assert!(out == pool, "scattered bytes differ from the gathered ones");
@@ -218,9 +218,9 @@ fn put_gathered_and_get_prefix_scattered_move_ranges_in_order() {
     assert!(invariants_ok(&v), "{v}");
     // Refused before anything is reserved: uneven ranges, a short block.
     let before = num(&stats(&daemon.socket), "blocks");
-    let e = kc.put_many_gathered(&[k("x", 0), k("x", 1)], DType::U8, &shape, &sources[..3], &[]).unwrap_err();
+    let e = kc.put_ranges(&[k("x", 0), k("x", 1)], DType::U8, &shape, &sources[..3], &[]).unwrap_err();
     assert!(matches!(e, ClientError::Invalid(ref m) if m.contains("3 byte ranges for 2 blocks")), "{e}");
-    let e = kc.put_many_gathered(&[k("x", 0)], DType::U8, &shape, &sources[..per - 1], &[]).unwrap_err();
+    let e = kc.put_ranges(&[k("x", 0)], DType::U8, &shape, &sources[..per - 1], &[]).unwrap_err();
     assert!(matches!(e, ClientError::Invalid(ref m) if m.contains("add up to")), "{e}");
     assert_eq!(num(&stats(&daemon.socket), "blocks"), before);
     // A block of another size ends the prefix: only the ones before it are copied.
@@ -228,7 +228,7 @@ fn put_gathered_and_get_prefix_scattered_move_ranges_in_order() {
     kc.put(odd, &pattern(odd, 4096)).expect("put");
     let mut small = vec![0u8; 2 * per * range];
     let mut d2: Vec<&mut [u8]> = small.chunks_mut(range).collect();
-    let n = kc.get_prefix_scattered(&[keys[blocks - 1], odd], DType::U8, per * range, &mut d2).expect("scatter");
+    let n = kc.get_prefix_into(&[keys[blocks - 1], odd], DType::U8, per * range, &mut d2).expect("scatter");
     assert_eq!(n, 1);
     assert!(small[per * range..].iter().all(|&b| b == 0), "the odd block's ranges were written");
     let (v, _) = poll_stats(&daemon.socket, Duration::from_secs(5), "pins released", |v| num(v, "pins") == 0);
@@ -319,14 +319,17 @@ fn chains_name_their_parent_at_commit_and_lose_their_tail_first() {
         let v = stats(&daemon.socket);
         assert_eq!(v.get("eviction_policy").and_then(|p| p.as_str()), Some(policy));
         assert_eq!((num(&v, "chained_blocks"), num(&v, "parents_missing")), (7, 0));
-        // put_with_parent of an absent parent: committed, the link dropped.
-        kc.put_with_parent(k("lone", 0), Some(k("absent", 0)), &[1u8; 100]).expect("put_with_parent");
+        // A put naming an absent parent: committed, the link dropped.
+        kc.put(k("lone", 0), Value::bytes(&[1u8; 100]).parent(Some(k("absent", 0)))).expect("put with a parent");
         assert_eq!(num(&stats(&daemon.socket), "parents_missing"), 1);
         // Fill the 256 pages with unrelated chains until 3 blocks were evicted.
         let mut i = 0;
         while num(&stats(&daemon.socket), "evictions") < 3 {
-            let pair = [(k("f", 2 * i), &[0u8; 4096][..]), (k("f", 2 * i + 1), &[0u8; 4096][..])];
-            kc.put_chain(&pair, None).expect("put_chain");
+            let pair = [
+                (k("f", 2 * i), Value::bytes(&[0u8; 4096])),
+                (k("f", 2 * i + 1), Value::bytes(&[0u8; 4096]).parent(Some(k("f", 2 * i)))),
+            ];
+            kc.put_many(&pair).expect("put a chain");
             i += 1;
             assert!(i < 1000, "never evicted");
         }
@@ -356,4 +359,56 @@ fn chains_name_their_parent_at_commit_and_lose_their_tail_first() {
         }
         r.abort().expect("abort");
     }
+}
+
+/// The put and get names deprecated by one name per operation
+/// (`docs/PROTOCOL.md`, "Operations and their names") still do what they did,
+/// through their successors: each one's blocks, bytes, dtypes, shapes and
+/// parent links as the daemon records them.
+#[test]
+#[allow(deprecated)]
+fn deprecated_names_forward_to_their_successors() {
+    let dir = TempDir::new("deprecated");
+    let daemon = Daemon::start(&dir.socket(), "64MiB");
+    let kc = Client::connect(&daemon.opts()).expect("connect");
+    let b = |key: Key| pattern(key, 4096);
+    let shape = Shape::new(&[2, 1024]).expect("shape");
+    kc.put_tensor(k("d", 0), DType::F16, &shape, &b(k("d", 0))).expect("put_tensor");
+    kc.put_with_parent(k("d", 1), Some(k("d", 0)), &b(k("d", 1))).expect("put_with_parent");
+    kc.put_tensor_with_parent(k("d", 2), Some(k("d", 1)), DType::F32, &Shape::new(&[1024]).unwrap(), &b(k("d", 2)))
+        .expect("put_tensor_with_parent");
+    let (c0, c1) = (b(k("c", 0)), b(k("c", 1)));
+    kc.put_chain(&[(k("c", 0), &c0[..]), (k("c", 1), &c1[..])], Some(k("d", 2))).expect("put_chain");
+    let t0 = b(k("t", 0));
+    kc.put_many_tensors(&[(k("t", 0), DType::I8, Shape::new(&[4096]).unwrap(), &t0[..])]).expect("put_many_tensors");
+    let t1 = b(k("t", 1));
+    kc.put_many_tensors_with_parents(
+        &[(k("t", 1), DType::U8, Shape::new(&[4096]).unwrap(), &t1[..])],
+        &[Some(k("t", 0))],
+    )
+    .expect("put_many_tensors_with_parents");
+    let g = b(k("g", 0));
+    kc.put_many_gathered(&[k("g", 0)], DType::U8, &Shape::new(&[4096]).unwrap(), &[&g[..2048], &g[2048..]], &[])
+        .expect("put_many_gathered");
+    let expect = [
+        (k("d", 0), DType::F16, vec![2, 1024]),
+        (k("d", 1), DType::U8, vec![4096]),
+        (k("d", 2), DType::F32, vec![1024]),
+        (k("c", 0), DType::U8, vec![4096]),
+        (k("c", 1), DType::U8, vec![4096]),
+        (k("t", 0), DType::I8, vec![4096]),
+        (k("t", 1), DType::U8, vec![4096]),
+        (k("g", 0), DType::U8, vec![4096]),
+    ];
+    for (key, dtype, dims) in &expect {
+        let v = kc.get(*key).expect("get").unwrap_or_else(|| panic!("{key:?} missing"));
+        assert_eq!((v.dtype(), v.shape().dims()), (*dtype, &dims[..]), "{key:?}");
+        assert!(v[..] == b(*key)[..], "{key:?} bytes");
+    }
+    // Links: d0 <- d1 <- d2 <- c0 <- c1 and t0 <- t1: five blocks name a present parent.
+    assert_eq!((num(&stats(&daemon.socket), "chained_blocks"), num(&stats(&daemon.socket), "parents_missing")), (5, 0));
+    let mut dest = vec![0u8; 4096];
+    let n = kc.get_prefix_scattered(&[k("g", 0)], DType::U8, 4096, &mut [&mut dest[..]]).expect("get_prefix_scattered");
+    assert_eq!(n, 1);
+    assert!(dest == g);
 }

@@ -12,7 +12,7 @@
 //! can verify any block it gets; checksums are position-sensitive 64-bit
 //! hashes compared across processes.
 
-use kachedb_client::{BlockView, Client, ClientError, ConnectOptions, DType, Key, Shape};
+use kachedb_client::{BlockView, Client, ClientError, ConnectOptions, DType, Key, Shape, Value};
 use kachedb_shm::{Op, SpinThenPark, Status, TensorBlockDescriptor};
 use std::collections::{BTreeMap, VecDeque};
 use std::os::unix::fs::PermissionsExt;
@@ -164,7 +164,8 @@ fn rt_write(kc: &Client, cases: &[RtCase]) {
                 let src = pattern_vec(c.len, seed);
                 let sum = checksum(&src);
                 let (dtype, shape) = c.layout();
-                kc.put_tensor(key, dtype, &shape, &src).unwrap_or_else(|e| panic!("{}: put_tensor: {e}", c.name));
+                kc.put(key, Value::tensor(dtype, shape, &src))
+                    .unwrap_or_else(|e| panic!("{}: put of a tensor: {e}", c.name));
                 sum
             }
             Method::Reserve { page_offset } => {
@@ -323,8 +324,8 @@ fn mix_write(kc: &Client, k: Key, how: u64, rng: &mut Rng) -> bool {
     match how {
         0 => kc.put(k, &mix_content(k)).expect("put"),
         1 => kc
-            .put_tensor(k, DType::I8, &Shape::new(&[len as u64]).expect("shape"), &mix_content(k))
-            .expect("put_tensor"),
+            .put(k, Value::tensor(DType::I8, Shape::new(&[len as u64]).expect("shape"), &mix_content(k)))
+            .expect("put of a tensor"),
         2 => {
             let mut r = kc
                 .reserve(k, DType::U8, &Shape::for_bytes(len as u64).expect("shape"), 64 * rng.below(64))

@@ -91,7 +91,7 @@ fn crash_at_random_points_of_a_write_stream_loses_nothing_reported_written() {
                     }
                     let key = tkey(round as u64 + 1, j);
                     let len = 4096 * (1 + r.below(32) as usize) - r.below(64) as usize;
-                    if c.put_with_parent(key, parent, &pattern(key, len)).is_err() {
+                    if c.put(key, kachedb_client::Value::bytes(&pattern(key, len)).parent(parent)).is_err() {
                         break;
                     }
                     acked.lock().unwrap().push((key, len));
@@ -165,7 +165,7 @@ fn chains_come_back_from_disk_whole_and_the_disk_evicts_leaves_first() {
         for chain in &chains {
             let mut parent = None;
             for &k in chain {
-                c.put_with_parent(k, parent, &pattern(k, len)).expect("put");
+                c.put(k, kachedb_client::Value::bytes(&pattern(k, len)).parent(parent)).expect("put");
                 parent = Some(k);
                 // One block at a time to disk, so that none is dropped.
                 drained(&socket);
@@ -377,7 +377,7 @@ fn a_takeover_hands_the_disk_tier_over() {
     let len = 300_000;
     let mut parent = None;
     for &k in &keys {
-        c.put_with_parent(k, parent, &pattern(k, len)).expect("put");
+        c.put(k, kachedb_client::Value::bytes(&pattern(k, len)).parent(parent)).expect("put");
         parent = Some(k);
     }
     assert_eq!(num(&drained(&socket), "disk_writes"), 6);
@@ -474,7 +474,7 @@ fn a_wait_on_a_key_on_disk_is_answered_by_a_fill() {
         let c = Client::connect(&d.opts()).expect("connect");
         let mut parent = None;
         for &k in &keys {
-            c.put_with_parent(k, parent, &pattern(k, len)).expect("put");
+            c.put(k, kachedb_client::Value::bytes(&pattern(k, len)).parent(parent)).expect("put");
             parent = Some(k);
         }
         assert_eq!(num(&drained(&socket), "disk_writes"), 3);

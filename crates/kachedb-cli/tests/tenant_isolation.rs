@@ -6,7 +6,7 @@
 //! them as parents is allowed and does not keep them cached. Neither can
 //! make the victim's puts fail. No assertion on timings.
 
-use kachedb_client::{Client, ConnectOptions, Key};
+use kachedb_client::{chain_parents, Client, ConnectOptions, Key};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -72,7 +72,8 @@ fn child_process() {
             let mut views = Vec::new();
             for i in 0..victims {
                 let k = key("x", i);
-                kc.put_with_parent(k, Some(key("v", i)), &pattern(k, 4096)).expect("put a child");
+                kc.put(k, kachedb_client::Value::bytes(&pattern(k, 4096)).parent(Some(key("v", i))))
+                    .expect("put a child");
                 if hold {
                     views.push(kc.get(k).expect("get").expect("present"));
                 }
@@ -100,9 +101,15 @@ fn spawn(role: &str, d: &Daemon, tenant: &str, victims: u64, hold: bool) -> Proc
 fn store_victim_chain(v: &Client, n: u64) {
     let keys: Vec<Key> = (0..n).map(|i| key("v", i)).collect();
     let (buf, start) = aligned(&keys);
-    let items: Vec<(Key, &[u8])> =
-        keys.iter().enumerate().map(|(i, k)| (*k, &buf[start + i * BLOCK..start + (i + 1) * BLOCK])).collect();
-    v.put_chain(&items, None).expect("the victim's chain");
+    let parents = chain_parents(&keys, None);
+    let items: Vec<(Key, kachedb_client::Value<'_>)> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            (*k, kachedb_client::Value::bytes(&buf[start + i * BLOCK..start + (i + 1) * BLOCK]).parent(parents[i]))
+        })
+        .collect();
+    v.put_many(&items).expect("the victim's chain");
 }
 
 /// `v` stores `count` more blocks, one by one: every put must succeed.

@@ -9,12 +9,17 @@
 //! # Ok::<(), kachedb_client::ClientError>(())
 //! ```
 //!
+//! Stores: [`Client::put`] (one block), [`Client::put_many`] (a batch),
+//! [`Client::put_ranges`] (a batch, each block gathered from byte ranges), and
+//! [`Client::reserve`] / [`Client::reserve_many`] to write in place; reads:
+//! [`Client::get`], [`Client::get_many`], [`Client::get_prefix`],
+//! [`Client::get_prefix_into`] (`docs/PROTOCOL.md` maps each to its wire op
+//! and its Python method).
+//!
 //! Blocks of a prefix chain name their **parent** (the block before them):
-//! [`Client::put_chain`], [`Client::put_with_parent`],
-//! [`Reservation::set_parent`], the `parents` of
-//! [`Client::put_many_tensors_with_parents`] and
-//! [`Client::reserve_many_with_parents`] ([`chain_parents`] builds them for a
-//! chain). The daemon's chain-aware eviction then never evicts a block before
+//! [`Value::parent`], [`Reservation::set_parent`], the `parents` of
+//! [`Client::put_ranges`] and [`Client::reserve_many_with_parents`]
+//! ([`chain_parents`] builds them for a chain). The daemon's chain-aware eviction then never evicts a block before
 //! the blocks that follow it (`docs/eviction.md`).
 //!
 //! One [`Client`] is one channel (a pair of rings) to the daemon. It can be
@@ -32,14 +37,17 @@
 mod channel;
 mod connect;
 pub mod copy;
+mod deprecated;
 mod error;
 pub mod key;
+mod value;
 mod view;
 
 pub use connect::{daemon_stats, ConnectOptions, DEFAULT_ANSWER_TIMEOUT, TRUST_UID_ENV};
 pub use error::{ClientError, Result};
 pub use kachedb_shm::{DType, Shape, Stats};
 pub use key::Key;
+pub use value::Value;
 pub use view::{BlockView, Reservation};
 
 use channel::Channel;
@@ -125,74 +133,38 @@ impl Client {
         self.reserve(key, dtype, shape, page_offset_of(src.as_ptr()))
     }
 
-    /// Stores `bytes` under `key` as a flat `u8` block (one copy into shared memory).
-    pub fn put(&self, key: Key, bytes: &[u8]) -> Result<()> {
-        self.put_tensor(key, DType::U8, &flat_shape(bytes)?, bytes)
-    }
-
-    /// Stores a tensor's bytes under `key` (one copy into shared memory).
-    pub fn put_tensor(&self, key: Key, dtype: DType, shape: &Shape, bytes: &[u8]) -> Result<()> {
-        self.put_tensor_with_parent(key, None, dtype, shape, bytes)
-    }
-
-    /// [`put`](Self::put) of a block that follows the block of `parent` in a
-    /// prefix chain (`None`: no parent; see [`Reservation::set_parent`]).
-    pub fn put_with_parent(&self, key: Key, parent: Option<Key>, bytes: &[u8]) -> Result<()> {
-        self.put_tensor_with_parent(key, parent, DType::U8, &flat_shape(bytes)?, bytes)
-    }
-
-    /// [`put_tensor`](Self::put_tensor) with a parent, as [`put_with_parent`](Self::put_with_parent).
-    pub fn put_tensor_with_parent(
-        &self,
-        key: Key,
-        parent: Option<Key>,
-        dtype: DType,
-        shape: &Shape,
-        bytes: &[u8],
-    ) -> Result<()> {
-        let mut r = self.reserve_for_copy(key, dtype, shape, bytes)?;
-        r.set_parent(parent);
-        copy::copy_into(r.as_mut_slice(), bytes);
+    /// Stores `value` under `key` (one copy into shared memory): flat bytes
+    /// (`&[u8]`, `&Vec<u8>`, `&[u8; N]`: a `u8` block) or a [`Value`] that
+    /// says the dtype and shape ([`Value::tensor`]) and the block's parent in a
+    /// prefix chain ([`Value::parent`]).
+    pub fn put<'a>(&self, key: Key, value: impl Into<Value<'a>>) -> Result<()> {
+        let v = value.into();
+        let shape = v.shape()?;
+        let mut r = self.reserve_for_copy(key, v.dtype, &shape, v.bytes)?;
+        r.set_parent(v.parent);
+        copy::copy_into(r.as_mut_slice(), v.bytes);
         r.commit()
     }
 
-    /// Stores many flat byte blocks, with one publish per ring-full of frames.
-    pub fn put_many(&self, items: &[(Key, &[u8])]) -> Result<()> {
-        self.put_many_tensors(&flat_tensors(items)?)
-    }
-
-    /// Stores the blocks of a prefix chain, in order, as [`put_many`](Self::put_many):
-    /// each block's parent is the one before it, the first one's `parent`.
-    pub fn put_chain(&self, items: &[(Key, &[u8])], parent: Option<Key>) -> Result<()> {
-        let keys: Vec<Key> = items.iter().map(|(k, _)| *k).collect();
-        self.put_many_tensors_with_parents(&flat_tensors(items)?, &chain_parents(&keys, parent))
-    }
-
-    /// Stores many tensors: all RESERVEs in one batch ([`reserve_many`](Self::reserve_many),
-    /// each at its source's page offset), the copies ([`copy::copy_many`]: split
-    /// between threads when the batch is large), then all COMMITs in one batch.
-    /// All or nothing: if any reservation fails, every one is aborted and the
-    /// first error returned (nothing becomes visible).
-    pub fn put_many_tensors(&self, items: &[(Key, DType, Shape, &[u8])]) -> Result<()> {
-        self.put_many_tensors_with_parents(items, &[])
-    }
-
-    /// [`put_many_tensors`](Self::put_many_tensors) where block `i` names
-    /// `parents[i]` as its parent (`parents` empty: none). The COMMITs go in
-    /// order, so a block may name one committed earlier in the same batch.
-    pub fn put_many_tensors_with_parents(
-        &self,
-        items: &[(Key, DType, Shape, &[u8])],
-        parents: &[Option<Key>],
-    ) -> Result<()> {
-        let mut wanted = Vec::with_capacity(items.len());
-        for (key, dtype, shape, bytes) in items {
-            shape.check_len(*dtype, bytes.len() as u64).map_err(invalid)?;
-            wanted.push((*key, *dtype, *shape, page_offset_of(bytes.as_ptr())));
+    /// Stores many blocks, as [`put`](Self::put) each: all RESERVEs in one
+    /// batch ([`reserve_many`](Self::reserve_many), each at its source's page
+    /// offset), the copies ([`copy::copy_many`]: split between threads when
+    /// the batch is large), then all COMMITs in one batch, in order (a block
+    /// may name one earlier in the batch as its parent: [`chain_parents`],
+    /// [`Value::parent`]). All or nothing: if any reservation fails, every one
+    /// is aborted and the first error returned (nothing becomes visible).
+    pub fn put_many<'a, V: Into<Value<'a>> + Clone>(&self, items: &[(Key, V)]) -> Result<()> {
+        let values: Vec<(Key, Value<'a>)> = items.iter().map(|(k, v)| (*k, v.clone().into())).collect();
+        let mut wanted = Vec::with_capacity(values.len());
+        for (key, v) in &values {
+            let shape = v.shape()?;
+            shape.check_len(v.dtype, v.bytes.len() as u64).map_err(invalid)?;
+            wanted.push((*key, v.dtype, shape, page_offset_of(v.bytes.as_ptr())));
         }
-        let mut reservations = self.reserve_many_with_parents(&wanted, parents)?;
+        let parents: Vec<Option<Key>> = values.iter().map(|(_, v)| v.parent).collect();
+        let mut reservations = self.reserve_many_with_parents(&wanted, &parents)?;
         let mut pairs: Vec<(&mut [u8], &[u8])> =
-            reservations.iter_mut().zip(items).map(|(r, (_, _, _, bytes))| (r.as_mut_slice(), *bytes)).collect();
+            reservations.iter_mut().zip(&values).map(|(r, (_, v))| (r.as_mut_slice(), v.bytes)).collect();
         copy::copy_many(&mut pairs);
         drop(pairs);
         self.commit_many(reservations)
@@ -200,15 +172,16 @@ impl Client {
 
     /// Stores one block of `dtype` and `shape` per key, each gathered from
     /// `sources.len() / keys.len()` byte ranges in order (block `i` is the
-    /// concatenation of `sources[i * per .. (i + 1) * per]`): one batch of
-    /// RESERVEs, the copies (one [`copy::copy_many`] over every range: split
-    /// between threads when the batch is large), one batch of COMMITs. For a
-    /// block whose bytes lie in pieces in the caller's memory (an engine's
-    /// KV pages, one range per layer), with no staging copy. All or nothing,
-    /// as [`put_many_tensors_with_parents`](Self::put_many_tensors_with_parents);
-    /// `ClientError::Invalid` (nothing reserved) if the ranges do not divide
-    /// evenly between the keys or a block's ranges do not add up to its bytes.
-    pub fn put_many_gathered(
+    /// concatenation of `sources[i * per .. (i + 1) * per]`), block `i` naming
+    /// `parents[i]` (`parents` empty: none): one batch of RESERVEs, the copies
+    /// (one [`copy::copy_many`] over every range: split between threads when
+    /// the batch is large), one batch of COMMITs. For a block whose bytes lie
+    /// in pieces in the caller's memory (an engine's KV pages, one range per
+    /// layer), with no staging copy. All or nothing, as
+    /// [`put_many`](Self::put_many); `ClientError::Invalid` (nothing reserved)
+    /// if the ranges do not divide evenly between the keys or a block's ranges
+    /// do not add up to its bytes.
+    pub fn put_ranges(
         &self,
         keys: &[Key],
         dtype: DType,
@@ -241,7 +214,7 @@ impl Client {
     /// were). Returns how many blocks were copied. `ClientError::Invalid`
     /// (nothing asked of the daemon) if the ranges do not divide evenly between
     /// the keys or a block's ranges do not add up to `block_len`.
-    pub fn get_prefix_scattered(
+    pub fn get_prefix_into(
         &self,
         keys: &[Key],
         dtype: DType,
@@ -447,8 +420,8 @@ impl Client {
 }
 
 /// The parents of a prefix chain of `keys`: each key's parent is the key
-/// before it, the first key's `first` (for the `parents` of
-/// [`Client::put_many_tensors_with_parents`] and [`Client::reserve_many_with_parents`]).
+/// before it, the first key's `first` (for [`Value::parent`], the `parents` of
+/// [`Client::put_ranges`] and [`Client::reserve_many_with_parents`]).
 pub fn chain_parents(keys: &[Key], first: Option<Key>) -> Vec<Option<Key>> {
     std::iter::once(first).chain(keys.iter().map(|k| Some(*k))).take(keys.len()).collect()
 }
@@ -509,18 +482,4 @@ fn check_ranges(lens: impl Iterator<Item = usize>, per: usize, block_len: impl F
         }
     }
     Ok(())
-}
-
-/// A tensor to store: key, dtype, shape, bytes.
-type TensorItem<'a> = (Key, DType, Shape, &'a [u8]);
-
-/// Flat `u8` tensors of byte blocks.
-fn flat_tensors<'a>(items: &[(Key, &'a [u8])]) -> Result<Vec<TensorItem<'a>>> {
-    items.iter().map(|(key, bytes)| Ok((*key, DType::U8, flat_shape(bytes)?, *bytes))).collect()
-}
-
-/// The shape of a flat byte block of `bytes`.
-fn flat_shape(bytes: &[u8]) -> Result<Shape> {
-    Shape::for_bytes(bytes.len() as u64)
-        .ok_or_else(|| ClientError::Invalid("a flat block above 4 GiB must be a multiple of 4096 bytes".into()))
 }

@@ -472,7 +472,7 @@ class Client:
             return
         code, shape, addr, nbytes, keep = self._source(value)
         check_shape(shape)
-        native.put_raw(key, code, list(shape), addr, nbytes, parent)
+        native.put(key, code, list(shape), addr, nbytes, parent)
         del keep
 
     def put_many(
@@ -490,7 +490,7 @@ class Client:
         block's parent the one before it (the first one's ``parent``); without
         it, ``parent`` is every block's parent."""
         keys, parents = _parents(keys, parent, chain)
-        self._check().put_many_values(keys, values, _torch_codes(), _batch_source, parents)
+        self._check().put_many(keys, values, _torch_codes(), _batch_source, parents)
 
     def reserve(
         self, key: Optional[KeyLike], shape: ShapeLike, dtype: Any, *, parent: Optional[KeyLike] = None
@@ -606,7 +606,7 @@ class Client:
                 raise InvalidArgument(f"{len(addresses)} byte ranges for 0 blocks")
             return
         block_len = _block_len(len(keys), lengths)
-        native.put_gathered(keys, dtype_code("uint8"), [block_len], addresses, lengths, parents)
+        native.put_ranges(keys, dtype_code("uint8"), [block_len], addresses, lengths, parents)
 
     def get_prefix_into(self, keys: Sequence[KeyLike], addresses: Sequence[int], lengths: Sequence[int]) -> int:
         """Copies the leading present keys of ``keys`` (as ``get_prefix``, one
@@ -628,7 +628,7 @@ class Client:
                 raise InvalidArgument(f"{len(addresses)} byte ranges for 0 blocks")
             return 0
         block_len = _block_len(len(keys), lengths)
-        return native.get_prefix_scattered(keys, dtype_code("uint8"), block_len, addresses, lengths)
+        return native.get_prefix_into(keys, dtype_code("uint8"), block_len, addresses, lengths)
 
     # -- reads -------------------------------------------------------------
     @staticmethod

@@ -70,7 +70,7 @@ class NativeClient:
     def region_span(self) -> Tuple[int, int]:
         """(address, bytes) of the whole mapped region in this process."""
     def ping(self) -> None: ...
-    def put_raw(
+    def put(
         self,
         key: Any,
         code: int,
@@ -98,7 +98,7 @@ class NativeClient:
         """Pins the leading present keys in one round trip; each a ``KVView``.
         With ``pin_each``, each as ``get_view`` makes it (its own pin); else the
         views share their pins, released together when the last of them goes."""
-    def put_gathered(
+    def put_ranges(
         self,
         keys: Iterable[Any],
         code: int,
@@ -109,7 +109,7 @@ class NativeClient:
     ) -> None:
         """One block per key gathered from ``len(addresses) // len(keys)`` raw
         byte ranges in order: one RESERVE batch, the copies, one COMMIT batch."""
-    def get_prefix_scattered(
+    def get_prefix_into(
         self, keys: Iterable[Any], code: int, block_len: int, addresses: List[int], lengths: List[int]
     ) -> int:
         """The leading present blocks copied into raw byte ranges, pins released;
@@ -117,7 +117,7 @@ class NativeClient:
     def wait_for_view(self, key: Any, timeout: Optional[float] = None) -> Any:
         """Waits (GIL released) until ``key`` is committed, then returns it as
         ``get_view`` does; ``TimedOut`` after ``timeout`` seconds (``None``: never)."""
-    def put_many_values(
+    def put_many(
         self,
         keys: Iterable[Any],
         values: Iterable[Any],
