@@ -11,9 +11,9 @@ use std::process::Command;
 
 fn missing(test: &str, what: &str) -> ! {
     panic!(
-        "{test} needs {what}, which this machine or user lacks; without it `cargo test` lists the test as \
-         ignored, but this binary was built where it was there (crates/kachedb-cli/build.rs probes at build \
-         time): run as root after `make system-deps`, or rebuild as this user"
+        "{test} needs {what}, which this machine or user lacks (where the tests are built without it, \
+         `cargo test` lists the test as ignored: crates/kachedb-cli/build.rs; this binary was built with it, \
+         or run with --ignored): run as root after `make system-deps`, or rebuild as this user"
     )
 }
 
