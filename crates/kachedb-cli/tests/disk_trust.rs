@@ -8,7 +8,8 @@
 //! acknowledged.
 //!
 //! Tests that need root (mounts, `chown`, the cgroup v1 freezer that holds
-//! the tier's writers still) print "SKIPPED" without it; CI runs them as root.
+//! the tier's writers still) are listed as ignored, with the reason, without
+//! it; CI runs them as root.
 //! `KDB_DAEMON_BIN=/path/to/kachedb` runs them against another build (each
 //! fails against the commit before its fix). `KACHEDB_DISK_KILLS=N` sets the
 //! crash test's kills (default 200; `KACHEDB_SOAK=1`: 1000).
@@ -73,10 +74,12 @@ fn kill9(mut d: Daemon, freezer: Option<Freezer>) {
 /// and its file is gone. (Before: the removal waited behind the queued
 /// writes, and the deleted block came back.)
 #[test]
+#[cfg_attr(
+    not(kdb_freezer),
+    ignore = "needs root and the cgroup v1 freezer: holds the disk writers still (run as root, as CI does)"
+)]
 fn a_delete_answered_with_writes_queued_survives_kill_9() {
-    if !Freezer::available("a_delete_answered_with_writes_queued_survives_kill_9") {
-        return;
-    }
+    Freezer::need("a_delete_answered_with_writes_queued_survives_kill_9");
     let tmp = TempDir::new("trust-delete-queued");
     let disk = tmp.0.join("disk");
     let socket = tmp.socket();
@@ -110,10 +113,10 @@ fn a_delete_answered_with_writes_queued_survives_kill_9() {
 /// after a `kill -9` the key is absent. (Before: answered OK, never
 /// retried, and the old bytes came back.)
 #[test]
+#[cfg_attr(not(kdb_ext4), ignore = "needs root and mkfs.ext4: loop-mounts an ext4 image (run as root, as CI does)")]
 fn a_delete_on_a_read_only_disk_is_not_durable_and_retried_until_it_is() {
-    if !root_or_skip("a_delete_on_a_read_only_disk_is_not_durable_and_retried_until_it_is") {
-        return;
-    }
+    need::root("a_delete_on_a_read_only_disk_is_not_durable_and_retried_until_it_is");
+    need::tool("a_delete_on_a_read_only_disk_is_not_durable_and_retried_until_it_is", "mkfs.ext4");
     let tmp = TempDir::new("trust-delete-ro");
     let mnt = Mount::ext4(&tmp.0.join("mnt"), 64);
     let disk = mnt.at.join("disk");
@@ -149,9 +152,9 @@ fn a_delete_on_a_read_only_disk_is_not_durable_and_retried_until_it_is() {
 
 /// A key put again with new bytes never serves its older bytes: with
 /// `--disk-admit second` (the newer block is not written until asked for
-/// again) after it left RAM, without any crash; and with `first` after a
-/// `kill -9` while the newer block's write is still queued. Either the
-/// newest bytes or nothing. (Before: the old copy on disk was never removed.)
+/// again) after it left RAM, without any crash (and with `first` after a
+/// `kill -9`: the next test). Either the newest bytes or nothing. (Before:
+/// the old copy on disk was never removed.)
 #[test]
 fn a_replaced_key_never_serves_its_older_bytes() {
     let tmp = TempDir::new("trust-replace-second");
@@ -171,12 +174,18 @@ fn a_replaced_key_never_serves_its_older_bytes() {
         assert!(!is_version(&b, k, 1), "the replaced bytes (v1) came back from disk");
         assert!(is_version(&b, k, 2), "bytes that are neither v1 nor v2");
     }
-    drop(c);
-    drop(d);
+}
 
-    if !Freezer::available("a_replaced_key_never_serves_its_older_bytes (after kill -9)") {
-        return;
-    }
+/// A key put again with new bytes never serves its older bytes with
+/// `--disk-admit first` after a `kill -9` while the newer block's write is
+/// still queued: the newest bytes or nothing.
+#[test]
+#[cfg_attr(
+    not(kdb_freezer),
+    ignore = "needs root and the cgroup v1 freezer: holds the disk writers still (run as root, as CI does)"
+)]
+fn a_replaced_key_never_serves_its_older_bytes_after_kill_9() {
+    Freezer::need("a_replaced_key_never_serves_its_older_bytes_after_kill_9");
     let tmp = TempDir::new("trust-replace-first");
     let disk = tmp.0.join("disk");
     let socket = tmp.socket();
@@ -310,10 +319,12 @@ fn a_failed_takeover_leaves_the_old_daemon_its_disk_tier() {
 /// writers frozen) are written by the new one, and survive its `kill -9`;
 /// none is dropped. (Before: the old daemon dropped its queue.)
 #[test]
+#[cfg_attr(
+    not(kdb_freezer),
+    ignore = "needs root and the cgroup v1 freezer: holds the disk writers still (run as root, as CI does)"
+)]
 fn a_takeover_hands_the_write_behind_queue_over() {
-    if !Freezer::available("a_takeover_hands_the_write_behind_queue_over") {
-        return;
-    }
+    Freezer::need("a_takeover_hands_the_write_behind_queue_over");
     let tmp = TempDir::new("trust-takeover-queue");
     let disk = tmp.0.join("disk");
     let socket = tmp.socket();
@@ -362,10 +373,12 @@ fn a_takeover_hands_the_write_behind_queue_over() {
 /// client waited for the whole takeover timeout and the queue was dropped,
 /// on every attempt.)
 #[test]
+#[cfg_attr(
+    not(kdb_freezer),
+    ignore = "needs root and the cgroup v1 freezer: holds the disk writers still (run as root, as CI does)"
+)]
 fn a_takeover_asker_that_goes_silent_stalls_no_client_and_drops_no_write() {
-    if !Freezer::available("a_takeover_asker_that_goes_silent_stalls_no_client_and_drops_no_write") {
-        return;
-    }
+    Freezer::need("a_takeover_asker_that_goes_silent_stalls_no_client_and_drops_no_write");
     let tmp = TempDir::new("trust-takeover-silent");
     let disk = tmp.0.join("disk");
     let socket = tmp.socket();
@@ -450,10 +463,9 @@ fn a_disk_directory_removed_or_replaced_under_a_daemon_is_never_shared() {
 /// running as root on a directory owned by another user, whose `tmp` was a
 /// link elsewhere, deleted every file there at start.)
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: makes directories of another user (run as root, as CI does)")]
 fn a_disk_directory_others_can_write_or_with_links_planted_is_refused() {
-    if !root_or_skip("a_disk_directory_others_can_write_or_with_links_planted_is_refused") {
-        return;
-    }
+    need::root("a_disk_directory_others_can_write_or_with_links_planted_is_refused");
     let tmp = TempDir::new("trust-dir-owner");
     let victim = tmp.0.join("victim");
     std::fs::create_dir_all(&victim).unwrap();
@@ -515,10 +527,12 @@ fn a_disk_directory_others_can_write_or_with_links_planted_is_refused() {
 /// backlog, bounded only by the global queue, pinned its whole limit and
 /// most of its puts failed.)
 #[test]
+#[cfg_attr(
+    not(kdb_freezer),
+    ignore = "needs root and the cgroup v1 freezer: holds the disk writers still (run as root, as CI does)"
+)]
 fn a_tenant_writing_faster_than_the_disk_refuses_no_put() {
-    if !Freezer::available("a_tenant_writing_faster_than_the_disk_refuses_no_put") {
-        return;
-    }
+    Freezer::need("a_tenant_writing_faster_than_the_disk_refuses_no_put");
     let tmp = TempDir::new("trust-tenant-backlog");
     let disk = tmp.0.join("disk");
     let socket = tmp.socket();

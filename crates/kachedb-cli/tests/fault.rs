@@ -1817,11 +1817,9 @@ fn first(out: &str, tag: &str) -> String {
 /// admitted with `--allow-gid 65534`. It cannot reach the region by name
 /// (`/proc/<daemon>/fd`, `map_files`) and finds nothing in `/dev/shm`.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: runs clients as uid 65534 (run as root, as CI does)")]
 fn other_uid_is_refused_at_connect() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("skipped: needs root to switch to uid 65534");
-        return;
-    }
+    need::root("other_uid_is_refused_at_connect");
     let dir = TempDir::new("uid");
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o711)).expect("chmod");
 
@@ -2105,17 +2103,13 @@ impl Drop for Cgroup {
 /// In a memory cgroup limited to 256 MiB, a 512 MiB region fails at start
 /// with exit status 1 and a message naming the cgroup limit and `--size`
 /// (rather than being OOM-killed while reserving the memory); a 64 MiB one
-/// starts and serves. Skipped (with a note) where no cgroup can be made.
+/// starts and serves. Needs root and a memory cgroup controller.
 #[test]
+#[cfg_attr(not(kdb_memcg), ignore = "needs root and a memory cgroup controller (run as root, as CI does)")]
 fn region_larger_than_cgroup_fails_at_start() {
-    let cg = match Cgroup::new(256 << 20) {
-        Ok(cg) => cg,
-        Err(e) => {
-            eprintln!("skipped: cannot make a memory cgroup here: {e}");
-            figures("region_larger_than_cgroup_fails_at_start", json!({"skipped": e}));
-            return;
-        }
-    };
+    need::root("region_larger_than_cgroup_fails_at_start");
+    let cg = Cgroup::new(256 << 20)
+        .unwrap_or_else(|e| panic!("region_larger_than_cgroup_fails_at_start: cannot make a memory cgroup: {e}"));
     let dir = TempDir::new("cgroup");
     let sock = dir.socket();
     let mut cmd = Daemon::command(&sock, "512MiB", &["--headroom", "0"]);

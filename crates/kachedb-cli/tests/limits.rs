@@ -207,12 +207,10 @@ fn connection_floods_are_bounded() {
 /// 100 ms after each EMFILE, one log line per 10 s; once the silent
 /// connections time out, a real client gets in.
 #[test]
+#[cfg_attr(not(kdb_prlimit), ignore = "needs prlimit (util-linux) on PATH")]
 fn out_of_file_descriptors_does_not_spin_or_flood_the_log() {
     use std::os::unix::net::UnixStream;
-    if Command::new("prlimit").arg("--version").output().is_err() {
-        println!("skipped: needs prlimit");
-        return;
-    }
+    common::need::tool("out_of_file_descriptors_does_not_spin_or_flood_the_log", "prlimit");
     let dir = TempDir::new("emfile");
     let sock = dir.socket();
     let mut cmd = Command::new("prlimit");

@@ -6,9 +6,9 @@
 //! naming a tenant (or none), reports how that went, then runs the commands
 //! the test writes on its stdin and reports each result.
 //!
-//! Needs root (to run clients as other uids); without it each test says
-//! `skipped:` and passes. The uids and gids below need no passwd or group
-//! entry.
+//! Needs root (to run clients as other uids); without it `cargo test` lists
+//! each test as ignored, with the reason. The uids and gids below need no
+//! passwd or group entry.
 
 mod common;
 
@@ -42,15 +42,6 @@ fn child_process() {
         "tenant_client" => tenant_client(),
         other => panic!("unknown child role {other}"),
     }
-}
-
-/// Whether the test can run clients as other uids; says `skipped:` if not.
-fn as_root(test: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("skipped: {test} needs root to run clients as other uids");
-    false
 }
 
 fn key(j: u64) -> Key {
@@ -252,10 +243,9 @@ const MIB: u64 = 1 << 20;
 /// (`kachedb_clients_refused_total{reason="tenant"}`), and team-a's client
 /// and block are untouched.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: runs clients as other uids (run as root, as CI does)")]
 fn another_uid_naming_a_bound_tenant_is_refused_at_connect() {
-    if !as_root("another_uid_naming_a_bound_tenant_is_refused_at_connect") {
-        return;
-    }
+    need::root("another_uid_naming_a_bound_tenant_is_refused_at_connect");
     let dir = shared_dir("bound-hello");
 
     // Unbound: the attack works.
@@ -303,10 +293,9 @@ fn another_uid_naming_a_bound_tenant_is_refused_at_connect() {
 /// by the client (nothing left reserved), counted and logged. Team-a's own
 /// client replaces and deletes it; team-a may delete an unbound tenant's block.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: runs clients as other uids (run as root, as CI does)")]
 fn another_tenant_reads_a_bound_tenants_block_but_cannot_delete_or_replace_it() {
-    if !as_root("another_tenant_reads_a_bound_tenants_block_but_cannot_delete_or_replace_it") {
-        return;
-    }
+    need::root("another_tenant_reads_a_bound_tenants_block_but_cannot_delete_or_replace_it");
     let dir = shared_dir("bound-blocks");
     let sock = dir.0.join("s.sock");
     let uid_a = format!("team-a={UID_A}");
@@ -344,10 +333,9 @@ fn another_tenant_reads_a_bound_tenants_block_but_cannot_delete_or_replace_it() 
 /// another uid) or an unbound tenant it is refused, naming none or
 /// `default` it is put in team-a. Team-b's client cannot delete team-a's block.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: runs clients as other uids (run as root, as CI does)")]
 fn a_bound_uid_acts_only_as_its_tenant() {
-    if !as_root("a_bound_uid_acts_only_as_its_tenant") {
-        return;
-    }
+    need::root("a_bound_uid_acts_only_as_its_tenant");
     let dir = shared_dir("bound-uid");
     let sock = dir.0.join("s.sock");
     let (uid_a, uid_c) = (format!("team-a={UID_A}"), format!("team-b={UID_C}"));
@@ -378,10 +366,9 @@ fn a_bound_uid_acts_only_as_its_tenant() {
 /// a client of the same primary group without it is refused naming the
 /// tenant, and cannot delete its block.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: runs clients as other uids (run as root, as CI does)")]
 fn a_gid_binding_takes_supplementary_groups() {
-    if !as_root("a_gid_binding_takes_supplementary_groups") {
-        return;
-    }
+    need::root("a_gid_binding_takes_supplementary_groups");
     let dir = shared_dir("bound-gid");
     let sock = dir.0.join("s.sock");
     let gid = format!("team-g={GID_BOUND}");
@@ -408,10 +395,9 @@ fn a_gid_binding_takes_supplementary_groups() {
 /// still deletes team-a's block; another client, connected before, still
 /// cannot; a new connection naming team-a from another uid is refused.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: runs clients as other uids (run as root, as CI does)")]
 fn a_takeover_keeps_each_clients_tenant_and_the_bindings() {
-    if !as_root("a_takeover_keeps_each_clients_tenant_and_the_bindings") {
-        return;
-    }
+    need::root("a_takeover_keeps_each_clients_tenant_and_the_bindings");
     let dir = shared_dir("bound-takeover");
     let sock = dir.0.join("s.sock");
     let uid_a = format!("team-a={UID_A}");
@@ -445,10 +431,9 @@ fn a_takeover_keeps_each_clients_tenant_and_the_bindings() {
 /// from disk after a restart is its tenant's again, bound again: another
 /// client reads it but cannot delete it; team-a's client can, on disk too.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: runs clients as other uids (run as root, as CI does)")]
 fn a_denied_delete_leaves_the_disk_copy_and_a_filled_block_stays_bound() {
-    if !as_root("a_denied_delete_leaves_the_disk_copy_and_a_filled_block_stays_bound") {
-        return;
-    }
+    need::root("a_denied_delete_leaves_the_disk_copy_and_a_filled_block_stays_bound");
     let dir = shared_dir("bound-disk");
     let disk = TempDir::new("bound-disk-tier");
     let sock = dir.0.join("s.sock");

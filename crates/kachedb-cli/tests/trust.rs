@@ -82,8 +82,8 @@ fn squatter_that_never_answers_does_not_hang_connect() {
     assert!(heard.load(Ordering::Relaxed) > 0, "the squatter of our own uid did get a hello");
 }
 
-/// A socket in a directory that others can write (no sticky bit), or that
-/// another user owns, is refused before a single byte is sent.
+/// A socket in a directory that others can write (no sticky bit) is refused
+/// before a single byte is sent.
 #[test]
 fn squatter_in_a_directory_others_control_is_refused() {
     let dir = TempDir::new("wdir");
@@ -101,21 +101,30 @@ fn squatter_in_a_directory_others_control_is_refused() {
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o1777)).unwrap();
     let r = Client::connect(&ConnectOptions { answer_timeout: Some(Duration::from_millis(200)), ..opts(&sock) });
     assert!(untrusted(r).contains("did not answer"));
-    if rustix::process::geteuid().is_root() {
-        std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o700)).unwrap();
-        std::os::unix::fs::chown(&dir.0, Some(65534), Some(65534)).unwrap();
-        let why = untrusted(Client::connect(&opts(&sock)));
-        assert!(why.contains("belongs to uid 65534"), "{why}");
-        // Unless that uid is trusted.
-        let r = Client::connect(&ConnectOptions {
-            trust_uid: Some(65534),
-            answer_timeout: Some(Duration::from_millis(200)),
-            ..opts(&sock)
-        });
-        assert!(untrusted(r).contains("did not answer"));
-    } else {
-        println!("skipped: the other-owner case needs root");
-    }
+}
+
+/// A socket in a directory another user owns is refused before a single
+/// byte is sent, unless that uid is trusted.
+#[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: chowns the socket's directory to uid 65534 (run as root, as CI does)")]
+fn squatter_in_a_directory_of_another_user_is_refused_unless_trusted() {
+    common::need::root("squatter_in_a_directory_of_another_user_is_refused_unless_trusted");
+    let dir = TempDir::new("odir");
+    let sock = dir.socket();
+    let heard = squatter(&sock);
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::os::unix::fs::chown(&dir.0, Some(65534), Some(65534)).unwrap();
+    let why = untrusted(Client::connect(&opts(&sock)));
+    assert!(why.contains("belongs to uid 65534"), "{why}");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(heard.load(Ordering::Relaxed), 0, "a hello went to a socket in another user's directory");
+    // Unless that uid is trusted.
+    let r = Client::connect(&ConnectOptions {
+        trust_uid: Some(65534),
+        answer_timeout: Some(Duration::from_millis(200)),
+        ..opts(&sock)
+    });
+    assert!(untrusted(r).contains("did not answer"));
 }
 
 /// A squatter process of another uid (65534) in a sticky shared directory:
@@ -123,12 +132,10 @@ fn squatter_in_a_directory_others_control_is_refused() {
 /// trust it; trusted through `trust_uid` or `KACHEDB_TRUST_UID` it gets as
 /// far as the hello (which it never answers). Needs root.
 #[test]
+#[cfg_attr(not(kdb_root), ignore = "needs root: runs a process of uid 65534 (run as root, as CI does)")]
 fn squatter_of_another_uid_is_refused_unless_trusted() {
     use std::os::unix::process::CommandExt;
-    if !rustix::process::geteuid().is_root() {
-        println!("skipped: needs root to run a process of uid 65534");
-        return;
-    }
+    common::need::root("squatter_of_another_uid_is_refused_unless_trusted");
     let dir = TempDir::new("ouid");
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o1777)).unwrap();
     let sock = dir.socket();
@@ -177,13 +184,13 @@ fn squatter_of_another_uid_is_refused_unless_trusted() {
 /// pid 0 (`SO_PEERCRED`); it admits and serves them, and logs them without a
 /// pid. Needs `unshare --pid` (root).
 #[test]
+#[cfg_attr(not(kdb_pidns), ignore = "needs root and unshare (util-linux): a daemon in its own PID namespace")]
 fn daemon_in_another_pid_namespace_serves_pid0_clients() {
-    if !rustix::process::geteuid().is_root()
-        || !Command::new("unshare").args(["--pid", "--fork", "true"]).status().is_ok_and(|s| s.success())
-    {
-        println!("skipped: needs root and unshare --pid");
-        return;
-    }
+    common::need::root("daemon_in_another_pid_namespace_serves_pid0_clients");
+    assert!(
+        Command::new("unshare").args(["--pid", "--fork", "true"]).status().is_ok_and(|s| s.success()),
+        "daemon_in_another_pid_namespace_serves_pid0_clients needs `unshare --pid --fork` to work here"
+    );
     let dir = TempDir::new("pidns");
     let sock = dir.socket();
     let mut cmd = Command::new("unshare");

@@ -2,8 +2,8 @@
 //! daemons with a disk tier, the stats they are waited on by, block
 //! patterns and files, and the file systems and cgroups the fault tests make
 //! (a size-limited tmpfs, a loop-mounted ext4 image, a blkio read throttle, a
-//! freezer for the tier's threads; those need root, and say "SKIPPED"
-//! without it).
+//! freezer for the tier's threads; those need root: the tests that make
+//! them are ignored without it, `common::need`).
 
 use super::*;
 use kachedb_client::{Client, Key};
@@ -56,15 +56,6 @@ pub fn push_out_of_ram(c: &Client, socket: &Path, tag: u64, n: u64) {
         c.put(tkey(tag, j), &[j as u8; 1 << 20]).expect("put a filler");
         drained(socket);
     }
-}
-
-/// Whether the test runs as root (mounts need it); says why it skips if not.
-pub fn root_or_skip(test: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("SKIPPED {test}: mounting a tmpfs or an ext4 image needs root (run the suite as root, as CI does)");
-    false
 }
 
 /// A file system mounted for a test, unmounted (lazily) when dropped.
@@ -133,9 +124,10 @@ pub struct ReadThrottle {
 }
 
 impl ReadThrottle {
-    /// A group for `name` throttling reads of device `dev` (`major:minor`),
-    /// or `None` (saying why) where this machine has no blkio controller.
-    pub fn new(name: &str, dev: String) -> Option<ReadThrottle> {
+    /// A group for `name` throttling reads of device `dev` (`major:minor`);
+    /// the test fails where this machine has no blkio controller (it is
+    /// ignored there unless built where there was one: `kdb_blkio`).
+    pub fn new(name: &str, dev: String) -> ReadThrottle {
         let v1 = Path::new("/sys/fs/cgroup/blkio/cgroup.procs");
         let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
             .is_ok_and(|c| c.split_whitespace().any(|w| w == "io"));
@@ -145,11 +137,10 @@ impl ReadThrottle {
             let _ = std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+io");
             (PathBuf::from("/sys/fs/cgroup").join(format!("kdb-{name}-{}", std::process::id())), true)
         } else {
-            eprintln!("SKIPPED {name}: no blkio (cgroup v1) or io (cgroup v2) controller to stall a disk with");
-            return None;
+            panic!("{name} needs a blkio (cgroup v1) or io (cgroup v2) controller to stall a disk with");
         };
         std::fs::create_dir_all(&dir).expect("make the cgroup");
-        Some(ReadThrottle { dir, dev, v2 })
+        ReadThrottle { dir, dev, v2 }
     }
 
     /// The file whose writing moves a process into the group.
@@ -228,17 +219,14 @@ pub struct Freezer {
 }
 
 impl Freezer {
-    /// Whether threads can be frozen here (root, and the cgroup v1
-    /// freezer); says why `test` skips if not.
-    pub fn available(test: &str) -> bool {
-        let ok = rustix::process::geteuid().is_root() && Path::new("/sys/fs/cgroup/freezer/tasks").exists();
-        if !ok {
-            eprintln!("SKIPPED {test}: freezing threads needs root and the cgroup v1 freezer (/sys/fs/cgroup/freezer)");
-        }
-        ok
+    /// Fails `test` unless threads can be frozen here (root, and the cgroup
+    /// v1 freezer); such a test is ignored without them (`kdb_freezer`).
+    pub fn need(test: &str) {
+        super::need::root(test);
+        super::need::file(test, "/sys/fs/cgroup/freezer/tasks", "the cgroup v1 freezer");
     }
 
-    /// A freezer group for `name` (see [`available`](Self::available)).
+    /// A freezer group for `name` (see [`need`](Self::need)).
     /// Declare it after the daemon whose threads it freezes: dropped first
     /// (on a panic too), it thaws them, so the daemon can be killed and reaped.
     pub fn new(name: &str) -> Freezer {

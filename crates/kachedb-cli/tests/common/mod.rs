@@ -18,6 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub mod disk;
+pub mod need;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_kachedb");
 
