@@ -245,3 +245,51 @@ fn a_successor_reading_only_a_future_state_format_is_refused_and_the_daemon_serv
     new.signal(rustix::process::Signal::TERM);
     assert!(new.wait_exit(Duration::from_secs(30)).is_some_and(|s| s.success()), "{}", new.log());
 }
+
+/// Writes `version` into the region header's layout version word through
+/// `region`'s mapping (as a daemon of another wire layout would have made
+/// the region, or any client can write it).
+fn write_layout_version(region: &kachedb_shm::Region, version: u32) {
+    use kachedb_shm::region::RegionHeader;
+    use std::sync::atomic::AtomicU32;
+    // SAFETY: the header page is mapped (shared) while `region` lives; the
+    // word is in it and 4-byte aligned, and every access to the header's
+    // words is atomic (the daemon copies and restores them atomically).
+    unsafe {
+        (*region.base().add(std::mem::offset_of!(RegionHeader, layout_version)).cast::<AtomicU32>())
+            .store(version, Ordering::Relaxed);
+    }
+}
+
+/// The wire rule of a takeover (`docs/takeover.md`, "Versions"): a
+/// successor takes over only a region of its own layout version, since the
+/// clients keep their mappings and rings. A region of another layout version
+/// is refused by the successor, naming it, before it serves; the running
+/// daemon serves on, its clients connected before and after served.
+#[test]
+fn a_region_of_another_wire_layout_is_not_taken_over_and_the_daemon_serves_on() {
+    let dir = TempDir::new("other-layout");
+    let socket = dir.socket();
+    let mut old = Daemon::start(&socket, "16MiB");
+    let kc = Client::connect(&old.opts()).expect("connect");
+    let k = tkey(TAG, 1000);
+    let mut data = vec![0u8; 50_000];
+    fill(&mut data, seed_of(k));
+    kc.put(k, &data).expect("put");
+    write_layout_version(kc.region(), kachedb_shm::region::LAYOUT_VERSION + 1);
+    let mut next = Daemon::spawn_with(&socket, "16MiB", &["--takeover"]);
+    let st = next.wait_exit(Duration::from_secs(60)).expect("the successor exits");
+    let log = next.log();
+    assert!(!st.success(), "the successor took over a region of another layout:\n{log}");
+    assert!(log.contains("layout version") && log.contains("the running daemon keeps serving"), "{log}");
+    let got = kc.get(k).expect("get after the refusal").expect("the block is there");
+    assert_pattern(&got, k, data.len(), "after the refusal");
+    drop(got);
+    let later = Client::connect(&old.opts()).expect("a client after the refusal");
+    let got = later.get(k).expect("get").expect("present");
+    assert_pattern(&got, k, data.len(), "a later client");
+    drop(got);
+    assert_eq!(num(&stats_fast(&socket), "daemon_pid"), u64::from(old.pid()));
+    old.signal(rustix::process::Signal::TERM);
+    assert!(old.wait_exit(Duration::from_secs(30)).is_some_and(|s| s.success()), "{}", old.log());
+}

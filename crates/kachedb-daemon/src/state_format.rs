@@ -239,7 +239,7 @@ mod tests {
             if STATE_VERSIONS_READ.contains(&v) {
                 continue;
             }
-            let e = decode_serve(v, &bytes[4..]).err().expect("refused");
+            let e = decode_serve(v, &bytes[4..]).expect_err("refused");
             assert!(e.contains(&format!("state format {v} is not one this build reads")), "{e}");
             assert!(decode_control(v, &bytes).is_err());
         }
