@@ -47,6 +47,9 @@ fn blocks(id: u64, set: u64) -> Vec<(Key, Vec<u8>)> {
         .collect()
 }
 
+// `put_chain` is deprecated on main (issue 44's client API: `put_many` with
+// `chain_parents`); kept here until this branch is rebased on it.
+#[allow(deprecated)]
 fn put(kc: &Client, set: &[(Key, Vec<u8>)]) {
     let items: Vec<(Key, &[u8])> = set.iter().map(|(k, b)| (*k, b.as_slice())).collect();
     kc.put_chain(&items, None).unwrap_or_else(|e| panic!("put_chain: {e}"));
