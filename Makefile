@@ -10,7 +10,7 @@ PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>
 	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17" "auditwheel>=6"
 
 .PHONY: setup system-deps build build-bench build-tests package-bin wheel python demo test test-steps test-rust test-python test-loom \
-	test-miri test-engines test-all bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang \
+	test-miri test-engines test-upgrade test-all bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang \
 	lmcache-env test-lmcache bench-lmcache
 
 ## setup: install the Python tools and build everything, test binaries included (idempotent)
@@ -86,8 +86,17 @@ test-steps: setup test-rust test-loom test-python
 ## (created on first use: ~25 GB of disk and 10-15 min of downloads; then ~35 min a run)
 test-engines: test-vllm test-lmcache test-sglang
 
-## test-all: both (what CI runs, .ci/run)
-test-all: test test-engines
+## test-all: both, and the upgrade from the previous state format (what CI runs, .ci/run)
+test-all: test test-upgrade test-engines
+
+## test-upgrade: this build takes over from a daemon built from the commit tests/upgrade/PREVIOUS
+## names (the previous state format), client processes reading every byte throughout
+## (crates/kachedb-cli/tests/upgrade.rs); the first run compiles that commit's workspace crates
+## into target/upgrade-prev-target (~3 min on 2 cores), later runs reuse its binary
+test-upgrade:
+	@start=$$(date +%s); prev=$$(tests/upgrade/build-previous.sh) && \
+	  KDB_PREV_BIN=$$prev $(CARGO) test --release --locked -p kachedb-cli --test upgrade; rc=$$?; \
+	  echo "== make test-upgrade: $$( [ $$rc = 0 ] && echo passed || echo FAILED ) in $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-rust:
 	$(CARGO) test --release --locked

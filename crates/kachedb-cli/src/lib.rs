@@ -15,9 +15,16 @@ use std::ffi::OsString;
 pub mod serve_cmd;
 pub mod watch;
 
+/// `kachedb --version`: the crate version, the takeover state formats and the client wire
+/// (`kachedb_daemon::takeover::version_line`).
+fn version_line() -> &'static str {
+    static LINE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    LINE.get_or_init(kachedb_daemon::takeover::version_line)
+}
+
 /// KacheDB: a node-local KV-cache block store over shared memory.
 #[derive(Debug, Parser)]
-#[command(name = "kachedb", version, about = "KacheDB: a node-local KV-cache block store over shared memory.", long_about = None)]
+#[command(name = "kachedb", version = version_line(), about = "KacheDB: a node-local KV-cache block store over shared memory.", long_about = None)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]

@@ -8,7 +8,7 @@ use crate::control::{self, Access};
 use crate::events::{self, Event};
 use crate::metrics::Metrics;
 use crate::remote::RemoteTier;
-use crate::serve::{RegionLayout, Serve, ServeState};
+use crate::serve::{RegionLayout, Serve};
 use crate::store::Store;
 use crate::tier::Tier;
 use kachedb_shm::region::{CreateOptions, Layout};
@@ -406,7 +406,8 @@ impl Daemon {
         t0: Instant,
     ) -> Result<(Started, std::os::fd::OwnedFd, u64, std::time::Duration), ServeError> {
         let sock = cfg.socket_path.clone();
-        let mut serve = ServeState::decode(&taken.serve).map_err(|e| taken.refuse(&format!("serve state: {e}")))?;
+        let mut serve = crate::state_format::decode_serve(taken.state_version, &taken.serve)
+            .map_err(|e| taken.refuse(&format!("serve state: {e}")))?;
         let region =
             Region::attach_lazily(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
                 .map_err(|e| taken.refuse(&format!("the region: {e}")))?;

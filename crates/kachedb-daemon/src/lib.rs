@@ -24,6 +24,7 @@ pub mod lock;
 pub mod metrics;
 pub mod remote;
 mod serve;
+mod state_format;
 pub mod store;
 pub mod takeover;
 pub mod tier;

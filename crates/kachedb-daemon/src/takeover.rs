@@ -47,11 +47,35 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-/// The state format this build writes and reads: the serde data model of
-/// `crate::serve::ServeState` and [`ControlState`] (the store's tables included), encoded
-/// by [`encode`]. Any change to a serialized type, or to the encoding, must
-/// bump it.
+/// The state format this build writes: the serde data model of
+/// `crate::serve::ServeState` and [`ControlState`] (the store's tables
+/// included), encoded by [`encode`] (`docs/takeover.md`, "The state
+/// format"). Any change to a serialized type, or to the encoding, must bump
+/// it, keep a decoder of the format before it in [`STATE_VERSIONS_READ`], and
+/// re-point `tests/upgrade/PREVIOUS` at a commit that writes that format;
+/// the committed state of `crate::state_format`'s test fails until then.
 pub const STATE_VERSION: u32 = 5;
+
+/// The state formats this build reads, oldest first: a daemon writing one of
+/// them can be taken over by this build. Ends with [`STATE_VERSION`].
+pub const STATE_VERSIONS_READ: &[u32] = &[5];
+
+/// The version line of `kachedb --version`: the crate version, the state
+/// format written and read, and the client wire (region layout and control
+/// protocol versions) the daemon serves.
+pub fn version_line() -> String {
+    let reads = match STATE_VERSIONS_READ {
+        [one] => one.to_string(),
+        [first, .., last] => format!("{first}..{last}"),
+        [] => "none".into(),
+    };
+    format!(
+        "{} (takeover state {STATE_VERSION}, reads {reads}; wire: region layout {}, control protocol {})",
+        env!("CARGO_PKG_VERSION"),
+        kachedb_shm::region::LAYOUT_VERSION,
+        control::PROTOCOL_VERSION
+    )
+}
 
 /// Encodes a state: postcard (serde's data model as varints, no field
 /// names), which halved the handover of a 100 000-block store against JSON.
@@ -358,6 +382,8 @@ pub(crate) struct Taken {
     pub metrics: Option<OwnedFd>,
     /// The stopped tiers' storage, in the order the serve state lists them.
     pub tier_fds: Vec<OwnedFd>,
+    /// The format the old daemon wrote its state in (one of [`STATE_VERSIONS_READ`]).
+    pub state_version: u32,
     /// The serve loop's state, as encoded (`crate::serve::ServeState`).
     pub serve: Vec<u8>,
     pub control: ControlState,
@@ -386,7 +412,7 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         )));
     }
     let receiving = Deadline::after(step * 2);
-    write_line(&stream, &ControlRequest::Takeover { state_versions: vec![STATE_VERSION] }, receiving)
+    write_line(&stream, &ControlRequest::Takeover { state_versions: STATE_VERSIONS_READ.to_vec() }, receiving)
         .map_err(TakeoverError::Failed)?;
     let old_pid = peer.pid.unwrap_or(0);
     let failed = |why: String| match &old_process {
@@ -411,10 +437,13 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         let _ = write_line(stream, &TakeoverVerdict::Refuse { error: why.clone() }, Deadline::after(step));
         TakeoverError::Failed(why)
     };
-    if offer.state_version != STATE_VERSION {
+    if !STATE_VERSIONS_READ.contains(&offer.state_version) {
         return Err(refuse(
             &stream,
-            format!("state format {} is not the {STATE_VERSION} this build reads", offer.state_version),
+            format!(
+                "state format {} is not one this build reads ({STATE_VERSIONS_READ:?}); the running daemon keeps serving",
+                offer.state_version
+            ),
         ));
     }
     let received = (|| -> Result<_, String> {
@@ -424,7 +453,8 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         }
         let serve = r.exact(usize::try_from(offer.serve_state_bytes).map_err(io)?)?;
         let control = r.exact(usize::try_from(offer.control_state_bytes).map_err(io)?)?;
-        let control: ControlState = decode(&control).map_err(|e| format!("control state: {e}"))?;
+        let control = crate::state_format::decode_control(offer.state_version, &control)
+            .map_err(|e| format!("control state: {e}"))?;
         let want = 3 + usize::from(offer.metrics_listener) + offer.tier_fds as usize + offer.connections as usize;
         if r.fds.len() != want || control.conns.len() != offer.connections as usize {
             return Err(format!(
@@ -453,6 +483,7 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         stream,
         old_pid: offer.daemon_pid,
         old_process,
+        state_version: offer.state_version,
         region,
         listener,
         lock,

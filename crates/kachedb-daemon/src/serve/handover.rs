@@ -107,13 +107,6 @@ impl std::fmt::Display for RegionLayout {
     }
 }
 
-impl ServeState {
-    /// Reads what [`Serve::hand_over`] sent.
-    pub(crate) fn decode(bytes: &[u8]) -> Result<ServeState, String> {
-        crate::takeover::decode(bytes)
-    }
-}
-
 impl Serve {
     /// Takes up the sessions, parked WAITs and counters of the daemon taken
     /// over (`crate::takeover`); `streams` are the channels' connections.

@@ -1,0 +1,248 @@
+//! The takeover state's formats: which versions this build reads, and the
+//! decoder of each into the state the serve loop and the control thread take
+//! up (`crate::serve::ServeState`, [`ControlState`]). `docs/takeover.md`
+//! ("The state format") describes the encoding field by field.
+//!
+//! A state is two byte strings, the serve loop's and the control thread's,
+//! each postcard (serde's data model: varints, no field names) of the types
+//! [`crate::takeover::STATE_VERSION`] names. A build reads every version in
+//! [`crate::takeover::STATE_VERSIONS_READ`]: the one it writes, and when a
+//! change bumps it, the one before (N-1 → N), decoded here into the new
+//! types. The committed state of the test below, written by a build of
+//! format 5, must decode and restore into the store it was made from: a
+//! change to a serialized type fails that test until the version is bumped
+//! and a decoder of the previous format is kept here.
+
+use crate::serve::ServeState;
+use crate::takeover::{self, ControlState, STATE_VERSIONS_READ};
+
+/// Why a version is not read.
+fn unread(version: u32) -> String {
+    format!("state format {version} is not one this build reads ({STATE_VERSIONS_READ:?})")
+}
+
+/// The serve loop's state of format `version`, as the current types hold it.
+pub(crate) fn decode_serve(version: u32, bytes: &[u8]) -> Result<ServeState, String> {
+    match version {
+        5 => takeover::decode(bytes),
+        v => Err(unread(v)),
+    }
+}
+
+/// The control thread's state of format `version`, as the current types hold it.
+pub(crate) fn decode_control(version: u32, bytes: &[u8]) -> Result<ControlState, String> {
+    match version {
+        5 => takeover::decode(bytes),
+        v => Err(unread(v)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::{ChannelState, ParkedWait, RegionLayout};
+    use crate::store::{EvictionPolicy, SessionId, Store};
+    use crate::takeover::ConnState;
+    use crate::tier::PendingWrite;
+    use kachedb_shm::control::ServeStats;
+    use kachedb_shm::{DType, Request, Shape, Status};
+
+    const SLAB_OFFSET: u64 = 4096;
+    const SLAB_LEN: u64 = 64 * 4096;
+
+    /// The committed state of format 5 (`KDB_WRITE_STATE_FIXTURE=1` rewrites
+    /// it, from a build that writes format 5 only): a `u32` little-endian
+    /// length of the serve loop's part, that part, then the control thread's.
+    fn fixture_path(version: u32) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(format!("takeover-state-v{version}.bin"))
+    }
+
+    fn reserve(st: &mut Store, s: SessionId, key: u128, len: u64) -> u64 {
+        let shape = Shape::for_bytes(len).unwrap();
+        let c = st.handle(s, 1, &Request::Reserve { key, dtype: DType::U8, shape, len, page_offset: 0 });
+        assert_eq!(c.status, Status::Ok);
+        c.handle
+    }
+
+    /// The store the fixture holds: ten chained blocks, a pin on key 5, an
+    /// open reservation of key 99; and the two sessions.
+    fn store() -> (Store, SessionId, SessionId, u64, u64) {
+        let mut a = Store::new(SLAB_OFFSET, SLAB_LEN);
+        a.set_eviction_policy(EvictionPolicy::Chain);
+        let (s1, s2) = (a.open_session(), a.open_session());
+        for k in 1..=10u128 {
+            let h = reserve(&mut a, s1, k, 4096 * 2);
+            let parent = (k > 1).then_some(k - 1);
+            assert_eq!(a.handle(s1, 2, &Request::Commit { handle: h, parent }).status, Status::Ok);
+        }
+        let pin = a.handle(s2, 3, &Request::Get { key: 5 });
+        assert_eq!(pin.status, Status::Ok);
+        let open = reserve(&mut a, s2, 99, 4096);
+        (a, s1, s2, pin.handle, open)
+    }
+
+    fn layout() -> RegionLayout {
+        RegionLayout {
+            channel_count: 8,
+            ring_capacity: 64,
+            channel_offset: 4096,
+            channel_stride: 8192,
+            slab_offset: SLAB_OFFSET,
+            slab_len: SLAB_LEN,
+            region_len: SLAB_OFFSET + SLAB_LEN,
+        }
+    }
+
+    fn control() -> ControlState {
+        ControlState {
+            free_channels: vec![2, 3],
+            quarantine: vec![(4, 1234)],
+            conns: vec![
+                ConnState {
+                    channel: Some(0),
+                    pid: 100,
+                    uid: 1000,
+                    refused: false,
+                    awaiting_first: false,
+                    unread: vec![],
+                },
+                ConnState {
+                    channel: Some(1),
+                    pid: 101,
+                    uid: 1001,
+                    refused: false,
+                    awaiting_first: true,
+                    unread: b"{\"op\":".to_vec(),
+                },
+            ],
+        }
+    }
+
+    fn encoded_now() -> Vec<u8> {
+        let (store, s1, s2, _, _) = store();
+        let frame = vec![7u8; 64];
+        let st = ServeState {
+            region_generation: 7,
+            layout: layout(),
+            store: &store,
+            channels: vec![
+                ChannelState {
+                    channel: 0,
+                    session: s1,
+                    pid: 100,
+                    uid: 1000,
+                    backlog: vec![frame.clone()],
+                    held: vec![],
+                    waiting: false,
+                    kicked: false,
+                    remote_asked: Default::default(),
+                },
+                ChannelState {
+                    channel: 1,
+                    session: s2,
+                    pid: 101,
+                    uid: 1001,
+                    backlog: vec![],
+                    held: vec![frame],
+                    waiting: true,
+                    kicked: false,
+                    remote_asked: [42u128].into_iter().collect(),
+                },
+            ],
+            waits: vec![ParkedWait { channel: 1, key: 42, request_id: 3, left_ms: Some(1500) }],
+            counters: ServeStats { ops: 21, clients_total: 2, clients_connected: 2, ..Default::default() },
+            uptime_ms: 12_345,
+            tier_writes: vec![PendingWrite { key: 10, parent: Some(9) }],
+            tier_unremoved: vec![77],
+            tier_fds: vec![("disk".into(), 2)],
+        };
+        let serve = takeover::encode(&st).unwrap();
+        let control = takeover::encode(&control()).unwrap();
+        let mut out = (serve.len() as u32).to_le_bytes().to_vec();
+        out.extend(serve);
+        out.extend(control);
+        out
+    }
+
+    /// A state of format 5 written by a build of format 5 is read by this
+    /// one into the same store: same blocks, chains, pins and reservations
+    /// (the same handles work), sessions, waits, counters and tier work.
+    #[test]
+    fn the_committed_state_of_format_5_restores_into_the_store_it_was_made_from() {
+        let path = fixture_path(5);
+        if std::env::var_os("KDB_WRITE_STATE_FIXTURE").is_some() {
+            assert_eq!(takeover::STATE_VERSION, 5, "the fixture of format 5 is written by a build of format 5 only");
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, encoded_now()).unwrap();
+        }
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let n = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;
+        let (serve, control_bytes) = bytes[4..].split_at(n);
+        let serve = decode_serve(5, serve).expect("format 5 no longer decodes: keep a decoder of it (module docs)");
+        let ctl = decode_control(5, control_bytes).expect("format 5's control state no longer decodes");
+
+        assert_eq!(serve.region_generation, 7);
+        assert_eq!(serve.layout, layout());
+        assert_eq!(serve.uptime_ms, 12_345);
+        assert_eq!((serve.counters.ops, serve.counters.clients_total), (21, 2));
+        assert_eq!(serve.tier_writes, vec![PendingWrite { key: 10, parent: Some(9) }]);
+        assert_eq!(serve.tier_unremoved, vec![77]);
+        assert_eq!(serve.tier_fds, vec![("disk".to_string(), 2)]);
+        assert_eq!(serve.waits.len(), 1);
+        let w = &serve.waits[0];
+        assert_eq!((w.channel, w.key, w.request_id, w.left_ms), (1, 42, 3, Some(1500)));
+        assert_eq!(serve.channels.len(), 2);
+        assert_eq!(serve.channels[1].held, vec![vec![7u8; 64]]);
+        assert!(serve.channels[1].waiting && serve.channels[1].remote_asked.contains(&42));
+        assert_eq!((ctl.free_channels, ctl.quarantine), (vec![2, 3], vec![(4, 1234)]));
+        assert_eq!(ctl.conns.len(), 2);
+        assert_eq!(ctl.conns[1].unread, b"{\"op\":".to_vec());
+
+        // The store answers as the one it was made from.
+        let (mut a, s1, s2, pin, open) = store();
+        assert_eq!((serve.channels[0].session, serve.channels[1].session), (s1, s2));
+        let mut b = serve.store.restore_checked(SLAB_OFFSET, SLAB_LEN).unwrap();
+        for k in [1u128, 5, 10, 99] {
+            assert_eq!(a.peek(k), b.peek(k), "key {k}");
+        }
+        let script = [
+            (s2, Request::Release { handle: pin }),
+            (s2, Request::Commit { handle: open, parent: Some(10) }),
+            (
+                s1,
+                Request::Reserve {
+                    key: 50,
+                    dtype: DType::U8,
+                    shape: Shape::for_bytes(40 * 4096).unwrap(),
+                    len: 40 * 4096,
+                    page_offset: 0,
+                },
+            ),
+            (s1, Request::Lookup { key: 1 }),
+            (s1, Request::Get { key: 99 }),
+            (s2, Request::Release { handle: pin }),
+        ];
+        for (s, r) in &script {
+            let (x, y) = (a.handle(*s, 7, r), b.handle(*s, 7, r));
+            assert_eq!((x.status, x.handle, x.offset), (y.status, y.handle, y.offset), "{r:?}");
+        }
+        b.check_invariants().unwrap();
+    }
+
+    /// A format this build does not read is an error naming the formats it reads.
+    #[test]
+    fn a_format_not_read_is_refused_by_name() {
+        let bytes = encoded_now();
+        for v in [0, 4, takeover::STATE_VERSION + 1, 999] {
+            if STATE_VERSIONS_READ.contains(&v) {
+                continue;
+            }
+            let e = decode_serve(v, &bytes[4..]).expect_err("refused");
+            assert!(e.contains(&format!("state format {v} is not one this build reads")), "{e}");
+            assert!(decode_control(v, &bytes).is_err());
+        }
+        assert_eq!(STATE_VERSIONS_READ.last(), Some(&takeover::STATE_VERSION));
+    }
+}
