@@ -54,15 +54,18 @@
 //! `fdatasync` + `POSIX_FADV_DONTNEED` so the page cache does not keep a
 //! second copy of the KV (docs/disk.md says why not `O_DIRECT` or io_uring).
 
+pub mod cells;
 mod dir;
 pub mod format;
 pub mod index;
 
-use crate::metrics::{DiskCells, Metrics};
+use crate::metrics::Metrics;
+use crate::tier::metrics::add;
 use crate::tier::{
     Admission, FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent,
-    TierEvents, TierKind, WriteJob,
+    TierEvents, WriteJob,
 };
+use cells::DiskCells;
 use dir::TierDir;
 use format::Header;
 use index::Index;
@@ -394,7 +397,8 @@ struct Shared {
     dir: TierDir,
     region: Arc<Region>,
     events: TierEvents,
-    metrics: Arc<Metrics>,
+    /// The tier's counters (`Metrics::tier`).
+    cells: Arc<DiskCells>,
     index: Mutex<Index>,
     /// Writes and removals in the order the serve loop asked for them.
     order: Mutex<Order>,
@@ -433,7 +437,7 @@ struct Shared {
 
 impl Shared {
     fn cells(&self) -> &DiskCells {
-        &self.metrics.disk
+        &self.cells
     }
 
     /// Whether threads of run `run` may still work.
@@ -490,7 +494,7 @@ impl Shared {
     /// Counts a write not taken (dropped) and logs it, at most once per
     /// [`DROP_LOG_EVERY`] with the count since the last line.
     fn dropped(&self, why: impl FnOnce() -> String) {
-        DiskCells::add(&self.cells().dropped_writes, 1);
+        add(&self.cells().dropped_writes, 1);
         let mut b = lock(&self.backlog);
         b.unlogged += 1;
         let now = Instant::now();
@@ -652,7 +656,7 @@ impl DiskTier {
             }
             None => TierDir::open(&cfg.dir, uid)?,
         };
-        let cells = &metrics.disk;
+        let cells = metrics.tier::<DiskCells>();
         cells.enabled.store(true, Relaxed);
         cells.capacity_bytes.store(cfg.size_bytes, Relaxed);
         cells.indexed.store(false, Relaxed);
@@ -672,7 +676,7 @@ impl DiskTier {
             dir,
             region,
             events,
-            metrics,
+            cells,
             indexed: AtomicBool::new(false),
             indexed_wait: (Mutex::new(()), Condvar::new()),
             writes: Queue::new(),
@@ -779,14 +783,14 @@ impl Tier for DiskTier {
             return;
         };
         cells.queue_bytes.fetch_add(len, Relaxed);
-        DiskCells::add(&cells.queue_blocks, 1);
+        add(&cells.queue_blocks, 1);
         *lock(&s.backlog).by_tenant.entry(job.tenant.clone()).or_insert(0) += len;
         let seq = lock(&s.order).take_write(PendingWrite { key: job.key, parent: job.parent });
         s.writes.push(Write { job, seq });
     }
 
     fn fetch(&self, job: FetchJob) {
-        DiskCells::add(&self.shared.cells().fetches, 1);
+        add(&self.shared.cells().fetches, 1);
         if self.shared.lost.load(Relaxed) {
             self.shared.events.send(TierEvent::Filled { fetch: job.id, filled: Vec::new() });
             return;
@@ -799,12 +803,12 @@ impl Tier for DiskTier {
     }
 
     fn landed(&self, len: u64) {
-        DiskCells::add(&self.shared.cells().fills, 1);
-        DiskCells::add(&self.shared.cells().fill_bytes, len);
+        add(&self.shared.cells().fills, 1);
+        add(&self.shared.cells().fill_bytes, len);
     }
 
-    fn kind(&self) -> TierKind {
-        TierKind::Disk
+    fn filled_after(&self, us: u64) {
+        self.shared.cells().fill.observe(us);
     }
 
     fn admission(&self) -> Admission {
@@ -853,11 +857,11 @@ impl Tier for DiskTier {
     }
 
     fn timed_out(&self) {
-        DiskCells::add(&self.shared.cells().fetches_timed_out, 1);
+        add(&self.shared.cells().fetches_timed_out, 1);
     }
 
     fn unconfirmed(&self) {
-        DiskCells::add(&self.shared.cells().unconfirmed_removals, 1);
+        add(&self.shared.cells().unconfirmed_removals, 1);
     }
 
     /// Stops the threads' work (waiting for a copy in progress), finishes
@@ -923,10 +927,10 @@ fn delete_victims(s: &Shared, victims: &[(u128, index::Entry)]) {
     for (key, _) in victims {
         let _c = lock(&s.commit);
         match s.dir.remove_block(*key) {
-            Ok(true) => DiskCells::add(&s.cells().evictions, 1),
+            Ok(true) => add(&s.cells().evictions, 1),
             Ok(false) => {}
             Err(e) => {
-                DiskCells::add(&s.cells().errors, 1);
+                add(&s.cells().errors, 1);
                 tracing::debug!(key = %format_args!("{key:032x}"), "disk tier: deleting an evicted block: {e}");
             }
         }
@@ -944,7 +948,7 @@ fn evicted(s: &Shared, keys: &[u128]) {
 
 /// Deletes a block file that did not verify and takes it out of the index.
 fn discard_torn(s: &Shared, key: u128, why: &dyn std::fmt::Display) {
-    DiskCells::add(&s.cells().torn, 1);
+    add(&s.cells().torn, 1);
     tracing::warn!(key = %format_args!("{key:032x}"), "disk tier: block file refused and deleted: {why}");
     {
         let _c = lock(&s.commit);
@@ -966,7 +970,7 @@ fn rebuild_index(s: &Shared, run: u64) {
     let keys = match s.dir.list_blocks() {
         Ok(k) => k,
         Err(e) => {
-            DiskCells::add(&s.cells().errors, 1);
+            add(&s.cells().errors, 1);
             tracing::warn!("disk tier: reading {}/blocks: {e}", s.cfg.dir.display());
             Vec::new()
         }
@@ -1021,7 +1025,7 @@ fn rebuild_index(s: &Shared, run: u64) {
     let took = t0.elapsed();
     let cells = s.cells();
     cells.recovered.store(recovered, Relaxed);
-    DiskCells::add(&cells.torn, torn);
+    add(&cells.torn, torn);
     cells.index_us.store(took.as_micros().max(1) as u64, Relaxed);
     cells.indexed.store(true, Relaxed);
     tracing::info!(
@@ -1112,13 +1116,13 @@ fn write_loop(s: &Shared, run: u64) {
         for (w, result) in batch.into_iter().zip(results) {
             match result {
                 Ok(true) => {
-                    DiskCells::add(&cells.writes, 1);
-                    DiskCells::add(&cells.write_bytes, w.job.len);
+                    add(&cells.writes, 1);
+                    add(&cells.write_bytes, w.job.len);
                 }
                 Ok(false) if !s.live(run) => {}
-                Ok(false) => DiskCells::add(&cells.dropped_writes, 1),
+                Ok(false) => add(&cells.dropped_writes, 1),
                 Err(e) => {
-                    DiskCells::add(&cells.errors, 1);
+                    add(&cells.errors, 1);
                     tracing::debug!(key = %format_args!("{:032x}", w.job.key), "disk write failed: {e}");
                 }
             }
@@ -1424,7 +1428,7 @@ fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<()
                     out.push(Ok(()));
                 }
                 Err(e) => {
-                    DiskCells::add(&s.cells().errors, 1);
+                    add(&s.cells().errors, 1);
                     out.push(Err(format!(
                         "removing {}/blocks/{}: {e}",
                         s.cfg.dir.display(),
@@ -1436,7 +1440,7 @@ fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<()
     }
     if needs_sync {
         if let Err(e) = s.dir.sync_blocks() {
-            DiskCells::add(&s.cells().errors, 1);
+            add(&s.cells().errors, 1);
             let why = format!("syncing {}/blocks: {e}", s.cfg.dir.display());
             for o in &mut out {
                 if o.is_ok() {
@@ -1458,8 +1462,8 @@ fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<()
     s.publish(&ix);
     drop(ix);
     let ok = out.iter().filter(|o| o.is_ok()).count() as u64;
-    DiskCells::add(&s.cells().removals, ok);
-    DiskCells::add(&s.cells().deletes, unlinked);
+    add(&s.cells().removals, ok);
+    add(&s.cells().deletes, unlinked);
     for why in out.iter().filter_map(|o| o.as_ref().err()) {
         tracing::warn!(
             event = "disk_removal_failed",
@@ -1489,7 +1493,7 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     for &key in &job.keys {
         // Removed (deleted, replaced) by a client (its file may not be gone yet).
         if lock(&s.order).tombs.contains_key(&key) {
-            DiskCells::add(&cells.misses, 1);
+            add(&cells.misses, 1);
             continue;
         }
         match s.dir.open_block(key) {
@@ -1499,9 +1503,9 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
                 }
                 opened.push((key, f));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => DiskCells::add(&cells.misses, 1),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => add(&cells.misses, 1),
             Err(e) => {
-                DiskCells::add(&cells.errors, 1);
+                add(&cells.errors, 1);
                 tracing::debug!(key = %format_args!("{key:032x}"), "disk read failed: {e}");
             }
         }
@@ -1576,7 +1580,7 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
             }
             Err(e) => {
                 drop(gate);
-                DiskCells::add(&cells.errors, 1);
+                add(&cells.errors, 1);
                 tracing::debug!(key = %format_args!("{:032x}", h.key), "disk read failed: {e}");
             }
         }

@@ -39,15 +39,18 @@
 //! one round trip per shard. TLS (`rediss://`) through rustls with the ring
 //! provider.
 
+pub mod cells;
 pub mod format;
 mod reader;
 mod writer;
 
-use crate::metrics::{Metrics, RemoteCells};
+use crate::metrics::Metrics;
+use crate::tier::metrics::add;
 use crate::tier::{
     FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent, TierEvents,
-    TierKind, WriteJob,
+    WriteJob,
 };
+use cells::RemoteCells;
 use kachedb_shm::Region;
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
@@ -293,6 +296,8 @@ struct Ctx {
     slab: SlabGate,
     events: TierEvents,
     metrics: Arc<Metrics>,
+    /// The tier's counters (`Metrics::tier`).
+    cells: Arc<RemoteCells>,
     /// What a header may claim (the megaslab's size).
     limits: format::Limits,
     /// The namespace and fleet key values are read and written in.
@@ -309,7 +314,7 @@ struct Ctx {
 
 impl Ctx {
     fn cells(&self) -> &RemoteCells {
-        &self.metrics.remote
+        &self.cells
     }
 
     fn send(&self, ev: TierEvent) {
@@ -385,7 +390,8 @@ impl RemoteTier {
             .enable_io()
             .enable_time()
             .build()?;
-        metrics.remote.enabled.store(true, Relaxed);
+        let cells = metrics.tier::<RemoteCells>();
+        cells.enabled.store(true, Relaxed);
         let limits = format::Limits { max_len: region.layout().slab_len };
         let scope = Arc::new(format::Scope::new(&cfg.namespace, cfg.key.clone()));
         let ctx = Arc::new(Ctx {
@@ -394,6 +400,7 @@ impl RemoteTier {
             slab: SlabGate::new(region),
             events,
             metrics,
+            cells,
             limits,
             scope,
             write_slots: tokio::sync::Semaphore::new(WRITE_CONCURRENCY),
@@ -421,15 +428,15 @@ impl Tier for RemoteTier {
         // One writer of increments (the serve loop), workers only subtract:
         // this load-then-add never lets the sum pass the bound.
         if cells.queue_bytes.load(Relaxed).saturating_add(len) > self.ctx.cfg.queue_bytes {
-            RemoteCells::add(&cells.dropped_writes, 1);
+            add(&cells.dropped_writes, 1);
             return;
         }
         let Some(job) = pinned() else {
-            RemoteCells::add(&cells.dropped_writes, 1);
+            add(&cells.dropped_writes, 1);
             return;
         };
         cells.queue_bytes.fetch_add(len, Relaxed);
-        RemoteCells::add(&cells.queue_blocks, 1);
+        add(&cells.queue_blocks, 1);
         self.ctx
             .pending
             .lock()
@@ -444,7 +451,7 @@ impl Tier for RemoteTier {
     /// queue, at the latest soon after its deadline ([`fill_deadline`]), when
     /// the fetch is cancelled.
     fn fetch(&self, job: FetchJob) {
-        RemoteCells::add(&self.ctx.cells().fetches, 1);
+        add(&self.ctx.cells().fetches, 1);
         if let Some(rt) = &self.rt {
             let deadline = tokio::time::Instant::now() + fill_deadline(self.ctx.cfg.timeout);
             rt.spawn(reader::fetch(self.ctx.clone(), job, deadline));
@@ -459,12 +466,12 @@ impl Tier for RemoteTier {
     }
 
     fn landed(&self, len: u64) {
-        RemoteCells::add(&self.ctx.cells().fills, 1);
-        RemoteCells::add(&self.ctx.cells().fill_bytes, len);
+        add(&self.ctx.cells().fills, 1);
+        add(&self.ctx.cells().fill_bytes, len);
     }
 
-    fn kind(&self) -> TierKind {
-        TierKind::Remote
+    fn filled_after(&self, us: u64) {
+        self.ctx.cells().fill.observe(us);
     }
 
     /// Keeps the remote copy: the cluster is the fleet's cache, shared by

@@ -12,7 +12,8 @@
 //! back to the serve loop.
 
 use super::format::Header;
-use super::{Ctx, RemoteCells, TierEvent, WriteJob, CHUNK_WINDOW};
+use super::{Ctx, TierEvent, WriteJob, CHUNK_WINDOW};
+use crate::tier::metrics::add;
 use futures_util::{StreamExt, TryStreamExt};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -26,11 +27,11 @@ pub(super) async fn write(ctx: Arc<Ctx>, job: WriteJob) {
     let cells = ctx.cells();
     match outcome {
         Ok(()) => {
-            RemoteCells::add(&cells.writes, 1);
-            RemoteCells::add(&cells.write_bytes, job.len);
+            add(&cells.writes, 1);
+            add(&cells.write_bytes, job.len);
         }
         Err(e) => {
-            RemoteCells::add(&cells.errors, 1);
+            add(&cells.errors, 1);
             tracing::debug!(key = %format_args!("{:032x}", job.key), "remote write failed: {e}");
         }
     }

@@ -19,7 +19,7 @@
 use crate::store::{SessionId, Store};
 use crate::tier::{
     Admission, FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, Reserved, StoppedTier, Tier, TierEvent,
-    TierId, TierKind, WriteJob,
+    TierId, WriteJob,
 };
 use kachedb_shm::{Request, Status};
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -149,8 +149,8 @@ enum FillWork {
 /// A fetch that is over: its blocks are committed (or it ran out of time).
 pub(super) struct FetchDone {
     pub(super) fetch: u64,
-    /// The kind of the tier whose fill (or timeout) this is.
-    pub(super) kind: TierKind,
+    /// The tier whose fill (or timeout) this is.
+    pub(super) tier: TierId,
     /// The channel waiting for it, if one still is.
     pub(super) channel: Option<u32>,
     /// The keys it committed.
@@ -367,12 +367,20 @@ impl Tiers {
                 let keep = p.deadline > now;
                 if !keep {
                     t.tier.timed_out();
-                    out.push(FetchDone { fetch, kind: t.tier.kind(), channel: Some(p.channel), committed: Vec::new() });
+                    out.push(FetchDone { fetch, tier: t.id, channel: Some(p.channel), committed: Vec::new() });
                 }
                 keep
             });
         }
         out
+    }
+
+    /// A fetch of tier `id` committed blocks `us` microseconds after its
+    /// local miss (for that tier's fill latency).
+    pub(super) fn filled_after(&self, id: TierId, us: u64) {
+        if let Some(t) = self.sides.iter().find(|t| t.id == id) {
+            t.tier.filled_after(us);
+        }
     }
 
     /// What tier `id` reports. A write's pin is dropped at once;
@@ -530,7 +538,7 @@ impl Tiers {
                             deleted.retain(|_, &mut f| f >= oldest);
                         }
                         if channel.is_some() || !committed.is_empty() {
-                            done.push(FetchDone { fetch, kind: r.tier.kind(), channel, committed });
+                            done.push(FetchDone { fetch, tier: r.id, channel, committed });
                         }
                         // An empty fetch still takes a turn: at most one per block of budget.
                         budget = budget.saturating_sub(1);
@@ -625,9 +633,7 @@ mod tests {
             Duration::from_secs(60)
         }
         fn landed(&self, _len: u64) {}
-        fn kind(&self) -> TierKind {
-            TierKind::Disk
-        }
+        fn filled_after(&self, _us: u64) {}
         fn remove(&self, _key: u128) -> Removal {
             Removal::Done
         }
@@ -649,9 +655,7 @@ mod tests {
             Duration::from_secs(60)
         }
         fn landed(&self, _len: u64) {}
-        fn kind(&self) -> TierKind {
-            TierKind::Remote
-        }
+        fn filled_after(&self, _us: u64) {}
         fn remove(&self, _key: u128) -> Removal {
             Removal::Done
         }
