@@ -395,6 +395,18 @@ impl Metrics {
         c
     }
 
+    /// Writes every tier's figures into `into` (`kachedb stats`; a tier
+    /// that never started leaves its section at its default: off, zeros).
+    pub fn tier_stats(&self, into: &mut kachedb_shm::control::Stats) {
+        let tiers: Vec<Arc<dyn TierMetrics>> = match self.tiers.lock() {
+            Ok(t) => t.iter().map(|(_, t)| t.clone()).collect(),
+            Err(_) => return,
+        };
+        for t in tiers {
+            t.fill_stats(into);
+        }
+    }
+
     /// A registry holding these metrics (prefix `kachedb_`) for
     /// `prometheus_client::encoding::prometheus_text::encode`.
     pub fn registry(self: &Arc<Self>) -> Registry {
@@ -789,63 +801,45 @@ impl Collector for Collect {
             "op",
             &[("get", st.get_hit_bytes.get()), ("lookup", st.lookup_hit_bytes.get())],
         )?;
-        single(
-            &mut enc,
-            "stored_bytes",
-            "Tensor bytes committed (put) into the store.",
-            Counter,
-            st.stored_bytes.get(),
-        )?;
-        single(
-            &mut enc,
-            "served_bytes",
-            "Tensor bytes handed out as zero-copy views (GET hits).",
-            Counter,
-            st.get_hit_bytes.get(),
-        )?;
-        single(&mut enc, "blocks", "Committed blocks that GET can find.", Gauge, st.blocks.get())?;
-        single(
-            &mut enc,
-            "bytes_used",
-            "Megaslab bytes in allocated extents (blocks, deleted-but-pinned blocks, reservations).",
-            Gauge,
-            st.bytes_used.get(),
-        )?;
-        single(&mut enc, "bytes_free", "Megaslab bytes in free extents.", Gauge, st.bytes_free.get())?;
-        single(&mut enc, "bytes_capacity", "Megaslab bytes under management.", Gauge, st.bytes_capacity.get())?;
-        single(
-            &mut enc,
-            "bytes_evictable",
-            "Bytes of committed unpinned blocks (what eviction could free).",
-            Gauge,
-            st.bytes_evictable.get(),
-        )?;
-        single(&mut enc, "pins", "Pins held by clients (live GET views).", Gauge, st.pins.get())?;
-        single(&mut enc, "reservations", "Reservations not yet committed or aborted.", Gauge, st.reservations.get())?;
-        single(
-            &mut enc,
-            "evictions",
-            "Blocks evicted (least recently used first) to make room.",
-            Counter,
-            st.evictions.get(),
-        )?;
-        single(&mut enc, "evicted_bytes", "Extent bytes freed by eviction.", Counter, st.evicted_bytes.get())?;
-        single(
-            &mut enc,
-            "replaced_blocks",
-            "Committed blocks that replaced an older block of the same key.",
-            Counter,
-            st.replaced.get(),
-        )?;
-        single(&mut enc, "clients_connected", "Clients connected now.", Gauge, sv.clients_connected.get())?;
-        single(&mut enc, "client_connections", "Clients connected since start.", Counter, sv.clients_total.get())?;
-        single(
-            &mut enc,
-            "clients_kicked",
-            "Clients disconnected because their rings were corrupt.",
-            Counter,
-            sv.clients_kicked.get(),
-        )?;
+        for (name, help, kind, v) in [
+            ("stored_bytes", "Tensor bytes committed (put) into the store.", Counter, st.stored_bytes.get()),
+            ("served_bytes", "Tensor bytes handed out as zero-copy views (GET hits).", Counter, st.get_hit_bytes.get()),
+            ("blocks", "Committed blocks that GET can find.", Gauge, st.blocks.get()),
+            (
+                "bytes_used",
+                "Megaslab bytes in allocated extents (blocks, deleted-but-pinned blocks, reservations).",
+                Gauge,
+                st.bytes_used.get(),
+            ),
+            ("bytes_free", "Megaslab bytes in free extents.", Gauge, st.bytes_free.get()),
+            ("bytes_capacity", "Megaslab bytes under management.", Gauge, st.bytes_capacity.get()),
+            (
+                "bytes_evictable",
+                "Bytes of committed unpinned blocks (what eviction could free).",
+                Gauge,
+                st.bytes_evictable.get(),
+            ),
+            ("pins", "Pins held by clients (live GET views).", Gauge, st.pins.get()),
+            ("reservations", "Reservations not yet committed or aborted.", Gauge, st.reservations.get()),
+            ("evictions", "Blocks evicted (least recently used first) to make room.", Counter, st.evictions.get()),
+            ("evicted_bytes", "Extent bytes freed by eviction.", Counter, st.evicted_bytes.get()),
+            (
+                "replaced_blocks",
+                "Committed blocks that replaced an older block of the same key.",
+                Counter,
+                st.replaced.get(),
+            ),
+            ("clients_connected", "Clients connected now.", Gauge, sv.clients_connected.get()),
+            ("client_connections", "Clients connected since start.", Counter, sv.clients_total.get()),
+            (
+                "clients_kicked",
+                "Clients disconnected because their rings were corrupt.",
+                Counter,
+                sv.clients_kicked.get(),
+            ),
+        ] {
+            single(&mut enc, name, help, kind, v)?;
+        }
         let refused: Vec<(&str, u64)> =
             REFUSAL_NAMES.iter().zip(&m.refused).map(|(&n, c)| (n, c.load(Relaxed))).collect();
         by_label(
@@ -856,27 +850,18 @@ impl Collector for Collect {
             "reason",
             &refused,
         )?;
-        single(
-            &mut enc,
-            "rejected_frames",
-            "Frames that failed validation (answered INVALID).",
-            Counter,
-            sv.rejected_frames.get(),
-        )?;
-        single(
-            &mut enc,
-            "serve_parks",
-            "Times the serve loop parked on the doorbell (idle).",
-            Counter,
-            sv.parks.get(),
-        )?;
-        single(
-            &mut enc,
-            "client_wakeups",
-            "Wake syscalls the serve loop made for clients parked on their completion ring.",
-            Counter,
-            sv.wakeups_sent.get(),
-        )?;
+        for (name, help, kind, v) in [
+            ("rejected_frames", "Frames that failed validation (answered INVALID).", Counter, sv.rejected_frames.get()),
+            ("serve_parks", "Times the serve loop parked on the doorbell (idle).", Counter, sv.parks.get()),
+            (
+                "client_wakeups",
+                "Wake syscalls the serve loop made for clients parked on their completion ring.",
+                Counter,
+                sv.wakeups_sent.get(),
+            ),
+        ] {
+            single(&mut enc, name, help, kind, v)?;
+        }
 
         let mut e = enc.encode_descriptor(
             "op_duration_seconds",
@@ -912,34 +897,34 @@ impl Collector for Collect {
         for f in &families {
             encode_family(&mut enc, f)?;
         }
-        single(
-            &mut enc,
-            "reachable_bytes",
-            "Extent bytes of the blocks whose chain back to its root is whole in the megaslab (a LOOKUP from the head reaches them).",
-            Gauge,
-            st.reachable_bytes.get(),
-        )?;
-        single(
-            &mut enc,
-            "orphaned_bytes",
-            "Extent bytes of the blocks a block before them in their chain is missing for (reachable + orphaned = the blocks' bytes).",
-            Gauge,
-            st.orphaned_bytes.get(),
-        )?;
-        single(
-            &mut enc,
-            "window_distinct_keys",
-            "Distinct keys asked for (GET, LOOKUP) in the current request window (HyperLogLog estimate, ~0.8 % standard error).",
-            Gauge,
-            st.window_distinct_keys.get(),
-        )?;
-        single(
-            &mut enc,
-            "window_key_requests",
-            "Keys asked for (GET, LOOKUP) in the current request window.",
-            Gauge,
-            st.window_key_requests.get(),
-        )?;
+        for (name, help, kind, v) in [
+            (
+                "reachable_bytes",
+                "Extent bytes of the blocks whose chain back to its root is whole in the megaslab (a LOOKUP from the head reaches them).",
+                Gauge,
+                st.reachable_bytes.get(),
+            ),
+            (
+                "orphaned_bytes",
+                "Extent bytes of the blocks a block before them in their chain is missing for (reachable + orphaned = the blocks' bytes).",
+                Gauge,
+                st.orphaned_bytes.get(),
+            ),
+            (
+                "window_distinct_keys",
+                "Distinct keys asked for (GET, LOOKUP) in the current request window (HyperLogLog estimate, ~0.8 % standard error).",
+                Gauge,
+                st.window_distinct_keys.get(),
+            ),
+            (
+                "window_key_requests",
+                "Keys asked for (GET, LOOKUP) in the current request window.",
+                Gauge,
+                st.window_key_requests.get(),
+            ),
+        ] {
+            single(&mut enc, name, help, kind, v)?;
+        }
         self.encode_tenants(&mut enc)?;
         single(&mut enc, "channels", "Channels (clients connected at once) the region has.", Gauge, m.channels as u64)?;
         single(&mut enc, "ring_capacity_slots", "Slots per ring.", Gauge, m.ring_capacity as u64)?;

@@ -3,7 +3,7 @@
 
 use crate::disk::index::TenantDisk;
 use crate::tier::metrics::{rows, Family, FillLatency, Kind, Row, TierMetrics, Values};
-use kachedb_shm::control::{DiskStats, TenantStats};
+use kachedb_shm::control::{DiskStats, Stats, TenantStats};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -163,6 +163,12 @@ const TENANT_FAMILIES: [(&str, &str, Kind, fn(&TenantDisk) -> Option<u64>); 5] =
 ];
 
 impl TierMetrics for DiskCells {
+    fn fill_stats(&self, into: &mut Stats) {
+        let (disk, tenants) = self.stats_and_tenants(std::mem::take(&mut into.tenants));
+        into.disk = disk;
+        into.tenants = tenants;
+    }
+
     fn families(&self, out: &mut Vec<Family>) {
         if !self.enabled.load(Relaxed) {
             return;

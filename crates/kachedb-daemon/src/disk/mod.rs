@@ -60,7 +60,9 @@ pub mod format;
 pub mod index;
 
 use crate::metrics::Metrics;
+use crate::tier::gate::{Refused, SlabGate};
 use crate::tier::metrics::add;
+use crate::tier::threads::{enter_worker_class, worker_nice_value, WriteQueue};
 use crate::tier::{
     Admission, FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent,
     TierEvents, WriteJob,
@@ -77,7 +79,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Default bound of the write-behind queue, bytes.
@@ -395,7 +397,8 @@ struct Backlog {
 struct Shared {
     cfg: DiskConfig,
     dir: TierDir,
-    region: Arc<Region>,
+    /// The tier's only way into the megaslab.
+    slab: SlabGate,
     events: TierEvents,
     /// The tier's counters (`Metrics::tier`).
     cells: Arc<DiskCells>,
@@ -419,10 +422,6 @@ struct Shared {
     /// The run the threads belong to; a stop starts the next one, and a
     /// thread whose run is over takes no more work.
     run: AtomicU64,
-    /// The megaslab gate: `true` while the tier runs. Held for reading while
-    /// a thread reads a pinned block or writes a reservation; the write side
-    /// sets it to `false` (see the module docs).
-    running: RwLock<bool>,
     /// `false` while the tier is held (a takeover's new daemon before the
     /// old one stopped): its threads touch nothing until released.
     released: (Mutex<bool>, Condvar),
@@ -438,6 +437,11 @@ struct Shared {
 impl Shared {
     fn cells(&self) -> &DiskCells {
         &self.cells
+    }
+
+    /// The write-behind queue (`--disk-queue-bytes`).
+    fn queue(&self) -> WriteQueue<'_> {
+        WriteQueue { bytes: &self.cells.queue_bytes, blocks: &self.cells.queue_blocks, bound: self.cfg.queue_bytes }
     }
 
     /// Whether threads of run `run` may still work.
@@ -531,7 +535,7 @@ impl Shared {
         self.fetches.wake_all();
         self.indexed_wait.1.notify_all();
         self.released.1.notify_all();
-        *self.running.write().unwrap_or_else(|e| e.into_inner()) = false;
+        self.slab.close();
         let _r = lock(&self.removing);
         // Removals: those queued, then every tombstone whose work is not
         // done (a removal that failed before), once more.
@@ -586,27 +590,6 @@ impl std::fmt::Debug for DiskTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DiskTier").field("cfg", &self.shared.cfg).finish()
     }
-}
-
-/// The nice value the tier's threads get: the calling thread's raised by
-/// `by`, capped at 19; `None` when `by` is 0.
-fn worker_nice_value(by: u8) -> Option<i32> {
-    if by == 0 {
-        return None;
-    }
-    let own = rustix::process::getpriority_process(None).unwrap_or(0);
-    Some((own + i32::from(by)).min(19))
-}
-
-/// Puts the calling thread in the `SCHED_IDLE` class (see [`WorkerClass::Idle`]).
-pub fn set_sched_idle() -> std::io::Result<()> {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: FFI call on the calling thread (pid 0) with a valid pointer to
-    // a `sched_param` that lives across the call.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// The directory a takeover's new daemon adopts: the old daemon's
@@ -674,7 +657,7 @@ impl DiskTier {
             removing: Mutex::new(()),
             cfg,
             dir,
-            region,
+            slab: SlabGate::new(region),
             events,
             cells,
             indexed: AtomicBool::new(false),
@@ -683,7 +666,6 @@ impl DiskTier {
             removals: Queue::new(),
             fetches: Queue::new(),
             run: AtomicU64::new(0),
-            running: RwLock::new(true),
             released: (Mutex::new(!held), Condvar::new()),
             lost: AtomicBool::new(false),
             backlog: Mutex::new(Backlog::default()),
@@ -712,16 +694,7 @@ fn spawn_threads(shared: &Arc<Shared>) -> std::io::Result<()> {
         let s = shared.clone();
         let name = if idle { THREAD_NAME } else { REMOVER_THREAD_NAME };
         std::thread::Builder::new().name(name.into()).spawn(move || {
-            if let Some(n) = nice {
-                if let Err(e) = rustix::process::setpriority_process(None, n) {
-                    tracing::warn!("disk tier: setting its threads' nice value to {n}: {e}");
-                }
-            }
-            if idle && class == WorkerClass::Idle {
-                if let Err(e) = set_sched_idle() {
-                    tracing::warn!("disk tier: running its threads SCHED_IDLE: {e}");
-                }
-            }
+            enter_worker_class("disk", nice, idle && class == WorkerClass::Idle);
             if s.wait_released(run) {
                 f(&s, run)
             }
@@ -757,11 +730,7 @@ impl Tier for DiskTier {
             s.dropped(|| format!("a block of {len} bytes is larger than --disk-size"));
             return;
         }
-        let cells = s.cells();
-        // One writer of increments (the serve loop), workers only subtract:
-        // this load-then-add never lets the sum pass the bound.
-        let queued = cells.queue_bytes.load(Relaxed);
-        if queued.saturating_add(len) > s.cfg.queue_bytes {
+        if let Err(queued) = s.queue().fits(len) {
             s.dropped(|| {
                 format!("the write-behind queue holds {queued} bytes of --disk-queue-bytes {}", s.cfg.queue_bytes)
             });
@@ -782,8 +751,7 @@ impl Tier for DiskTier {
             s.dropped(|| "the block was gone before it was pinned".into());
             return;
         };
-        cells.queue_bytes.fetch_add(len, Relaxed);
-        add(&cells.queue_blocks, 1);
+        s.queue().push(len);
         *lock(&s.backlog).by_tenant.entry(job.tenant.clone()).or_insert(0) += len;
         let seq = lock(&s.order).take_write(PendingWrite { key: job.key, parent: job.parent });
         s.writes.push(Write { job, seq });
@@ -898,7 +866,7 @@ impl std::fmt::Debug for StoppedDisk {
 impl StoppedTier for StoppedDisk {
     fn resume(self: Box<Self>) -> Result<Box<dyn Tier>, TierError> {
         let shared = self.shared.clone();
-        *shared.running.write().unwrap_or_else(|e| e.into_inner()) = true;
+        shared.slab.reopen();
         spawn_threads(&shared)?;
         for key in shared.unremoved() {
             // Retried by the new run's remover (nobody waits for the answer).
@@ -1128,8 +1096,7 @@ fn write_loop(s: &Shared, run: u64) {
             }
             if s.live(run) {
                 // (A stop hands the queue over and resets these itself.)
-                cells.queue_bytes.fetch_sub(w.job.len.min(cells.queue_bytes.load(Relaxed)), Relaxed);
-                cells.queue_blocks.fetch_sub(1.min(cells.queue_blocks.load(Relaxed)), Relaxed);
+                s.queue().pop(w.job.len);
                 if let Some(b) = lock(&s.backlog).by_tenant.get_mut(&w.job.tenant) {
                     *b = b.saturating_sub(w.job.len);
                 }
@@ -1280,21 +1247,17 @@ fn rename_into_place(s: &Shared, job: &WriteJob, seq: u64, tmp: &str, run: u64) 
 /// to the disk (not yet synced); `None`: the tier stopped.
 fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Result<Option<File>> {
     let f = s.dir.create_tmp(tmp)?;
-    {
-        let gate = s.running.read().unwrap_or_else(|e| e.into_inner());
-        if !*gate || !s.live(run) {
-            return Ok(None);
+    let wrote = s.slab.with(job.data_offset, job.len, |ptr| -> std::io::Result<bool> {
+        if !s.live(run) {
+            return Ok(false);
         }
-        let Some(ptr) = s.region.slab_ptr(job.data_offset, job.len) else {
-            return Err(std::io::Error::other("block outside the megaslab"));
-        };
         // SAFETY: `job.pin` pins this committed block for the tier's session
         // until the writer sends `Written`, after this returns: the extent is
         // not evicted, moved or reused meanwhile, and a committed block's
         // bytes are not written again. The pin outlives the gate only while
         // the tier runs: stopping (which closes the tier's session, dropping
-        // the pin) waits for this read guard. The region stays mapped while
-        // `s.region` (an `Arc`) lives.
+        // the pin) closes the gate first, which waits for this closure. The
+        // region stays mapped while the gate's region (an `Arc`) lives.
         let data: &[u8] = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), job.len as usize) };
         let written_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
         let header = Header {
@@ -1315,8 +1278,14 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Resul
             start_writeback(&f, format::HEADER_AREA + at, piece.len() as u64);
             at += piece.len() as u64;
         }
+        Ok(true)
+    });
+    match wrote {
+        Ok(Ok(true)) => Ok(s.live(run).then_some(f)),
+        Ok(Ok(false)) | Err(Refused::Closed) => Ok(None),
+        Ok(Err(e)) => Err(e),
+        Err(Refused::Outside) => Err(std::io::Error::other("block outside the megaslab")),
     }
-    Ok(s.live(run).then_some(f))
 }
 
 /// Starts the write-out of `len` dirty bytes of `f` at `offset`
@@ -1541,45 +1510,37 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
             tenant: h.tenant.clone(),
         })
         .collect();
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, rx) = crate::tier::reply::channel();
     s.events.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
     // The serve loop answers at its next pass (or drops the sender when it
     // stops).
-    let Ok(reserved) = rx.blocking_recv() else { return Vec::new() };
+    let Ok(reserved) = rx.wait() else { return Vec::new() };
     let mut filled = Vec::new();
     for ((h, f), r) in found.iter().zip(reserved) {
         let Some(r) = r else { continue };
-        let gate = s.running.read().unwrap_or_else(|e| e.into_inner());
-        if !*gate {
-            break;
-        }
-        let Some(ptr) = s.region.slab_ptr(r.data_offset, h.len) else { continue };
-        // SAFETY: the serve loop reserved `[data_offset, data_offset + len)`
-        // for the tier's session and touches it again only when this fetch's
-        // `Filled` (sent after this returns) commits or aborts it; a
-        // reservation is invisible to clients and never evicted. The tier's
-        // session (and with it the reservation) is closed only after a stop,
-        // which waits for this read guard. The region stays mapped while
-        // `s.region` lives.
-        let buf: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), h.len as usize) };
-        match f.read_exact_at(buf, format::HEADER_AREA) {
-            Ok(()) if format::checksum(buf) == h.checksum => {
-                drop(gate);
+        let read = s.slab.with(r.data_offset, h.len, |ptr| {
+            // SAFETY: the serve loop reserved `[data_offset, data_offset + len)`
+            // for the tier's session and touches it again only when this fetch's
+            // `Filled` (sent after this returns) commits or aborts it; a
+            // reservation is invisible to clients and never evicted. The tier's
+            // session (and with it the reservation) is closed only after a stop,
+            // which closes the gate first (waiting for this closure). The region
+            // stays mapped while the gate's region lives.
+            let buf: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), h.len as usize) };
+            f.read_exact_at(buf, format::HEADER_AREA).map(|()| format::checksum(buf) == h.checksum)
+        });
+        match read {
+            Err(Refused::Closed) => break,
+            Err(Refused::Outside) => continue,
+            Ok(Ok(true)) => {
                 drop_cache(f);
                 filled.push((r.handle, h.len));
                 lock(&s.index).touch(h.key);
             }
-            Ok(()) => {
-                drop(gate);
-                discard_torn(s, h.key, &format::FormatError::Checksum);
-            }
+            Ok(Ok(false)) => discard_torn(s, h.key, &format::FormatError::Checksum),
             // Truncated since its header was checked.
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                drop(gate);
-                discard_torn(s, h.key, &e);
-            }
-            Err(e) => {
-                drop(gate);
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => discard_torn(s, h.key, &e),
+            Ok(Err(e)) => {
                 add(&cells.errors, 1);
                 tracing::debug!(key = %format_args!("{:032x}", h.key), "disk read failed: {e}");
             }

@@ -2,7 +2,7 @@
 //! its rows of `kachedb stats`.
 
 use crate::tier::metrics::{rows, Family, FillLatency, Kind, Row, TierMetrics};
-use kachedb_shm::control::RemoteStats;
+use kachedb_shm::control::{RemoteStats, Stats};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 /// The remote tier's counters (`kachedb serve --remote`). Written by the
@@ -91,6 +91,10 @@ const ROWS: [Row<RemoteCells>; 13] = [
 ];
 
 impl TierMetrics for RemoteCells {
+    fn fill_stats(&self, into: &mut Stats) {
+        into.remote = self.stats();
+    }
+
     fn families(&self, out: &mut Vec<Family>) {
         if !self.enabled.load(Relaxed) {
             return;

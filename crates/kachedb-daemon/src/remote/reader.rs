@@ -129,7 +129,7 @@ fn budget_groups(heads: Vec<(Header, Vec<u8>)>) -> Vec<Vec<(Header, Vec<u8>)>> {
 /// stops), so not bounded by the deadline: cancelling it could lose
 /// reservations made.
 async fn land_all(ctx: &Ctx, job: &FetchJob, blocks: &[Verified], filled: &mut Vec<(u64, u64)>) {
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, rx) = crate::tier::reply::channel();
     let specs = blocks
         .iter()
         .map(|b| FillSpec {
@@ -181,7 +181,7 @@ pub(super) fn land(ctx: &Ctx, b: &Verified, data_offset: u64) -> bool {
         }
         at as u64
     });
-    copied == Some(b.header.len)
+    copied == Ok(b.header.len)
 }
 
 /// `GETRANGE key start end` (end inclusive), bounded by the timeout; `Err`

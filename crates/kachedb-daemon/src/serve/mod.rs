@@ -524,13 +524,9 @@ impl Serve {
         } else {
             self.store.check_counters(&store).is_ok()
         };
-        let m = self.metrics.metrics();
-        let (disk, tenants) = m.tier::<crate::disk::cells::DiskCells>().stats_and_tenants(self.store.tenant_stats());
-        Stats {
+        let mut stats = Stats {
             store,
             serve: self.counters.clone(),
-            remote: m.tier::<crate::remote::cells::RemoteCells>().stats(),
-            disk,
             ops_per_s: self.rate.per_second(),
             region_bytes: l.region_len,
             slab_bytes: l.slab_len,
@@ -542,8 +538,11 @@ impl Serve {
             invariants_ok,
             invariants_full: self.full_checks,
             channels_quarantined: self.channels.quarantined() as u64,
-            tenants,
-        }
+            tenants: self.store.tenant_stats(),
+            ..Stats::default()
+        };
+        self.metrics.metrics().tier_stats(&mut stats);
+        stats
     }
 }
 

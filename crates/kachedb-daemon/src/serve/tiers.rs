@@ -139,7 +139,7 @@ enum FillWork {
         fetch: u64,
         blocks: Vec<FillSpec>,
         answers: Vec<Option<Reserved>>,
-        reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
+        reply: crate::tier::reply::Sender<Vec<Option<Reserved>>>,
     },
     /// A fetch's filled reservations, committed from `next` on; once all
     /// are, its channel is unparked and WAITs on `committed` answered.
@@ -716,7 +716,7 @@ mod tests {
 
         // The fetch asks for room for K, which is missing.
         let fetch = tiers.start_fetch(0, "default", vec![key]).unwrap();
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = crate::tier::reply::channel();
         let spec = FillSpec {
             key,
             dtype: DType::U8,
@@ -727,7 +727,7 @@ mod tests {
         };
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch, blocks: vec![spec], reply: tx });
         drain(&mut tiers, &mut store);
-        let reserved = rx.try_recv().unwrap()[0].expect("room for the fill");
+        let reserved = rx.try_recv().unwrap().unwrap()[0].expect("room for the fill");
 
         // Meanwhile a client commits K after its parent.
         let c = store.handle_internal(client, &reserve(key, 200));
@@ -776,15 +776,15 @@ mod tests {
         let fa = tiers.start_fetch(0, "default", vec![a]).unwrap();
         let fb = tiers.start_fetch(1, "default", vec![b]).unwrap();
         tiers.remove(0, client, a);
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fa, blocks: vec![spec(a)], reply: tx });
         drain(&mut tiers, &mut store);
-        assert!(rx.try_recv().unwrap()[0].is_none(), "room reserved for a deleted key");
+        assert!(rx.try_recv().unwrap().unwrap()[0].is_none(), "room reserved for a deleted key");
         tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fa, filled: vec![] });
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fb, blocks: vec![spec(b)], reply: tx });
         drain(&mut tiers, &mut store);
-        let r = rx.try_recv().unwrap()[0].expect("room for B");
+        let r = rx.try_recv().unwrap().unwrap()[0].expect("room for B");
         tiers.remove(0, client, b);
         tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fb, filled: vec![(r.handle, 300)] });
         let done = drain(&mut tiers, &mut store);
@@ -794,10 +794,10 @@ mod tests {
         // Every fetch of then is over: the DELETEs are forgotten, and a new fetch fills B.
         assert!(tiers.open.is_empty() && tiers.deleted.is_empty());
         let fc = tiers.start_fetch(0, "default", vec![b]).unwrap();
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fc, blocks: vec![spec(b)], reply: tx });
         drain(&mut tiers, &mut store);
-        let r = rx.try_recv().unwrap()[0].expect("room for B");
+        let r = rx.try_recv().unwrap().unwrap()[0].expect("room for B");
         tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fc, filled: vec![(r.handle, 300)] });
         let done = drain(&mut tiers, &mut store);
         assert_eq!(done.iter().flat_map(|d| d.committed.clone()).collect::<Vec<_>>(), vec![b]);

@@ -62,6 +62,11 @@ pub struct Family {
 pub trait TierMetrics: Send + Sync + std::fmt::Debug + Any {
     /// Appends the tier's families to `out` (none while the tier is off).
     fn families(&self, out: &mut Vec<Family>);
+
+    /// Writes the tier's figures into `kachedb stats`' answer: its own
+    /// section, and its columns of the tenant rows (`into.tenants` holds
+    /// the megaslab's rows when this is called).
+    fn fill_stats(&self, into: &mut kachedb_shm::control::Stats);
 }
 
 /// A row of a tier's table of single-valued families: name, help, kind and

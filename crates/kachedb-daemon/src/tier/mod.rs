@@ -12,7 +12,10 @@
 //! doorbell. Each tier has a [`TierId`] so the loop can tell the reports of
 //! several tiers apart.
 
+pub mod gate;
 pub mod metrics;
+pub mod reply;
+pub mod threads;
 
 use kachedb_shm::{DType, Shape};
 use std::sync::Arc;
@@ -148,7 +151,7 @@ pub enum TierEvent {
         /// The blocks.
         blocks: Vec<FillSpec>,
         /// Where the answer goes (one entry per block).
-        reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
+        reply: reply::Sender<Vec<Option<Reserved>>>,
     },
     /// Fetch `fetch` is over: these reservations hold their bytes, commit
     /// them (in this order); the fetch's other reservations are aborted.
