@@ -304,6 +304,10 @@ impl Health {
     }
 }
 
+/// A tier's cells as [`Metrics`] holds them: as `Any` (to hand back to the
+/// tier) and as what a scrape reads.
+type Registered = (Arc<dyn Any + Send + Sync>, Arc<dyn TierMetrics>);
+
 /// Every metric of the daemon; shared (`Arc`) by the serve loop's
 /// [`MetricsWriter`], the control thread and the HTTP threads.
 #[derive(Debug)]
@@ -311,7 +315,7 @@ pub struct Metrics {
     serve: ServeSide,
     /// Each tier's cells, in the order the tiers first asked for them
     /// ([`Metrics::tier`]): as `Any` to hand back, and as what a scrape reads.
-    tiers: Mutex<Vec<(Arc<dyn Any + Send + Sync>, Arc<dyn TierMetrics>)>>,
+    tiers: Mutex<Vec<Registered>>,
     /// Clients refused, by [`Refusal`]; written by the control thread.
     refused: [AtomicU64; REFUSAL_NAMES.len()],
     /// A [`Health`] code (for `/healthz`).

@@ -129,7 +129,11 @@ const ROWS: [Row<DiskCells>; 22] = [
     ),
 ];
 
-const TENANT_FAMILIES: [(&str, &str, Kind, fn(&TenantDisk) -> Option<u64>); 5] = [
+/// A per-tenant family: name, help, kind, and its value for a tenant row
+/// (`None`: no series for that tenant).
+type TenantFamily = (&'static str, &'static str, Kind, fn(&TenantDisk) -> Option<u64>);
+
+const TENANT_FAMILIES: [TenantFamily; 5] = [
     (
         "tenant_disk_bytes",
         "File-system bytes of the tenant's blocks on the disk tier (sums to kachedb_disk_bytes).",
