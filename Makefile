@@ -188,4 +188,7 @@ bench: build-bench python
 
 lint:
 	$(CARGO) fmt --all --check
+	@# The generic layers name no tier (docs/tiers.md): code lines only.
+	! grep -rniwE 'disk|remote|redis' crates/kachedb-daemon/src/metrics.rs crates/kachedb-daemon/src/tier/ \
+		crates/kachedb-daemon/src/serve/ | grep -vE '^[^:]+:[0-9]+:\s*//'
 	$(CARGO) clippy --all-targets --locked -- -D warnings

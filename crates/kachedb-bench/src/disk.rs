@@ -118,7 +118,7 @@ fn lower_priority(by: u8, class: WorkerClass) {
         let _ = rustix::process::setpriority_process(None, (own + i32::from(by)).min(19));
     }
     if class == WorkerClass::Idle {
-        let _ = kachedb_daemon::disk::set_sched_idle();
+        let _ = kachedb_daemon::tier::threads::set_sched_idle();
     }
 }
 

@@ -44,6 +44,7 @@
 //! are those of the sample; `kachedb_ops_total` counts every frame.
 
 use crate::store::{Gauges, Store, TenantId};
+use crate::tier::metrics::{Family, Kind, TierMetrics, Values};
 use kachedb_shm::control::ServeStats;
 use kachedb_shm::control::MAX_TENANTS;
 use kachedb_shm::{Op, Status, TensorBlockDescriptor};
@@ -53,7 +54,8 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::any::Any;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -249,180 +251,6 @@ struct ServeCells {
     parks: Cell,
 }
 
-/// Upper bounds of the remote fill latency buckets, microseconds (a 64 KiB
-/// block from a local cluster takes ~0.2 ms, a 64 MiB one ~150 ms).
-const FILL_BOUNDS_US: [u64; 12] =
-    [100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000];
-
-/// The remote tier's counters (`kachedb serve --remote`). Written by the
-/// remote workers and the serve loop with `fetch_add`/`fetch_sub` (several
-/// writers; a slow path: a few per remote request). Relaxed: each value is
-/// read for itself, nothing else is published through it.
-#[derive(Debug, Default)]
-pub struct RemoteCells {
-    /// The tier is on.
-    pub enabled: AtomicBool,
-    /// Blocks written.
-    pub writes: AtomicU64,
-    /// Tensor bytes written.
-    pub write_bytes: AtomicU64,
-    /// Blocks not queued: the queue was full.
-    pub dropped_writes: AtomicU64,
-    /// Tensor bytes queued or being written.
-    pub queue_bytes: AtomicU64,
-    /// Blocks queued or being written.
-    pub queue_blocks: AtomicU64,
-    /// Remote reads asked for.
-    pub fetches: AtomicU64,
-    /// Blocks filled.
-    pub fills: AtomicU64,
-    /// Tensor bytes filled.
-    pub fill_bytes: AtomicU64,
-    /// Keys the remote store does not hold.
-    pub misses: AtomicU64,
-    /// Requests failed or timed out.
-    pub errors: AtomicU64,
-    /// Values that did not verify.
-    pub corrupt: AtomicU64,
-    /// Values that failed authentication (keying or tag).
-    pub auth_failures: AtomicU64,
-    /// Fetches cancelled at their deadline.
-    pub fetches_cancelled: AtomicU64,
-    /// Longest fill, microseconds.
-    fill_us_max: AtomicU64,
-}
-
-impl RemoteCells {
-    /// Adds `n` to `c`.
-    #[inline]
-    pub fn add(c: &AtomicU64, n: u64) {
-        c.fetch_add(n, Relaxed);
-    }
-
-    /// The counters as stats (`fill`: the serve loop's fill latency histogram).
-    fn stats(&self, fill: &Histogram) -> kachedb_shm::control::RemoteStats {
-        let (sum_s, count, _) = fill.load(1e6);
-        kachedb_shm::control::RemoteStats {
-            remote_enabled: self.enabled.load(Relaxed),
-            remote_writes: self.writes.load(Relaxed),
-            remote_write_bytes: self.write_bytes.load(Relaxed),
-            remote_dropped_writes: self.dropped_writes.load(Relaxed),
-            remote_queue_bytes: self.queue_bytes.load(Relaxed),
-            remote_queue_blocks: self.queue_blocks.load(Relaxed),
-            remote_fetches: self.fetches.load(Relaxed),
-            remote_fills: self.fills.load(Relaxed),
-            remote_fill_bytes: self.fill_bytes.load(Relaxed),
-            remote_misses: self.misses.load(Relaxed),
-            remote_errors: self.errors.load(Relaxed),
-            remote_corrupt: self.corrupt.load(Relaxed),
-            remote_auth_failures: self.auth_failures.load(Relaxed),
-            remote_fetches_cancelled: self.fetches_cancelled.load(Relaxed),
-            remote_fill_ms_mean: if count == 0 { 0.0 } else { sum_s * 1e3 / count as f64 },
-            remote_fill_ms_max: self.fill_us_max.load(Relaxed) as f64 / 1e3,
-        }
-    }
-}
-
-/// The disk tier's counters (`kachedb serve --disk`). Written by the disk
-/// tier's threads and the serve loop with `fetch_add`/`fetch_sub`/`store`
-/// (several writers; a slow path: a few per block written or filled).
-/// Relaxed: each value is read for itself, nothing else is published
-/// through it.
-#[derive(Debug, Default)]
-pub struct DiskCells {
-    /// The tier is on.
-    pub enabled: AtomicBool,
-    /// Blocks on disk (set from the index).
-    pub blocks: AtomicU64,
-    /// File-system bytes of the blocks on disk (set from the index).
-    pub bytes: AtomicU64,
-    /// The bound (`--disk-size`).
-    pub capacity_bytes: AtomicU64,
-    /// Blocks written.
-    pub writes: AtomicU64,
-    /// Tensor bytes written.
-    pub write_bytes: AtomicU64,
-    /// Blocks not queued: the queue was full.
-    pub dropped_writes: AtomicU64,
-    /// Tensor bytes queued or being written.
-    pub queue_bytes: AtomicU64,
-    /// Blocks queued or being written.
-    pub queue_blocks: AtomicU64,
-    /// Disk reads asked for.
-    pub fetches: AtomicU64,
-    /// Blocks filled.
-    pub fills: AtomicU64,
-    /// Tensor bytes filled.
-    pub fill_bytes: AtomicU64,
-    /// Keys not on disk.
-    pub misses: AtomicU64,
-    /// Blocks evicted from disk.
-    pub evictions: AtomicU64,
-    /// I/O errors.
-    pub errors: AtomicU64,
-    /// Block files found torn or corrupt.
-    pub torn: AtomicU64,
-    /// Blocks found whole at start.
-    pub recovered: AtomicU64,
-    /// Blocks deleted by a client's DELETE.
-    pub deletes: AtomicU64,
-    /// Fetches the serve loop stopped waiting for (past `--disk-timeout-ms`).
-    pub fetches_timed_out: AtomicU64,
-    /// The start-up index rebuild is done.
-    pub indexed: AtomicBool,
-    /// Microseconds the start-up index rebuild took.
-    pub index_us: AtomicU64,
-    /// 1 once the tier's directory is no longer the one it opened.
-    pub dir_lost: AtomicU64,
-    /// Removals not confirmed durable in time (answered `NOT_DURABLE`).
-    pub unconfirmed_removals: AtomicU64,
-    /// Removals made durable before the client's answer.
-    pub removals: AtomicU64,
-    /// Per tenant (set from the index with `blocks` and `bytes`, under
-    /// this mutex: a reader holding it sees rows that add up to them).
-    pub tenants: Mutex<Vec<crate::disk::index::TenantDisk>>,
-}
-
-impl DiskCells {
-    /// Adds `n` to `c`.
-    #[inline]
-    pub fn add(c: &AtomicU64, n: u64) {
-        c.fetch_add(n, Relaxed);
-    }
-
-    /// The counters as stats (`fill`: the serve loop's fill latency histogram).
-    fn stats(&self, fill: &Histogram) -> kachedb_shm::control::DiskStats {
-        let (sum_s, count, _) = fill.load(1e6);
-        kachedb_shm::control::DiskStats {
-            disk_fill_ms_mean: if count == 0 { 0.0 } else { sum_s * 1e3 / count as f64 },
-            disk_enabled: self.enabled.load(Relaxed),
-            disk_blocks: self.blocks.load(Relaxed),
-            disk_bytes: self.bytes.load(Relaxed),
-            disk_capacity_bytes: self.capacity_bytes.load(Relaxed),
-            disk_writes: self.writes.load(Relaxed),
-            disk_write_bytes: self.write_bytes.load(Relaxed),
-            disk_dropped_writes: self.dropped_writes.load(Relaxed),
-            disk_queue_bytes: self.queue_bytes.load(Relaxed),
-            disk_queue_blocks: self.queue_blocks.load(Relaxed),
-            disk_fetches: self.fetches.load(Relaxed),
-            disk_fills: self.fills.load(Relaxed),
-            disk_fill_bytes: self.fill_bytes.load(Relaxed),
-            disk_misses: self.misses.load(Relaxed),
-            disk_evictions: self.evictions.load(Relaxed),
-            disk_errors: self.errors.load(Relaxed),
-            disk_torn: self.torn.load(Relaxed),
-            disk_recovered: self.recovered.load(Relaxed),
-            disk_deletes: self.deletes.load(Relaxed),
-            disk_fetches_timed_out: self.fetches_timed_out.load(Relaxed),
-            disk_indexed: self.indexed.load(Relaxed),
-            disk_index_s: self.index_us.load(Relaxed) as f64 / 1e6,
-            disk_dir_lost: self.dir_lost.load(Relaxed) != 0,
-            disk_unconfirmed_removals: self.unconfirmed_removals.load(Relaxed),
-            disk_removals: self.removals.load(Relaxed),
-        }
-    }
-}
-
 /// What the serve loop writes; on its own cache lines (away from the control
 /// thread's counters).
 #[derive(Debug)]
@@ -436,10 +264,6 @@ struct ServeSide {
     op_ns: [Histogram; OPS],
     /// Frames per batch.
     batch_frames: Histogram,
-    /// Time from a local miss to its remote fill landing, microseconds.
-    remote_fill_us: Histogram,
-    /// Time from a local miss to its disk fill landing, microseconds.
-    disk_fill_us: Histogram,
     /// Per tenant row.
     tenants: Box<[TenantCells]>,
 }
@@ -480,15 +304,18 @@ impl Health {
     }
 }
 
+/// A tier's cells as [`Metrics`] holds them: as `Any` (to hand back to the
+/// tier) and as what a scrape reads.
+type Registered = (Arc<dyn Any + Send + Sync>, Arc<dyn TierMetrics>);
+
 /// Every metric of the daemon; shared (`Arc`) by the serve loop's
 /// [`MetricsWriter`], the control thread and the HTTP threads.
 #[derive(Debug)]
 pub struct Metrics {
     serve: ServeSide,
-    /// The remote tier's counters.
-    pub remote: RemoteCells,
-    /// The disk tier's counters.
-    pub disk: DiskCells,
+    /// Each tier's cells, in the order the tiers first asked for them
+    /// ([`Metrics::tier`]): as `Any` to hand back, and as what a scrape reads.
+    tiers: Mutex<Vec<Registered>>,
     /// Clients refused, by [`Refusal`]; written by the control thread.
     refused: [AtomicU64; REFUSAL_NAMES.len()],
     /// A [`Health`] code (for `/healthz`).
@@ -517,13 +344,10 @@ impl Metrics {
                 serve: ServeCells::default(),
                 op_ns: std::array::from_fn(|_| Histogram::new(&DURATION_BOUNDS_NS)),
                 batch_frames: Histogram::new(&BATCH_BOUNDS),
-                remote_fill_us: Histogram::new(&FILL_BOUNDS_US),
-                disk_fill_us: Histogram::new(&FILL_BOUNDS_US),
                 tenants: (0..MAX_TENANTS).map(|_| TenantCells::default()).collect(),
             },
             tenant_names: Mutex::new(vec![String::new(); MAX_TENANTS]),
-            remote: RemoteCells::default(),
-            disk: DiskCells::default(),
+            tiers: Mutex::new(Vec::new()),
             refused: Default::default(),
             health: AtomicU8::new(Health::Starting as u8),
             channels,
@@ -562,44 +386,29 @@ impl Metrics {
         self.serve.ops[op as usize][status as usize].get()
     }
 
-    /// The remote tier's counters as stats.
-    pub fn remote_stats(&self) -> kachedb_shm::control::RemoteStats {
-        self.remote.stats(&self.serve.remote_fill_us)
-    }
-
-    /// The disk tier's counters as stats.
-    pub fn disk_stats(&self) -> kachedb_shm::control::DiskStats {
-        self.disk.stats(&self.serve.disk_fill_us)
-    }
-
-    /// The disk tier's counters as stats, and `tenants` (the megaslab's
-    /// rows) with each tenant's disk figures added, and a row for each
-    /// tenant the disk holds blocks of that the megaslab does not count now
-    /// (after them). Read under the disk tenants' lock, so the rows add up
-    /// to the totals.
-    pub fn disk_stats_and_tenants(
-        &self,
-        mut tenants: Vec<kachedb_shm::control::TenantStats>,
-    ) -> (kachedb_shm::control::DiskStats, Vec<kachedb_shm::control::TenantStats>) {
-        let Ok(disk) = self.disk.tenants.lock() else { return (self.disk_stats(), tenants) };
-        let stats = self.disk_stats();
-        for d in disk.iter() {
-            let i = match tenants.iter().position(|t| t.name == d.name) {
-                Some(i) => i,
-                None if d.blocks == 0 && d.limit.is_none() && d.evictions == 0 && d.limit_refusals == 0 => continue,
-                None => {
-                    tenants.push(kachedb_shm::control::TenantStats { name: d.name.clone(), ..Default::default() });
-                    tenants.len() - 1
-                }
-            };
-            let t = &mut tenants[i];
-            t.disk_bytes = d.bytes;
-            t.disk_blocks = d.blocks;
-            t.disk_limit_bytes = d.limit;
-            t.disk_evictions = d.evictions;
-            t.disk_limit_refusals = d.limit_refusals;
+    /// The cells of the tier kind whose cells are of type `C`: made (and
+    /// encoded in every scrape from then on) the first time a tier asks,
+    /// the same ones after (a tier resumed after a failed takeover counts on).
+    pub fn tier<C: TierMetrics + Default>(&self) -> Arc<C> {
+        let mut tiers = self.tiers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = tiers.iter().find_map(|(any, _)| any.clone().downcast::<C>().ok()) {
+            return c;
         }
-        (stats, tenants)
+        let c = Arc::new(C::default());
+        tiers.push((c.clone(), c.clone()));
+        c
+    }
+
+    /// Writes every tier's figures into `into` (`kachedb stats`; a tier
+    /// that never started leaves its section at its default: off, zeros).
+    pub fn tier_stats(&self, into: &mut kachedb_shm::control::Stats) {
+        let tiers: Vec<Arc<dyn TierMetrics>> = match self.tiers.lock() {
+            Ok(t) => t.iter().map(|(_, t)| t.clone()).collect(),
+            Err(_) => return,
+        };
+        for t in tiers {
+            t.fill_stats(into);
+        }
     }
 
     /// A registry holding these metrics (prefix `kachedb_`) for
@@ -762,17 +571,6 @@ impl MetricsWriter {
         }
     }
 
-    /// A disk fetch's fill landed `us` microseconds after its local miss.
-    pub fn disk_fill(&self, us: u64) {
-        self.m.serve.disk_fill_us.observe_n(us, 1);
-    }
-
-    /// A remote fetch's fill landed `us` microseconds after its local miss.
-    pub fn remote_fill(&self, us: u64) {
-        self.m.serve.remote_fill_us.observe_n(us, 1);
-        self.m.remote.fill_us_max.fetch_max(us, Relaxed);
-    }
-
     /// Publishes the serve loop's counters.
     #[inline]
     pub fn publish_serve(&self, st: &ServeStats) {
@@ -901,57 +699,30 @@ impl Collect {
     }
 }
 
-/// The `kachedb_tenant_disk_*` families: one series per tenant row of the
-/// disk tier's table in use (at most `MAX_TENANTS`), by the `tenant` label.
-fn encode_disk_tenants(enc: &mut DescriptorEncoder, rows: &[crate::disk::index::TenantDisk]) -> std::fmt::Result {
-    use crate::disk::index::TenantDisk;
-    use MetricType::{Counter, Gauge};
-    type Pick = fn(&TenantDisk) -> Option<u64>;
-    let families: [(&str, &str, MetricType, Pick); 5] = [
-        (
-            "tenant_disk_bytes",
-            "File-system bytes of the tenant's blocks on the disk tier (sums to kachedb_disk_bytes).",
-            Gauge,
-            |t| Some(t.bytes),
-        ),
-        (
-            "tenant_disk_blocks",
-            "The tenant's blocks on the disk tier (sums to kachedb_disk_blocks).",
-            Gauge,
-            |t| Some(t.blocks),
-        ),
-        (
-            "tenant_disk_limit_bytes",
-            "The tenant's limit on kachedb_tenant_disk_bytes (--tenant-disk-limit, or its --tenant-limit share); absent without one.",
-            Gauge,
-            |t| t.limit,
-        ),
-        (
-            "tenant_disk_evictions",
-            "The tenant's blocks evicted from disk to make room (by its own writes, or, without a disk limit, by anyone's).",
-            Counter,
-            |t| Some(t.evictions),
-        ),
-        (
-            "tenant_disk_limit_refusals",
-            "The tenant's blocks not written to disk: its own blocks there could not make room within its disk limit (counted in kachedb_disk_dropped_writes too).",
-            Counter,
-            |t| Some(t.limit_refusals),
-        ),
-    ];
-    for (name, help, kind, pick) in families {
-        let mut e = enc.encode_descriptor(name, help, None, kind)?;
-        for t in rows {
-            let Some(v) = pick(t) else { continue };
-            let labels = [("tenant", t.name.as_str())];
-            let fam = e.encode_family(&labels)?;
-            match kind {
-                MetricType::Counter => ConstCounter::new(v).encode(fam)?,
-                _ => ConstGauge::new(v as i64).encode(fam)?,
+/// Writes one of a tier's families.
+fn encode_family(enc: &mut DescriptorEncoder, f: &Family) -> std::fmt::Result {
+    let kind = match f.kind {
+        Kind::Counter => MetricType::Counter,
+        Kind::Gauge => MetricType::Gauge,
+        Kind::Histogram => MetricType::Histogram,
+    };
+    match &f.values {
+        Values::One(v) => single(enc, f.name, f.help, kind, *v),
+        Values::Labelled(series) => {
+            let mut e = enc.encode_descriptor(f.name, f.help, None, kind)?;
+            for (labels, v) in series {
+                let fam = e.encode_family(labels)?;
+                match kind {
+                    MetricType::Counter => ConstCounter::new(*v).encode(fam)?,
+                    _ => ConstGauge::new(*v as i64).encode(fam)?,
+                }
             }
+            Ok(())
         }
+        Values::Histogram { sum, count, buckets } => enc
+            .encode_descriptor(f.name, f.help, None, kind)?
+            .encode_histogram::<NoLabelSet>(*sum, *count, buckets, None),
     }
-    Ok(())
 }
 
 /// Writes one metric without labels.
@@ -1034,63 +805,45 @@ impl Collector for Collect {
             "op",
             &[("get", st.get_hit_bytes.get()), ("lookup", st.lookup_hit_bytes.get())],
         )?;
-        single(
-            &mut enc,
-            "stored_bytes",
-            "Tensor bytes committed (put) into the store.",
-            Counter,
-            st.stored_bytes.get(),
-        )?;
-        single(
-            &mut enc,
-            "served_bytes",
-            "Tensor bytes handed out as zero-copy views (GET hits).",
-            Counter,
-            st.get_hit_bytes.get(),
-        )?;
-        single(&mut enc, "blocks", "Committed blocks that GET can find.", Gauge, st.blocks.get())?;
-        single(
-            &mut enc,
-            "bytes_used",
-            "Megaslab bytes in allocated extents (blocks, deleted-but-pinned blocks, reservations).",
-            Gauge,
-            st.bytes_used.get(),
-        )?;
-        single(&mut enc, "bytes_free", "Megaslab bytes in free extents.", Gauge, st.bytes_free.get())?;
-        single(&mut enc, "bytes_capacity", "Megaslab bytes under management.", Gauge, st.bytes_capacity.get())?;
-        single(
-            &mut enc,
-            "bytes_evictable",
-            "Bytes of committed unpinned blocks (what eviction could free).",
-            Gauge,
-            st.bytes_evictable.get(),
-        )?;
-        single(&mut enc, "pins", "Pins held by clients (live GET views).", Gauge, st.pins.get())?;
-        single(&mut enc, "reservations", "Reservations not yet committed or aborted.", Gauge, st.reservations.get())?;
-        single(
-            &mut enc,
-            "evictions",
-            "Blocks evicted (least recently used first) to make room.",
-            Counter,
-            st.evictions.get(),
-        )?;
-        single(&mut enc, "evicted_bytes", "Extent bytes freed by eviction.", Counter, st.evicted_bytes.get())?;
-        single(
-            &mut enc,
-            "replaced_blocks",
-            "Committed blocks that replaced an older block of the same key.",
-            Counter,
-            st.replaced.get(),
-        )?;
-        single(&mut enc, "clients_connected", "Clients connected now.", Gauge, sv.clients_connected.get())?;
-        single(&mut enc, "client_connections", "Clients connected since start.", Counter, sv.clients_total.get())?;
-        single(
-            &mut enc,
-            "clients_kicked",
-            "Clients disconnected because their rings were corrupt.",
-            Counter,
-            sv.clients_kicked.get(),
-        )?;
+        for (name, help, kind, v) in [
+            ("stored_bytes", "Tensor bytes committed (put) into the store.", Counter, st.stored_bytes.get()),
+            ("served_bytes", "Tensor bytes handed out as zero-copy views (GET hits).", Counter, st.get_hit_bytes.get()),
+            ("blocks", "Committed blocks that GET can find.", Gauge, st.blocks.get()),
+            (
+                "bytes_used",
+                "Megaslab bytes in allocated extents (blocks, deleted-but-pinned blocks, reservations).",
+                Gauge,
+                st.bytes_used.get(),
+            ),
+            ("bytes_free", "Megaslab bytes in free extents.", Gauge, st.bytes_free.get()),
+            ("bytes_capacity", "Megaslab bytes under management.", Gauge, st.bytes_capacity.get()),
+            (
+                "bytes_evictable",
+                "Bytes of committed unpinned blocks (what eviction could free).",
+                Gauge,
+                st.bytes_evictable.get(),
+            ),
+            ("pins", "Pins held by clients (live GET views).", Gauge, st.pins.get()),
+            ("reservations", "Reservations not yet committed or aborted.", Gauge, st.reservations.get()),
+            ("evictions", "Blocks evicted (least recently used first) to make room.", Counter, st.evictions.get()),
+            ("evicted_bytes", "Extent bytes freed by eviction.", Counter, st.evicted_bytes.get()),
+            (
+                "replaced_blocks",
+                "Committed blocks that replaced an older block of the same key.",
+                Counter,
+                st.replaced.get(),
+            ),
+            ("clients_connected", "Clients connected now.", Gauge, sv.clients_connected.get()),
+            ("client_connections", "Clients connected since start.", Counter, sv.clients_total.get()),
+            (
+                "clients_kicked",
+                "Clients disconnected because their rings were corrupt.",
+                Counter,
+                sv.clients_kicked.get(),
+            ),
+        ] {
+            single(&mut enc, name, help, kind, v)?;
+        }
         let refused: Vec<(&str, u64)> =
             REFUSAL_NAMES.iter().zip(&m.refused).map(|(&n, c)| (n, c.load(Relaxed))).collect();
         by_label(
@@ -1101,27 +854,18 @@ impl Collector for Collect {
             "reason",
             &refused,
         )?;
-        single(
-            &mut enc,
-            "rejected_frames",
-            "Frames that failed validation (answered INVALID).",
-            Counter,
-            sv.rejected_frames.get(),
-        )?;
-        single(
-            &mut enc,
-            "serve_parks",
-            "Times the serve loop parked on the doorbell (idle).",
-            Counter,
-            sv.parks.get(),
-        )?;
-        single(
-            &mut enc,
-            "client_wakeups",
-            "Wake syscalls the serve loop made for clients parked on their completion ring.",
-            Counter,
-            sv.wakeups_sent.get(),
-        )?;
+        for (name, help, kind, v) in [
+            ("rejected_frames", "Frames that failed validation (answered INVALID).", Counter, sv.rejected_frames.get()),
+            ("serve_parks", "Times the serve loop parked on the doorbell (idle).", Counter, sv.parks.get()),
+            (
+                "client_wakeups",
+                "Wake syscalls the serve loop made for clients parked on their completion ring.",
+                Counter,
+                sv.wakeups_sent.get(),
+            ),
+        ] {
+            single(&mut enc, name, help, kind, v)?;
+        }
 
         let mut e = enc.encode_descriptor(
             "op_duration_seconds",
@@ -1146,172 +890,45 @@ impl Collector for Collect {
         )?
         .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
 
-        if m.remote.enabled.load(Relaxed) {
-            let r = &m.remote;
-            let rows: [(&str, &str, MetricType, &AtomicU64); 13] = [
-                ("remote_writes", "Blocks written to the remote store.", Counter, &r.writes),
-                (
-                    "remote_write_bytes",
-                    "Tensor bytes of the blocks written to the remote store.",
-                    Counter,
-                    &r.write_bytes,
-                ),
-                (
-                    "remote_dropped_writes",
-                    "Committed blocks not written remotely because the write-behind queue was full.",
-                    Counter,
-                    &r.dropped_writes,
-                ),
-                (
-                    "remote_queue_bytes",
-                    "Tensor bytes queued or being written to the remote store.",
-                    Gauge,
-                    &r.queue_bytes,
-                ),
-                ("remote_queue_blocks", "Blocks queued or being written to the remote store.", Gauge, &r.queue_blocks),
-                ("remote_fetches", "Remote reads asked for (one per local-miss tail of a batch).", Counter, &r.fetches),
-                ("remote_fills", "Blocks filled from the remote store into the megaslab.", Counter, &r.fills),
-                ("remote_fill_bytes", "Tensor bytes filled from the remote store.", Counter, &r.fill_bytes),
-                ("remote_misses", "Keys asked for that the remote store does not hold.", Counter, &r.misses),
-                ("remote_errors", "Remote requests that failed or timed out.", Counter, &r.errors),
-                (
-                    "remote_corrupt",
-                    "Remote values whose header or checksum did not verify (never served).",
-                    Counter,
-                    &r.corrupt,
-                ),
-                (
-                    "remote_auth_failures",
-                    "Remote values refused because they failed authentication: a tag that does not verify under the fleet key, or keyed/unkeyed not as this node (never served).",
-                    Counter,
-                    &r.auth_failures,
-                ),
-                (
-                    "remote_fetches_cancelled",
-                    "Remote fetches cancelled at their deadline (their unfilled keys are misses).",
-                    Counter,
-                    &r.fetches_cancelled,
-                ),
-            ];
-            for (name, help, kind, cell) in rows {
-                single(&mut enc, name, help, kind, cell.load(Relaxed))?;
-            }
-            let (sum, count, buckets) = s.remote_fill_us.load(1e6);
-            enc.encode_descriptor(
-                "remote_fill_duration_seconds",
-                "Time from a local GET or LOOKUP miss to its remote fill landing in the megaslab (per fetch).",
-                None,
-                Hist,
-            )?
-            .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+        let tiers: Vec<Arc<dyn TierMetrics>> = match m.tiers.lock() {
+            Ok(t) => t.iter().map(|(_, t)| t.clone()).collect(),
+            Err(_) => Vec::new(),
+        };
+        let mut families = Vec::new();
+        for t in &tiers {
+            t.families(&mut families);
         }
-        if m.disk.enabled.load(Relaxed) {
-            let d = &m.disk;
-            // Held while the totals are read too: the tier publishes totals
-            // and tenant rows under it, so the rows add up to the totals.
-            let published = d.tenants.lock();
-            let disk_tenants = published.as_ref().map(|t| (*t).clone()).unwrap_or_default();
-            let rows: [(&str, &str, MetricType, &AtomicU64); 22] = [
-                ("disk_blocks", "Blocks on the disk tier.", Gauge, &d.blocks),
-                ("disk_bytes", "File-system bytes the disk tier's blocks take.", Gauge, &d.bytes),
-                ("disk_capacity_bytes", "The bound on the disk tier's bytes (--disk-size).", Gauge, &d.capacity_bytes),
-                (
-                    "disk_writes",
-                    "Blocks written to disk (complete: synced and renamed into place).",
-                    Counter,
-                    &d.writes,
-                ),
-                ("disk_write_bytes", "Tensor bytes of the blocks written to disk.", Counter, &d.write_bytes),
-                (
-                    "disk_dropped_writes",
-                    "Committed blocks not written to disk: the write-behind queue was full, the block is larger than the disk or its tenant's disk limit allows, or its key was deleted first.",
-                    Counter,
-                    &d.dropped_writes,
-                ),
-                ("disk_queue_bytes", "Tensor bytes queued or being written to disk.", Gauge, &d.queue_bytes),
-                ("disk_queue_blocks", "Blocks queued or being written to disk.", Gauge, &d.queue_blocks),
-                ("disk_fetches", "Disk reads asked for (one per local-miss tail of a batch).", Counter, &d.fetches),
-                ("disk_fills", "Blocks filled from disk into the megaslab.", Counter, &d.fills),
-                ("disk_fill_bytes", "Tensor bytes filled from disk.", Counter, &d.fill_bytes),
-                ("disk_misses", "Keys asked for that are not on disk.", Counter, &d.misses),
-                ("disk_evictions", "Blocks evicted from disk to make room.", Counter, &d.evictions),
-                ("disk_errors", "Disk writes or reads that failed (full, read-only, gone).", Counter, &d.errors),
-                (
-                    "disk_torn",
-                    "Block files found torn or corrupt, at start or at a fill (never served, deleted).",
-                    Counter,
-                    &d.torn,
-                ),
-                ("disk_recovered", "Blocks found whole on disk at start.", Counter, &d.recovered),
-                ("disk_deletes", "Blocks deleted from disk because a client deleted their key.", Counter, &d.deletes),
-                (
-                    "disk_fetches_timed_out",
-                    "Disk fetches not done within --disk-timeout-ms (their keys were answered as misses).",
-                    Counter,
-                    &d.fetches_timed_out,
-                ),
-                ("disk_index_microseconds", "Time the start-up index rebuild took (0 until done).", Gauge, &d.index_us),
-                (
-                    "disk_dir_lost",
-                    "1 once the disk tier's directory is no longer the one it opened (removed, moved or replaced under the daemon): the tier stopped.",
-                    Gauge,
-                    &d.dir_lost,
-                ),
-                (
-                    "disk_removals",
-                    "Older copies of deleted or replaced keys removed from disk durably before the client's answer.",
-                    Counter,
-                    &d.removals,
-                ),
-                (
-                    "disk_unconfirmed_removals",
-                    "Deletes and replacements whose older copy on disk was not confirmed gone in time (answered NOT_DURABLE; retried).",
-                    Counter,
-                    &d.unconfirmed_removals,
-                ),
-            ];
-            for (name, help, kind, cell) in rows {
-                single(&mut enc, name, help, kind, cell.load(Relaxed))?;
-            }
-            drop(published);
-            encode_disk_tenants(&mut enc, &disk_tenants)?;
-            let (sum, count, buckets) = s.disk_fill_us.load(1e6);
-            enc.encode_descriptor(
-                "disk_fill_duration_seconds",
-                "Time from a local GET or LOOKUP miss to its disk fill landing in the megaslab (per fetch that ended at the disk).",
-                None,
-                Hist,
-            )?
-            .encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+        for f in &families {
+            encode_family(&mut enc, f)?;
         }
-        single(
-            &mut enc,
-            "reachable_bytes",
-            "Extent bytes of the blocks whose chain back to its root is whole in the megaslab (a LOOKUP from the head reaches them).",
-            Gauge,
-            st.reachable_bytes.get(),
-        )?;
-        single(
-            &mut enc,
-            "orphaned_bytes",
-            "Extent bytes of the blocks a block before them in their chain is missing for (reachable + orphaned = the blocks' bytes).",
-            Gauge,
-            st.orphaned_bytes.get(),
-        )?;
-        single(
-            &mut enc,
-            "window_distinct_keys",
-            "Distinct keys asked for (GET, LOOKUP) in the current request window (HyperLogLog estimate, ~0.8 % standard error).",
-            Gauge,
-            st.window_distinct_keys.get(),
-        )?;
-        single(
-            &mut enc,
-            "window_key_requests",
-            "Keys asked for (GET, LOOKUP) in the current request window.",
-            Gauge,
-            st.window_key_requests.get(),
-        )?;
+        for (name, help, kind, v) in [
+            (
+                "reachable_bytes",
+                "Extent bytes of the blocks whose chain back to its root is whole in the megaslab (a LOOKUP from the head reaches them).",
+                Gauge,
+                st.reachable_bytes.get(),
+            ),
+            (
+                "orphaned_bytes",
+                "Extent bytes of the blocks a block before them in their chain is missing for (reachable + orphaned = the blocks' bytes).",
+                Gauge,
+                st.orphaned_bytes.get(),
+            ),
+            (
+                "window_distinct_keys",
+                "Distinct keys asked for (GET, LOOKUP) in the current request window (HyperLogLog estimate, ~0.8 % standard error).",
+                Gauge,
+                st.window_distinct_keys.get(),
+            ),
+            (
+                "window_key_requests",
+                "Keys asked for (GET, LOOKUP) in the current request window.",
+                Gauge,
+                st.window_key_requests.get(),
+            ),
+        ] {
+            single(&mut enc, name, help, kind, v)?;
+        }
         self.encode_tenants(&mut enc)?;
         single(&mut enc, "channels", "Channels (clients connected at once) the region has.", Gauge, m.channels as u64)?;
         single(&mut enc, "ring_capacity_slots", "Slots per ring.", Gauge, m.ring_capacity as u64)?;

@@ -54,15 +54,20 @@
 //! `fdatasync` + `POSIX_FADV_DONTNEED` so the page cache does not keep a
 //! second copy of the KV (docs/disk.md says why not `O_DIRECT` or io_uring).
 
+pub mod cells;
 mod dir;
 pub mod format;
 pub mod index;
 
-use crate::metrics::{DiskCells, Metrics};
+use crate::metrics::Metrics;
+use crate::tier::gate::{Refused, SlabGate};
+use crate::tier::metrics::add;
+use crate::tier::threads::{enter_worker_class, worker_nice_value, WriteQueue};
 use crate::tier::{
     Admission, FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent,
-    TierEvents, TierKind, WriteJob,
+    TierEvents, WriteJob,
 };
+use cells::DiskCells;
 use dir::TierDir;
 use format::Header;
 use index::Index;
@@ -74,7 +79,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Default bound of the write-behind queue, bytes.
@@ -392,9 +397,11 @@ struct Backlog {
 struct Shared {
     cfg: DiskConfig,
     dir: TierDir,
-    region: Arc<Region>,
+    /// The tier's only way into the megaslab.
+    slab: SlabGate,
     events: TierEvents,
-    metrics: Arc<Metrics>,
+    /// The tier's counters (`Metrics::tier`).
+    cells: Arc<DiskCells>,
     index: Mutex<Index>,
     /// Writes and removals in the order the serve loop asked for them.
     order: Mutex<Order>,
@@ -415,10 +422,6 @@ struct Shared {
     /// The run the threads belong to; a stop starts the next one, and a
     /// thread whose run is over takes no more work.
     run: AtomicU64,
-    /// The megaslab gate: `true` while the tier runs. Held for reading while
-    /// a thread reads a pinned block or writes a reservation; the write side
-    /// sets it to `false` (see the module docs).
-    running: RwLock<bool>,
     /// `false` while the tier is held (a takeover's new daemon before the
     /// old one stopped): its threads touch nothing until released.
     released: (Mutex<bool>, Condvar),
@@ -433,7 +436,12 @@ struct Shared {
 
 impl Shared {
     fn cells(&self) -> &DiskCells {
-        &self.metrics.disk
+        &self.cells
+    }
+
+    /// The write-behind queue (`--disk-queue-bytes`).
+    fn queue(&self) -> WriteQueue<'_> {
+        WriteQueue { bytes: &self.cells.queue_bytes, blocks: &self.cells.queue_blocks, bound: self.cfg.queue_bytes }
     }
 
     /// Whether threads of run `run` may still work.
@@ -490,7 +498,7 @@ impl Shared {
     /// Counts a write not taken (dropped) and logs it, at most once per
     /// [`DROP_LOG_EVERY`] with the count since the last line.
     fn dropped(&self, why: impl FnOnce() -> String) {
-        DiskCells::add(&self.cells().dropped_writes, 1);
+        add(&self.cells().dropped_writes, 1);
         let mut b = lock(&self.backlog);
         b.unlogged += 1;
         let now = Instant::now();
@@ -527,7 +535,7 @@ impl Shared {
         self.fetches.wake_all();
         self.indexed_wait.1.notify_all();
         self.released.1.notify_all();
-        *self.running.write().unwrap_or_else(|e| e.into_inner()) = false;
+        self.slab.close();
         let _r = lock(&self.removing);
         // Removals: those queued, then every tombstone whose work is not
         // done (a removal that failed before), once more.
@@ -584,27 +592,6 @@ impl std::fmt::Debug for DiskTier {
     }
 }
 
-/// The nice value the tier's threads get: the calling thread's raised by
-/// `by`, capped at 19; `None` when `by` is 0.
-fn worker_nice_value(by: u8) -> Option<i32> {
-    if by == 0 {
-        return None;
-    }
-    let own = rustix::process::getpriority_process(None).unwrap_or(0);
-    Some((own + i32::from(by)).min(19))
-}
-
-/// Puts the calling thread in the `SCHED_IDLE` class (see [`WorkerClass::Idle`]).
-pub fn set_sched_idle() -> std::io::Result<()> {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: FFI call on the calling thread (pid 0) with a valid pointer to
-    // a `sched_param` that lives across the call.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// The directory a takeover's new daemon adopts: the old daemon's
 /// descriptors of it and of its lock (see [`dir`]).
 #[derive(Debug)]
@@ -652,7 +639,7 @@ impl DiskTier {
             }
             None => TierDir::open(&cfg.dir, uid)?,
         };
-        let cells = &metrics.disk;
+        let cells = metrics.tier::<DiskCells>();
         cells.enabled.store(true, Relaxed);
         cells.capacity_bytes.store(cfg.size_bytes, Relaxed);
         cells.indexed.store(false, Relaxed);
@@ -670,16 +657,15 @@ impl DiskTier {
             removing: Mutex::new(()),
             cfg,
             dir,
-            region,
+            slab: SlabGate::new(region),
             events,
-            metrics,
+            cells,
             indexed: AtomicBool::new(false),
             indexed_wait: (Mutex::new(()), Condvar::new()),
             writes: Queue::new(),
             removals: Queue::new(),
             fetches: Queue::new(),
             run: AtomicU64::new(0),
-            running: RwLock::new(true),
             released: (Mutex::new(!held), Condvar::new()),
             lost: AtomicBool::new(false),
             backlog: Mutex::new(Backlog::default()),
@@ -708,16 +694,7 @@ fn spawn_threads(shared: &Arc<Shared>) -> std::io::Result<()> {
         let s = shared.clone();
         let name = if idle { THREAD_NAME } else { REMOVER_THREAD_NAME };
         std::thread::Builder::new().name(name.into()).spawn(move || {
-            if let Some(n) = nice {
-                if let Err(e) = rustix::process::setpriority_process(None, n) {
-                    tracing::warn!("disk tier: setting its threads' nice value to {n}: {e}");
-                }
-            }
-            if idle && class == WorkerClass::Idle {
-                if let Err(e) = set_sched_idle() {
-                    tracing::warn!("disk tier: running its threads SCHED_IDLE: {e}");
-                }
-            }
+            enter_worker_class("disk", nice, idle && class == WorkerClass::Idle);
             if s.wait_released(run) {
                 f(&s, run)
             }
@@ -753,11 +730,7 @@ impl Tier for DiskTier {
             s.dropped(|| format!("a block of {len} bytes is larger than --disk-size"));
             return;
         }
-        let cells = s.cells();
-        // One writer of increments (the serve loop), workers only subtract:
-        // this load-then-add never lets the sum pass the bound.
-        let queued = cells.queue_bytes.load(Relaxed);
-        if queued.saturating_add(len) > s.cfg.queue_bytes {
+        if let Err(queued) = s.queue().fits(len) {
             s.dropped(|| {
                 format!("the write-behind queue holds {queued} bytes of --disk-queue-bytes {}", s.cfg.queue_bytes)
             });
@@ -778,15 +751,14 @@ impl Tier for DiskTier {
             s.dropped(|| "the block was gone before it was pinned".into());
             return;
         };
-        cells.queue_bytes.fetch_add(len, Relaxed);
-        DiskCells::add(&cells.queue_blocks, 1);
+        s.queue().push(len);
         *lock(&s.backlog).by_tenant.entry(job.tenant.clone()).or_insert(0) += len;
         let seq = lock(&s.order).take_write(PendingWrite { key: job.key, parent: job.parent });
         s.writes.push(Write { job, seq });
     }
 
     fn fetch(&self, job: FetchJob) {
-        DiskCells::add(&self.shared.cells().fetches, 1);
+        add(&self.shared.cells().fetches, 1);
         if self.shared.lost.load(Relaxed) {
             self.shared.events.send(TierEvent::Filled { fetch: job.id, filled: Vec::new() });
             return;
@@ -799,12 +771,12 @@ impl Tier for DiskTier {
     }
 
     fn landed(&self, len: u64) {
-        DiskCells::add(&self.shared.cells().fills, 1);
-        DiskCells::add(&self.shared.cells().fill_bytes, len);
+        add(&self.shared.cells().fills, 1);
+        add(&self.shared.cells().fill_bytes, len);
     }
 
-    fn kind(&self) -> TierKind {
-        TierKind::Disk
+    fn filled_after(&self, us: u64) {
+        self.shared.cells().fill.observe(us);
     }
 
     fn admission(&self) -> Admission {
@@ -853,11 +825,11 @@ impl Tier for DiskTier {
     }
 
     fn timed_out(&self) {
-        DiskCells::add(&self.shared.cells().fetches_timed_out, 1);
+        add(&self.shared.cells().fetches_timed_out, 1);
     }
 
     fn unconfirmed(&self) {
-        DiskCells::add(&self.shared.cells().unconfirmed_removals, 1);
+        add(&self.shared.cells().unconfirmed_removals, 1);
     }
 
     /// Stops the threads' work (waiting for a copy in progress), finishes
@@ -894,7 +866,7 @@ impl std::fmt::Debug for StoppedDisk {
 impl StoppedTier for StoppedDisk {
     fn resume(self: Box<Self>) -> Result<Box<dyn Tier>, TierError> {
         let shared = self.shared.clone();
-        *shared.running.write().unwrap_or_else(|e| e.into_inner()) = true;
+        shared.slab.reopen();
         spawn_threads(&shared)?;
         for key in shared.unremoved() {
             // Retried by the new run's remover (nobody waits for the answer).
@@ -923,10 +895,10 @@ fn delete_victims(s: &Shared, victims: &[(u128, index::Entry)]) {
     for (key, _) in victims {
         let _c = lock(&s.commit);
         match s.dir.remove_block(*key) {
-            Ok(true) => DiskCells::add(&s.cells().evictions, 1),
+            Ok(true) => add(&s.cells().evictions, 1),
             Ok(false) => {}
             Err(e) => {
-                DiskCells::add(&s.cells().errors, 1);
+                add(&s.cells().errors, 1);
                 tracing::debug!(key = %format_args!("{key:032x}"), "disk tier: deleting an evicted block: {e}");
             }
         }
@@ -944,7 +916,7 @@ fn evicted(s: &Shared, keys: &[u128]) {
 
 /// Deletes a block file that did not verify and takes it out of the index.
 fn discard_torn(s: &Shared, key: u128, why: &dyn std::fmt::Display) {
-    DiskCells::add(&s.cells().torn, 1);
+    add(&s.cells().torn, 1);
     tracing::warn!(key = %format_args!("{key:032x}"), "disk tier: block file refused and deleted: {why}");
     {
         let _c = lock(&s.commit);
@@ -966,7 +938,7 @@ fn rebuild_index(s: &Shared, run: u64) {
     let keys = match s.dir.list_blocks() {
         Ok(k) => k,
         Err(e) => {
-            DiskCells::add(&s.cells().errors, 1);
+            add(&s.cells().errors, 1);
             tracing::warn!("disk tier: reading {}/blocks: {e}", s.cfg.dir.display());
             Vec::new()
         }
@@ -1021,7 +993,7 @@ fn rebuild_index(s: &Shared, run: u64) {
     let took = t0.elapsed();
     let cells = s.cells();
     cells.recovered.store(recovered, Relaxed);
-    DiskCells::add(&cells.torn, torn);
+    add(&cells.torn, torn);
     cells.index_us.store(took.as_micros().max(1) as u64, Relaxed);
     cells.indexed.store(true, Relaxed);
     tracing::info!(
@@ -1112,20 +1084,19 @@ fn write_loop(s: &Shared, run: u64) {
         for (w, result) in batch.into_iter().zip(results) {
             match result {
                 Ok(true) => {
-                    DiskCells::add(&cells.writes, 1);
-                    DiskCells::add(&cells.write_bytes, w.job.len);
+                    add(&cells.writes, 1);
+                    add(&cells.write_bytes, w.job.len);
                 }
                 Ok(false) if !s.live(run) => {}
-                Ok(false) => DiskCells::add(&cells.dropped_writes, 1),
+                Ok(false) => add(&cells.dropped_writes, 1),
                 Err(e) => {
-                    DiskCells::add(&cells.errors, 1);
+                    add(&cells.errors, 1);
                     tracing::debug!(key = %format_args!("{:032x}", w.job.key), "disk write failed: {e}");
                 }
             }
             if s.live(run) {
                 // (A stop hands the queue over and resets these itself.)
-                cells.queue_bytes.fetch_sub(w.job.len.min(cells.queue_bytes.load(Relaxed)), Relaxed);
-                cells.queue_blocks.fetch_sub(1.min(cells.queue_blocks.load(Relaxed)), Relaxed);
+                s.queue().pop(w.job.len);
                 if let Some(b) = lock(&s.backlog).by_tenant.get_mut(&w.job.tenant) {
                     *b = b.saturating_sub(w.job.len);
                 }
@@ -1276,21 +1247,17 @@ fn rename_into_place(s: &Shared, job: &WriteJob, seq: u64, tmp: &str, run: u64) 
 /// to the disk (not yet synced); `None`: the tier stopped.
 fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Result<Option<File>> {
     let f = s.dir.create_tmp(tmp)?;
-    {
-        let gate = s.running.read().unwrap_or_else(|e| e.into_inner());
-        if !*gate || !s.live(run) {
-            return Ok(None);
+    let wrote = s.slab.with(job.data_offset, job.len, |ptr| -> std::io::Result<bool> {
+        if !s.live(run) {
+            return Ok(false);
         }
-        let Some(ptr) = s.region.slab_ptr(job.data_offset, job.len) else {
-            return Err(std::io::Error::other("block outside the megaslab"));
-        };
         // SAFETY: `job.pin` pins this committed block for the tier's session
         // until the writer sends `Written`, after this returns: the extent is
         // not evicted, moved or reused meanwhile, and a committed block's
         // bytes are not written again. The pin outlives the gate only while
         // the tier runs: stopping (which closes the tier's session, dropping
-        // the pin) waits for this read guard. The region stays mapped while
-        // `s.region` (an `Arc`) lives.
+        // the pin) closes the gate first, which waits for this closure. The
+        // region stays mapped while the gate's region (an `Arc`) lives.
         let data: &[u8] = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), job.len as usize) };
         let written_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
         let header = Header {
@@ -1311,8 +1278,14 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Resul
             start_writeback(&f, format::HEADER_AREA + at, piece.len() as u64);
             at += piece.len() as u64;
         }
+        Ok(true)
+    });
+    match wrote {
+        Ok(Ok(true)) => Ok(s.live(run).then_some(f)),
+        Ok(Ok(false)) | Err(Refused::Closed) => Ok(None),
+        Ok(Err(e)) => Err(e),
+        Err(Refused::Outside) => Err(std::io::Error::other("block outside the megaslab")),
     }
-    Ok(s.live(run).then_some(f))
 }
 
 /// Starts the write-out of `len` dirty bytes of `f` at `offset`
@@ -1424,7 +1397,7 @@ fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<()
                     out.push(Ok(()));
                 }
                 Err(e) => {
-                    DiskCells::add(&s.cells().errors, 1);
+                    add(&s.cells().errors, 1);
                     out.push(Err(format!(
                         "removing {}/blocks/{}: {e}",
                         s.cfg.dir.display(),
@@ -1436,7 +1409,7 @@ fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<()
     }
     if needs_sync {
         if let Err(e) = s.dir.sync_blocks() {
-            DiskCells::add(&s.cells().errors, 1);
+            add(&s.cells().errors, 1);
             let why = format!("syncing {}/blocks: {e}", s.cfg.dir.display());
             for o in &mut out {
                 if o.is_ok() {
@@ -1458,8 +1431,8 @@ fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<()
     s.publish(&ix);
     drop(ix);
     let ok = out.iter().filter(|o| o.is_ok()).count() as u64;
-    DiskCells::add(&s.cells().removals, ok);
-    DiskCells::add(&s.cells().deletes, unlinked);
+    add(&s.cells().removals, ok);
+    add(&s.cells().deletes, unlinked);
     for why in out.iter().filter_map(|o| o.as_ref().err()) {
         tracing::warn!(
             event = "disk_removal_failed",
@@ -1489,7 +1462,7 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     for &key in &job.keys {
         // Removed (deleted, replaced) by a client (its file may not be gone yet).
         if lock(&s.order).tombs.contains_key(&key) {
-            DiskCells::add(&cells.misses, 1);
+            add(&cells.misses, 1);
             continue;
         }
         match s.dir.open_block(key) {
@@ -1499,9 +1472,9 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
                 }
                 opened.push((key, f));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => DiskCells::add(&cells.misses, 1),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => add(&cells.misses, 1),
             Err(e) => {
-                DiskCells::add(&cells.errors, 1);
+                add(&cells.errors, 1);
                 tracing::debug!(key = %format_args!("{key:032x}"), "disk read failed: {e}");
             }
         }
@@ -1537,46 +1510,38 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
             tenant: h.tenant.clone(),
         })
         .collect();
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, rx) = crate::tier::reply::channel();
     s.events.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
     // The serve loop answers at its next pass (or drops the sender when it
     // stops).
-    let Ok(reserved) = rx.blocking_recv() else { return Vec::new() };
+    let Ok(reserved) = rx.wait() else { return Vec::new() };
     let mut filled = Vec::new();
     for ((h, f), r) in found.iter().zip(reserved) {
         let Some(r) = r else { continue };
-        let gate = s.running.read().unwrap_or_else(|e| e.into_inner());
-        if !*gate {
-            break;
-        }
-        let Some(ptr) = s.region.slab_ptr(r.data_offset, h.len) else { continue };
-        // SAFETY: the serve loop reserved `[data_offset, data_offset + len)`
-        // for the tier's session and touches it again only when this fetch's
-        // `Filled` (sent after this returns) commits or aborts it; a
-        // reservation is invisible to clients and never evicted. The tier's
-        // session (and with it the reservation) is closed only after a stop,
-        // which waits for this read guard. The region stays mapped while
-        // `s.region` lives.
-        let buf: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), h.len as usize) };
-        match f.read_exact_at(buf, format::HEADER_AREA) {
-            Ok(()) if format::checksum(buf) == h.checksum => {
-                drop(gate);
+        let read = s.slab.with(r.data_offset, h.len, |ptr| {
+            // SAFETY: the serve loop reserved `[data_offset, data_offset + len)`
+            // for the tier's session and touches it again only when this fetch's
+            // `Filled` (sent after this returns) commits or aborts it; a
+            // reservation is invisible to clients and never evicted. The tier's
+            // session (and with it the reservation) is closed only after a stop,
+            // which closes the gate first (waiting for this closure). The region
+            // stays mapped while the gate's region lives.
+            let buf: &mut [u8] = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), h.len as usize) };
+            f.read_exact_at(buf, format::HEADER_AREA).map(|()| format::checksum(buf) == h.checksum)
+        });
+        match read {
+            Err(Refused::Closed) => break,
+            Err(Refused::Outside) => continue,
+            Ok(Ok(true)) => {
                 drop_cache(f);
                 filled.push((r.handle, h.len));
                 lock(&s.index).touch(h.key);
             }
-            Ok(()) => {
-                drop(gate);
-                discard_torn(s, h.key, &format::FormatError::Checksum);
-            }
+            Ok(Ok(false)) => discard_torn(s, h.key, &format::FormatError::Checksum),
             // Truncated since its header was checked.
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                drop(gate);
-                discard_torn(s, h.key, &e);
-            }
-            Err(e) => {
-                drop(gate);
-                DiskCells::add(&cells.errors, 1);
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => discard_torn(s, h.key, &e),
+            Ok(Err(e)) => {
+                add(&cells.errors, 1);
                 tracing::debug!(key = %format_args!("{:032x}", h.key), "disk read failed: {e}");
             }
         }

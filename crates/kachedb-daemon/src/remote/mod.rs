@@ -39,23 +39,26 @@
 //! one round trip per shard. TLS (`rediss://`) through rustls with the ring
 //! provider.
 
+pub mod cells;
 pub mod format;
 mod reader;
 mod writer;
 
-use crate::metrics::{Metrics, RemoteCells};
+use crate::metrics::Metrics;
+use crate::tier::gate::SlabGate;
+use crate::tier::metrics::add;
+use crate::tier::threads::{enter_worker_class, worker_nice_value, WriteQueue};
 use crate::tier::{
     FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, StoppedTier, Tier, TierError, TierEvent, TierEvents,
-    TierKind, WriteJob,
+    WriteJob,
 };
+use cells::RemoteCells;
 use kachedb_shm::Region;
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, IntoConnectionInfo};
-use std::ptr::NonNull;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::sync::{PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 pub use format::DEFAULT_CHUNK_BYTES;
@@ -230,62 +233,6 @@ async fn connect(cfg: &RemoteConfig) -> redis::RedisResult<Conn> {
 /// The name of the tier's threads.
 pub const THREAD_NAME: &str = "kachedb-remote";
 
-/// The nice value the tier's threads get: the calling thread's raised by
-/// `by`, capped at 19; `None` when `by` is 0 (left as they are).
-fn worker_nice_value(by: u8) -> Option<i32> {
-    if by == 0 {
-        return None;
-    }
-    // `None`: the calling thread (on Linux a nice value is per thread).
-    let own = rustix::process::getpriority_process(None).unwrap_or(0);
-    Some((own + i32::from(by)).min(19))
-}
-
-/// Sets the calling thread's nice value (on Linux, `setpriority(PRIO_PROCESS,
-/// 0)` applies to the calling thread only, not to the whole process). Raising
-/// it needs no privilege; a failure leaves the thread as it was.
-fn lower_priority(nice: i32) {
-    if let Err(e) = rustix::process::setpriority_process(None, nice) {
-        tracing::warn!("remote tier: setting its threads' nice value to {nice}: {e}");
-    }
-}
-
-/// The tier's only way into the megaslab. Every copy into a fill's
-/// reservation and every read of a pinned block runs inside [`SlabGate::with`];
-/// [`SlabGate::close`] waits for those in progress and refuses later ones.
-/// After it nothing of the tier touches the megaslab, whatever its threads
-/// are still doing, so the serve loop may free and reuse the tier's extents.
-/// A copy is a memcpy or a hash of at most one block (no network wait inside),
-/// so closing waits milliseconds.
-pub(super) struct SlabGate {
-    region: Arc<Region>,
-    /// Whether copies may start. Read-locked for each copy, write-locked to close.
-    open: RwLock<bool>,
-}
-
-impl SlabGate {
-    fn new(region: Arc<Region>) -> SlabGate {
-        SlabGate { region, open: RwLock::new(true) }
-    }
-
-    /// Runs `f` on the `len` bytes of megaslab at `offset` unless the gate is
-    /// closed or the range is outside the megaslab (`None` then). The gate
-    /// cannot close while `f` runs.
-    pub(super) fn with<R>(&self, offset: u64, len: u64, f: impl FnOnce(NonNull<u8>) -> R) -> Option<R> {
-        let open = self.open.read().unwrap_or_else(PoisonError::into_inner);
-        if !*open {
-            return None;
-        }
-        let ptr = self.region.slab_ptr(offset, len)?;
-        Some(f(ptr))
-    }
-
-    /// Closes the gate: waits for the copies in progress, refuses later ones.
-    fn close(&self) {
-        *self.open.write().unwrap_or_else(PoisonError::into_inner) = false;
-    }
-}
-
 /// What the workers share.
 struct Ctx {
     cfg: RemoteConfig,
@@ -293,6 +240,8 @@ struct Ctx {
     slab: SlabGate,
     events: TierEvents,
     metrics: Arc<Metrics>,
+    /// The tier's counters (`Metrics::tier`).
+    cells: Arc<RemoteCells>,
     /// What a header may claim (the megaslab's size).
     limits: format::Limits,
     /// The namespace and fleet key values are read and written in.
@@ -309,7 +258,12 @@ struct Ctx {
 
 impl Ctx {
     fn cells(&self) -> &RemoteCells {
-        &self.metrics.remote
+        &self.cells
+    }
+
+    /// The write-behind queue (`--remote-queue-bytes`).
+    fn queue(&self) -> WriteQueue<'_> {
+        WriteQueue { bytes: &self.cells.queue_bytes, blocks: &self.cells.queue_blocks, bound: self.cfg.queue_bytes }
     }
 
     fn send(&self, ev: TierEvent) {
@@ -377,15 +331,12 @@ impl RemoteTier {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(WORKER_THREADS)
             .thread_name(THREAD_NAME)
-            .on_thread_start(move || {
-                if let Some(nice) = worker_nice {
-                    lower_priority(nice);
-                }
-            })
+            .on_thread_start(move || enter_worker_class("remote", worker_nice, false))
             .enable_io()
             .enable_time()
             .build()?;
-        metrics.remote.enabled.store(true, Relaxed);
+        let cells = metrics.tier::<RemoteCells>();
+        cells.enabled.store(true, Relaxed);
         let limits = format::Limits { max_len: region.layout().slab_len };
         let scope = Arc::new(format::Scope::new(&cfg.namespace, cfg.key.clone()));
         let ctx = Arc::new(Ctx {
@@ -394,6 +345,7 @@ impl RemoteTier {
             slab: SlabGate::new(region),
             events,
             metrics,
+            cells,
             limits,
             scope,
             write_slots: tokio::sync::Semaphore::new(WRITE_CONCURRENCY),
@@ -420,16 +372,15 @@ impl Tier for RemoteTier {
         let cells = self.ctx.cells();
         // One writer of increments (the serve loop), workers only subtract:
         // this load-then-add never lets the sum pass the bound.
-        if cells.queue_bytes.load(Relaxed).saturating_add(len) > self.ctx.cfg.queue_bytes {
-            RemoteCells::add(&cells.dropped_writes, 1);
+        if self.ctx.queue().fits(len).is_err() {
+            add(&cells.dropped_writes, 1);
             return;
         }
         let Some(job) = pinned() else {
-            RemoteCells::add(&cells.dropped_writes, 1);
+            add(&cells.dropped_writes, 1);
             return;
         };
-        cells.queue_bytes.fetch_add(len, Relaxed);
-        RemoteCells::add(&cells.queue_blocks, 1);
+        self.ctx.queue().push(len);
         self.ctx
             .pending
             .lock()
@@ -444,7 +395,7 @@ impl Tier for RemoteTier {
     /// queue, at the latest soon after its deadline ([`fill_deadline`]), when
     /// the fetch is cancelled.
     fn fetch(&self, job: FetchJob) {
-        RemoteCells::add(&self.ctx.cells().fetches, 1);
+        add(&self.ctx.cells().fetches, 1);
         if let Some(rt) = &self.rt {
             let deadline = tokio::time::Instant::now() + fill_deadline(self.ctx.cfg.timeout);
             rt.spawn(reader::fetch(self.ctx.clone(), job, deadline));
@@ -459,12 +410,12 @@ impl Tier for RemoteTier {
     }
 
     fn landed(&self, len: u64) {
-        RemoteCells::add(&self.ctx.cells().fills, 1);
-        RemoteCells::add(&self.ctx.cells().fill_bytes, len);
+        add(&self.ctx.cells().fills, 1);
+        add(&self.ctx.cells().fill_bytes, len);
     }
 
-    fn kind(&self) -> TierKind {
-        TierKind::Remote
+    fn filled_after(&self, us: u64) {
+        self.ctx.cells().fill.observe(us);
     }
 
     /// Keeps the remote copy: the cluster is the fleet's cache, shared by
@@ -505,13 +456,11 @@ impl RemoteTier {
         if let Some(rt) = self.rt.take() {
             rt.shutdown_timeout(grace);
         }
-        let cells = self.ctx.cells();
-        cells.queue_blocks.store(0, Relaxed);
-        cells.queue_bytes.store(0, Relaxed);
+        self.ctx.queue().clear();
         let pending = std::mem::take(&mut *self.ctx.pending.lock().unwrap_or_else(|e| e.into_inner()));
         let stopped = Box::new(StoppedRemote {
             cfg: self.ctx.cfg.clone(),
-            region: self.ctx.slab.region.clone(),
+            region: self.ctx.slab.region().clone(),
             events: self.ctx.events.clone(),
             metrics: self.ctx.metrics.clone(),
         });
@@ -598,12 +547,12 @@ mod tests {
     /// releases it, long after the 100 ms grace.
     #[test]
     fn stopping_the_tier_waits_for_a_copy_into_the_megaslab() {
-        let _one = ONE_TIER_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+        let _one = ONE_TIER_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
         use std::sync::mpsc;
         let tier = start_named(&format!("kachedb_remote_gate_test_{}", std::process::id()), 0).unwrap();
         let ctx = tier.ctx.clone();
-        let region = ctx.slab.region.clone();
+        let region = ctx.slab.region().clone();
         let len = 3 * format::MIN_CHUNK_BYTES as usize + 5;
         let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8 + 1).collect();
         let header =
@@ -691,7 +640,7 @@ mod tests {
     // One test for every case: each looks at all threads of the process by name.
     #[test]
     fn the_tiers_threads_run_nicer_than_the_daemon_by_worker_nice() {
-        let _one = ONE_TIER_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+        let _one = ONE_TIER_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let own = rustix::process::getpriority_process(None).unwrap();
         until("no tier yet", <[i32]>::is_empty);
 

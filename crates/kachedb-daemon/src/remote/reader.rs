@@ -27,9 +27,8 @@
 //!   is dropped (its requests with it) and its keys are misses.
 
 use super::format::{self, Header};
-use super::{
-    Ctx, FetchJob, FillSpec, RemoteCells, TierEvent, CHUNK_WINDOW, FILL_BUDGET_BYTES, FIRST_READ_BYTES, MAX_FETCHES,
-};
+use super::{Ctx, FetchJob, FillSpec, TierEvent, CHUNK_WINDOW, FILL_BUDGET_BYTES, FIRST_READ_BYTES, MAX_FETCHES};
+use crate::tier::metrics::add;
 use futures_util::StreamExt;
 use std::sync::Arc;
 use tokio::time::{timeout_at, Instant};
@@ -60,7 +59,7 @@ enum Refused {
 pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob, deadline: Instant) {
     let mut filled = Vec::new();
     if run(&ctx, &job, deadline, &mut filled).await.is_err() {
-        RemoteCells::add(&ctx.cells().fetches_cancelled, 1);
+        add(&ctx.cells().fetches_cancelled, 1);
         tracing::debug!(
             fetch = job.id,
             landed = filled.len(),
@@ -80,7 +79,7 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
         Ok(c) => c,
         Err(e) => {
             tracing::debug!("remote tier: {e}");
-            RemoteCells::add(&cells.errors, job.keys.len() as u64);
+            add(&cells.errors, job.keys.len() as u64);
             return Ok(());
         }
     };
@@ -130,7 +129,7 @@ fn budget_groups(heads: Vec<(Header, Vec<u8>)>) -> Vec<Vec<(Header, Vec<u8>)>> {
 /// stops), so not bounded by the deadline: cancelling it could lose
 /// reservations made.
 async fn land_all(ctx: &Ctx, job: &FetchJob, blocks: &[Verified], filled: &mut Vec<(u64, u64)>) {
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, rx) = crate::tier::reply::channel();
     let specs = blocks
         .iter()
         .map(|b| FillSpec {
@@ -182,7 +181,7 @@ pub(super) fn land(ctx: &Ctx, b: &Verified, data_offset: u64) -> bool {
         }
         at as u64
     });
-    copied == Some(b.header.len)
+    copied == Ok(b.header.len)
 }
 
 /// `GETRANGE key start end` (end inclusive), bounded by the timeout; `Err`
@@ -205,9 +204,9 @@ async fn get_range(ctx: &Ctx, conn: &super::Conn, key: String, start: u64, end: 
 fn refuse(ctx: &Ctx, key: u128, e: &format::FormatError) {
     let cells = ctx.cells();
     if e.is_auth() {
-        RemoteCells::add(&cells.auth_failures, 1);
+        add(&cells.auth_failures, 1);
     } else {
-        RemoteCells::add(&cells.corrupt, 1);
+        add(&cells.corrupt, 1);
     }
     tracing::warn!(key = %format_args!("{key:032x}"), "remote value refused: {e}");
 }
@@ -274,8 +273,8 @@ async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verifi
     let (mut whole, mut heads) = (Vec::new(), Vec::new());
     for (&key, got) in keys.iter().zip(firsts) {
         match got {
-            HeadRead::Error => RemoteCells::add(&cells.errors, 1),
-            HeadRead::Missing => RemoteCells::add(&cells.misses, 1),
+            HeadRead::Error => add(&cells.errors, 1),
+            HeadRead::Missing => add(&cells.misses, 1),
             HeadRead::Refused(e) => refuse(ctx, key, &e),
             HeadRead::Head(h, chunk0) => heads.push((h, chunk0)),
             HeadRead::Whole(v) => whole.push(v),
@@ -292,7 +291,7 @@ async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<(Header, Vec<u8>)>
     for (key, r) in got {
         match r {
             Ok(v) => out.push(v),
-            Err(Refused::Error) => RemoteCells::add(&ctx.cells().errors, 1),
+            Err(Refused::Error) => add(&ctx.cells().errors, 1),
             Err(Refused::Bad(e)) => refuse(ctx, key, &e),
         }
     }

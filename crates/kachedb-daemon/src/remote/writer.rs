@@ -12,9 +12,9 @@
 //! back to the serve loop.
 
 use super::format::Header;
-use super::{Ctx, RemoteCells, TierEvent, WriteJob, CHUNK_WINDOW};
+use super::{Ctx, TierEvent, WriteJob, CHUNK_WINDOW};
+use crate::tier::metrics::add;
 use futures_util::{StreamExt, TryStreamExt};
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 /// Writes `job`'s block, then hands its pin back and takes it out of the queue.
@@ -26,16 +26,15 @@ pub(super) async fn write(ctx: Arc<Ctx>, job: WriteJob) {
     let cells = ctx.cells();
     match outcome {
         Ok(()) => {
-            RemoteCells::add(&cells.writes, 1);
-            RemoteCells::add(&cells.write_bytes, job.len);
+            add(&cells.writes, 1);
+            add(&cells.write_bytes, job.len);
         }
         Err(e) => {
-            RemoteCells::add(&cells.errors, 1);
+            add(&cells.errors, 1);
             tracing::debug!(key = %format_args!("{:032x}", job.key), "remote write failed: {e}");
         }
     }
-    cells.queue_bytes.fetch_sub(job.len, Relaxed);
-    cells.queue_blocks.fetch_sub(1, Relaxed);
+    ctx.queue().pop(job.len);
     ctx.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&job.pin);
     ctx.send(TierEvent::Written { pin: job.pin });
 }
@@ -62,7 +61,7 @@ fn with_block<R>(
             let data = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), (range.end - range.start) as usize) };
             f(data)
         })
-        .ok_or_else(|| "the tier is stopping (or the block is outside the megaslab)".to_string())
+        .map_err(|why| format!("not read from the megaslab: {why:?}"))
 }
 
 async fn write_block(ctx: &Ctx, job: &WriteJob) -> Result<(), String> {

@@ -31,7 +31,6 @@ use crate::channels::Channels;
 use crate::events::Event;
 use crate::metrics::{Health, Metrics, MetricsWriter};
 use crate::store::Store;
-use crate::tier::TierKind;
 use crate::waits::Waits;
 use kachedb_shm::control::{ServeStats, DEFAULT_TENANT, MAX_TENANTS, OTHER_TENANT};
 use kachedb_shm::{Completion, Op, Region, SpinThenPark, Stats, Status, TensorBlockDescriptor, Tick, WaitState};
@@ -411,16 +410,12 @@ impl Serve {
     /// served again from the next pass on) and answers the WAITs on the keys
     /// they committed.
     fn fetches_done(&mut self, done: Vec<FetchDone>) {
-        for FetchDone { fetch, kind, channel, mut committed } in done {
+        for FetchDone { fetch, tier, channel, mut committed } in done {
             let s = channel.and_then(|ch| self.sessions.get_mut(ch as usize)).and_then(Option::as_mut);
             if let Some(s) = s.filter(|s| s.fetch.as_ref().is_some_and(|f| f.id == fetch)) {
                 let started = unpark_fetch(s);
                 if !committed.is_empty() {
-                    let us = started.elapsed().as_micros() as u64;
-                    match kind {
-                        TierKind::Disk => self.metrics.disk_fill(us),
-                        TierKind::Remote => self.metrics.remote_fill(us),
-                    }
+                    self.tiers.filled_after(tier, started.elapsed().as_micros() as u64);
                 }
             }
             if !committed.is_empty() && !self.waits.is_empty() {
@@ -529,12 +524,9 @@ impl Serve {
         } else {
             self.store.check_counters(&store).is_ok()
         };
-        let (disk, tenants) = self.metrics.metrics().disk_stats_and_tenants(self.store.tenant_stats());
-        Stats {
+        let mut stats = Stats {
             store,
             serve: self.counters.clone(),
-            remote: self.metrics.metrics().remote_stats(),
-            disk,
             ops_per_s: self.rate.per_second(),
             region_bytes: l.region_len,
             slab_bytes: l.slab_len,
@@ -546,8 +538,11 @@ impl Serve {
             invariants_ok,
             invariants_full: self.full_checks,
             channels_quarantined: self.channels.quarantined() as u64,
-            tenants,
-        }
+            tenants: self.store.tenant_stats(),
+            ..Stats::default()
+        };
+        self.metrics.metrics().tier_stats(&mut stats);
+        stats
     }
 }
 

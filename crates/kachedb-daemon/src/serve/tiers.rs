@@ -19,7 +19,7 @@
 use crate::store::{SessionId, Store};
 use crate::tier::{
     Admission, FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, Reserved, StoppedTier, Tier, TierEvent,
-    TierId, TierKind, WriteJob,
+    TierId, WriteJob,
 };
 use kachedb_shm::{Request, Status};
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -139,7 +139,7 @@ enum FillWork {
         fetch: u64,
         blocks: Vec<FillSpec>,
         answers: Vec<Option<Reserved>>,
-        reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
+        reply: crate::tier::reply::Sender<Vec<Option<Reserved>>>,
     },
     /// A fetch's filled reservations, committed from `next` on; once all
     /// are, its channel is unparked and WAITs on `committed` answered.
@@ -149,8 +149,8 @@ enum FillWork {
 /// A fetch that is over: its blocks are committed (or it ran out of time).
 pub(super) struct FetchDone {
     pub(super) fetch: u64,
-    /// The kind of the tier whose fill (or timeout) this is.
-    pub(super) kind: TierKind,
+    /// The tier whose fill (or timeout) this is.
+    pub(super) tier: TierId,
     /// The channel waiting for it, if one still is.
     pub(super) channel: Option<u32>,
     /// The keys it committed.
@@ -367,12 +367,20 @@ impl Tiers {
                 let keep = p.deadline > now;
                 if !keep {
                     t.tier.timed_out();
-                    out.push(FetchDone { fetch, kind: t.tier.kind(), channel: Some(p.channel), committed: Vec::new() });
+                    out.push(FetchDone { fetch, tier: t.id, channel: Some(p.channel), committed: Vec::new() });
                 }
                 keep
             });
         }
         out
+    }
+
+    /// A fetch of tier `id` committed blocks `us` microseconds after its
+    /// local miss (for that tier's fill latency).
+    pub(super) fn filled_after(&self, id: TierId, us: u64) {
+        if let Some(t) = self.sides.iter().find(|t| t.id == id) {
+            t.tier.filled_after(us);
+        }
     }
 
     /// What tier `id` reports. A write's pin is dropped at once;
@@ -530,7 +538,7 @@ impl Tiers {
                             deleted.retain(|_, &mut f| f >= oldest);
                         }
                         if channel.is_some() || !committed.is_empty() {
-                            done.push(FetchDone { fetch, kind: r.tier.kind(), channel, committed });
+                            done.push(FetchDone { fetch, tier: r.id, channel, committed });
                         }
                         // An empty fetch still takes a turn: at most one per block of budget.
                         budget = budget.saturating_sub(1);
@@ -625,9 +633,7 @@ mod tests {
             Duration::from_secs(60)
         }
         fn landed(&self, _len: u64) {}
-        fn kind(&self) -> TierKind {
-            TierKind::Disk
-        }
+        fn filled_after(&self, _us: u64) {}
         fn remove(&self, _key: u128) -> Removal {
             Removal::Done
         }
@@ -649,9 +655,7 @@ mod tests {
             Duration::from_secs(60)
         }
         fn landed(&self, _len: u64) {}
-        fn kind(&self) -> TierKind {
-            TierKind::Remote
-        }
+        fn filled_after(&self, _us: u64) {}
         fn remove(&self, _key: u128) -> Removal {
             Removal::Done
         }
@@ -712,7 +716,7 @@ mod tests {
 
         // The fetch asks for room for K, which is missing.
         let fetch = tiers.start_fetch(0, "default", vec![key]).unwrap();
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = crate::tier::reply::channel();
         let spec = FillSpec {
             key,
             dtype: DType::U8,
@@ -723,7 +727,7 @@ mod tests {
         };
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch, blocks: vec![spec], reply: tx });
         drain(&mut tiers, &mut store);
-        let reserved = rx.try_recv().unwrap()[0].expect("room for the fill");
+        let reserved = rx.try_recv().unwrap().unwrap()[0].expect("room for the fill");
 
         // Meanwhile a client commits K after its parent.
         let c = store.handle_internal(client, &reserve(key, 200));
@@ -772,15 +776,15 @@ mod tests {
         let fa = tiers.start_fetch(0, "default", vec![a]).unwrap();
         let fb = tiers.start_fetch(1, "default", vec![b]).unwrap();
         tiers.remove(0, client, a);
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fa, blocks: vec![spec(a)], reply: tx });
         drain(&mut tiers, &mut store);
-        assert!(rx.try_recv().unwrap()[0].is_none(), "room reserved for a deleted key");
+        assert!(rx.try_recv().unwrap().unwrap()[0].is_none(), "room reserved for a deleted key");
         tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fa, filled: vec![] });
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fb, blocks: vec![spec(b)], reply: tx });
         drain(&mut tiers, &mut store);
-        let r = rx.try_recv().unwrap()[0].expect("room for B");
+        let r = rx.try_recv().unwrap().unwrap()[0].expect("room for B");
         tiers.remove(0, client, b);
         tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fb, filled: vec![(r.handle, 300)] });
         let done = drain(&mut tiers, &mut store);
@@ -790,10 +794,10 @@ mod tests {
         // Every fetch of then is over: the DELETEs are forgotten, and a new fetch fills B.
         assert!(tiers.open.is_empty() && tiers.deleted.is_empty());
         let fc = tiers.start_fetch(0, "default", vec![b]).unwrap();
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fc, blocks: vec![spec(b)], reply: tx });
         drain(&mut tiers, &mut store);
-        let r = rx.try_recv().unwrap()[0].expect("room for B");
+        let r = rx.try_recv().unwrap().unwrap()[0].expect("room for B");
         tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: fc, filled: vec![(r.handle, 300)] });
         let done = drain(&mut tiers, &mut store);
         assert_eq!(done.iter().flat_map(|d| d.committed.clone()).collect::<Vec<_>>(), vec![b]);

@@ -12,6 +12,11 @@
 //! doorbell. Each tier has a [`TierId`] so the loop can tell the reports of
 //! several tiers apart.
 
+pub mod gate;
+pub mod metrics;
+pub mod reply;
+pub mod threads;
+
 use kachedb_shm::{DType, Shape};
 use std::sync::Arc;
 use std::time::Duration;
@@ -146,7 +151,7 @@ pub enum TierEvent {
         /// The blocks.
         blocks: Vec<FillSpec>,
         /// Where the answer goes (one entry per block).
-        reply: tokio::sync::oneshot::Sender<Vec<Option<Reserved>>>,
+        reply: reply::Sender<Vec<Option<Reserved>>>,
     },
     /// Fetch `fetch` is over: these reservations hold their bytes, commit
     /// them (in this order); the fetch's other reservations are aborted.
@@ -210,15 +215,6 @@ impl std::fmt::Debug for TierEvents {
 /// Why a tier could not start (or start again).
 pub type TierError = Box<dyn std::error::Error + Send + Sync>;
 
-/// What kind of tier it is (which of the daemon's metrics its fills count in).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TierKind {
-    /// Local files (`crate::disk`).
-    Disk,
-    /// Redis Cluster (`crate::remote`).
-    Remote,
-}
-
 /// Which committed blocks a tier is offered for writing behind
 /// (`kachedb serve --disk-admit`, docs/disk.md).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -254,8 +250,10 @@ pub trait Tier: Send + std::fmt::Debug {
     /// Counts one filled block of `len` bytes that the serve loop committed.
     fn landed(&self, len: u64);
 
-    /// What kind of tier this is.
-    fn kind(&self) -> TierKind;
+    /// A fetch that ended at this tier committed blocks `us` microseconds
+    /// after its local miss: for the tier's fill latency
+    /// ([`metrics::FillLatency`]).
+    fn filled_after(&self, us: u64);
 
     /// Which committed blocks the serve loop offers this tier
     /// ([`write_behind`](Self::write_behind)).

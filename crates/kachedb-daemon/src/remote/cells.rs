@@ -1,0 +1,132 @@
+//! The remote tier's counters and metric families (`kachedb_remote_*`), and
+//! its rows of `kachedb stats`.
+
+use crate::tier::metrics::{rows, Family, FillLatency, Kind, Row, TierMetrics};
+use kachedb_shm::control::{RemoteStats, Stats};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+
+/// The remote tier's counters (`kachedb serve --remote`). Written by the
+/// remote workers and the serve loop with `fetch_add`/`fetch_sub` (several
+/// writers; a slow path: a few per remote request). Relaxed: each value is
+/// read for itself, nothing else is published through it
+/// (`crate::tier::metrics`).
+#[derive(Debug, Default)]
+pub struct RemoteCells {
+    /// The tier is on.
+    pub enabled: AtomicBool,
+    /// Blocks written.
+    pub writes: AtomicU64,
+    /// Tensor bytes written.
+    pub write_bytes: AtomicU64,
+    /// Blocks not queued: the queue was full.
+    pub dropped_writes: AtomicU64,
+    /// Tensor bytes queued or being written.
+    pub queue_bytes: AtomicU64,
+    /// Blocks queued or being written.
+    pub queue_blocks: AtomicU64,
+    /// Remote reads asked for.
+    pub fetches: AtomicU64,
+    /// Blocks filled.
+    pub fills: AtomicU64,
+    /// Tensor bytes filled.
+    pub fill_bytes: AtomicU64,
+    /// Keys the remote store does not hold.
+    pub misses: AtomicU64,
+    /// Requests failed or timed out.
+    pub errors: AtomicU64,
+    /// Values that did not verify.
+    pub corrupt: AtomicU64,
+    /// Values that failed authentication (keying or tag).
+    pub auth_failures: AtomicU64,
+    /// Fetches cancelled at their deadline.
+    pub fetches_cancelled: AtomicU64,
+    /// Fill latency, per fetch that ended at the remote tier.
+    pub fill: FillLatency,
+}
+
+const ROWS: [Row<RemoteCells>; 13] = [
+    ("remote_writes", "Blocks written to the remote store.", Kind::Counter, |c| &c.writes),
+    (
+        "remote_write_bytes",
+        "Tensor bytes of the blocks written to the remote store.",
+        Kind::Counter,
+        |c| &c.write_bytes,
+    ),
+    (
+        "remote_dropped_writes",
+        "Committed blocks not written remotely because the write-behind queue was full.",
+        Kind::Counter,
+        |c| &c.dropped_writes,
+    ),
+    (
+        "remote_queue_bytes",
+        "Tensor bytes queued or being written to the remote store.",
+        Kind::Gauge,
+        |c| &c.queue_bytes,
+    ),
+    ("remote_queue_blocks", "Blocks queued or being written to the remote store.", Kind::Gauge, |c| &c.queue_blocks),
+    ("remote_fetches", "Remote reads asked for (one per local-miss tail of a batch).", Kind::Counter, |c| &c.fetches),
+    ("remote_fills", "Blocks filled from the remote store into the megaslab.", Kind::Counter, |c| &c.fills),
+    ("remote_fill_bytes", "Tensor bytes filled from the remote store.", Kind::Counter, |c| &c.fill_bytes),
+    ("remote_misses", "Keys asked for that the remote store does not hold.", Kind::Counter, |c| &c.misses),
+    ("remote_errors", "Remote requests that failed or timed out.", Kind::Counter, |c| &c.errors),
+    (
+        "remote_corrupt",
+        "Remote values whose header or checksum did not verify (never served).",
+        Kind::Counter,
+        |c| &c.corrupt,
+    ),
+    (
+        "remote_auth_failures",
+        "Remote values refused because they failed authentication: a tag that does not verify under the fleet key, or keyed/unkeyed not as this node (never served).",
+        Kind::Counter,
+        |c| &c.auth_failures,
+    ),
+    (
+        "remote_fetches_cancelled",
+        "Remote fetches cancelled at their deadline (their unfilled keys are misses).",
+        Kind::Counter,
+        |c| &c.fetches_cancelled,
+    ),
+];
+
+impl TierMetrics for RemoteCells {
+    fn fill_stats(&self, into: &mut Stats) {
+        into.remote = self.stats();
+    }
+
+    fn families(&self, out: &mut Vec<Family>) {
+        if !self.enabled.load(Relaxed) {
+            return;
+        }
+        rows(self, &ROWS, out);
+        out.push(self.fill.family(
+            "remote_fill_duration_seconds",
+            "Time from a local GET or LOOKUP miss to its remote fill landing in the megaslab (per fetch).",
+        ));
+    }
+}
+
+impl RemoteCells {
+    /// The counters as stats.
+    pub fn stats(&self) -> RemoteStats {
+        RemoteStats {
+            remote_enabled: self.enabled.load(Relaxed),
+            remote_writes: self.writes.load(Relaxed),
+            remote_write_bytes: self.write_bytes.load(Relaxed),
+            remote_dropped_writes: self.dropped_writes.load(Relaxed),
+            remote_queue_bytes: self.queue_bytes.load(Relaxed),
+            remote_queue_blocks: self.queue_blocks.load(Relaxed),
+            remote_fetches: self.fetches.load(Relaxed),
+            remote_fills: self.fills.load(Relaxed),
+            remote_fill_bytes: self.fill_bytes.load(Relaxed),
+            remote_misses: self.misses.load(Relaxed),
+            remote_errors: self.errors.load(Relaxed),
+            remote_corrupt: self.corrupt.load(Relaxed),
+            remote_auth_failures: self.auth_failures.load(Relaxed),
+            remote_fetches_cancelled: self.fetches_cancelled.load(Relaxed),
+            remote_fill_ms_mean: self.fill.mean_ms(),
+            remote_fill_ms_max: self.fill.max_ms(),
+        }
+    }
+}
