@@ -73,7 +73,8 @@ fn install(built: &Path, dest: &Path) {
     let dir = dest.parent().expect("dest has a parent");
     std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("bundle-bin: mkdir {}: {e}", dir.display()));
     let tmp = dir.join(".kachedb.tmp");
-    std::fs::copy(built, &tmp).unwrap_or_else(|e| panic!("bundle-bin: copy {} -> {}: {e}", built.display(), tmp.display()));
+    std::fs::copy(built, &tmp)
+        .unwrap_or_else(|e| panic!("bundle-bin: copy {} -> {}: {e}", built.display(), tmp.display()));
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))
         .unwrap_or_else(|e| panic!("bundle-bin: chmod {}: {e}", tmp.display()));
     std::fs::rename(&tmp, dest).unwrap_or_else(|e| panic!("bundle-bin: rename to {}: {e}", dest.display()));
