@@ -7,9 +7,9 @@ CARGO ?= cargo
 PIP := $(PYTHON) -m pip
 # torch comes from PyPI with its CUDA wheels; it imports and runs on CPU.
 PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2" \
-	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17" "auditwheel>=6"
+	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17" "auditwheel>=6" "ziglang>=0.13" "twine>=5"
 
-.PHONY: setup system-deps build build-bench build-tests package-bin wheel python demo test test-steps test-rust test-python test-loom \
+.PHONY: setup system-deps build build-bench build-tests maturin-deps wheel sdist install-check release python demo test test-steps test-rust test-python test-loom \
 	test-miri test-engines test-upgrade test-all bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang \
 	lmcache-env test-lmcache bench-lmcache
 
@@ -44,19 +44,45 @@ build:
 build-bench:
 	$(CARGO) build --release --locked -p kachedb-bench
 
-## package-bin: the `kachedb` binary, stripped and copied into the Python package's source
-PKG_BIN := bindings/python/python/kachedb/bin/kachedb
-package-bin: build
-	install -D -m 755 -s target/release/kachedb $(PKG_BIN)
-
-## wheel: the kachedb-shm wheel (extension + the binary), into target/wheel; the main
-## environment, the engine environments and the wheel test install it
+## wheel: the kachedb-shm wheel (the extension and the `kachedb` executable, both built by
+## maturin: bindings/python/build.rs builds the executable), into target/wheel, tagged
+## manylinux_2_28 (glibc >= 2.28: linked by zig for that glibc, pip package ziglang); the main
+## environment, the engine environments and the install checks install it
 WHEELS := target/wheel
 WHEEL = $$(ls -t $(WHEELS)/kachedb_shm-*.whl | head -1)
-wheel: package-bin
-	@$(PYTHON) -c "import maturin" 2>/dev/null || $(PIP) install -q "maturin>=1.5,<2"
+MATURIN_ZIG := --zig --compatibility manylinux_2_28
+maturin-deps:
+	@$(PYTHON) -c "import maturin, ziglang" 2>/dev/null || $(PIP) install -q "maturin>=1.5,<2" "ziglang>=0.13"
+wheel: maturin-deps
 	rm -rf $(WHEELS)
-	cd bindings/python && $(PYTHON) -m maturin build --release -q -o ../../$(WHEELS)
+	$(PYTHON) -m maturin build --release $(MATURIN_ZIG) -q -o $(WHEELS)
+
+## sdist: the source distribution (the git tree: the whole Cargo workspace), into target/sdist
+SDISTS := target/sdist
+SDIST = $$(ls -t $(SDISTS)/kachedb_shm-*.tar.gz | head -1)
+sdist: maturin-deps
+	rm -rf $(SDISTS)
+	$(PYTHON) -m maturin sdist -o $(SDISTS)
+
+## install-check: the wheel, the sdist, the source tree and a git URL each installed into a new
+## virtual environment, and the wheel into a Debian 11 root (glibc 2.31; as root, with
+## debootstrap: else listed as skipped), each then running the daemon, connect(start=True), a
+## put and a zero-copy get from another process (tests/install_check.sh)
+DEBIAN11_ROOT ?= target/debian11-root
+install-check: wheel sdist
+	DEBIAN11_ROOT=$(abspath $(DEBIAN11_ROOT)) PYTHON=$(PYTHON) tests/install_check.sh "$(WHEEL)" "$(SDIST)"
+
+## release: what a maintainer runs to publish: the version (workspace Cargo.toml) with its
+## CHANGELOG.md section, the sdist and the wheel built and install-checked, `twine check`, and
+## the upload command printed, not run
+VERSION := $(shell sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' Cargo.toml)
+release: install-check
+	@grep -q "^## \[$(VERSION)\]" CHANGELOG.md || { echo "CHANGELOG.md has no section for $(VERSION): move Unreleased there"; exit 1; }
+	@ls $(WHEELS)/kachedb_shm-$(VERSION)-*.whl $(SDISTS)/kachedb_shm-$(VERSION).tar.gz
+	@$(PYTHON) -c "import twine" 2>/dev/null || $(PIP) install -q twine
+	$(PYTHON) -m twine check --strict $(WHEELS)/kachedb_shm-$(VERSION)-*.whl $(SDISTS)/kachedb_shm-$(VERSION).tar.gz
+	@echo "== release $(VERSION) ready; to publish (not run): $(PYTHON) -m twine upload" \
+	  $(WHEELS)/kachedb_shm-$(VERSION)-*.whl $(SDISTS)/kachedb_shm-$(VERSION).tar.gz
 
 ## python: the Python dependencies, and into this environment the wheel built with the test
 ## hooks (the `testing` feature, target/wheel-testing) that the Python suite needs; the shipped
@@ -66,7 +92,7 @@ python: system-deps wheel
 	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout, transformers, ray, redis, matplotlib, prometheus_client, auditwheel" 2>/dev/null \
 	  || { echo "== installing Python dependencies (torch is ~5 GB; first time only)"; $(PIP) install -q $(PY_DEPS); }
 	rm -rf $(WHEELS_TESTING)
-	cd bindings/python && $(PYTHON) -m maturin build --release -q --features testing -o ../../$(WHEELS_TESTING)
+	$(PYTHON) -m maturin build --release $(MATURIN_ZIG) -q --features testing -o $(WHEELS_TESTING)
 	$(PIP) install -q --no-deps --force-reinstall $$(ls -t $(WHEELS_TESTING)/kachedb_shm-*.whl | head -1)
 
 ## demo: the daemon plus demo clients — a tensor put by one process, read zero-copy by
@@ -86,7 +112,8 @@ test-steps: setup test-rust test-loom test-python
 ## (created on first use: ~25 GB of disk and 10-15 min of downloads; then ~35 min a run)
 test-engines: test-vllm test-lmcache test-sglang
 
-## test-all: both, and the upgrade from the previous state format (what CI runs, .ci/run)
+## test-all: both, and the upgrade from the previous state format (what CI runs, .ci/run); the install
+## checks (`make install-check`, ~20 min on 2 cores) run apart from it for now, to keep CI within its hour
 test-all: test test-upgrade test-engines
 
 ## test-upgrade: this build takes over from a daemon built from the commit tests/upgrade/PREVIOUS
