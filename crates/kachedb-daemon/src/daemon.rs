@@ -406,7 +406,7 @@ impl Daemon {
         t0: Instant,
     ) -> Result<(Started, std::os::fd::OwnedFd, u64, std::time::Duration), ServeError> {
         let sock = cfg.socket_path.clone();
-        let mut serve = crate::state_format::decode_serve(taken.state_version, &taken.serve)
+        let mut serve = crate::takeover::decode_serve::<crate::serve::ServeState>(taken.state_version, &taken.serve)
             .map_err(|e| taken.refuse(&format!("serve state: {e}")))?;
         let region =
             Region::attach_lazily(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)

@@ -1,48 +1,18 @@
-//! The takeover state's formats: which versions this build reads, and the
-//! decoder of each into the state the serve loop and the control thread take
-//! up (`crate::serve::ServeState`, [`ControlState`]). `docs/takeover.md`
-//! ("The state format") describes the encoding field by field.
-//!
-//! A state is two byte strings, the serve loop's and the control thread's,
-//! each postcard (serde's data model: varints, no field names) of the types
-//! [`crate::takeover::STATE_VERSION`] names. A build reads every version in
-//! [`crate::takeover::STATE_VERSIONS_READ`]: the one it writes, and when a
-//! change bumps it, the one before (N-1 → N), decoded here into the new
-//! types. The committed state of the test below, written by a build of
-//! format 5, must decode and restore into the store it was made from: a
-//! change to a serialized type fails that test until the version is bumped
-//! and a decoder of the previous format is kept here.
-
-use crate::serve::ServeState;
-use crate::takeover::{self, ControlState, STATE_VERSIONS_READ};
-
-/// Why a version is not read.
-fn unread(version: u32) -> String {
-    format!("state format {version} is not one this build reads ({STATE_VERSIONS_READ:?})")
-}
-
-/// The serve loop's state of format `version`, as the current types hold it.
-pub(crate) fn decode_serve(version: u32, bytes: &[u8]) -> Result<ServeState, String> {
-    match version {
-        5 => takeover::decode(bytes),
-        v => Err(unread(v)),
-    }
-}
-
-/// The control thread's state of format `version`, as the current types hold it.
-pub(crate) fn decode_control(version: u32, bytes: &[u8]) -> Result<ControlState, String> {
-    match version {
-        5 => takeover::decode(bytes),
-        v => Err(unread(v)),
-    }
-}
+//! The takeover state's formats, pinned: a state written by a build of
+//! format 5 is committed (`tests/fixtures/takeover-state-v5.bin`) and must
+//! decode ([`crate::takeover::decode_serve`], [`crate::takeover::decode_control`])
+//! and restore into the store it was made from, so a change to a serialized
+//! type fails here until [`crate::takeover::STATE_VERSION`] is bumped and a
+//! decoder of the previous format is kept in `takeover.rs` (N-1 → N).
+//! `docs/takeover.md` ("The state format") describes the encoding field by field.
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::serve::ServeState;
     use crate::serve::{ChannelState, ParkedWait, RegionLayout};
     use crate::store::{EvictionPolicy, SessionId, Store};
     use crate::takeover::ConnState;
+    use crate::takeover::{self, decode_control, decode_serve, ControlState, STATE_VERSIONS_READ};
     use crate::tier::PendingWrite;
     use kachedb_shm::control::ServeStats;
     use kachedb_shm::{DType, Request, Shape, Status};
@@ -180,7 +150,8 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let n = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;
         let (serve, control_bytes) = bytes[4..].split_at(n);
-        let serve = decode_serve(5, serve).expect("format 5 no longer decodes: keep a decoder of it (module docs)");
+        let serve = decode_serve::<ServeState>(5, serve)
+            .expect("format 5 no longer decodes: keep a decoder of it (module docs)");
         let ctl = decode_control(5, control_bytes).expect("format 5's control state no longer decodes");
 
         assert_eq!(serve.region_generation, 7);
@@ -239,7 +210,7 @@ mod tests {
             if STATE_VERSIONS_READ.contains(&v) {
                 continue;
             }
-            let e = decode_serve(v, &bytes[4..]).expect_err("refused");
+            let e = decode_serve::<ServeState>(v, &bytes[4..]).expect_err("refused");
             assert!(e.contains(&format!("state format {v} is not one this build reads")), "{e}");
             assert!(decode_control(v, &bytes).is_err());
         }

@@ -453,8 +453,7 @@ pub(crate) fn take(socket: &std::path::Path, step: Duration) -> Result<Taken, Ta
         }
         let serve = r.exact(usize::try_from(offer.serve_state_bytes).map_err(io)?)?;
         let control = r.exact(usize::try_from(offer.control_state_bytes).map_err(io)?)?;
-        let control = crate::state_format::decode_control(offer.state_version, &control)
-            .map_err(|e| format!("control state: {e}"))?;
+        let control = decode_control(offer.state_version, &control).map_err(|e| format!("control state: {e}"))?;
         let want = 3 + usize::from(offer.metrics_listener) + offer.tier_fds as usize + offer.connections as usize;
         if r.fds.len() != want || control.conns.len() != offer.connections as usize {
             return Err(format!(
@@ -540,4 +539,30 @@ fn exited_within(pidfd: &OwnedFd, secs: i64) -> bool {
 /// The unread bytes of a [`LineBuffer`] as a [`ConnState`] carries them.
 pub(crate) fn unread_of(lines: &LineBuffer) -> Vec<u8> {
     lines.pending().to_vec()
+}
+// The decoders of every state format this build reads (`STATE_VERSIONS_READ`),
+// each into the state the serve loop and the control thread take up; the
+// committed state of format 5 is checked in `state_format.rs`.
+
+/// Why a version is not read.
+fn unread(version: u32) -> String {
+    format!("state format {version} is not one this build reads ({STATE_VERSIONS_READ:?})")
+}
+
+/// The serve loop's state (`crate::serve::ServeState`, named by the caller:
+/// the serve loop encodes through this module, which does not name its
+/// types) of format `version`, as the current types hold it.
+pub(crate) fn decode_serve<S: serde::de::DeserializeOwned>(version: u32, bytes: &[u8]) -> Result<S, String> {
+    match version {
+        5 => decode(bytes),
+        v => Err(unread(v)),
+    }
+}
+
+/// The control thread's state of format `version`, as the current types hold it.
+pub(crate) fn decode_control(version: u32, bytes: &[u8]) -> Result<ControlState, String> {
+    match version {
+        5 => decode(bytes),
+        v => Err(unread(v)),
+    }
 }
