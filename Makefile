@@ -122,7 +122,7 @@ test-all: test test-upgrade test-engines
 ## into target/upgrade-prev-target (~3 min on 2 cores), later runs reuse its binary
 test-upgrade:
 	@start=$$(date +%s); prev=$$(tests/upgrade/build-previous.sh) && \
-	  KDB_PREV_BIN=$$prev $(CARGO) test --release --locked -p kachedb-cli --test upgrade; rc=$$?; \
+	  KDB_PREV_BIN=$$prev $(CARGO) test --release --locked -p kachedb-cli --test upgrade -- --include-ignored; rc=$$?; \
 	  echo "== make test-upgrade: $$( [ $$rc = 0 ] && echo passed || echo FAILED ) in $$(( $$(date +%s) - start )) s"; exit $$rc
 
 test-rust:
