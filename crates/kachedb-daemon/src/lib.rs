@@ -7,9 +7,12 @@
 //! of those share only the channel pool ([`channels`]) and the event queue
 //! ([`events`]) from `control` to `serve`. Both also count into the
 //! [`metrics`] (atomics), which the optional HTTP endpoint ([`http`]) reads
-//! on its own threads. The tiers behind the megaslab (with `--disk`, the
-//! [`disk`] tier; with `--remote`, the [`remote`] tier) run their own threads; `serve` drives them through one
-//! interface ([`tier`]) and hears from them through the same event queue.
+//! on its own threads. The tiers behind the megaslab ([`TIERS`]: with
+//! `--disk`, the [`disk`] tier; with `--remote`, the [`remote`] tier) run
+//! their own threads; `serve` drives them through one interface ([`tier`])
+//! and hears from them through the same event queue. Each tier's module
+//! holds all of it (flags, configuration, errors, counters, stats rows);
+//! the other modules reach a tier only through [`TIERS`].
 #![warn(missing_docs)]
 
 pub mod alloc;
@@ -29,6 +32,11 @@ pub mod store;
 pub mod takeover;
 pub mod tier;
 mod waits;
+
+/// The tiers the daemon is built with, in the order a local miss asks them
+/// (docs/tiers.md): the one list that names them. A new tier is its module
+/// above and its entry here.
+pub static TIERS: &[&dyn tier::setup::TierKind] = &[&disk::setup::KIND, &remote::setup::KIND];
 
 pub use binding::TenantBinding;
 pub use daemon::{Daemon, Ended, ServeConfig, ServeError, TakeoverSummary, TenantConfig};

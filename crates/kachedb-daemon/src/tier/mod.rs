@@ -15,7 +15,9 @@
 pub mod gate;
 pub mod metrics;
 pub mod reply;
+pub mod setup;
 pub mod threads;
+pub mod view;
 
 use kachedb_shm::{DType, Shape};
 use std::sync::Arc;
