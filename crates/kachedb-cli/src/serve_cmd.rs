@@ -6,7 +6,7 @@
 //! from the same path) that takes everything over, and the main pid moves to it.
 
 use clap::Args;
-use kachedb_daemon::tier::setup::{ServeFlags, TierFlags, TierSetup};
+use kachedb_daemon::tier_kind::{ServeFlags, TierFlags, TierSetup};
 use kachedb_daemon::{Daemon, ServeConfig};
 use kachedb_shm::units::{human_bytes, parse_size};
 use kachedb_shm::SpinThenPark;

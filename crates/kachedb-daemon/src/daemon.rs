@@ -9,8 +9,8 @@ use crate::events::{self, Event};
 use crate::metrics::Metrics;
 use crate::serve::{RegionLayout, Serve};
 use crate::store::Store;
-use crate::tier::setup::{Start, TierSetup};
 use crate::tier::{Tier, TierError};
+use crate::tier_kind::{Start, TierSetup};
 use kachedb_shm::region::{CreateOptions, Layout};
 use kachedb_shm::{Region, RegionError, SpinThenPark};
 use std::net::SocketAddr;
@@ -68,7 +68,7 @@ pub struct ServeConfig {
     /// Which blocks eviction takes first (`docs/eviction.md`).
     pub eviction: crate::store::EvictionPolicy,
     /// The tiers behind the megaslab, in the order a local miss asks them
-    /// (`crate::TIERS` makes them from `kachedb serve`'s flags; docs/tiers.md).
+    /// (`crate::tiers::TIERS` makes them from `kachedb serve`'s flags; docs/tiers.md).
     pub tiers: Vec<Arc<dyn TierSetup>>,
     /// Tenants and their limits (`kachedb serve --tenant-limit`, docs/metrics.md "Tenants").
     pub tenants: TenantConfig,
@@ -639,7 +639,7 @@ impl Parts {
         }
         // Every tier the daemon is built with counts (and shows zeros in
         // the stats) whether or not it starts.
-        for kind in crate::TIERS {
+        for kind in crate::tiers::TIERS {
             kind.register(&metrics);
         }
         let mut tiers: Vec<Box<dyn Tier>> = Vec::new();

@@ -12,7 +12,8 @@
 //! their own threads; `serve` drives them through one interface ([`tier`])
 //! and hears from them through the same event queue. Each tier's module
 //! holds all of it (flags, configuration, errors, counters, stats rows);
-//! the other modules reach a tier only through [`TIERS`].
+//! the other modules reach a tier only through [`TIERS`] (`tiers.rs`) and
+//! what [`tier_kind`] says a tier gives.
 #![warn(missing_docs)]
 
 pub mod alloc;
@@ -31,13 +32,11 @@ mod state_format;
 pub mod store;
 pub mod takeover;
 pub mod tier;
+pub mod tier_kind;
+pub mod tiers;
 mod waits;
-
-/// The tiers the daemon is built with, in the order a local miss asks them
-/// (docs/tiers.md): the one list that names them. A new tier is its module
-/// above and its entry here.
-pub static TIERS: &[&dyn tier::setup::TierKind] = &[&disk::setup::KIND, &remote::setup::KIND];
 
 pub use binding::TenantBinding;
 pub use daemon::{Daemon, Ended, ServeConfig, ServeError, TakeoverSummary, TenantConfig};
 pub use store::EvictionPolicy;
+pub use tiers::TIERS;

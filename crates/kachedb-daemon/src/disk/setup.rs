@@ -5,8 +5,8 @@
 use super::cells::{DiskCells, TenantDiskStats};
 use super::{index, Adopted, DiskConfig, DiskTier, WorkerClass, DEFAULT_QUEUE_BYTES, HANDOVER_NAME};
 use crate::metrics::Metrics;
-use crate::tier::setup::{ServeFlags, Start, TierFlags, TierKind, TierSetup};
 use crate::tier::{Admission, Tier, TierError};
+use crate::tier_kind::{ServeFlags, Start, TierFlags, TierKind, TierSetup};
 use kachedb_shm::control::{parse_tenant_limit, TenantStats, MAX_TENANTS};
 use kachedb_shm::units::{human_bytes, parse_size};
 use kachedb_shm::Stats;
@@ -188,7 +188,7 @@ impl TierSetup for DiskConfig {
     }
 }
 
-/// The disk tier in the daemon's list of tiers (`crate::TIERS`).
+/// The disk tier in the daemon's list of tiers (`crate::tiers::TIERS`).
 pub static KIND: Disk = Disk;
 
 /// The disk tier's [`TierKind`].

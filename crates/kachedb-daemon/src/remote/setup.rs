@@ -5,8 +5,8 @@
 use super::cells::{RemoteCells, RemoteStats};
 use super::{format, RemoteConfig, RemoteTier, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT_MS, DEFAULT_WORKER_NICE};
 use crate::metrics::Metrics;
-use crate::tier::setup::{ServeFlags, Start, TierFlags, TierKind, TierSetup};
 use crate::tier::{Tier, TierError};
+use crate::tier_kind::{ServeFlags, Start, TierFlags, TierKind, TierSetup};
 use kachedb_shm::units::{human_bytes, parse_size};
 use kachedb_shm::Stats;
 use std::path::PathBuf;
@@ -183,7 +183,7 @@ pub fn read_key_file(path: &std::path::Path) -> Result<format::FleetKey, String>
     format::FleetKey::parse(&bytes).map_err(|e| format!("--remote-key-file {shown}: {e}"))
 }
 
-/// The remote tier in the daemon's list of tiers (`crate::TIERS`).
+/// The remote tier in the daemon's list of tiers (`crate::tiers::TIERS`).
 pub static KIND: Remote = Remote;
 
 /// The remote tier's [`TierKind`].

@@ -15,7 +15,6 @@
 pub mod gate;
 pub mod metrics;
 pub mod reply;
-pub mod setup;
 pub mod threads;
 pub mod view;
 

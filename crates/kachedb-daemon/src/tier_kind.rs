@@ -2,7 +2,7 @@
 //! `kachedb serve` (a clap `Args` of the tier's), the configuration they give
 //! ([`TierSetup`], which starts the tier), and its lines of `kachedb stats`
 //! and of the watch view. Each tier's module has one [`TierKind`]; the list
-//! of them, `crate::TIERS`, is the one place that names the tiers.
+//! of them, `crate::tiers::TIERS`, is the one place that names the tiers.
 
 use crate::metrics::Metrics;
 use crate::tier::{Tier, TierError, TierEvents};
@@ -28,7 +28,7 @@ pub struct ServeFlags<'a> {
 /// What a tier is started with.
 pub struct Start {
     /// The daemon's region (the tier reaches the megaslab through a
-    /// [`SlabGate`](super::gate::SlabGate) over it).
+    /// [`SlabGate`](crate::tier::gate::SlabGate) over it).
     pub region: Arc<Region>,
     /// Where the tier's reports go.
     pub events: TierEvents,
