@@ -221,5 +221,5 @@ lint:
 	$(CARGO) fmt --all --check
 	@# The generic layers name no tier (docs/tiers.md): code lines only. A tier is named in its
 	@# own module and in kachedb_daemon::TIERS (crates/kachedb-daemon/src/tiers.rs) only.
-	! grep -rniwE 'disk|remote|redis' $(TIER_FREE) | grep -vE '^[^:]+:[0-9]+:\s*//'
+	! grep -rniE 'disk|remote|redis' $(TIER_FREE) | grep -vE '^[^:]+:[0-9]+:\s*//'
 	$(CARGO) clippy --all-targets --locked -- -D warnings

@@ -143,7 +143,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 300, value_name = "SECS",
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub request_window: u64,
-    /// The tiers' flags (`--disk*`, `--remote*`, …), each tier's own
+    /// The flags of every tier the daemon is built with, each tier's own
     /// (`kachedb_daemon::TIERS`).
     #[command(flatten)]
     pub tiers: TierArgs,
