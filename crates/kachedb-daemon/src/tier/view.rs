@@ -1,6 +1,6 @@
 //! The shapes of the lines of `kachedb stats --watch` (and the number
 //! formats of `kachedb stats`): the CLI's own lines and each tier's
-//! ([`TierKind::watch_lines`](super::setup::TierKind::watch_lines)) are
+//! ([`TierKind::watch_lines`](crate::tier_kind::TierKind::watch_lines)) are
 //! made with these, so that they line up.
 
 use kachedb_shm::control::TenantStats;
