@@ -655,3 +655,35 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[test]
+    fn every_tiers_flags_are_serves_with_their_help_and_ask_for_nothing_unless_given() {
+        let cli = crate::Cli::command();
+        let serve = cli.find_subcommand("serve").expect("a serve subcommand");
+        let mut flags = 0;
+        for kind in kachedb_daemon::TIERS {
+            let own = kind.flags(clap::Command::new("tier"));
+            for arg in own.get_arguments() {
+                let long = arg.get_long().expect("tier flags are long flags");
+                let there = serve
+                    .get_arguments()
+                    .find(|a| a.get_long() == Some(long))
+                    .unwrap_or_else(|| panic!("--{long} is not a flag of kachedb serve"));
+                assert_eq!(there.get_help().map(ToString::to_string), arg.get_help().map(ToString::to_string));
+                assert!(arg.get_help().is_some(), "--{long} has no help text");
+                flags += 1;
+            }
+        }
+        assert!(flags > 0, "no tier has flags");
+        let crate::Command::Serve(a) = crate::Cli::try_parse_from(["kachedb", "serve"]).unwrap().command else {
+            panic!("not serve")
+        };
+        assert_eq!(a.tiers.0.len(), kachedb_daemon::TIERS.len(), "one set of flags per tier");
+        assert!(tier_setups(&a, 1 << 30).unwrap().is_empty(), "no tier flag given: no tier");
+    }
+}
