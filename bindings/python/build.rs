@@ -82,7 +82,9 @@ fn toolchain_key() -> String {
             k.ends_with("_LINKER")
                 || k == "RUSTFLAGS"
                 || k == "CARGO_ENCODED_RUSTFLAGS"
-                || ["CC", "CXX", "AR", "CFLAGS", "CXXFLAGS", "LDFLAGS"].iter().any(|p| k == p || k.starts_with(&format!("{p}_")))
+                || ["CC", "CXX", "AR", "CFLAGS", "CXXFLAGS", "LDFLAGS"]
+                    .iter()
+                    .any(|p| k == p || k.starts_with(&format!("{p}_")))
         })
         .collect();
     vars.sort();
