@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Scrape latency of two daemon builds, same run: each round starts an OLD and
 # a NEW `kachedb` daemon side by side, fills each with 100 000 blocks over 64
-# tenants and scrapes them in turns, SCRAPES scrapes each (default 201): one
+# tenants and scrapes them in turns, SCRAPES scrapes each (default 1001): one
 # line per build with p50, p99, min, max and the scrapes over 1 ms. BUSY=1:
 # every tenant puts and reads a block before each scrape (untimed), so the
 # per-tenant figures change between scrapes.
@@ -12,7 +12,7 @@
 set -euo pipefail
 old=$1 new=$2 rounds=${3:-5}
 tool=${SCRAPE_TOOL:-target/release/examples/scrape_latency}
-scrapes=${SCRAPES:-201}
+scrapes=${SCRAPES:-1001}
 busy=(); [ "${BUSY:-0}" = 1 ] && busy=(--busy)
 # Starts build $1 as instance $2 in directory $3; prints "PID PORT".
 start() {
