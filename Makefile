@@ -215,7 +215,7 @@ bench: build-bench python
 	$(PYTHON) benchmarks/compare.py
 
 ## The generic layers: files that must name no tier (`make lint`, docs/tiers.md).
-TIER_FREE := crates/kachedb-daemon/src/metrics.rs crates/kachedb-daemon/src/tier/ crates/kachedb-daemon/src/serve/ \
+TIER_FREE := crates/kachedb-daemon/src/metrics.rs crates/kachedb-daemon/src/metrics/ crates/kachedb-daemon/src/tier/ crates/kachedb-daemon/src/serve/ \
 	crates/kachedb-daemon/src/tier_kind.rs crates/kachedb-daemon/src/daemon.rs crates/kachedb-daemon/src/control.rs crates/kachedb-daemon/src/takeover.rs \
 	crates/kachedb-shm/src/control.rs crates/kachedb-cli/src/serve_cmd.rs crates/kachedb-cli/src/watch.rs
 lint:
