@@ -963,6 +963,8 @@ fn rebuild_index(s: &Shared, run: u64) {
     let victims = {
         let mut ix = lock(&s.index);
         let mut order = lock(&s.order);
+        ix.reserve(found.len());
+        order.on_disk.reserve(found.len());
         for (_, key, parent, b, tenant) in &found {
             // Removed (deleted or replaced) while the rebuild ran.
             if order.tombs.contains_key(key) {
