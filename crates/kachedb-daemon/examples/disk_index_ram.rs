@@ -53,7 +53,7 @@ fn main() {
         "blocks", "sized, B/block", "grown, B/block", "HashSet<u128>, B/block", "sized, ns/insert"
     );
     for n in [1_000u64, 10_000, 100_000, 1_000_000] {
-        let parent = |k: u64| (k % 16 != 0).then(|| u128::from(k - 1));
+        let parent = |k: u64| (!k.is_multiple_of(16)).then(|| u128::from(k - 1));
         let t = std::time::Instant::now();
         let (ix, sized) = held_by(|| {
             let mut ix = Index::new(u64::MAX, &Limits::default());

@@ -35,7 +35,7 @@
 //! # Layout
 //!
 //! Built to cost what a tight hash table entry costs per block (the disk may
-//! hold millions): the entries lie in one slab of fixed-size [`Slot`]s (48
+//! hold millions): the entries lie in one slab of fixed-size `Slot`s (48
 //! bytes), found by a hash table of `u32` slot indices (5 bytes a bucket).
 //! A parent link is the parent's slot index; a key named as a parent by
 //! blocks on disk but not on disk itself has a slot of its own (a
@@ -45,8 +45,9 @@
 //! ("inner"). A write or a use moves an entry to its list's recent end
 //! (`O(1)`); an entry that becomes a leaf, or stops being one, joins the
 //! other list at its own last use, found by walking that list from both
-//! ends (`O(1)` for a chain evicted tail first or written head first: the
-//! parent is the list's oldest or newest entry).
+//! ends: `O(1)` for a chain evicted tail first or written head first (the
+//! parent is the list's oldest or newest entry), else as many steps as the
+//! nearer end is away.
 
 use hashbrown::HashTable;
 use kachedb_shm::control::{DEFAULT_TENANT, MAX_TENANTS, OTHER_TENANT};
@@ -587,8 +588,9 @@ impl Index {
         }
     }
 
-    /// The least recently used block a write of tenant `t` may evict to
-    /// make room on the disk: a leaf if there is one, else any.
+    /// The least recently used block a write of tenant `t` (`None`: of no
+    /// tenant, anyone's) may evict to make room on the disk: a leaf if there
+    /// is one, else any.
     fn pick_for_room(&self, t: Option<TenantRow>, protect: SlotIndex) -> Option<u128> {
         let best = |leaves_only: bool| {
             (0..self.rows.len())
@@ -1171,7 +1173,7 @@ mod tests {
         ix.reserve(N as usize);
         for k in 0..N {
             // Chains of 16, as a rebuild finds them.
-            ix.insert(k.into(), (k % 16 != 0).then(|| (k - 1).into()), 8192, DEFAULT_ROW);
+            ix.insert(k.into(), (!k.is_multiple_of(16)).then(|| (k - 1).into()), 8192, DEFAULT_ROW);
         }
         let per_block = ix.heap_bytes() as f64 / N as f64;
         assert!(per_block <= 64.0, "{per_block:.1} bytes per block");
