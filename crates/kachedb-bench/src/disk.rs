@@ -144,11 +144,20 @@ struct Serve {
 
 impl Serve {
     fn start(dir: &Path, name: &str, size: u64, disk: &Path, a: &DiskArgs) -> Res<Serve> {
-        Serve::start_with_queue(dir, name, size, size, disk, a)
+        Serve::start_with_queue(dir, name, size, size, disk, a, "warn")
     }
 
-    /// As [`start`](Self::start), with `--disk-queue-bytes` `queue`.
-    fn start_with_queue(dir: &Path, name: &str, size: u64, queue: u64, disk: &Path, a: &DiskArgs) -> Res<Serve> {
+    /// As [`start`](Self::start), with `--disk-queue-bytes` `queue`, logging
+    /// what `log` lets through (`RUST_LOG`).
+    fn start_with_queue(
+        dir: &Path,
+        name: &str,
+        size: u64,
+        queue: u64,
+        disk: &Path,
+        a: &DiskArgs,
+        log: &str,
+    ) -> Res<Serve> {
         let socket = dir.join(format!("{name}.sock"));
         let child = Command::new(std::env::current_exe()?)
             .args(["serve", "--size", &size.to_string(), "--socket"])
@@ -158,7 +167,7 @@ impl Serve {
             .args(["--disk-size", "64GiB", "--disk-queue-bytes", &queue.to_string()])
             .args(["--disk-worker-nice", &a.worker_nice.to_string()])
             .args(["--disk-worker-class", a.worker_class.arg()])
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", log)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .spawn()?;
@@ -664,7 +673,7 @@ fn get_during_io(
     // On a daemon whose megaslab holds half of the 64 KiB blocks.
     let small_bytes = (sizes[0].1 * sizes[0].2) as u64;
     let b_slab = (small_bytes / 2).max(4 << 20).next_multiple_of(1 << 20);
-    let b = Serve::start_with_queue(tmp, "b", b_slab, b_slab / 8, disk, a)?;
+    let b = Serve::start_with_queue(tmp, "b", b_slab, b_slab / 8, disk, a, "warn")?;
     b.until("the index", |s| DiskStats::of(s).disk_indexed)?;
     let c = b.client()?;
     let hot = Key::from_parts(1, 0x4_07);
@@ -845,7 +854,8 @@ fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -
     d.until("the index", |s| DiskStats::of(s).disk_indexed)?;
     drop(d);
     let t = Instant::now();
-    let d = Serve::start(tmp, "r2", 64 << 20, &disk, a)?;
+    // Its log line of the rebuild says where the time went.
+    let d = Serve::start_with_queue(tmp, "r2", 64 << 20, 64 << 20, &disk, a, "warn,kachedb_daemon::disk=info")?;
     let c = d.client()?;
     loop {
         if c.get(first)?.is_some() {
