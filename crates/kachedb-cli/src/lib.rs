@@ -12,6 +12,7 @@
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 
+pub mod events_cmd;
 pub mod serve_cmd;
 pub mod watch;
 

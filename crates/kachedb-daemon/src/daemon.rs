@@ -74,6 +74,8 @@ pub struct ServeConfig {
     pub disk: Option<crate::disk::DiskConfig>,
     /// Tenants and their limits (`kachedb serve --tenant-limit`, docs/metrics.md "Tenants").
     pub tenants: TenantConfig,
+    /// The KV event publisher, if on (`kachedb serve --events-endpoint`, docs/events.md).
+    pub events: Option<crate::kv_events::EventsConfig>,
 }
 
 /// Tenant accounting and limits (`store/tenants.rs`).
@@ -160,6 +162,9 @@ pub enum ServeError {
     /// `--takeover` did not happen.
     #[error(transparent)]
     Takeover(#[from] crate::takeover::TakeoverError),
+    /// The KV event publisher could not start.
+    #[error("cannot publish KV events: {0}; pick a free address with --events-endpoint / --events-replay-endpoint")]
+    Events(String),
     /// A filesystem or socket operation failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -191,7 +196,12 @@ pub struct Daemon {
     started: Instant,
     /// What the daemon taken over was serving (`crate::takeover`).
     restored: Option<Restored>,
+    /// The KV event publisher's queue and thread, if on.
+    kv_events: Option<KvEvents>,
 }
+
+/// The serve loop's end of the KV event publisher's queue, and its thread.
+type KvEvents = (crate::kv_events::EventSink, std::thread::JoinHandle<()>);
 
 /// The serve loop's part of a takeover, taken up by [`Daemon::run`].
 struct Restored {
@@ -522,6 +532,7 @@ impl Daemon {
             _lock: lock,
             started,
             restored,
+            kv_events,
         } = self;
         let mut serve = Serve::new(
             region,
@@ -539,7 +550,9 @@ impl Daemon {
             serve = serve.restore(r.channels, r.waits, r.counters, &r.streams);
             tier_work = Some((r.tier_writes, r.tier_unremoved));
         }
+        let (sink, events_thread) = kv_events.unzip();
         let mut serve = serve
+            .with_kv_events(sink)
             .with_full_checks(cfg.check_invariants)
             .with_tiers(tiers)
             .with_stuck_client_timeout(cfg.stuck_client_timeout)
@@ -555,6 +568,10 @@ impl Daemon {
         let successor = control.and_then(|c| c.join().ok().flatten());
         if let Some((h, _)) = http {
             let _ = h.join();
+        }
+        // Its queue's sender went with the serve loop: it sends what is queued and ends.
+        if let Some(t) = events_thread {
+            let _ = t.join();
         }
         if handed_over {
             lock.hand_over();
@@ -603,6 +620,7 @@ struct Started {
     go: Vec<Sender<bool>>,
     started: Instant,
     restored: Option<Restored>,
+    kv_events: Option<KvEvents>,
 }
 
 impl Parts {
@@ -612,7 +630,7 @@ impl Parts {
         let Parts {
             cfg,
             region,
-            store,
+            mut store,
             listener,
             control_lock,
             channels,
@@ -662,6 +680,15 @@ impl Parts {
             let events = tx.tier_events(tiers.len());
             tiers.push(Box::new(RemoteTier::start(rc.clone(), region.clone(), events, metrics.clone())?));
         }
+        // After a takeover the old daemon holds the addresses until it
+        // exits: the thread binds as soon as they are free.
+        let kv_events = match &cfg.events {
+            Some(ec) => Some(
+                crate::kv_events::start(ec, &mut store, metrics.tier::<crate::kv_events::EventCells>(), restored.is_some())
+                    .map_err(ServeError::Events)?,
+            ),
+            None => None,
+        };
         let mut go = Vec::new();
         let (control_go, control_start) = mpsc::channel();
         go.push(control_go);
@@ -706,6 +733,7 @@ impl Parts {
             go,
             started,
             restored,
+            kv_events,
         })
     }
 }
@@ -735,6 +763,7 @@ impl Started {
             _lock: lock,
             started: self.started,
             restored: self.restored,
+            kv_events: self.kv_events,
         }
     }
 

@@ -10,6 +10,8 @@
 //! on its own threads. The tiers behind the megaslab (with `--disk`, the
 //! [`disk`] tier; with `--remote`, the [`remote`] tier) run their own threads; `serve` drives them through one
 //! interface ([`tier`]) and hears from them through the same event queue.
+//! With `--events-endpoint`, the [`kv_events`] publisher's thread sends the
+//! store's index changes, which `serve` queues for it, to KV-aware routers.
 #![warn(missing_docs)]
 
 pub mod alloc;
@@ -20,6 +22,7 @@ pub mod daemon;
 pub mod disk;
 pub mod events;
 pub mod http;
+pub mod kv_events;
 pub mod lock;
 pub mod metrics;
 pub mod remote;
