@@ -6,8 +6,11 @@
 //!
 //! * PUB: each batch is a three-frame message `[topic, seq, payload]`: the
 //!   topic (`--events-topic`, empty by default), the sequence number as 8
-//!   bytes big-endian, the msgpack batch. Sequence numbers start at 0 and go
-//!   up by one per batch, with no gap.
+//!   bytes big-endian, the msgpack batch. Sequence numbers go up by one per
+//!   batch, with no gap, from the publisher's start time in microseconds
+//!   since the epoch: a daemon that takes over, or starts again, goes on
+//!   above the numbers of the one before (unless the clock went back), so a
+//!   subscriber sees a gap and asks for a replay, which is a snapshot.
 //! * Replay (ROUTER): a request is `[empty, start]` from a REQ or DEALER
 //!   socket (`start` 8 bytes big-endian); the answer is one
 //!   `[empty, seq, payload]` message per buffered batch from `start` on, then
@@ -200,7 +203,7 @@ impl State {
             answers.extend(self.buffer.iter().filter(|(seq, _)| *seq >= start).cloned());
         } else {
             self.cells.replay_snapshots.fetch_add(1, Relaxed);
-            let last = self.next_seq - 1;
+            let last = self.next_seq.saturating_sub(1);
             let events = self.snapshot();
             for chunk in events.chunks(EVENTS_PER_BATCH) {
                 answers.push((last, batch_payload(chunk)));
@@ -317,7 +320,7 @@ pub(super) fn run(
             cfg,
             cells: cells.clone(),
             in_flight,
-            next_seq: 0,
+            next_seq: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64),
             buffer: VecDeque::new(),
             index: HashMap::new(),
             pending: Vec::new(),
