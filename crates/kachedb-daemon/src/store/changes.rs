@@ -109,3 +109,118 @@ impl Store {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{reserve_req, SLAB_OFFSET};
+    use super::*;
+    use crate::alloc::PAGE_LEN;
+    use kachedb_shm::{Request, Status};
+    use std::collections::BTreeSet;
+
+    /// The index a subscriber keeps: the log applied in order.
+    fn apply(index: &mut BTreeSet<u128>, log: &[IndexChange]) {
+        for c in log {
+            match *c {
+                IndexChange::Stored { key, .. } => {
+                    index.insert(key);
+                }
+                IndexChange::Removed { key } => {
+                    index.remove(&key);
+                }
+            }
+        }
+    }
+
+    fn held(st: &Store, keys: u128) -> BTreeSet<u128> {
+        (0..keys).filter(|&k| st.peek(k).is_some()).collect()
+    }
+
+    /// Thousands of random puts (in chains, replacing), deletes, pins,
+    /// releases and two-RESERVE units on a store of 12 pages, so that
+    /// evictions, refusals undone and units refused whole all happen: after
+    /// every request the log applied equals the store's keys, and a snapshot
+    /// equals them too, parents before their children.
+    #[test]
+    fn the_log_applied_in_order_is_the_index_after_every_request() {
+        let mut st = Store::new(SLAB_OFFSET, 12 * PAGE_LEN);
+        st.log_changes(true);
+        let s = st.open_session();
+        let (mut index, mut log, mut pins) = (BTreeSet::new(), Vec::new(), Vec::new());
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut rand = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let (mut refused, mut removed) = (0, 0);
+        for _ in 0..20_000 {
+            let key = rand(40) as u128;
+            match rand(10) {
+                0..=4 => {
+                    let pages = 1 + rand(3);
+                    let r = st.handle(s, 1, &reserve_req(key, pages * PAGE_LEN - 100, 0));
+                    if r.status == Status::Ok {
+                        let parent = (rand(2) == 0).then(|| rand(40) as u128);
+                        assert_eq!(st.handle(s, 2, &Request::Commit { handle: r.handle, parent }).status, Status::Ok);
+                    } else {
+                        refused += 1;
+                    }
+                }
+                5 => {
+                    let unit = [(1, reserve_req(key, 4 * PAGE_LEN, 0)), (2, reserve_req(key + 1, 5 * PAGE_LEN, 0))];
+                    let mut out = Vec::new();
+                    st.handle_unit(s, &unit, &mut out);
+                    if out.iter().any(|c| c.status != Status::Ok) {
+                        refused += 1;
+                    }
+                    for c in out.iter().filter(|c| c.status == Status::Ok) {
+                        st.handle(s, 3, &Request::Abort { handle: c.handle });
+                    }
+                }
+                6 => {
+                    st.handle(s, 1, &Request::Delete { key });
+                }
+                7 if pins.len() < 3 => {
+                    let r = st.handle(s, 1, &Request::Get { key });
+                    if r.status == Status::Ok {
+                        pins.push(r.handle);
+                    }
+                }
+                _ => {
+                    if let Some(handle) = pins.pop() {
+                        st.handle(s, 1, &Request::Release { handle });
+                    }
+                }
+            }
+            let before = log.len();
+            st.take_changes(&mut log);
+            removed += log[before..].iter().filter(|c| matches!(c, IndexChange::Removed { .. })).count();
+            apply(&mut index, &log[before..]);
+            assert_eq!(index, held(&st, 41), "after {} changes", log.len());
+        }
+        assert!(refused > 0 && removed > 0, "refusals {refused}, removals {removed}");
+        let snap = st.index_snapshot();
+        let mut seen = BTreeSet::new();
+        for c in &snap {
+            let IndexChange::Stored { key, parent, .. } = *c else { panic!("{c:?}") };
+            if let Some(p) = parent {
+                assert!(seen.contains(&p), "parent {p} of {key} comes first");
+            }
+            seen.insert(key);
+        }
+        assert_eq!(seen, index);
+    }
+
+    #[test]
+    fn off_it_logs_nothing() {
+        let mut st = Store::new(SLAB_OFFSET, 4 * PAGE_LEN);
+        let s = st.open_session();
+        let r = st.handle(s, 1, &reserve_req(1, 100, 0));
+        st.handle(s, 2, &Request::Commit { handle: r.handle, parent: None });
+        let mut log = Vec::new();
+        st.take_changes(&mut log);
+        assert!(log.is_empty());
+    }
+}
