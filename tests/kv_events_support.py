@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 import msgspec
 import zmq
@@ -88,9 +88,18 @@ class Subscriber:
     """Subscribes to ``pub`` (and replays from ``replay``) on a thread of its
     own once ``start()`` is called. ``index`` is the set of block hashes held
     as of sequence number ``last_seq``. ``paused`` (an Event): while set, the
-    thread does not read (a slow subscriber; its socket's buffers fill)."""
+    thread does not read (a slow subscriber; its socket's buffers fill).
+    ``on_event``: called with each decoded event, in order."""
 
-    def __init__(self, pub: str, replay: str, *, rcvhwm: Optional[int] = None, rcvbuf: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        pub: str,
+        replay: str,
+        *,
+        rcvhwm: Optional[int] = None,
+        rcvbuf: Optional[int] = None,
+        on_event: Optional[Callable[[Any], None]] = None,
+    ) -> None:
         self.pub, self.replay_ep = pub, replay
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
@@ -103,6 +112,7 @@ class Subscriber:
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.connect(replay)
         self.decoder = msgspec.msgpack.Decoder(BATCH_TYPE)
+        self.on_event = on_event
         self.index: Set[int] = set()
         self.last_seq: Optional[int] = None
         self.batches = 0
@@ -131,6 +141,8 @@ class Subscriber:
     def _apply(self, payload: bytes) -> None:
         batch = self.decoder.decode(payload)
         for ev in batch.events:
+            if self.on_event is not None:
+                self.on_event(ev)
             name = type(ev).__name__
             if name == "AllBlocksCleared":
                 self.index.clear()
