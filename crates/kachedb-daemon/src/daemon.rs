@@ -684,8 +684,13 @@ impl Parts {
         // exits: the thread binds as soon as they are free.
         let kv_events = match &cfg.events {
             Some(ec) => Some(
-                crate::kv_events::start(ec, &mut store, metrics.tier::<crate::kv_events::EventCells>(), restored.is_some())
-                    .map_err(ServeError::Events)?,
+                crate::kv_events::start(
+                    ec,
+                    &mut store,
+                    metrics.tier::<crate::kv_events::EventCells>(),
+                    restored.is_some(),
+                )
+                .map_err(ServeError::Events)?,
             ),
             None => None,
         };

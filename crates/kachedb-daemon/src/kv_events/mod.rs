@@ -90,7 +90,9 @@ pub fn normalize_endpoint(endpoint: &str) -> Result<String, String> {
             Err(format!("{endpoint}: give a port (routers connect to a known one), e.g. tcp://127.0.0.1:5557"))
         }
         Ok(_) => Ok(e),
-        Err(err) => Err(format!("{endpoint} is not a ZMQ endpoint ({err}): use tcp://HOST:PORT, tcp://*:PORT or ipc://PATH")),
+        Err(err) => {
+            Err(format!("{endpoint} is not a ZMQ endpoint ({err}): use tcp://HOST:PORT, tcp://*:PORT or ipc://PATH"))
+        }
     }
 }
 
@@ -162,8 +164,8 @@ impl EventSink {
         let batch = std::mem::replace(&mut self.scratch, Vec::with_capacity(64));
         if let Err(e) = self.tx.try_send(Msg::Changes(batch)) {
             self.in_flight.fetch_sub(n, Relaxed);
-            if let mpsc::error::TrySendError::Full(Msg::Changes(v)) | mpsc::error::TrySendError::Closed(Msg::Changes(v)) =
-                e
+            if let mpsc::error::TrySendError::Full(Msg::Changes(v))
+            | mpsc::error::TrySendError::Closed(Msg::Changes(v)) = e
             {
                 self.scratch = v;
             }

@@ -147,11 +147,8 @@ impl State {
     async fn publish(&mut self, sock: &mut PubSocket, empty_too: bool) {
         let pending = std::mem::take(&mut self.pending);
         let no_events: &[KvEvent] = &[];
-        let chunks: Vec<&[KvEvent]> = if pending.is_empty() && empty_too {
-            vec![no_events]
-        } else {
-            pending.chunks(EVENTS_PER_BATCH).collect()
-        };
+        let chunks: Vec<&[KvEvent]> =
+            if pending.is_empty() && empty_too { vec![no_events] } else { pending.chunks(EVENTS_PER_BATCH).collect() };
         for chunk in chunks {
             let seq = self.next_seq;
             self.next_seq += 1;

@@ -283,10 +283,15 @@ impl Serve {
             // A snapshot for the KV event publisher waits for room in its queue: look again soon.
             let events_retry =
                 self.kv_events.as_ref().filter(|s| s.snapshot_due()).map(|_| Instant::now() + EVENTS_RETRY);
-            let deadline = [self.waits.next_deadline(), self.tiers.next_fetch_deadline(), self.next_stuck_deadline(), events_retry]
-                .into_iter()
-                .flatten()
-                .min();
+            let deadline = [
+                self.waits.next_deadline(),
+                self.tiers.next_fetch_deadline(),
+                self.next_stuck_deadline(),
+                events_retry,
+            ]
+            .into_iter()
+            .flatten()
+            .min();
             let mut policy = if self.woken_by_client { self.wait.in_wake_window() } else { self.wait };
             let parks_before = self.counters.parks;
             if let Some(d) = deadline {

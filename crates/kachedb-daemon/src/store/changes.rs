@@ -90,8 +90,7 @@ impl Store {
         // walk it from the roots, parents first.
         let mut stack = roots;
         while let Some(index) = stack.pop() {
-            let Some(SlotState::Block { tensor, parent, .. }) = self.slots.get(index as usize).map(|s| &s.state)
-            else {
+            let Some(SlotState::Block { tensor, parent, .. }) = self.slots.get(index as usize).map(|s| &s.state) else {
                 continue;
             };
             let parent = parent.and_then(|p| self.key_of(p));
