@@ -180,3 +180,31 @@ def test_an_endpoint_in_use_is_refused_at_start():
         second = Daemon(size="16MiB", extra=["--events-endpoint", ep], binary=built_binary())
         with pytest.raises(RuntimeError, match="cannot publish KV events"):
             second.start()
+
+
+def test_kachedb_events_prints_each_batch_with_its_sequence_and_events():
+    pub = free_port()
+    ep = f"tcp://127.0.0.1:{pub}"
+    with Daemon(size="16MiB", extra=["--events-endpoint", ep], binary=built_binary()) as d:
+        watcher = subprocess.Popen(
+            [built_binary(), "events", "--endpoint", ep, "--count", "3"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            kc = d.connect()
+            # Its SUB socket connects in the background: store until it has seen three batches.
+            for key in range(0x1000, 0x1000 + 600):
+                kc.put(key, b"x" * 100)
+                if watcher.poll() is not None:
+                    break
+                time.sleep(0.05)
+            out, err = watcher.communicate(timeout=30)
+        finally:
+            if watcher.poll() is None:
+                watcher.kill()
+        assert watcher.returncode == 0, err
+        lines = out.splitlines()
+        assert len(lines) == 3, out
+        assert all(line.startswith("seq ") for line in lines), out
+        assert "BlockStored [0x1" in out and " CPU" in out, out
+        kc.close()

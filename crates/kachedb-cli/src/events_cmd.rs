@@ -1,8 +1,11 @@
-//! `kachedb serve --events-*`: the KV event publisher's flags
-//! (`kachedb_daemon::kv_events`, docs/events.md).
+//! `kachedb serve --events-*`, the KV event publisher's flags, and `kachedb
+//! events`, a live view of a publisher's stream (`kachedb_daemon::kv_events`,
+//! docs/events.md).
 
 use clap::Args;
+use kachedb_daemon::kv_events::wire::decode_batch;
 use kachedb_daemon::kv_events::{EventsConfig, DEFAULT_QUEUE_CHANGES, DEFAULT_REPLAY_BATCHES};
+use std::io::Write;
 
 /// The KV event publisher's options of `kachedb serve`.
 #[derive(Debug, Args, Clone, Default)]
@@ -46,4 +49,79 @@ pub fn events_config(a: &EventsArgs) -> Result<Option<EventsConfig>, String> {
     cfg.replay_batches = a.events_replay_batches;
     cfg.queue_changes = a.events_queue;
     Ok(Some(cfg))
+}
+
+/// Options of `kachedb events`.
+#[derive(Debug, Args, Clone)]
+pub struct WatchArgs {
+    /// The publisher's PUB endpoint (`kachedb serve --events-endpoint`, or a vLLM engine's).
+    #[arg(long, value_name = "ENDPOINT", default_value = "tcp://127.0.0.1:5557")]
+    pub endpoint: String,
+    /// Only messages whose topic starts with this.
+    #[arg(long, value_name = "TOPIC", default_value = "")]
+    pub topic: String,
+    /// Hashes shown per event at most.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub hashes: usize,
+    /// Stop after this many batches.
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
+}
+
+/// `kachedb events`: one line per batch received — its sequence number (and
+/// a gap before it), then each event with its first hashes — until
+/// interrupted or `--count` batches.
+pub fn watch(a: &WatchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use zeromq::{Socket, SocketRecv, SubSocket};
+    let endpoint = kachedb_daemon::kv_events::normalize_endpoint(&a.endpoint).map_err(|e| format!("--endpoint {e}"))?;
+    let endpoint = endpoint.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let mut sub = SubSocket::new();
+        sub.subscribe(&a.topic).await?;
+        sub.connect(&endpoint).await.map_err(|e| format!("connecting to {endpoint}: {e}"))?;
+        eprintln!("kachedb: subscribed to {endpoint}; one line per batch (Ctrl-C stops)");
+        let mut last: Option<u64> = None;
+        let mut seen = 0u64;
+        let out = std::io::stdout();
+        while a.count.is_none_or(|n| seen < n) {
+            let frames = sub.recv().await?.into_vec();
+            let [_, seq, payload] = frames.as_slice() else {
+                eprintln!("kachedb: a message of {} frames (3 expected) skipped", frames.len());
+                continue;
+            };
+            let seq = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes).unwrap_or(u64::MAX);
+            let mut line = match last {
+                Some(l) if seq > l + 1 => format!("seq {seq} (gap: {} missed)", seq - l - 1),
+                _ => format!("seq {seq}"),
+            };
+            last = Some(seq);
+            seen += 1;
+            match decode_batch(payload) {
+                Ok(b) if b.events.is_empty() => line.push_str(": (empty)"),
+                Ok(b) => {
+                    for e in &b.events {
+                        let shown: Vec<String> = e.hashes.iter().take(a.hashes).map(|h| format!("{h:#x}")).collect();
+                        let more = e.hashes.len().saturating_sub(a.hashes);
+                        line.push_str(&format!("  {}", e.kind));
+                        if !e.hashes.is_empty() {
+                            line.push_str(&format!(
+                                " [{}{}]",
+                                shown.join(" "),
+                                if more > 0 { format!(" +{more}") } else { String::new() }
+                            ));
+                        }
+                        if let Some(m) = &e.medium {
+                            line.push_str(&format!(" {m}"));
+                        }
+                    }
+                }
+                Err(e) => line.push_str(&format!(": undecodable ({e})")),
+            }
+            let mut o = out.lock();
+            writeln!(o, "{line}")?;
+            o.flush()?;
+        }
+        Ok::<(), Box<dyn std::error::Error>>(())
+    })
 }

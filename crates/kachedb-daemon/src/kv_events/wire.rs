@@ -124,6 +124,207 @@ fn key_nil(out: &mut Vec<u8>, key: &str) {
     let _ = rmp::encode::write_nil(out);
 }
 
+/// A batch as [`decode_batch`] reads it (`kachedb events`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodedBatch {
+    /// Seconds since the epoch.
+    pub ts: f64,
+    /// Its events, in order.
+    pub events: Vec<DecodedEvent>,
+    /// The data-parallel rank, if given.
+    pub dp_rank: Option<i64>,
+}
+
+/// One event of a [`DecodedBatch`]: its type and the fields a viewer shows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodedEvent {
+    /// `BlockStored`, `BlockRemoved`, `AllBlocksCleared` (or another type's name).
+    pub kind: String,
+    /// Its block hashes that are ints (bytes hashes are left out).
+    pub hashes: Vec<u64>,
+    /// `parent_block_hash`, if an int.
+    pub parent: Option<u64>,
+    /// `medium`, if given.
+    pub medium: Option<String>,
+}
+
+/// Reads a `KVEventBatch` (this daemon's or a vLLM engine's): the array
+/// `[ts, events, dp_rank?]`, events as tagged maps or (older vLLM) tagged
+/// arrays; unknown fields are skipped. Or why the bytes are not one.
+pub fn decode_batch(bytes: &[u8]) -> Result<DecodedBatch, String> {
+    let mut rd = Reader { b: bytes, at: 0 };
+    let v = rd.value(0)?;
+    if rd.at != bytes.len() {
+        return Err(format!("{} bytes after the batch", bytes.len() - rd.at));
+    }
+    let Value::Array(items) = v else { return Err("a batch is an array".into()) };
+    let ts = match items.first() {
+        Some(Value::Float(f)) => *f,
+        Some(Value::Int(i)) => *i as f64,
+        _ => return Err("a batch starts with its timestamp".into()),
+    };
+    let Some(Value::Array(evs)) = items.get(1) else { return Err("a batch's second item is its events".into()) };
+    let dp_rank = match items.get(2) {
+        Some(Value::Int(i)) => Some(*i as i64),
+        _ => None,
+    };
+    let events = evs.iter().map(decode_event).collect::<Result<_, _>>()?;
+    Ok(DecodedBatch { ts, events, dp_rank })
+}
+
+fn decode_event(v: &Value) -> Result<DecodedEvent, String> {
+    let mut ev = DecodedEvent { kind: String::new(), hashes: Vec::new(), parent: None, medium: None };
+    let hashes = |v: &Value| match v {
+        Value::Array(a) => a.iter().filter_map(Value::as_u64).collect(),
+        _ => Vec::new(),
+    };
+    match v {
+        Value::Map(fields) => {
+            for (k, v) in fields {
+                match (k, v) {
+                    (Value::Str(k), Value::Str(t)) if k == "type" => ev.kind = t.clone(),
+                    (Value::Str(k), v) if k == "block_hashes" => ev.hashes = hashes(v),
+                    (Value::Str(k), v) if k == "parent_block_hash" => ev.parent = v.as_u64(),
+                    (Value::Str(k), Value::Str(m)) if k == "medium" => ev.medium = Some(m.clone()),
+                    _ => {}
+                }
+            }
+        }
+        // vLLM before 0.11: `[tag, block_hashes, ...]`, the medium last of BlockRemoved's.
+        Value::Array(items) => {
+            let Some(Value::Str(t)) = items.first() else { return Err("an event array starts with its type".into()) };
+            ev.kind = t.clone();
+            if let Some(h) = items.get(1) {
+                ev.hashes = hashes(h);
+            }
+            if t == "BlockStored" {
+                ev.parent = items.get(2).and_then(Value::as_u64);
+            }
+        }
+        _ => return Err("an event is a map or an array".into()),
+    }
+    if ev.kind.is_empty() {
+        return Err("an event without its type".into());
+    }
+    Ok(ev)
+}
+
+/// A msgpack value, as far as [`decode_batch`] needs one.
+enum Value {
+    Nil,
+    Bool,
+    Int(i128),
+    Float(f64),
+    Str(String),
+    Bytes,
+    Array(Vec<Value>),
+    Map(Vec<(Value, Value)>),
+}
+
+impl Value {
+    fn as_u64(&self) -> Option<u64> {
+        match self {
+            Value::Int(i) => u64::try_from(*i).ok().or_else(|| i64::try_from(*i).ok().map(|v| v as u64)),
+            _ => None,
+        }
+    }
+}
+
+/// Nesting deeper than this is refused (a hostile payload cannot overflow the stack).
+const MAX_DEPTH: usize = 16;
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or("the batch is cut short")?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn uint(&mut self, n: usize) -> Result<u64, String> {
+        Ok(self.take(n)?.iter().fold(0u64, |acc, &b| (acc << 8) | b as u64))
+    }
+
+    fn value(&mut self, depth: usize) -> Result<Value, String> {
+        if depth > MAX_DEPTH {
+            return Err("nested too deep".into());
+        }
+        let m = self.uint(1)? as u8;
+        Ok(match m {
+            0x00..=0x7f => Value::Int(m as i128),
+            0x80..=0x8f => self.map((m & 0x0f) as usize, depth)?,
+            0x90..=0x9f => self.array((m & 0x0f) as usize, depth)?,
+            0xa0..=0xbf => self.str((m & 0x1f) as usize)?,
+            0xc0 => Value::Nil,
+            0xc2 | 0xc3 => Value::Bool,
+            0xc4..=0xc6 => {
+                let n = self.uint(1 << (m - 0xc4))? as usize;
+                self.take(n)?;
+                Value::Bytes
+            }
+            0xc7..=0xc9 => {
+                let n = self.uint(1 << (m - 0xc7))? as usize;
+                self.take(n + 1)?;
+                Value::Bytes
+            }
+            0xca => Value::Float(f32::from_bits(self.uint(4)? as u32) as f64),
+            0xcb => Value::Float(f64::from_bits(self.uint(8)?)),
+            0xcc..=0xcf => Value::Int(self.uint(1 << (m - 0xcc))? as i128),
+            0xd0..=0xd3 => {
+                let n = 1usize << (m - 0xd0);
+                let u = self.uint(n)?;
+                let shift = 64 - 8 * n as u32;
+                Value::Int((((u << shift) as i64) >> shift) as i128)
+            }
+            0xd4..=0xd8 => {
+                self.take((1usize << (m - 0xd4)) + 1)?;
+                Value::Bytes
+            }
+            0xd9..=0xdb => {
+                let n = self.uint(1 << (m - 0xd9))? as usize;
+                self.str(n)?
+            }
+            0xdc | 0xdd => {
+                let n = self.uint(2 << (m - 0xdc))? as usize;
+                self.array(n, depth)?
+            }
+            0xde | 0xdf => {
+                let n = self.uint(2 << (m - 0xde))? as usize;
+                self.map(n, depth)?
+            }
+            0xe0..=0xff => Value::Int((m as i8) as i128),
+            0xc1 => return Err("byte 0xc1 is no msgpack".into()),
+        })
+    }
+
+    fn str(&mut self, n: usize) -> Result<Value, String> {
+        Ok(Value::Str(String::from_utf8_lossy(self.take(n)?).into_owned()))
+    }
+
+    fn array(&mut self, n: usize, depth: usize) -> Result<Value, String> {
+        // Each item takes a byte at least: a length beyond the bytes left is a lie.
+        if n > self.b.len() - self.at {
+            return Err("an array longer than the batch".into());
+        }
+        (0..n).map(|_| self.value(depth + 1)).collect::<Result<_, _>>().map(Value::Array)
+    }
+
+    fn map(&mut self, n: usize, depth: usize) -> Result<Value, String> {
+        if n > self.b.len() - self.at {
+            return Err("a map longer than the batch".into());
+        }
+        (0..n)
+            .map(|_| Ok((self.value(depth + 1)?, self.value(depth + 1)?)))
+            .collect::<Result<_, String>>()
+            .map(Value::Map)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,5 +365,27 @@ mod tests {
     fn the_hash_is_the_keys_low_64_bits() {
         assert_eq!(block_hash(5), 5);
         assert_eq!(block_hash((3u128 << 64) | 9), 9);
+    }
+
+    #[test]
+    fn decode_reads_back_what_encode_wrote_and_refuses_cut_or_deep_bytes() {
+        let events = [
+            KvEvent::Cleared,
+            KvEvent::Stored { hash: u64::MAX, parent: Some(3), medium: MEDIUM_CPU },
+            KvEvent::Removed { hashes: vec![1, 2], medium: MEDIUM_CPU },
+        ];
+        let mut out = Vec::new();
+        encode_batch(2.25, &events, 0, &mut out);
+        let b = decode_batch(&out).unwrap();
+        assert_eq!((b.ts, b.dp_rank), (2.25, Some(0)));
+        let kinds: Vec<&str> = b.events.iter().map(|e| e.kind.as_str()).collect();
+        assert_eq!(kinds, ["AllBlocksCleared", "BlockStored", "BlockRemoved"]);
+        assert_eq!((b.events[1].hashes.as_slice(), b.events[1].parent), (&[u64::MAX][..], Some(3)));
+        assert_eq!((b.events[2].hashes.as_slice(), b.events[2].medium.as_deref()), (&[1, 2][..], Some("CPU")));
+        for cut in 0..out.len() {
+            assert!(decode_batch(&out[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(decode_batch(&[0x91; 64]).is_err());
+        assert!(decode_batch(&[0xdd, 0xff, 0xff, 0xff, 0xff]).is_err());
     }
 }
