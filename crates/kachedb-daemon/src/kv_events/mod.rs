@@ -221,3 +221,67 @@ pub(crate) fn start(
         EventSink { tx, in_flight, limit: cfg.queue_changes.max(1), cells, snapshot_due: true, scratch: Vec::new() };
     Ok((sink, thread))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::PAGE_LEN;
+    use kachedb_shm::{DType, Request, Shape, Status};
+
+    fn put(st: &mut Store, s: crate::store::SessionId, key: u128) {
+        let len = 100;
+        let r = st.handle(
+            s,
+            1,
+            &Request::Reserve { key, dtype: DType::U8, shape: Shape::for_bytes(len).unwrap(), len, page_offset: 0 },
+        );
+        assert_eq!(r.status, Status::Ok);
+        assert_eq!(st.handle(s, 2, &Request::Commit { handle: r.handle, parent: None }).status, Status::Ok);
+    }
+
+    fn sink(limit: usize) -> (EventSink, mpsc::Receiver<Msg>) {
+        let (tx, rx) = mpsc::channel(4);
+        let cells = Arc::new(EventCells::default());
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        (EventSink { tx, in_flight, limit, cells, snapshot_due: true, scratch: Vec::new() }, rx)
+    }
+
+    /// What the publisher does with a message: takes it off the count.
+    fn take(sink: &EventSink, rx: &mut mpsc::Receiver<Msg>) -> Msg {
+        let m = rx.try_recv().expect("a message");
+        let n = match &m {
+            Msg::Changes(c) => c.len(),
+            Msg::Snapshot(all) => all.len().max(1),
+        };
+        sink.in_flight.fetch_sub(n, Relaxed);
+        m
+    }
+
+    #[test]
+    fn first_a_snapshot_then_changes_and_a_loss_brings_a_snapshot_not_a_wait() {
+        let mut st = Store::new(2 << 20, 64 * PAGE_LEN);
+        st.log_changes(true);
+        let s = st.open_session();
+        let (mut sink, mut rx) = sink(2);
+        put(&mut st, s, 1);
+        sink.flush(&mut st);
+        // The first message is the whole index (here: block 1).
+        assert!(matches!(take(&sink, &mut rx), Msg::Snapshot(all) if all.len() == 1));
+        put(&mut st, s, 2);
+        sink.flush(&mut st);
+        assert!(matches!(take(&sink, &mut rx), Msg::Changes(c) if c.len() == 1));
+        // Three changes do not fit a queue of two: lost, counted, a snapshot due.
+        for k in 3..6 {
+            put(&mut st, s, k);
+        }
+        sink.flush(&mut st);
+        assert_eq!(sink.cells.dropped.load(Relaxed), 3);
+        assert!(sink.snapshot_due() && rx.try_recv().is_err());
+        // The next flush with room sends the whole index: 6 blocks.
+        put(&mut st, s, 6);
+        sink.flush(&mut st);
+        let Msg::Snapshot(all) = take(&sink, &mut rx) else { panic!("a snapshot") };
+        assert_eq!(all.len(), 6);
+        assert!(!sink.snapshot_due());
+    }
+}
