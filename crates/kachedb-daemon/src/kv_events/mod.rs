@@ -107,8 +107,7 @@ pub(crate) enum Msg {
 /// The serve loop's end of the queue.
 pub(crate) struct EventSink {
     tx: mpsc::Sender<Msg>,
-    /// Changes queued and not yet taken by the publisher (a snapshot counts
-    /// its blocks, at least 1).
+    /// Changes queued and not yet taken by the publisher (a snapshot counts 1).
     in_flight: Arc<AtomicUsize>,
     limit: usize,
     cells: Arc<EventCells>,
@@ -142,12 +141,15 @@ impl EventSink {
                 return;
             }
             let all = store.index_snapshot();
-            let n = all.len().max(1);
-            self.in_flight.fetch_add(n, Relaxed);
+            // One in the count, whatever its size: the changes that follow
+            // it queue as usual (counting its blocks would make a snapshot
+            // of an index larger than the queue lose them, and bring the
+            // next snapshot).
+            self.in_flight.fetch_add(1, Relaxed);
             match self.tx.try_send(Msg::Snapshot(all)) {
                 Ok(()) => self.snapshot_due = false,
                 Err(_) => {
-                    self.in_flight.fetch_sub(n, Relaxed);
+                    self.in_flight.fetch_sub(1, Relaxed);
                 }
             }
             return;
@@ -251,7 +253,7 @@ mod tests {
         let m = rx.try_recv().expect("a message");
         let n = match &m {
             Msg::Changes(c) => c.len(),
-            Msg::Snapshot(all) => all.len().max(1),
+            Msg::Snapshot(_) => 1,
         };
         sink.in_flight.fetch_sub(n, Relaxed);
         m

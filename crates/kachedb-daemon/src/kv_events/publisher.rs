@@ -103,7 +103,7 @@ impl State {
                 }
             }
             Msg::Snapshot(all) => {
-                self.in_flight.fetch_sub(all.len().max(1), Relaxed);
+                self.in_flight.fetch_sub(1, Relaxed);
                 self.index.clear();
                 self.pending.push(KvEvent::Cleared);
                 for c in all {
