@@ -108,8 +108,8 @@ def worker_path(sock, torch, num_layers=8, num_blocks=256, page=64 * 1024, n=64)
     load them into other blocks, compare bytes."""
     try:
         from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
-    except ImportError as e:
-        return {"skipped": f"vLLM is not installed here ({e})"}
+    except Exception as e:  # noqa: BLE001 - vLLM missing or not importable with this torch
+        return {"skipped": f"vLLM's kv_offload types are not importable here ({type(e).__name__}: {e})"}
     from types import SimpleNamespace
 
     from kachedb.vllm import _state
@@ -123,25 +123,32 @@ def worker_path(sock, torch, num_layers=8, num_blocks=256, page=64 * 1024, n=64)
     spec = SimpleNamespace(socket=sock, rank=0, retry_s=5.0, store_mode="batched", stats_file=None,
                            daemon_key=lambda k, rank=None: ns + bytes(k))
     w = KacheDBOffloadingWorker(spec, caches)
-    src, dst = list(range(n)), list(range(n, 2 * n))
-    keys = [i.to_bytes(32, "big") + b"\0\0\0\0" for i in range(n)]
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    w.submit_store(1, GPULoadStoreSpec(src, [n], [0]), KacheDBLoadStoreSpec(keys))
-    w.wait({1})
-    store_s = time.perf_counter() - t
-    t = time.perf_counter()
-    w.submit_load(2, KacheDBLoadStoreSpec(keys), GPULoadStoreSpec(dst, [n], [0]))
-    w.wait({2})
-    torch.cuda.synchronize()
-    load_s = time.perf_counter() - t
-    done = {r.job_id for r in w.get_finished()}
-    equal = bool(torch.equal(buf[:, src], buf[:, dst]))
-    invalid = w.take_invalid_block_ids()
+    # Round 0 pays the first use (the side stream, the first reservations); rounds 1.. are warm.
+    rounds, equal, done, invalid = [], True, set(), []
+    for r in range(3):
+        src, dst = list(range(n)), list(range(n, 2 * n))
+        keys = [(r * n + i).to_bytes(32, "big") + b"\0\0\0\0" for i in range(n)]
+        buf[:, dst].zero_()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        w.submit_store(2 * r + 1, GPULoadStoreSpec(src, [n], [0]), KacheDBLoadStoreSpec(keys))
+        w.wait({2 * r + 1})
+        store_s = time.perf_counter() - t
+        t = time.perf_counter()
+        w.submit_load(2 * r + 2, KacheDBLoadStoreSpec(keys), GPULoadStoreSpec(dst, [n], [0]))
+        w.wait({2 * r + 2})
+        torch.cuda.synchronize()
+        load_s = time.perf_counter() - t
+        done |= {x.job_id for x in w.get_finished()}
+        equal = equal and bool(torch.equal(buf[:, src], buf[:, dst]))
+        invalid += w.take_invalid_block_ids()
+        rounds.append({"store_s": store_s, "load_s": load_s})
     nbytes = n * num_layers * page
     w.shutdown()
+    store_s, load_s = rounds[-1]["store_s"], rounds[-1]["load_s"]
     return {"blocks": n, "block_bytes": num_layers * page, "jobs_finished": sorted(done), "bytes_equal": equal,
             "failed_blocks": sorted(invalid), "store_GBps": _gbps(nbytes, store_s), "load_GBps": _gbps(nbytes, load_s),
+            "first_store_GBps": _gbps(nbytes, rounds[0]["store_s"]), "rounds": rounds,
             "counters": {k: v for k, v in _state.snapshot().items() if k not in ("stored_keys", "loaded_keys", "namespaces")}}
 
 

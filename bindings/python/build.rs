@@ -57,13 +57,43 @@ fn main() {
     install(&built, &dest);
 }
 
-/// `<target dir>/bundle-bin`: the outer target directory is the ancestor of
-/// `OUT_DIR` that holds `CACHEDIR.TAG` (`OUT_DIR` itself if none does).
+/// `<target dir>/bundle-bin/<toolchain key>`: the outer target directory is the
+/// ancestor of `OUT_DIR` that holds `CACHEDIR.TAG` (`OUT_DIR` itself if none
+/// does). One directory per linker and C toolchain ([`toolchain_key`]): a build
+/// linked by zig for manylinux_2_28 (`make wheel`) and one by the system's cc (`pip
+/// install` of the source tree or an sdist) each keep their compiled crates
+/// instead of rebuilding over each other.
 fn bundle_target_dir(out_dir: &Path) -> PathBuf {
-    out_dir
+    let base = out_dir
         .ancestors()
         .find(|d| d.join("CACHEDIR.TAG").is_file())
-        .map_or_else(|| out_dir.join("bundle-bin"), |d| d.join("bundle-bin"))
+        .map_or_else(|| out_dir.join("bundle-bin"), |d| d.join("bundle-bin"));
+    base.join(toolchain_key())
+}
+
+/// A short name for the environment that decides how the executable is
+/// compiled and linked: the variables naming linkers, C compilers, archivers
+/// and Rust flags, sorted, hashed.
+fn toolchain_key() -> String {
+    use std::collections::hash_map::DefaultHasher;
+    use std::hash::{Hash, Hasher};
+    let mut vars: Vec<(String, String)> = env::vars()
+        .filter(|(k, _)| {
+            k.ends_with("_LINKER")
+                || k == "RUSTFLAGS"
+                || k == "CARGO_ENCODED_RUSTFLAGS"
+                || ["CC", "CXX", "AR", "CFLAGS", "CXXFLAGS", "LDFLAGS"]
+                    .iter()
+                    .any(|p| k == p || k.starts_with(&format!("{p}_")))
+        })
+        .collect();
+    vars.sort();
+    let mut h = DefaultHasher::new();
+    vars.hash(&mut h);
+    for (k, _) in &vars {
+        println!("cargo:rerun-if-env-changed={k}");
+    }
+    format!("{:016x}", h.finish())
 }
 
 /// Copies `built` to `dest` (mode 0755) by a rename, so a daemon running the

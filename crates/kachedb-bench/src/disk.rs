@@ -37,6 +37,7 @@
 use crate::spawn::TempDir;
 use clap::Args;
 use kachedb_client::{Client, ConnectOptions, Key};
+use kachedb_daemon::disk::cells::DiskStats;
 use kachedb_daemon::disk::format::{self, Header};
 use serde_json::json;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -370,7 +371,10 @@ pub fn run(a: &DiskArgs) -> Res<()> {
                     c.put(k, &data)?;
                 }
                 written += n as u64;
-                a_node.until("the writes", |s| s.disk.disk_writes >= written && s.disk.disk_queue_blocks == 0)?;
+                a_node.until("the writes", |s| {
+                    let d = DiskStats::of(s);
+                    d.disk_writes >= written && d.disk_queue_blocks == 0
+                })?;
                 tier.push(t.elapsed().as_secs_f64());
                 if part(Part::Write) {
                     let file_len = len + format::HEADER_AREA as usize;
@@ -411,7 +415,7 @@ pub fn run(a: &DiskArgs) -> Res<()> {
         let (mut fill, mut plain, mut direct) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
             let b = Serve::start(&tmp.0, "b", slab, &disk, a)?;
-            b.until("the index", |s| s.disk.disk_indexed)?;
+            b.until("the index", |s| DiskStats::of(s).disk_indexed)?;
             let c = b.client()?;
             for f in &files {
                 uncache(f);
@@ -661,7 +665,7 @@ fn get_during_io(
     let small_bytes = (sizes[0].1 * sizes[0].2) as u64;
     let b_slab = (small_bytes / 2).max(4 << 20).next_multiple_of(1 << 20);
     let b = Serve::start_with_queue(tmp, "b", b_slab, b_slab / 8, disk, a)?;
-    b.until("the index", |s| s.disk.disk_indexed)?;
+    b.until("the index", |s| DiskStats::of(s).disk_indexed)?;
     let c = b.client()?;
     let hot = Key::from_parts(1, 0x4_07);
     c.put(hot, &[7u8; 4096])?;
@@ -735,7 +739,7 @@ fn get_during_io(
         Ok(())
     };
     let (mut idle, mut during, mut floor_w) = (Windows::default(), Windows::default(), Windows::default());
-    let s0 = b.stats()?.disk;
+    let s0 = DiskStats::of(&b.stats()?);
     let mut fills_seen = 0u64;
     for _ in 0..windows {
         // Idle: the busy client paused and the write-behind queue empty.
@@ -744,15 +748,15 @@ fn get_during_io(
         while !paused.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(1));
         }
-        b.until("the write-behind queue to drain", |s| s.disk.disk_queue_blocks == 0)?;
+        b.until("the write-behind queue to drain", |s| DiskStats::of(s).disk_queue_blocks == 0)?;
         std::thread::sleep(Duration::from_millis(5));
         time_gets(&mut idle)?;
         // Busy.
-        let f0 = b.stats()?.disk.disk_fills;
+        let f0 = DiskStats::of(&b.stats()?).disk_fills;
         busy.store(true, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(50));
         time_gets(&mut during)?;
-        let f1 = b.stats()?.disk.disk_fills;
+        let f1 = DiskStats::of(&b.stats()?).disk_fills;
         fills_seen += f1 - f0;
         // Fills per second of busy time so far (with the 50 ms lead-ins).
         let rounds_per_s = (fills_seen as f64 / LOOKUP_KEYS as f64) / (during.wall_s + 0.05 * during.lat.len() as f64);
@@ -762,7 +766,7 @@ fn get_during_io(
         while !paused.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(1));
         }
-        b.until("the write-behind queue to drain", |s| s.disk.disk_queue_blocks == 0)?;
+        b.until("the write-behind queue to drain", |s| DiskStats::of(s).disk_queue_blocks == 0)?;
         floor_rate.store(rounds_per_s.to_bits(), Ordering::Relaxed);
         floor_on.store(true, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(50));
@@ -773,7 +777,7 @@ fn get_during_io(
     busy.store(false, Ordering::Relaxed);
     worker.join().map_err(|_| "the busy client panicked")??;
     floor.join().map_err(|_| "the floor load panicked")??;
-    let s1 = b.stats()?.disk;
+    let s1 = DiskStats::of(&b.stats()?);
     let ((i50, i99), (b50, b99), (f50, f99)) = (idle.medians(), during.medians(), floor_w.medians());
     let (fills, writes) = (s1.disk_fills - s0.disk_fills, s1.disk_writes - s0.disk_writes);
     emit(
@@ -838,7 +842,7 @@ fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -
     let first = Key::from_parts(n / 2, 0x5e57a47);
     // A first daemon indexes them, then dies.
     let d = Serve::start(tmp, "r1", 64 << 20, &disk, a)?;
-    d.until("the index", |s| s.disk.disk_indexed)?;
+    d.until("the index", |s| DiskStats::of(s).disk_indexed)?;
     drop(d);
     let t = Instant::now();
     let d = Serve::start(tmp, "r2", 64 << 20, &disk, a)?;
@@ -852,14 +856,14 @@ fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -
         }
     }
     let first_get_s = t.elapsed().as_secs_f64();
-    let s = d.until("the index", |s| s.disk.disk_indexed)?;
+    let s = DiskStats::of(&d.until("the index", |s| DiskStats::of(s).disk_indexed)?);
     let all_s = t.elapsed().as_secs_f64();
     emit(
-        json!({"bench":"disk_restart","blocks":n,"recovered":s.disk.disk_recovered,"first_get_s":first_get_s,
-               "indexed_s":all_s,"index_rebuild_s":s.disk.disk_index_s,"files_made_s":made_s}),
+        json!({"bench":"disk_restart","blocks":n,"recovered":s.disk_recovered,"first_get_s":first_get_s,
+               "indexed_s":all_s,"index_rebuild_s":s.disk_index_s,"files_made_s":made_s}),
         format!(
             "restart after kill -9 with {n} blocks on disk: first GET served after {first_get_s:.3} s, all indexed after {all_s:.3} s (rebuild {:.3} s, {} recovered)",
-            s.disk.disk_index_s, s.disk.disk_recovered
+            s.disk_index_s, s.disk_recovered
         ),
     );
     Ok(())

@@ -26,6 +26,7 @@
 use crate::spawn::{DaemonProcess, TempDir};
 use clap::Args;
 use kachedb_client::{Client, ConnectOptions, Key};
+use kachedb_daemon::remote::cells::RemoteStats;
 use kachedb_daemon::remote::format;
 use serde_json::json;
 use std::process::{Child, Command, Stdio};
@@ -268,7 +269,7 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     let big_data: Vec<u8> = (0..big_len).map(|i| (i % 253) as u8).collect();
     for (keys, len, name) in [(&small, small_len, "64KiB"), (&big, big_len, "64MiB")] {
         for (mac, writer, kw) in [(false, &node_a, &ka), (true, &node_ak, &kak)] {
-            let before = stats(writer)?.remote;
+            let before = RemoteStats::of(&stats(writer)?);
             let t = Instant::now();
             for (i, k) in keys.iter().enumerate() {
                 if len == small_len {
@@ -280,7 +281,7 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
             let put_s = t.elapsed().as_secs_f64();
             wait_for_writes(writer)?;
             let s = t.elapsed().as_secs_f64();
-            let r = stats(writer)?.remote;
+            let r = RemoteStats::of(&stats(writer)?);
             let bytes = (keys.len() * len) as f64;
             let mac_label = if mac { "MAC on " } else { "MAC off" };
             emit(
@@ -500,9 +501,9 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
             }
             set_mode(&control, 1);
             std::thread::sleep(Duration::from_millis(100));
-            let before = stats(&node_b)?.remote.remote_fills;
+            let before = RemoteStats::of(&stats(&node_b)?).remote_fills;
             let v = time_gets(iters)?;
-            fills[i] += stats(&node_b)?.remote.remote_fills - before;
+            fills[i] += RemoteStats::of(&stats(&node_b)?).remote_fills - before;
             busy_p[i].push((percentile(&v, 0.5), percentile(&v, 0.99)));
         }
     }
@@ -527,7 +528,7 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
             ),
         );
     }
-    let rb = stats(&node_b)?.remote;
+    let rb = RemoteStats::of(&stats(&node_b)?);
     emit(
         json!({"bench":"remote_counters","node_b":{"fills":rb.remote_fills,"fetches":rb.remote_fetches,
                "errors":rb.remote_errors,"corrupt":rb.remote_corrupt,"fill_ms_mean":rb.remote_fill_ms_mean}}),
@@ -567,7 +568,7 @@ fn renice(pid: u32, name: Option<&str>, nice: i32) -> usize {
 fn wait_for_writes(d: &DaemonProcess) -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     loop {
-        let r = stats(d)?.remote;
+        let r = RemoteStats::of(&stats(d)?);
         // Every put was queued (or dropped) when its commit was answered.
         if r.remote_queue_blocks == 0 {
             return Ok(());

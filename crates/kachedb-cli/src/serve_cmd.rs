@@ -6,6 +6,7 @@
 //! from the same path) that takes everything over, and the main pid moves to it.
 
 use clap::Args;
+use kachedb_daemon::tier_kind::{ServeFlags, TierFlags, TierSetup};
 use kachedb_daemon::{Daemon, ServeConfig};
 use kachedb_shm::units::{human_bytes, parse_size};
 use kachedb_shm::SpinThenPark;
@@ -108,26 +109,13 @@ pub struct ServeArgs {
     /// blocks first; one whose block cannot fit within it gets OUT_OF_MEMORY
     /// and nothing is evicted; its blocks are never evicted by another
     /// tenant. Clients name their tenant at connect (docs/metrics.md "Tenants").
-    #[arg(long = "tenant-limit", value_name = "NAME=SIZE", value_parser = parse_tenant_limit)]
+    #[arg(long = "tenant-limit", value_name = "NAME=SIZE", value_parser = kachedb_shm::control::parse_tenant_limit)]
     pub tenant_limits: Vec<(String, u64)>,
     /// The limit of every tenant not named by --tenant-limit (`default`,
     /// the tenant of clients that name none, and `_other` included).
     /// Default: none.
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub tenant_limit_default: Option<u64>,
-    /// Most disk-tier bytes tenant NAME's blocks may take (file-system bytes,
-    /// as --disk-size counts them), e.g. `team-a=100GiB` (repeatable; needs
-    /// --disk). A tenant at its disk limit evicts its own blocks on disk
-    /// (leaves first); a block that cannot fit within it is not written.
-    /// Without it, a tenant with a --tenant-limit gets the same share of the
-    /// disk as of the megaslab (limit / --size × --disk-size). docs/disk.md "Tenants".
-    #[arg(long = "tenant-disk-limit", value_name = "NAME=SIZE", value_parser = parse_tenant_limit)]
-    pub tenant_disk_limits: Vec<(String, u64)>,
-    /// The disk limit of every tenant not named by --tenant-disk-limit or
-    /// --tenant-limit (`default` and `_other` included). Default: the share
-    /// --tenant-limit-default gives, else none.
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
-    pub tenant_disk_limit_default: Option<u64>,
     /// Count tenants apart (`on`: per-tenant bytes, hits, misses and request
     /// windows in stats and metrics) or not (`off`: every client is the
     /// default tenant's, no request window is kept; --tenant-limit is then
@@ -155,91 +143,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 300, value_name = "SECS",
           value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub request_window: u64,
-    /// A Redis Cluster (any node; the cluster is discovered) or a standalone
-    /// Redis behind the megaslab, shared by a fleet of daemons:
-    /// `redis://HOST:PORT`, or `rediss://HOST:PORT` for TLS (docs/remote.md).
-    /// Off by default.
-    #[arg(long, value_name = "URL")]
-    pub remote: Option<String>,
-    /// A file holding the remote's password (its first line). The password
-    /// can also come from the environment variable KACHEDB_REMOTE_PASSWORD;
-    /// it is never taken on the command line, which other users can read.
-    #[arg(long, value_name = "PATH")]
-    pub remote_password_file: Option<PathBuf>,
-    /// A file holding the fleet key: 32 random bytes, or 64 hex digits
-    /// (`openssl rand -hex 32 > key; chmod 600 key`), the same on every node
-    /// of the fleet. Values are then written with keyed tags over the
-    /// namespace, the header and the bytes, and only values with valid tags
-    /// are served; without it the tier trusts every writer to its namespace.
-    /// The file must be the daemon user's own, not readable or writable by
-    /// group or others, and not a symbolic link. Never on the command line
-    /// (docs/remote.md).
-    #[arg(long, value_name = "PATH")]
-    pub remote_key_file: Option<PathBuf>,
-    /// Key prefix in the remote store: daemons with the same namespace share
-    /// blocks, others do not see them.
-    #[arg(long, default_value = "kachedb", value_name = "NAME")]
-    pub remote_namespace: String,
-    /// Milliseconds one round of remote requests may take; past it the keys
-    /// are misses (a node down or slow never stalls a client longer).
-    #[arg(long, default_value_t = kachedb_daemon::remote::DEFAULT_TIMEOUT_MS, value_name = "MS")]
-    pub remote_timeout_ms: u64,
-    /// Expiry of the blocks written to the remote store, seconds (default: none).
-    #[arg(long, value_name = "SECS")]
-    pub remote_ttl_s: Option<u64>,
-    /// Most block bytes waiting to be written to the remote store (pinned in
-    /// the megaslab meanwhile); blocks committed beyond it are not written
-    /// (counted as remote_dropped_writes) [default: 1GiB].
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
-    pub remote_queue_bytes: Option<u64>,
-    /// Bytes per remote value (a block is cut into chunks of this size;
-    /// 64KiB to 64MiB).
-    #[arg(long, value_parser = parse_size, default_value = "1MiB", value_name = "SIZE")]
-    pub remote_chunk_bytes: u64,
-    /// How much nicer than the serve loop the remote tier's threads run
-    /// (0 to 19; 0: the same priority). When fills and local traffic want
-    /// the same cores, the serve loop gets them first, so fills do not slow
-    /// local GETs down; fills use whatever CPU is left (docs/remote.md).
-    #[arg(long, default_value_t = kachedb_daemon::remote::DEFAULT_WORKER_NICE, value_name = "N",
-          value_parser = clap::value_parser!(u8).range(0..=i64::from(kachedb_daemon::remote::MAX_WORKER_NICE)))]
-    pub remote_worker_nice: u8,
-    /// A directory of local files behind the megaslab (docs/disk.md): every
-    /// committed block is written there behind the clients' backs, a local
-    /// miss is filled from there (before the remote tier), and a daemon
-    /// started again on it after a crash serves what it holds. Off by
-    /// default; needs --disk-size.
-    #[arg(long, value_name = "DIR")]
-    pub disk: Option<PathBuf>,
-    /// Most file-system bytes the disk tier's blocks take; beyond, blocks
-    /// are evicted, leaves of the prefix chains first.
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
-    pub disk_size: Option<u64>,
-    /// Most block bytes waiting to be written to disk (pinned in the
-    /// megaslab meanwhile); blocks committed beyond it are not written
-    /// (counted as disk_dropped_writes). Default: a quarter of --size, at
-    /// most 1GiB.
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
-    pub disk_queue_bytes: Option<u64>,
-    /// Milliseconds a disk fill may take; past it the keys are misses
-    /// (and the remote tier, if any, is not asked for them).
-    #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_TIMEOUT_MS, value_name = "MS")]
-    pub disk_timeout_ms: u64,
-    /// How much nicer than the serve loop the disk tier's threads run (0 to 19).
-    #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_WORKER_NICE, value_name = "N",
-          value_parser = clap::value_parser!(u8).range(0..=19))]
-    pub disk_worker_nice: u8,
-    /// The scheduling class of the disk tier's threads: `idle`
-    /// (`SCHED_IDLE`: they run only on a core the serve loop and the clients
-    /// leave free, so disk work does not slow GETs of RAM blocks down) or
-    /// `normal` (the nice value above shares a busy core by weight).
-    #[arg(long, value_enum, default_value_t = DiskWorkerClass::Idle, value_name = "CLASS")]
-    pub disk_worker_class: DiskWorkerClass,
-    /// Which committed blocks the disk tier writes: `first`, every one at
-    /// its commit; `second`, only a block requested again (GET, LOOKUP or
-    /// WAIT) while still in RAM after its commit, written at that request,
-    /// or committed a second time (docs/disk.md, "Admission").
-    #[arg(long, value_enum, default_value_t = DiskAdmit::First, value_name = "POLICY")]
-    pub disk_admit: DiskAdmit,
+    /// The flags of every tier the daemon is built with, each tier's own
+    /// (`kachedb_daemon::TIERS`).
+    #[command(flatten)]
+    pub tiers: TierArgs,
     /// Take over from the daemon running on the same socket (an upgrade or a
     /// restart without losing anything): it hands over its region, socket,
     /// clients and store, then exits; clients notice a short pause. Its
@@ -268,24 +175,6 @@ pub enum OnSighup {
     Takeover,
 }
 
-/// `kachedb serve --disk-admit`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DiskAdmit {
-    /// Every committed block, at its commit.
-    First,
-    /// Only blocks requested again after their commit.
-    Second,
-}
-
-/// `kachedb serve --disk-worker-class`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DiskWorkerClass {
-    /// `SCHED_IDLE`.
-    Idle,
-    /// `SCHED_OTHER` at `--disk-worker-nice`.
-    Normal,
-}
-
 /// An on/off option.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Switch {
@@ -293,13 +182,6 @@ pub enum Switch {
     On,
     /// Off.
     Off,
-}
-
-/// `NAME=SIZE` of `--tenant-limit`.
-fn parse_tenant_limit(s: &str) -> Result<(String, u64), String> {
-    let (name, size) = s.split_once('=').ok_or_else(|| format!("{s:?}: give NAME=SIZE, e.g. team-a=1GiB"))?;
-    kachedb_shm::control::check_tenant_name(name)?;
-    Ok((name.to_owned(), parse_size(size)?))
 }
 
 /// `NAME=ID[,ID…]` of `--tenant-uid` and `--tenant-gid`.
@@ -332,37 +214,17 @@ pub enum Eviction {
     Lru,
 }
 
-/// The disk tier's settings from `a`, if `--disk` is given.
+/// The tenants' settings from `a`.
 fn tenant_config(a: &ServeArgs) -> Result<kachedb_daemon::TenantConfig, Box<dyn std::error::Error>> {
     let accounting = a.tenant_accounting == Switch::On;
     if !accounting && (!a.tenant_limits.is_empty() || a.tenant_limit_default.is_some()) {
         return Err("--tenant-limit and --tenant-limit-default need --tenant-accounting on".into());
-    }
-    if !accounting && (!a.tenant_disk_limits.is_empty() || a.tenant_disk_limit_default.is_some()) {
-        return Err("--tenant-disk-limit and --tenant-disk-limit-default need --tenant-accounting on".into());
-    }
-    if a.disk.is_none() && (!a.tenant_disk_limits.is_empty() || a.tenant_disk_limit_default.is_some()) {
-        return Err("--tenant-disk-limit and --tenant-disk-limit-default need --disk DIR".into());
     }
     let mut names = std::collections::BTreeSet::new();
     for (name, _) in &a.tenant_limits {
         if !names.insert(name) {
             return Err(format!("--tenant-limit {name}=…: tenant {name:?} is named twice").into());
         }
-    }
-    let mut disk_names = std::collections::BTreeSet::new();
-    for (name, _) in &a.tenant_disk_limits {
-        if !disk_names.insert(name) {
-            return Err(format!("--tenant-disk-limit {name}=…: tenant {name:?} is named twice").into());
-        }
-    }
-    if names.union(&disk_names).count() > kachedb_shm::control::MAX_TENANTS - 2 {
-        return Err(format!(
-            "--tenant-limit and --tenant-disk-limit name {} tenants; the daemon counts at most {} besides `default` and `_other`",
-            names.union(&disk_names).count(),
-            kachedb_shm::control::MAX_TENANTS - 2
-        )
-        .into());
     }
     if names.len() > kachedb_shm::control::MAX_TENANTS - 2 {
         return Err(format!(
@@ -424,102 +286,46 @@ fn tenant_bindings(a: &ServeArgs) -> Result<Vec<kachedb_daemon::TenantBinding>, 
     Ok(out)
 }
 
-/// The tenants' limits on disk bytes: `--tenant-disk-limit` (and its
-/// default) where given, else each `--tenant-limit`'s share of the megaslab
-/// (`megaslab_bytes`) applied to the disk (`disk_bytes`), rounded down to
-/// 4 KiB (a block file's unit).
-fn tenant_disk_limits(a: &ServeArgs, megaslab_bytes: u64, disk_bytes: u64) -> kachedb_daemon::disk::index::Limits {
-    let share = |limit: u64| {
-        let b = u128::from(limit) * u128::from(disk_bytes) / u128::from(megaslab_bytes.max(1));
-        (b.min(u128::from(disk_bytes)) as u64) / 4096 * 4096
+/// The tiers the flags ask for, in the order of `kachedb_daemon::TIERS`.
+fn tier_setups(a: &ServeArgs, slab_bytes: u64) -> Result<Vec<Arc<dyn TierSetup>>, Box<dyn std::error::Error>> {
+    let serve = ServeFlags {
+        slab_bytes,
+        tenant_limits: &a.tenant_limits,
+        tenant_limit_default: a.tenant_limit_default,
+        tenant_accounting: a.tenant_accounting == Switch::On,
     };
-    let mut named = a.tenant_disk_limits.clone();
-    for (name, limit) in &a.tenant_limits {
-        if !named.iter().any(|(n, _)| n == name) {
-            named.push((name.clone(), share(*limit)));
-        }
+    let mut out = Vec::new();
+    for flags in &a.tiers.0 {
+        out.extend(flags.setup(&serve)?);
     }
-    kachedb_daemon::disk::index::Limits {
-        named,
-        default: a.tenant_disk_limit_default.or(a.tenant_limit_default.map(share)),
+    Ok(out)
+}
+
+/// The flags of every tier the daemon is built with
+/// (`kachedb_daemon::TIERS`), each tier's own `clap::Args`, as one group of
+/// `kachedb serve`'s.
+#[derive(Clone, Debug)]
+pub struct TierArgs(pub Vec<Arc<dyn TierFlags>>);
+
+impl clap::FromArgMatches for TierArgs {
+    fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        kachedb_daemon::TIERS.iter().map(|k| k.parse(m)).collect::<Result<_, _>>().map(TierArgs)
+    }
+
+    fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(m)?;
+        Ok(())
     }
 }
 
-fn disk_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::disk::DiskConfig>, Box<dyn std::error::Error>> {
-    let Some(dir) = &a.disk else {
-        if a.disk_size.is_some() {
-            return Err("--disk-size needs --disk DIR".into());
-        }
-        return Ok(None);
-    };
-    let Some(size_bytes) = a.disk_size else {
-        return Err("--disk needs --disk-size SIZE (the most bytes its blocks may take)".into());
-    };
-    if a.disk_timeout_ms == 0 {
-        return Err("--disk-timeout-ms must be above 0".into());
+impl clap::Args for TierArgs {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        kachedb_daemon::TIERS.iter().fold(cmd, |cmd, k| k.flags(cmd))
     }
-    Ok(Some(kachedb_daemon::disk::DiskConfig {
-        dir: dir.clone(),
-        size_bytes,
-        queue_bytes: a
-            .disk_queue_bytes
-            .unwrap_or((a.size.unwrap_or_else(default_size) / 4).min(kachedb_daemon::disk::DEFAULT_QUEUE_BYTES)),
-        timeout: std::time::Duration::from_millis(a.disk_timeout_ms),
-        worker_nice: a.disk_worker_nice,
-        worker_class: match a.disk_worker_class {
-            DiskWorkerClass::Idle => kachedb_daemon::disk::WorkerClass::Idle,
-            DiskWorkerClass::Normal => kachedb_daemon::disk::WorkerClass::Normal,
-        },
-        admission: match a.disk_admit {
-            DiskAdmit::First => kachedb_daemon::tier::Admission::First,
-            DiskAdmit::Second => kachedb_daemon::tier::Admission::Second,
-        },
-        tenant_limits: tenant_disk_limits(a, a.size.unwrap_or_else(default_size), size_bytes),
-    }))
-}
 
-/// The remote tier's settings from `a`, if `--remote` is given; the password
-/// from `--remote-password-file` or KACHEDB_REMOTE_PASSWORD.
-fn remote_config(a: &ServeArgs) -> Result<Option<kachedb_daemon::remote::RemoteConfig>, Box<dyn std::error::Error>> {
-    let Some(url) = &a.remote else {
-        if a.remote_password_file.is_some() {
-            return Err("--remote-password-file needs --remote".into());
-        }
-        if a.remote_key_file.is_some() {
-            return Err("--remote-key-file needs --remote".into());
-        }
-        return Ok(None);
-    };
-    let password = match &a.remote_password_file {
-        Some(p) => {
-            let text =
-                std::fs::read_to_string(p).map_err(|e| format!("--remote-password-file {}: {e}", p.display()))?;
-            Some(text.lines().next().unwrap_or("").to_string())
-        }
-        None => std::env::var("KACHEDB_REMOTE_PASSWORD").ok().filter(|p| !p.is_empty()),
-    };
-    let userinfo = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest).split('/').next().unwrap_or("");
-    if userinfo.rsplit_once('@').is_some_and(|(user, _)| user.contains(':')) {
-        return Err("--remote: give the password with --remote-password-file or KACHEDB_REMOTE_PASSWORD, not in the URL (other users can read command lines)".into());
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
     }
-    let chunk_bytes = u32::try_from(a.remote_chunk_bytes)
-        .ok()
-        .filter(|&c| kachedb_daemon::remote::format::chunk_bytes_ok(u64::from(c)))
-        .ok_or_else(|| format!("--remote-chunk-bytes {}: give 64KiB to 64MiB", a.remote_chunk_bytes))?;
-    if a.remote_timeout_ms == 0 {
-        return Err("--remote-timeout-ms must be above 0".into());
-    }
-    Ok(Some(kachedb_daemon::remote::RemoteConfig {
-        url: url.clone(),
-        password,
-        namespace: a.remote_namespace.clone(),
-        timeout: std::time::Duration::from_millis(a.remote_timeout_ms),
-        ttl: a.remote_ttl_s.filter(|&s| s > 0).map(std::time::Duration::from_secs),
-        queue_bytes: a.remote_queue_bytes.unwrap_or(kachedb_daemon::remote::DEFAULT_QUEUE_BYTES),
-        chunk_bytes,
-        worker_nice: a.remote_worker_nice,
-        key: a.remote_key_file.as_deref().map(read_key_file).transpose()?,
-    }))
 }
 
 /// Heap memory the daemon's allocator keeps instead of handing back to the
@@ -542,58 +348,6 @@ fn keep_heap_pages() {
         libc::mallopt(libc::M_TRIM_THRESHOLD, HEAP_TRIM_BYTES);
         libc::mallopt(libc::M_MMAP_THRESHOLD, HEAP_MMAP_BYTES);
     }
-}
-
-/// Most bytes read from a key file: a key is 32 bytes, or 64 hex digits and
-/// some whitespace.
-const KEY_FILE_MAX_LEN: u64 = 4096;
-
-/// The fleet key in `path`: a regular file of the daemon's own user that
-/// group and others can neither read nor write, holding 32 bytes or 64 hex
-/// digits. The file is opened without following a symbolic link (`O_NOFOLLOW`)
-/// and its owner, mode and type are read from the open descriptor (`fstat`),
-/// so what is checked is what is read, whatever happens to the path meanwhile.
-fn read_key_file(path: &std::path::Path) -> Result<kachedb_daemon::remote::format::FleetKey, String> {
-    use rustix::fs::{FileType, Mode, OFlags};
-    use std::io::Read;
-    let shown = path.display();
-    // NONBLOCK: opening a FIFO does not wait for a writer (it is then refused as not a file).
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY;
-    let fd = rustix::fs::open(path, flags, Mode::empty()).map_err(|e| match e {
-        rustix::io::Errno::LOOP => format!(
-            "--remote-key-file {shown}: a symbolic link; the daemon does not follow one (it could be pointed at another \
-             file): give the path of the key file itself"
-        ),
-        e => format!("--remote-key-file {shown}: {}", std::io::Error::from(e)),
-    })?;
-    let st = rustix::fs::fstat(&fd).map_err(|e| format!("--remote-key-file {shown}: {}", std::io::Error::from(e)))?;
-    let (owner, mode) = (st.st_uid, st.st_mode & 0o7777);
-    let me = rustix::process::geteuid().as_raw();
-    let what = format!("--remote-key-file {shown} (owned by uid {owner}, mode {mode:03o})");
-    if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
-        return Err(format!("{what}: not a regular file: give the path of a file holding the key"));
-    }
-    if owner != me {
-        return Err(format!(
-            "{what}: the fleet key must belong to the daemon's user (uid {me}), who alone may read it: \
-             chown {me} {shown} && chmod 600 {shown}"
-        ));
-    }
-    if mode & 0o077 != 0 {
-        return Err(format!(
-            "{what}: group or others can read or write the key; anyone who reads it can forge blocks every node \
-             serves: chmod 600 {shown}"
-        ));
-    }
-    let mut bytes = Vec::new();
-    std::fs::File::from(fd)
-        .take(KEY_FILE_MAX_LEN + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| format!("--remote-key-file {shown}: {e}"))?;
-    if bytes.len() as u64 > KEY_FILE_MAX_LEN {
-        return Err(format!("{what}: longer than {KEY_FILE_MAX_LEN} bytes: give 32 bytes or 64 hex digits"));
-    }
-    kachedb_daemon::remote::format::FleetKey::parse(&bytes).map_err(|e| format!("--remote-key-file {shown}: {e}"))
 }
 
 /// How `kachedb serve` writes its log.
@@ -658,6 +412,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     if a.on_sighup == OnSighup::Stop {
         signal_hook::flag::register(signal_hook::consts::SIGHUP, shutdown.clone())?;
     }
+    let tiers = tier_setups(a, size)?;
     let cfg = ServeConfig {
         instance: a.instance,
         socket_path,
@@ -681,8 +436,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             Eviction::Chain => kachedb_daemon::EvictionPolicy::Chain,
             Eviction::Lru => kachedb_daemon::EvictionPolicy::Lru,
         },
-        remote: remote_config(a)?,
-        disk: disk_config(a)?,
+        tiers: tiers.clone(),
         tenants: tenant_config(a)?,
         events: crate::events_cmd::events_config(&a.events)?,
     };
@@ -705,7 +459,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             l.ring_capacity,
             std::process::id()
         );
-        return finish(daemon, a, &say);
+        return finish(daemon, a, &tiers, &say);
     }
     say(format!(
         "reserving {} of shared memory for instance {}{}",
@@ -732,26 +486,23 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         l.ring_capacity,
         std::process::id()
     );
-    finish(daemon, a, &say)
+    finish(daemon, a, &tiers, &say)
 }
 
 /// Serves with a started daemon until it stops or hands over.
-fn finish(daemon: Daemon, a: &ServeArgs, say: &dyn Fn(String)) -> Result<(), Box<dyn std::error::Error>> {
+fn finish(
+    daemon: Daemon,
+    a: &ServeArgs,
+    tiers: &[Arc<dyn TierSetup>],
+    say: &dyn Fn(String),
+) -> Result<(), Box<dyn std::error::Error>> {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     if let Some(addr) = daemon.metrics_addr() {
         say(format!("metrics at http://{addr}/metrics"));
     }
-    if let (Some(dir), Some(size)) = (&a.disk, a.disk_size) {
-        say(format!("disk tier {} ({}; index rebuilt in the background)", dir.display(), human_bytes(size)));
-    }
-    if let Some(url) = &a.remote {
-        let trust = if a.remote_key_file.is_some() {
-            "values authenticated with the fleet key"
-        } else {
-            "no --remote-key-file: values not authenticated, every writer trusted"
-        };
-        say(format!("remote tier {url} (namespace {}; {trust})", a.remote_namespace));
+    for t in tiers {
+        say(t.describe());
     }
     for b in tenant_bindings(a)? {
         let list = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
@@ -901,79 +652,42 @@ pub fn stats(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error>> {
             );
         }
     }
-    if s.disk.disk_enabled && (s.tenants.len() > 1 || s.tenants.iter().any(|t| t.disk_limit_bytes.is_some())) {
-        println!(
-            "{:<20} {:>10} {:>10} {:>9} {:>9} {:>9}",
-            "tenant on disk", "bytes", "limit", "blocks", "evicted", "refused"
-        );
-        for t in s.tenants.iter().filter(|t| t.disk_blocks > 0 || t.disk_limit_bytes.is_some()) {
-            println!(
-                "{:<20} {:>10} {:>10} {:>9} {:>9} {:>9}",
-                t.name,
-                human_bytes(t.disk_bytes),
-                t.disk_limit_bytes.map_or("-".into(), human_bytes),
-                t.disk_blocks,
-                t.disk_evictions,
-                t.disk_limit_refusals
-            );
+    for kind in kachedb_daemon::TIERS {
+        for line in kind.stats_lines(&s) {
+            println!("{line}");
         }
     }
-    let r = &s.remote;
-    if r.remote_enabled {
-        println!(
-            "remote writes     {} ({}), {} dropped, queue {} in {} block(s)",
-            r.remote_writes,
-            human_bytes(r.remote_write_bytes),
-            r.remote_dropped_writes,
-            human_bytes(r.remote_queue_bytes),
-            r.remote_queue_blocks
-        );
-        println!(
-            "remote fills      {} ({}) from {} fetch(es), {} miss(es); fill {:.2} ms mean, {:.2} ms max",
-            r.remote_fills,
-            human_bytes(r.remote_fill_bytes),
-            r.remote_fetches,
-            r.remote_misses,
-            r.remote_fill_ms_mean,
-            r.remote_fill_ms_max
-        );
-        println!(
-            "remote errors     {} failed or timed out, {} corrupt and {} failed authentication (refused), {} fetch(es) cancelled at the deadline",
-            r.remote_errors, r.remote_corrupt, r.remote_auth_failures, r.remote_fetches_cancelled
-        );
-    }
-    let d = &s.disk;
-    if d.disk_enabled {
-        println!(
-            "disk              {} block(s), {} of {}; {} evicted; {} recovered at start{}",
-            d.disk_blocks,
-            human_bytes(d.disk_bytes),
-            human_bytes(d.disk_capacity_bytes),
-            d.disk_evictions,
-            d.disk_recovered,
-            if d.disk_indexed { format!(" (indexed in {:.3} s)", d.disk_index_s) } else { " (indexing)".into() }
-        );
-        println!(
-            "disk writes       {} ({}), {} dropped, queue {} in {} block(s)",
-            d.disk_writes,
-            human_bytes(d.disk_write_bytes),
-            d.disk_dropped_writes,
-            human_bytes(d.disk_queue_bytes),
-            d.disk_queue_blocks
-        );
-        println!(
-            "disk fills        {} ({}) from {} fetch(es), {} miss(es), {} timed out; mean {:.2} ms",
-            d.disk_fills,
-            human_bytes(d.disk_fill_bytes),
-            d.disk_fetches,
-            d.disk_misses,
-            d.disk_fetches_timed_out,
-            d.disk_fill_ms_mean
-        );
-        println!(
-            "disk errors       {} I/O error(s), {} torn or corrupt (refused, deleted); {} deleted by clients",
-            d.disk_errors, d.disk_torn, d.disk_deletes
-        );
-    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[test]
+    fn every_tiers_flags_are_serves_with_their_help_and_ask_for_nothing_unless_given() {
+        let cli = crate::Cli::command();
+        let serve = cli.find_subcommand("serve").expect("a serve subcommand");
+        let mut flags = 0;
+        for kind in kachedb_daemon::TIERS {
+            let own = kind.flags(clap::Command::new("tier"));
+            for arg in own.get_arguments() {
+                let long = arg.get_long().expect("tier flags are long flags");
+                let there = serve
+                    .get_arguments()
+                    .find(|a| a.get_long() == Some(long))
+                    .unwrap_or_else(|| panic!("--{long} is not a flag of kachedb serve"));
+                assert_eq!(there.get_help().map(ToString::to_string), arg.get_help().map(ToString::to_string));
+                assert!(arg.get_help().is_some(), "--{long} has no help text");
+                flags += 1;
+            }
+        }
+        assert!(flags > 0, "no tier has flags");
+        let crate::Command::Serve(a) = crate::Cli::try_parse_from(["kachedb", "serve"]).unwrap().command else {
+            panic!("not serve")
+        };
+        assert_eq!(a.tiers.0.len(), kachedb_daemon::TIERS.len(), "one set of flags per tier");
+        assert!(tier_setups(&a, 1 << 30).unwrap().is_empty(), "no tier flag given: no tier");
+    }
 }

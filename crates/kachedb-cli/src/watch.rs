@@ -7,6 +7,7 @@
 //! `--metrics-addr`; when the daemon goes away the view says so and keeps
 //! trying.
 
+use kachedb_daemon::tier::view::{bar, grouped, percent, tenants_shown, Sample, TENANT_ROWS};
 use kachedb_shm::units::human_bytes;
 use kachedb_shm::Stats;
 use std::io::{IsTerminal, Write};
@@ -123,41 +124,11 @@ fn duration(secs: f64) -> String {
     }
 }
 
-/// `1234567` -> `1,234,567`.
-fn grouped(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, ch) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(ch);
-    }
-    out
-}
-
-fn percent(part: u64, whole: u64) -> String {
-    if whole == 0 {
-        "-".into()
-    } else {
-        format!("{:.1}%", part as f64 * 100.0 / whole as f64)
-    }
-}
-
-/// A bar of `width` cells, `frac` of them filled.
-fn bar(frac: f64, width: usize) -> String {
-    let filled = ((frac.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
-    format!("[{}{}]", "#".repeat(filled), "-".repeat(width - filled))
-}
-
 /// The view of `s`; `prev` is the sample before and the seconds between them
 /// (rates need two samples: the first frame shows `-`).
 pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<String> {
     let (st, sv) = (&s.store, &s.serve);
-    let rate = |f: fn(&Stats) -> u64| match prev {
-        Some((dt, p)) if dt > 0.0 => grouped((f(s).saturating_sub(f(p)) as f64 / dt).round() as u64),
-        _ => "-".into(),
-    };
+    let sample = Sample { now: s, prev };
     let delta = |f: fn(&Stats) -> u64| prev.map(|(_, p)| f(s).saturating_sub(f(p)));
     let ratio = |hits: fn(&Stats) -> u64, all: fn(&Stats) -> u64| {
         let now = match (delta(hits), delta(all)) {
@@ -167,9 +138,7 @@ pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<St
         format!("hit {now:>6}  (all {:>6})", percent(hits(s), all(s)))
     };
     let used = st.bytes_used as f64 / st.bytes_total.max(1) as f64;
-    let row = |name: &str, f: fn(&Stats) -> u64, extra: String| {
-        format!("{name:<16}{:>12}{:>16}  {extra}", rate(f), grouped(f(s)))
-    };
+    let row = |name: &str, f: fn(&Stats) -> u64, extra: String| sample.row(name, f, extra);
     let mut lines = vec![
         format!(
             "kachedb  pid {}  up {}  {} client(s)  every {}s  UTC {}",
@@ -221,38 +190,12 @@ pub fn render(s: &Stats, prev: Option<(f64, &Stats)>, every: Duration) -> Vec<St
         human_bytes(st.working_set_bytes),
     ));
     lines.extend(tenant_lines(s, prev));
-    let d = &s.disk;
-    if d.disk_enabled {
-        let on_disk = d.disk_bytes as f64 / d.disk_capacity_bytes.max(1) as f64;
-        lines.extend([
-            String::new(),
-            format!(
-                "disk    {} {:>5.1}%  {} / {}",
-                bar(on_disk, 36),
-                on_disk * 100.0,
-                human_bytes(d.disk_bytes),
-                human_bytes(d.disk_capacity_bytes)
-            ),
-            format!(
-                "        {} blocks, queue {} blocks ({}), torn {}{}",
-                grouped(d.disk_blocks),
-                grouped(d.disk_queue_blocks),
-                human_bytes(d.disk_queue_bytes),
-                grouped(d.disk_torn),
-                if d.disk_indexed { String::new() } else { ", indexing".into() }
-            ),
-            row("disk writes", |s| s.disk.disk_writes, format!("{} dropped", grouped(d.disk_dropped_writes))),
-            row("disk fills", |s| s.disk.disk_fills, format!("{} misses", grouped(d.disk_misses))),
-            row("disk errors", |s| s.disk.disk_errors, format!("{} timed out", grouped(d.disk_fetches_timed_out))),
-        ]);
-        lines.extend(tenant_disk_lines(s, prev));
+    for kind in kachedb_daemon::TIERS {
+        lines.extend(kind.watch_lines(s, prev));
     }
     lines.extend([String::new(), "Ctrl-C to quit".into()]);
     fit(lines)
 }
-
-/// Most tenant rows shown (the largest by bytes).
-const TENANT_ROWS: usize = 8;
 
 /// The tenants' table: shown once a tenant other than `default` exists or a
 /// limit is set ([`several_tenants`]); the largest [`TENANT_ROWS`] by bytes.
@@ -293,49 +236,9 @@ fn tenant_lines(s: &Stats, prev: Option<(f64, &Stats)>) -> Vec<String> {
 }
 
 /// Whether the tenants' tables are shown: a tenant other than `default`
-/// exists, or a limit (megaslab or disk) is set.
+/// exists, or a limit (on the megaslab or a tier) is set.
 fn several_tenants(s: &Stats) -> bool {
-    s.tenants.len() > 1 || s.tenants.iter().any(|t| t.limit_bytes.is_some() || t.disk_limit_bytes.is_some())
-}
-
-/// The tenants' rows on the disk tier, under the same terms as
-/// [`tenant_lines`]: the largest [`TENANT_ROWS`] by disk bytes, with their
-/// disk limits, blocks, evictions from disk a second and the writes refused
-/// for their disk limit (all time).
-fn tenant_disk_lines(s: &Stats, prev: Option<(f64, &Stats)>) -> Vec<String> {
-    if !several_tenants(s) {
-        return Vec::new();
-    }
-    let mut ts: Vec<&kachedb_shm::control::TenantStats> = s.tenants.iter().collect();
-    ts.sort_by(|a, b| b.disk_bytes.cmp(&a.disk_bytes).then_with(|| a.name.cmp(&b.name)));
-    let mut lines = vec![
-        String::new(),
-        format!(
-            "{:<16}{:>22}{:>10}{:>14}{:>18}",
-            "tenant on disk", "bytes / limit", "blocks", "evicted/s", "refused (limit)"
-        ),
-    ];
-    for t in ts.iter().take(TENANT_ROWS) {
-        let before = prev.and_then(|(dt, p)| p.tenants.iter().find(|x| x.name == t.name).map(|x| (dt, x)));
-        let evicted = match before {
-            Some((dt, p)) if dt > 0.0 => {
-                grouped((t.disk_evictions.saturating_sub(p.disk_evictions) as f64 / dt).round() as u64)
-            }
-            _ => "-".into(),
-        };
-        lines.push(format!(
-            "{:<16}{:>22}{:>10}{:>14}{:>18}",
-            t.name,
-            format!("{} / {}", human_bytes(t.disk_bytes), t.disk_limit_bytes.map_or("-".into(), human_bytes)),
-            grouped(t.disk_blocks),
-            evicted,
-            grouped(t.disk_limit_refusals)
-        ));
-    }
-    if ts.len() > TENANT_ROWS {
-        lines.push(format!("({} more tenants: kachedb stats)", ts.len() - TENANT_ROWS));
-    }
-    lines
+    tenants_shown(s, |t| kachedb_daemon::TIERS.iter().any(|k| k.tenant_limited(t)))
 }
 
 #[cfg(test)]
@@ -379,8 +282,9 @@ mod tests {
         let mut long = b.clone();
         long.socket = "/x".repeat(100);
         assert!(render(&long, None, Duration::from_secs(1)).iter().all(|l| l.chars().count() <= WIDTH));
-        // Without a disk tier, no disk rows.
-        assert!(!next.iter().any(|l| l.starts_with("disk")), "{next:?}");
+        // No tier on: no tier rows between the reuse line and the end.
+        let reuse = next.iter().position(|l| l.starts_with("reuse")).unwrap();
+        assert_eq!(&next[reuse + 1..], ["", "Ctrl-C to quit"], "{next:?}");
     }
 
     #[test]
@@ -412,69 +316,9 @@ mod tests {
     }
 
     #[test]
-    fn shows_the_disk_tier_when_there_is_one() {
-        let mut a = sample(10, 5, 100);
-        a.disk.disk_enabled = true;
-        a.disk.disk_capacity_bytes = 1 << 40;
-        a.disk.disk_bytes = 1 << 39;
-        a.disk.disk_blocks = 1_000_000;
-        a.disk.disk_queue_blocks = 12;
-        let mut b = a.clone();
-        b.disk.disk_writes = 600;
-        b.disk.disk_fills = 200;
-        b.disk.disk_errors = 3;
-        b.disk.disk_torn = 1;
-        let lines = render(&b, Some((2.0, &a)), Duration::from_secs(1));
-        for l in &lines {
-            assert!(l.chars().count() <= WIDTH, "{} columns: {l}", l.chars().count());
-        }
-        let find = |p: &str| lines.iter().find(|l| l.starts_with(p)).unwrap_or_else(|| panic!("no {p} in {lines:?}"));
-        assert!(find("disk    [").contains("50.0%"));
-        assert!(
-            find("        1,000,000 blocks").contains("queue 12 blocks")
-                && find("        1,000,000").contains("torn 1")
-        );
-        // 600 writes in 2 s: 300 a second.
-        assert!(find("disk writes").contains(" 300 "), "{}", find("disk writes"));
-        assert!(find("disk fills").contains(" 100 "));
-        assert!(find("disk errors").contains("3"));
-        // One default tenant: no per-tenant disk rows.
-        assert!(!lines.iter().any(|l| l.starts_with("tenant on disk")), "{lines:?}");
-
-        // Two tenants: a row each on disk, the largest first, with the rate of
-        // evictions from disk between the two samples.
-        let tenant = |name: &str, disk_bytes: u64, disk_limit: Option<u64>, evictions: u64, refused: u64| {
-            kachedb_shm::control::TenantStats {
-                name: name.into(),
-                disk_bytes,
-                disk_blocks: disk_bytes >> 20,
-                disk_limit_bytes: disk_limit,
-                disk_evictions: evictions,
-                disk_limit_refusals: refused,
-                ..Default::default()
-            }
-        };
-        a.tenants = vec![tenant("default", 1 << 30, None, 0, 0), tenant("team-a", 3 << 30, Some(4 << 30), 10, 0)];
-        let mut c = a.clone();
-        c.tenants[1].disk_evictions = 30;
-        c.tenants[1].disk_limit_refusals = 7;
-        let lines = render(&c, Some((2.0, &a)), Duration::from_secs(1));
-        let header = lines.iter().position(|l| l.starts_with("tenant on disk")).expect("a disk tenant table");
-        let (first, second) = (&lines[header + 1], &lines[header + 2]);
-        assert!(first.starts_with("team-a") && first.contains("3.0 GiB / 4.0 GiB"), "{lines:?}");
-        assert!(first.contains("3,072") && first.contains(" 10 ") && first.ends_with(" 7"), "{first}");
-        assert!(second.starts_with("default") && second.contains("1.0 GiB / -"), "{second}");
-        assert!(lines.iter().all(|l| l.chars().count() <= WIDTH), "{lines:?}");
-    }
-
-    #[test]
     fn formats() {
-        assert_eq!(grouped(0), "0");
-        assert_eq!(grouped(999), "999");
-        assert_eq!(grouped(1000), "1,000");
-        assert_eq!(grouped(1_234_567), "1,234,567");
         assert_eq!(duration(3725.0), "1h02m");
-        assert_eq!(bar(0.5, 4), "[##--]");
-        assert_eq!(percent(1, 0), "-");
+        assert_eq!(duration(59.0), "59s");
+        assert_eq!(duration(90_000.0), "1d01h");
     }
 }

@@ -7,10 +7,10 @@ use crate::channels::Channels;
 use crate::control::{self, Access};
 use crate::events::{self, Event};
 use crate::metrics::Metrics;
-use crate::remote::RemoteTier;
 use crate::serve::{RegionLayout, Serve};
 use crate::store::Store;
-use crate::tier::Tier;
+use crate::tier::{Tier, TierError};
+use crate::tier_kind::{Start, TierSetup};
 use kachedb_shm::region::{CreateOptions, Layout};
 use kachedb_shm::{Region, RegionError, SpinThenPark};
 use std::net::SocketAddr;
@@ -67,11 +67,9 @@ pub struct ServeConfig {
     pub check_invariants: bool,
     /// Which blocks eviction takes first (`docs/eviction.md`).
     pub eviction: crate::store::EvictionPolicy,
-    /// The remote tier behind the megaslab, if any (docs/remote.md).
-    pub remote: Option<crate::remote::RemoteConfig>,
-    /// The disk tier behind the megaslab, if any (docs/disk.md); asked
-    /// before the remote tier.
-    pub disk: Option<crate::disk::DiskConfig>,
+    /// The tiers behind the megaslab, in the order a local miss asks them
+    /// (`crate::tiers::TIERS` makes them from `kachedb serve`'s flags; docs/tiers.md).
+    pub tiers: Vec<Arc<dyn TierSetup>>,
     /// Tenants and their limits (`kachedb serve --tenant-limit`, docs/metrics.md "Tenants").
     pub tenants: TenantConfig,
     /// The KV event publisher, if on (`kachedb serve --events-endpoint`, docs/events.md).
@@ -150,12 +148,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
-    /// The remote tier could not start.
-    #[error(transparent)]
-    Remote(#[from] crate::remote::RemoteError),
-    /// The disk tier could not start.
-    #[error(transparent)]
-    Disk(#[from] crate::disk::DiskError),
+    /// A tier could not start (the tier's own error, which names it).
+    #[error("{0}")]
+    Tier(TierError),
     /// The tenants' settings cannot be applied.
     #[error("{0}")]
     Tenants(String),
@@ -213,24 +208,26 @@ struct Restored {
     /// copy they could not remove (`ServeState`).
     tier_writes: Vec<crate::tier::PendingWrite>,
     tier_unremoved: Vec<u128>,
-    /// The old daemon's disk tier directory and lock, to adopt.
-    adopt: Option<crate::disk::Adopted>,
+    /// The descriptors the old daemon's tiers handed over, by tier name,
+    /// for this daemon's tiers of the same names to adopt.
+    tier_fds: Vec<(String, Vec<std::os::fd::OwnedFd>)>,
 }
 
-/// The disk tier's directory and lock among the descriptors `fds` the old
-/// daemon's tiers handed over (`names`: whose, and how many, in order).
-fn adopted_disk(names: &[(String, u32)], fds: &[std::os::fd::OwnedFd]) -> Option<crate::disk::Adopted> {
+/// The descriptors `fds` the old daemon's tiers handed over, by tier
+/// (`names`: whose, and how many, in order); a tier whose descriptors are
+/// not all there is left out.
+fn handed_over(names: &[(String, u32)], fds: &[std::os::fd::OwnedFd]) -> Vec<(String, Vec<std::os::fd::OwnedFd>)> {
     let mut at = 0usize;
+    let mut out = Vec::new();
     for (name, n) in names {
         let n = *n as usize;
-        if name == crate::disk::HANDOVER_NAME && n == 2 {
-            let dir = fds.get(at)?.try_clone().ok()?;
-            let lock = fds.get(at + 1)?.try_clone().ok()?;
-            return Some(crate::disk::Adopted { dir, lock });
+        let own: Option<Vec<_>> = fds.get(at..at + n).and_then(|f| f.iter().map(|fd| fd.try_clone().ok()).collect());
+        if let Some(own) = own {
+            out.push((name.clone(), own));
         }
         at += n;
     }
-    None
+    out
 }
 
 /// How [`Daemon::run`] ended.
@@ -471,7 +468,7 @@ impl Daemon {
         let blocks = store.stats().blocks;
         let restored_at = t0.elapsed();
         let started = Instant::now().checked_sub(std::time::Duration::from_millis(serve.uptime_ms)).unwrap_or(t0);
-        let adopt = adopted_disk(&serve.tier_fds, &taken.tier_fds);
+        let tier_fds = handed_over(&serve.tier_fds, &taken.tier_fds);
         let restored = Restored {
             channels: serve.channels,
             waits: serve.waits,
@@ -479,7 +476,7 @@ impl Daemon {
             streams,
             tier_writes: serve.tier_writes,
             tier_unremoved: serve.tier_unremoved,
-            adopt,
+            tier_fds,
         };
         let started = Parts {
             cfg,
@@ -658,27 +655,29 @@ impl Parts {
             // node is healthy from the first scrape on.
             metrics.set_health(crate::metrics::Health::HandingOver);
         }
-        let mut tiers: Vec<Box<dyn Tier>> = Vec::new();
-        if let Some(dc) = &cfg.disk {
-            let events = tx.tier_events(tiers.len());
-            // Taking over: the tier waits (touching nothing) until this
-            // daemon serves, and adopts the old daemon's directory and lock.
-            let (adopt, held) = match &mut restored {
-                Some(r) => (r.adopt.take(), true),
-                None => (None, false),
-            };
-            tiers.push(Box::new(crate::disk::DiskTier::start(
-                dc.clone(),
-                region.clone(),
-                events,
-                metrics.clone(),
-                adopt,
-                held,
-            )?));
+        // Every tier the daemon is built with counts (and shows zeros in
+        // the stats) whether or not it starts.
+        for kind in crate::tiers::TIERS {
+            kind.register(&metrics);
         }
-        if let Some(rc) = &cfg.remote {
-            let events = tx.tier_events(tiers.len());
-            tiers.push(Box::new(RemoteTier::start(rc.clone(), region.clone(), events, metrics.clone())?));
+        let mut tiers: Vec<Box<dyn Tier>> = Vec::new();
+        for setup in &cfg.tiers {
+            // Taking over: the tier waits (touching nothing) until this
+            // daemon serves, and adopts what the old daemon's tier of the
+            // same name handed over.
+            let adopt = restored
+                .as_mut()
+                .and_then(|r| r.tier_fds.iter_mut().find(|(name, _)| name == setup.name()))
+                .map(|(_, fds)| std::mem::take(fds))
+                .unwrap_or_default();
+            let at = Start {
+                region: region.clone(),
+                events: tx.tier_events(tiers.len()),
+                metrics: metrics.clone(),
+                adopt,
+                held: restored.is_some(),
+            };
+            tiers.push(setup.start(at).map_err(ServeError::Tier)?);
         }
         // After a takeover the old daemon holds the addresses until it
         // exits: the thread binds as soon as they are free.

@@ -17,9 +17,10 @@
 //!   oldest (slow clients cannot shut others out).
 //! * Every answer is made on the runtime thread: `/healthz`, `/` and the
 //!   errors at once, `GET`/`HEAD /metrics` by rendering the text there (a
-//!   render reads atomics only and takes about as long as a hop to another
-//!   thread would: ~0.1-0.2 ms at 100 000 blocks and 64 tenants, so a
-//!   `/healthz` waits behind at most a few of them). At most [`MAX_SCRAPES`]
+//!   render reads atomics only and encodes again only the per-tenant
+//!   families whose figures changed, [`Exposition`]: tens of µs at 64
+//!   tenants, so a `/healthz` waits behind at most a few of them; a hop to
+//!   another thread would cost as much). At most [`MAX_SCRAPES`]
 //!   scrapes are under way at once, each holding its place until its answer
 //!   is written (so at most that many rendered texts are in memory); one more
 //!   gets `503` at once. Another method on a
@@ -35,13 +36,12 @@
 //!   the connections under way [`STOP_GRACE`] to finish; the listener (a
 //!   duplicate of which a successor holds) is then dropped.
 
-use crate::metrics::{Health, Metrics};
+use crate::metrics::{Exposition, Health, Metrics};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{HeaderValue, ALLOW, CACHE_CONTROL, CONNECTION, CONTENT_TYPE};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use prometheus_client::registry::Registry;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::{SocketAddr, TcpListener};
@@ -92,7 +92,7 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 /// What every connection's service reads.
 struct Shared {
     metrics: Arc<Metrics>,
-    registry: Arc<Registry>,
+    exposition: Exposition,
     /// A scrape of `/metrics` holds one from before its render until its
     /// answer is written.
     scrapes: Arc<Semaphore>,
@@ -117,7 +117,7 @@ pub fn spawn(
         tokio::net::TcpListener::from_std(listener)?
     };
     let shared = Arc::new(Shared {
-        registry: Arc::new(metrics.registry()),
+        exposition: Exposition::new(&metrics),
         metrics,
         scrapes: Arc::new(Semaphore::new(MAX_SCRAPES)),
     });
@@ -170,10 +170,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, shu
 }
 
 /// Serves one request on `conn`, then drains and closes it.
-async fn connection(conn: tokio::net::TcpStream, shared: Arc<Shared>) {
-    // A second descriptor of the socket, for the drain: hyper drops its own
-    // after an error answer (400, 431, 505) as well as after a served one.
-    let Some((conn, mut after)) = twin(conn) else { return };
+async fn connection(mut conn: tokio::net::TcpStream, shared: Arc<Shared>) {
     // The scrape's place, held until its answer is written.
     let place: Arc<Mutex<Option<OwnedSemaphorePermit>>> = Arc::default();
     let service = {
@@ -188,7 +185,10 @@ async fn connection(conn: tokio::net::TcpStream, shared: Arc<Shared>) {
         .keep_alive(false)
         .half_close(true)
         .title_case_headers(true)
-        .serve_connection(TokioIo::new(conn), service)
+        // Lent, not given: hyper drops its end after an error answer (400,
+        // 431, 505) as well as after a served one, and the drain below
+        // still needs the socket.
+        .serve_connection(TokioIo::new(&mut conn), service)
         .without_shutdown();
     let served = tokio::time::timeout(CONNECTION_TIMEOUT, served).await;
     drop(place);
@@ -200,11 +200,11 @@ async fn connection(conn: tokio::net::TcpStream, shared: Arc<Shared>) {
     // its close a moment, so that unread bytes do not turn ours into a reset
     // that could discard the answer.
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, async {
-        after.shutdown().await?;
+        conn.shutdown().await?;
         let mut sink = [0u8; 4096];
         let mut drained = 0;
         while drained < MAX_DRAIN {
-            match after.read(&mut sink).await? {
+            match conn.read(&mut sink).await? {
                 0 => break,
                 n => drained += n,
             }
@@ -212,13 +212,6 @@ async fn connection(conn: tokio::net::TcpStream, shared: Arc<Shared>) {
         std::io::Result::Ok(())
     })
     .await;
-}
-
-/// `conn` and a duplicate of its descriptor (the socket closes with the last).
-fn twin(conn: tokio::net::TcpStream) -> Option<(tokio::net::TcpStream, tokio::net::TcpStream)> {
-    let conn = conn.into_std().ok()?;
-    let dup = conn.try_clone().ok()?;
-    Some((tokio::net::TcpStream::from_std(conn).ok()?, tokio::net::TcpStream::from_std(dup).ok()?))
 }
 
 /// The answer to `req`; a scrape of `/metrics` keeps its place in `place`.
@@ -235,7 +228,7 @@ async fn answer(
                 if let Ok(mut p) = place.lock() {
                     *p = Some(permit);
                 }
-                route(method, path, || Metrics::render(&shared.registry), health)
+                route(method, path, || shared.exposition.render(), health)
             }
             Err(_) => Reply::text(503, "busy: too many scrapes at once\n"),
         }

@@ -7,9 +7,13 @@
 //! of those share only the channel pool ([`channels`]) and the event queue
 //! ([`events`]) from `control` to `serve`. Both also count into the
 //! [`metrics`] (atomics), which the optional HTTP endpoint ([`http`]) reads
-//! on its own threads. The tiers behind the megaslab (with `--disk`, the
-//! [`disk`] tier; with `--remote`, the [`remote`] tier) run their own threads; `serve` drives them through one
-//! interface ([`tier`]) and hears from them through the same event queue.
+//! on its own threads. The tiers behind the megaslab ([`TIERS`]: with
+//! `--disk`, the [`disk`] tier; with `--remote`, the [`remote`] tier) run
+//! their own threads; `serve` drives them through one interface ([`tier`])
+//! and hears from them through the same event queue. Each tier's module
+//! holds all of it (flags, configuration, errors, counters, stats rows);
+//! the other modules reach a tier only through [`TIERS`] (`tiers.rs`) and
+//! what [`tier_kind`] says a tier gives.
 //! With `--events-endpoint`, the [`kv_events`] publisher's thread sends the
 //! store's index changes, which `serve` queues for it, to KV-aware routers.
 #![warn(missing_docs)]
@@ -31,8 +35,11 @@ mod state_format;
 pub mod store;
 pub mod takeover;
 pub mod tier;
+pub mod tier_kind;
+pub mod tiers;
 mod waits;
 
 pub use binding::TenantBinding;
 pub use daemon::{Daemon, Ended, ServeConfig, ServeError, TakeoverSummary, TenantConfig};
 pub use store::EvictionPolicy;
+pub use tiers::TIERS;

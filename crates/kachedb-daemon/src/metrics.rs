@@ -43,6 +43,8 @@
 //! RESERVE and COMMIT alternating). Quantiles and the mean (`_sum / _count`)
 //! are those of the sample; `kachedb_ops_total` counts every frame.
 
+mod tenants;
+
 use crate::store::{Gauges, Store, TenantId};
 use crate::tier::metrics::{Family, Kind, TierMetrics, Values};
 use kachedb_shm::control::ServeStats;
@@ -55,7 +57,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -327,10 +329,9 @@ pub struct Metrics {
     op_names: [String; OPS],
     /// Label values of `status` by status code.
     status_names: [String; STATUSES],
-    /// The `tenant` label of each tenant row (empty: not in use). Written
-    /// by the serve loop when a client brings a new tenant (a slow path),
-    /// read by scrapes.
-    tenant_names: Mutex<Vec<String>>,
+    /// The `tenant` label of each tenant row. Written by the serve loop
+    /// when a client brings a new tenant (a slow path), read by scrapes.
+    tenant_names: Mutex<tenants::Names>,
 }
 
 impl Metrics {
@@ -346,7 +347,7 @@ impl Metrics {
                 batch_frames: Histogram::new(&BATCH_BOUNDS),
                 tenants: (0..MAX_TENANTS).map(|_| TenantCells::default()).collect(),
             },
-            tenant_names: Mutex::new(vec![String::new(); MAX_TENANTS]),
+            tenant_names: Mutex::new(tenants::Names { version: 0, names: vec![String::new(); MAX_TENANTS] }),
             tiers: Mutex::new(Vec::new()),
             refused: Default::default(),
             health: AtomicU8::new(Health::Starting as u8),
@@ -412,10 +413,13 @@ impl Metrics {
     }
 
     /// A registry holding these metrics (prefix `kachedb_`) for
-    /// `prometheus_client::encoding::prometheus_text::encode`.
+    /// `prometheus_client::encoding::prometheus_text::encode`; the
+    /// per-tenant families come last. [`Exposition`] writes the same text,
+    /// faster (what `/metrics` serves).
     pub fn registry(self: &Arc<Self>) -> Registry {
         let mut r = Registry::with_prefix("kachedb");
         r.register_collector(Box::new(Collect(self.clone())));
+        r.register_collector(Box::new(tenants::Live(self.clone())));
         r
     }
 
@@ -425,6 +429,48 @@ impl Metrics {
         // Writing to a String cannot fail; an encoder error would be a bug in
         // a label, and the text so far is still worth serving.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, registry);
+        out
+    }
+}
+
+/// The text `/metrics` serves: [`Metrics::render`] of
+/// [`Metrics::registry`], written faster. Each per-tenant family's text is
+/// kept with the figures it shows and encoded again only when they change
+/// (`metrics/tenants.rs`), and the text is written into a buffer sized for
+/// the last one.
+#[derive(Debug)]
+pub struct Exposition {
+    metrics: Arc<Metrics>,
+    /// Every family but the per-tenant ones.
+    rest: Registry,
+    tenants: Mutex<tenants::Text>,
+    /// The length of the last text, bytes.
+    last_len: AtomicUsize,
+}
+
+impl Exposition {
+    /// The exposition of `metrics`.
+    pub fn new(metrics: &Arc<Metrics>) -> Self {
+        let mut rest = Registry::with_prefix("kachedb");
+        rest.register_collector(Box::new(Collect(metrics.clone())));
+        Self {
+            metrics: metrics.clone(),
+            rest,
+            tenants: Mutex::new(tenants::Text::default()),
+            last_len: AtomicUsize::new(16 * 1024),
+        }
+    }
+
+    /// The Prometheus text exposition (format 0.0.4) of the metrics, as of now.
+    pub fn render(&self) -> String {
+        // Relaxed: a size hint, nothing is read in its light.
+        let mut out = String::with_capacity(self.last_len.load(Relaxed) + 4096);
+        // Writing to a String cannot fail (see `Metrics::render`).
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.rest);
+        let mut tenants = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+        tenants.write(&self.metrics, &mut out);
+        drop(tenants);
+        self.last_len.store(out.len(), Relaxed);
         out
     }
 }
@@ -563,11 +609,16 @@ impl MetricsWriter {
     /// slow path: takes the names' lock).
     pub fn tenants_renamed(&self, store: &Store) {
         let Ok(mut names) = self.m.tenant_names.lock() else { return };
-        for (t, name) in names.iter_mut().enumerate() {
+        let mut renamed = false;
+        for (t, name) in names.names.iter_mut().enumerate() {
             let now = store.tenant_figures(t as TenantId).0;
             if name != now {
                 *name = now.to_owned();
+                renamed = true;
             }
+        }
+        if renamed {
+            names.version = names.version.wrapping_add(1);
         }
     }
 
@@ -587,117 +638,6 @@ impl MetricsWriter {
 /// The [`Collector`] a scrape runs.
 #[derive(Debug)]
 struct Collect(Arc<Metrics>);
-
-impl Collect {
-    /// The `kachedb_tenant_*` families: one series per tenant row in use
-    /// (at most `MAX_TENANTS`), by the `tenant` label.
-    fn encode_tenants(&self, enc: &mut DescriptorEncoder) -> std::fmt::Result {
-        use MetricType::{Counter, Gauge};
-        let m = &*self.0;
-        let names: Vec<(usize, String)> = match m.tenant_names.lock() {
-            Ok(n) => n.iter().enumerate().filter(|(_, n)| !n.is_empty()).map(|(i, n)| (i, n.clone())).collect(),
-            Err(_) => return Ok(()),
-        };
-        let cells = &m.serve.tenants;
-        type Pick = fn(&TenantCells) -> u64;
-        let rows: [(&str, &str, MetricType, Pick); 12] = [
-            ("tenant_clients", "Clients connected as this tenant now.", Gauge, |c| c.clients.get()),
-            (
-                "tenant_bytes",
-                "Megaslab bytes in the tenant's extents: its blocks, deleted-but-pinned blocks and reservations (sums to kachedb_bytes_used).",
-                Gauge,
-                |c| c.bytes.get(),
-            ),
-            ("tenant_blocks", "The tenant's blocks that GET can find (sums to kachedb_blocks).", Gauge, |c| c.blocks.get()),
-            (
-                "tenant_reachable_bytes",
-                "Extent bytes of the tenant's blocks whose chain is whole in the megaslab.",
-                Gauge,
-                |c| c.reachable_bytes.get(),
-            ),
-            (
-                "tenant_orphaned_bytes",
-                "Extent bytes of the tenant's blocks a block before them in their chain is missing for.",
-                Gauge,
-                |c| c.orphaned_bytes.get(),
-            ),
-            (
-                "tenant_evictions",
-                "The tenant's blocks evicted (sums to kachedb_evictions_total).",
-                Counter,
-                |c| c.evictions.get(),
-            ),
-            ("tenant_evicted_bytes", "Extent bytes of the tenant's blocks evicted.", Counter, |c| c.evicted_bytes.get()),
-            ("tenant_stored_bytes", "Tensor bytes the tenant's clients committed.", Counter, |c| c.stored_bytes.get()),
-            (
-                "tenant_limit_refusals",
-                "RESERVEs refused because they could not fit within the tenant's limit (nothing evicted).",
-                Counter,
-                |c| c.limit_refusals.get(),
-            ),
-            (
-                "tenant_window_distinct_keys",
-                "Distinct keys the tenant's clients asked for in the current request window (HyperLogLog estimate, ~1.6 % standard error).",
-                Gauge,
-                |c| c.window_distinct_keys.get(),
-            ),
-            (
-                "tenant_window_key_requests",
-                "Keys the tenant's clients asked for (GET, LOOKUP) in the current request window.",
-                Gauge,
-                |c| c.window_key_requests.get(),
-            ),
-            (
-                "tenant_limit_bytes",
-                "The tenant's limit on kachedb_tenant_bytes (--tenant-limit); absent without one.",
-                Gauge,
-                |c| c.limit_plus_one.get(),
-            ),
-        ];
-        for (name, help, kind, pick) in rows {
-            let mut e = enc.encode_descriptor(name, help, None, kind)?;
-            for (t, tenant) in &names {
-                let Some(c) = cells.get(*t) else { continue };
-                let mut v = pick(c);
-                if name == "tenant_limit_bytes" {
-                    if v == 0 {
-                        continue;
-                    }
-                    v -= 1;
-                }
-                let labels = [("tenant", tenant.as_str())];
-                let fam = e.encode_family(&labels)?;
-                match kind {
-                    MetricType::Counter => ConstCounter::new(v).encode(fam)?,
-                    _ => ConstGauge::new(v as i64).encode(fam)?,
-                }
-            }
-        }
-        for (name, help, hit) in [
-            ("tenant_hit_blocks", "Keys the tenant's clients found, by op (sums to kachedb_hit_blocks_total).", true),
-            (
-                "tenant_miss_blocks",
-                "Keys the tenant's clients did not find, by op (sums to kachedb_miss_blocks_total).",
-                false,
-            ),
-        ] {
-            let mut e = enc.encode_descriptor(name, help, None, Counter)?;
-            for (t, tenant) in &names {
-                let Some(c) = cells.get(*t) else { continue };
-                let (get, lookup) = if hit {
-                    (c.get_hits.get(), c.lookup_hits.get())
-                } else {
-                    (c.get_misses.get(), c.lookup_misses.get())
-                };
-                for (op, v) in [("get", get), ("lookup", lookup)] {
-                    let labels = [("tenant", tenant.as_str()), ("op", op)];
-                    ConstCounter::new(v).encode(e.encode_family(&labels)?)?;
-                }
-            }
-        }
-        Ok(())
-    }
-}
 
 /// Writes one of a tier's families.
 fn encode_family(enc: &mut DescriptorEncoder, f: &Family) -> std::fmt::Result {
@@ -929,7 +869,6 @@ impl Collector for Collect {
         ] {
             single(&mut enc, name, help, kind, v)?;
         }
-        self.encode_tenants(&mut enc)?;
         single(&mut enc, "channels", "Channels (clients connected at once) the region has.", Gauge, m.channels as u64)?;
         single(&mut enc, "ring_capacity_slots", "Slots per ring.", Gauge, m.ring_capacity as u64)?;
         let e = enc.encode_descriptor("start_time_seconds", "When the daemon started, Unix time.", None, Gauge)?;
@@ -1012,6 +951,58 @@ mod tests {
         assert!(timed > 0.0 && timed < 300.0 && timed % 3.0 == 0.0, "{timed}");
         let inf = value(&t, r#"kachedb_op_duration_seconds_bucket{op="get",le="+Inf"}"#).unwrap();
         assert_eq!(inf, timed);
+    }
+
+    /// Names tenant rows `0..names.len()` as a client bringing them would.
+    fn name_tenants(m: &Metrics, names: &[&str]) {
+        let mut n = m.tenant_names.lock().unwrap();
+        for (row, name) in n.names.iter_mut().zip(names) {
+            *row = name.to_string();
+        }
+        n.version += 1;
+    }
+
+    /// What `/metrics` serves (per-tenant families kept between scrapes) is
+    /// the registry's text as of each scrape: after figures change, go back
+    /// to earlier values, a limit comes and goes and tenants are renamed.
+    #[test]
+    fn the_exposition_is_the_registry_text_as_tenants_change() {
+        let m = Metrics::new(4, 64);
+        let (ex, r) = (Exposition::new(&m), m.registry());
+        let same = |why: &str| {
+            let (served, fresh) = (ex.render(), Metrics::render(&r));
+            assert_eq!(served, fresh, "{why}");
+            served
+        };
+        same("no tenant");
+        name_tenants(&m, &["a", "b"]);
+        let t = same("two tenants");
+        assert_eq!(value(&t, r#"kachedb_tenant_blocks{tenant="b"}"#), Some(0.0), "{t}");
+        let cells = &m.serve.tenants;
+        cells[1].blocks.set(5);
+        cells[0].get_hits.set(3);
+        let t = same("figures changed");
+        assert_eq!(value(&t, r#"kachedb_tenant_blocks{tenant="b"}"#), Some(5.0), "{t}");
+        assert_eq!(value(&t, r#"kachedb_tenant_hit_blocks_total{tenant="a",op="get"}"#), Some(3.0), "{t}");
+        assert_eq!(value(&t, r#"kachedb_tenant_limit_bytes{tenant="a"}"#), None, "{t}");
+        cells[0].limit_plus_one.set(4097);
+        let t = same("a limit");
+        assert_eq!(value(&t, r#"kachedb_tenant_limit_bytes{tenant="a"}"#), Some(4096.0), "{t}");
+        cells[0].limit_plus_one.set(0);
+        cells[1].blocks.set(0);
+        let t = same("back to earlier figures");
+        assert_eq!(value(&t, r#"kachedb_tenant_limit_bytes{tenant="a"}"#), None, "{t}");
+        assert_eq!(value(&t, r#"kachedb_tenant_blocks{tenant="b"}"#), Some(0.0), "{t}");
+        name_tenants(&m, &["a", "c"]);
+        let t = same("renamed");
+        assert_eq!(value(&t, r#"kachedb_tenant_blocks{tenant="c"}"#), Some(0.0), "{t}");
+        assert!(!t.contains(r#"tenant="b""#), "{t}");
+        // The families other than the tenants' are read at every scrape.
+        let w = MetricsWriter::new(m.clone());
+        w.frame(Op::Get as u8, Status::Ok);
+        w.frame(Op::Get as u8, Status::Ok);
+        let t = same("ops counted");
+        assert_eq!(value(&t, r#"kachedb_ops_total{op="get",status="ok"}"#), Some(2.0), "{t}");
     }
 
     #[test]

@@ -107,7 +107,7 @@ mod tests {
                     held: vec![],
                     waiting: false,
                     kicked: false,
-                    remote_asked: Default::default(),
+                    tier_asked: Default::default(),
                 },
                 ChannelState {
                     channel: 1,
@@ -118,7 +118,7 @@ mod tests {
                     held: vec![frame],
                     waiting: true,
                     kicked: false,
-                    remote_asked: [42u128].into_iter().collect(),
+                    tier_asked: [42u128].into_iter().collect(),
                 },
             ],
             waits: vec![ParkedWait { channel: 1, key: 42, request_id: 3, left_ms: Some(1500) }],
@@ -166,7 +166,7 @@ mod tests {
         assert_eq!((w.channel, w.key, w.request_id, w.left_ms), (1, 42, 3, Some(1500)));
         assert_eq!(serve.channels.len(), 2);
         assert_eq!(serve.channels[1].held, vec![vec![7u8; 64]]);
-        assert!(serve.channels[1].waiting && serve.channels[1].remote_asked.contains(&42));
+        assert!(serve.channels[1].waiting && serve.channels[1].tier_asked.contains(&42));
         assert_eq!((ctl.free_channels, ctl.quarantine), (vec![2, 3], vec![(4, 1234)]));
         assert_eq!(ctl.conns.len(), 2);
         assert_eq!(ctl.conns[1].unread, b"{\"op\":".to_vec());

@@ -174,6 +174,14 @@ pub fn check_tenant_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `NAME=SIZE` as the flags that give a tenant a limit take it
+/// (`kachedb serve --tenant-limit team-a=1GiB`).
+pub fn parse_tenant_limit(s: &str) -> Result<(String, u64), String> {
+    let (name, size) = s.split_once('=').ok_or_else(|| format!("{s:?}: give NAME=SIZE, e.g. team-a=1GiB"))?;
+    check_tenant_name(name)?;
+    Ok((name.to_owned(), crate::units::parse_size(size)?))
+}
+
 /// The daemon's answer: `{"ok":true, …the fields of T}` or, refused,
 /// `{"ok":false,"error":"…what to do…"}` (after which the daemon closes the
 /// connection).
@@ -287,12 +295,6 @@ pub struct Stats {
     /// The serve loop's counters.
     #[serde(flatten)]
     pub serve: ServeStats,
-    /// The remote tier's counters (all zero without `--remote`).
-    #[serde(flatten)]
-    pub remote: RemoteStats,
-    /// The disk tier's counters (all zero without `--disk`).
-    #[serde(flatten)]
-    pub disk: DiskStats,
     /// Frames served per second over the last whole second (0 when idle for 3 s).
     pub ops_per_s: f64,
     /// Region bytes.
@@ -324,7 +326,18 @@ pub struct Stats {
     /// tenant first. Their `bytes`, `blocks`, hits, misses and evictions add
     /// up to the store's totals exactly.
     pub tenants: Vec<TenantStats>,
+    /// Each tier's rows, flattened into the object beside the others: keys
+    /// named `<tier>_<figure>` (`kachedb_daemon`'s tier modules write them,
+    /// every tier the daemon is built with, zeros while it is off; docs/tiers.md).
+    /// A key this version does not know of lands here too, so a reply
+    /// passes through whole.
+    #[serde(flatten)]
+    pub tiers: TierRows,
 }
+
+/// A section of rows of the stats object that the tiers fill: key and
+/// value, flattened into the object that holds it.
+pub type TierRows = std::collections::BTreeMap<String, serde_json::Value>;
 
 /// One tenant's share of the store (an element of [`Stats::tenants`]).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -368,20 +381,10 @@ pub struct TenantStats {
     pub window_distinct_keys: u64,
     /// Keys its clients asked for in the current request window.
     pub window_key_requests: u64,
-    /// File-system bytes of its blocks on the disk tier (`--disk`; these
-    /// add up to `disk_bytes` exactly).
-    pub disk_bytes: u64,
-    /// Its blocks on the disk tier (these add up to `disk_blocks`).
-    pub disk_blocks: u64,
-    /// Its limit on `disk_bytes` (`--tenant-disk-limit`, or its share by
-    /// `--tenant-limit`); absent: none.
-    pub disk_limit_bytes: Option<u64>,
-    /// Its blocks evicted from disk (by its own writes or, for a tenant
-    /// without a disk limit, by anyone's).
-    pub disk_evictions: u64,
-    /// Its blocks not written to disk because its own blocks there could not
-    /// make room within its disk limit.
-    pub disk_limit_refusals: u64,
+    /// Its columns of each tier's (keys `<tier>_<figure>`, as
+    /// [`Stats::tiers`]).
+    #[serde(flatten)]
+    pub tiers: TierRows,
 }
 
 impl Stats {
@@ -510,110 +513,6 @@ pub struct StoreStats {
     /// Completions with status `INTERNAL`, plus internal errors met while
     /// closing sessions (each one is a bug).
     pub internal: u64,
-}
-
-/// Counters of the remote tier (`kachedb serve --remote`, docs/remote.md).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct RemoteStats {
-    /// The daemon runs with a remote tier.
-    pub remote_enabled: bool,
-    /// Blocks written to the remote store.
-    pub remote_writes: u64,
-    /// Tensor bytes of the blocks written.
-    pub remote_write_bytes: u64,
-    /// Committed blocks not written because the write-behind queue was full.
-    pub remote_dropped_writes: u64,
-    /// Tensor bytes queued or being written now.
-    pub remote_queue_bytes: u64,
-    /// Blocks queued or being written now.
-    pub remote_queue_blocks: u64,
-    /// Remote reads asked for (one per local-miss tail of a batch).
-    pub remote_fetches: u64,
-    /// Blocks filled from the remote store into the megaslab.
-    pub remote_fills: u64,
-    /// Tensor bytes of the blocks filled.
-    pub remote_fill_bytes: u64,
-    /// Keys asked for that the remote store does not hold.
-    pub remote_misses: u64,
-    /// Remote requests that failed or timed out (a node down or slow).
-    pub remote_errors: u64,
-    /// Values read back whose header or checksum did not verify (never served).
-    pub remote_corrupt: u64,
-    /// Values read back that failed authentication: a tag that does not
-    /// verify under the fleet key, or keyed/unkeyed not as this node (never served).
-    pub remote_auth_failures: u64,
-    /// Fetches cancelled at their deadline (their unfilled keys are misses).
-    pub remote_fetches_cancelled: u64,
-    /// Mean time from a local miss to its fill being served, milliseconds.
-    pub remote_fill_ms_mean: f64,
-    /// Longest such time, milliseconds.
-    pub remote_fill_ms_max: f64,
-}
-
-/// Counters of the disk tier (`kachedb serve --disk`, docs/disk.md).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct DiskStats {
-    /// The daemon runs with a disk tier.
-    pub disk_enabled: bool,
-    /// Blocks on disk.
-    pub disk_blocks: u64,
-    /// File-system bytes the blocks on disk take.
-    pub disk_bytes: u64,
-    /// The bound on them (`--disk-size`).
-    pub disk_capacity_bytes: u64,
-    /// Blocks written (reported written: renamed into place, synced).
-    pub disk_writes: u64,
-    /// Tensor bytes of the blocks written.
-    pub disk_write_bytes: u64,
-    /// Committed blocks not written: the write-behind queue was full.
-    pub disk_dropped_writes: u64,
-    /// Tensor bytes queued or being written now.
-    pub disk_queue_bytes: u64,
-    /// Blocks queued or being written now.
-    pub disk_queue_blocks: u64,
-    /// Disk reads asked for (one per local-miss tail of a batch).
-    pub disk_fetches: u64,
-    /// Blocks filled from disk into the megaslab.
-    pub disk_fills: u64,
-    /// Tensor bytes of the blocks filled.
-    pub disk_fill_bytes: u64,
-    /// Keys asked for that are not on disk.
-    pub disk_misses: u64,
-    /// Blocks evicted from disk to make room.
-    pub disk_evictions: u64,
-    /// I/O errors (a write or read that failed: full, read-only, gone).
-    pub disk_errors: u64,
-    /// Block files found torn or corrupt (at start or at a fill; never
-    /// served, deleted).
-    pub disk_torn: u64,
-    /// Blocks found whole at start.
-    pub disk_recovered: u64,
-    /// Blocks deleted from disk because a client deleted their key
-    /// (DELETE goes through to the disk).
-    pub disk_deletes: u64,
-    /// Disk fetches the serve loop stopped waiting for at
-    /// `--disk-timeout-ms` (their keys were answered as misses).
-    pub disk_fetches_timed_out: u64,
-    /// The start-up index rebuild is done.
-    pub disk_indexed: bool,
-    /// Seconds the start-up index rebuild took.
-    pub disk_index_s: f64,
-    /// The tier's directory is no longer the one it opened (removed,
-    /// moved or replaced under the daemon): the tier stopped, every key is a
-    /// miss and nothing is written (docs/disk.md).
-    pub disk_dir_lost: bool,
-    /// DELETEs (and replacements) whose removal of the older copy on disk
-    /// was not confirmed in time: answered `NOT_DURABLE`, retried.
-    pub disk_unconfirmed_removals: u64,
-    /// Removals of older copies made durable (a DELETE's, or a replaced
-    /// key's, file unlinked and the directory synced) before the client's
-    /// answer.
-    pub disk_removals: u64,
-    /// Mean time from a local miss to its disk fill landing, milliseconds
-    /// (fetches that ended at the disk and filled something).
-    pub disk_fill_ms_mean: f64,
 }
 
 /// Counters of the daemon's serve loop.
@@ -823,6 +722,51 @@ mod tests {
             Reply::Accepted(r) => assert_eq!(r.stats, st),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn tier_rows_pass_through_flat_both_ways() {
+        // What a daemon with tiers sends: the tiers' keys beside the others,
+        // and in each tenant row.
+        let sent = serde_json::json!({
+            "blocks": 2, "ops": 7, "socket": "/s", "tenants": [
+                {"name": "default", "bytes": 1, "tier_a_bytes": 5, "tier_a_limit_bytes": null}
+            ],
+            "tier_a_writes": 3, "tier_a_on": true, "tier_b_fill_ms_mean": 1.5
+        });
+        let st: Stats = serde_json::from_value(sent.clone()).unwrap();
+        assert_eq!((st.store.blocks, st.serve.ops, st.socket.as_str()), (2, 7, "/s"));
+        assert_eq!(st.tiers.len(), 3, "only the tiers' keys land in the rows: {:?}", st.tiers);
+        assert_eq!(st.tiers["tier_a_writes"], 3);
+        assert_eq!(st.tenants[0].tiers.len(), 2, "{:?}", st.tenants[0].tiers);
+        assert_eq!(st.tenants[0].bytes, 1);
+        // Sent on unchanged: every key, same values, still flat.
+        let again: serde_json::Value = serde_json::from_str(&st.to_json()).unwrap();
+        for (k, v) in sent.as_object().unwrap() {
+            if k != "tenants" {
+                assert_eq!(&again[k], v, "{k}");
+            }
+        }
+        assert_eq!(again["tenants"][0]["tier_a_limit_bytes"], serde_json::Value::Null);
+        assert_eq!(again["tenants"][0]["tier_a_bytes"], 5);
+
+        // A reader that types a tier's section (an older client's layout)
+        // reads the same object; one that does not know the keys ignores them.
+        #[derive(Deserialize, Default)]
+        #[serde(default)]
+        struct Section {
+            tier_a_writes: u64,
+            tier_a_on: bool,
+        }
+        #[derive(Deserialize, Default)]
+        #[serde(default)]
+        struct Older {
+            blocks: u64,
+            #[serde(flatten)]
+            a: Section,
+        }
+        let old: Older = serde_json::from_str(&st.to_json()).unwrap();
+        assert_eq!((old.blocks, old.a.tier_a_writes, old.a.tier_a_on), (2, 3, true));
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! `kachedb_tenant_disk_*`), and its rows of `kachedb stats`.
 
 use crate::disk::index::TenantDisk;
-use crate::tier::metrics::{rows, Family, FillLatency, Kind, Row, TierMetrics, Values};
-use kachedb_shm::control::{DiskStats, Stats, TenantStats};
+use crate::tier::metrics::{put_rows, rows, rows_of, Family, FillLatency, Kind, Row, TierMetrics, Values};
+use kachedb_shm::control::{Stats, TenantStats};
+use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
@@ -169,7 +170,7 @@ const TENANT_FAMILIES: [TenantFamily; 5] = [
 impl TierMetrics for DiskCells {
     fn fill_stats(&self, into: &mut Stats) {
         let (disk, tenants) = self.stats_and_tenants(std::mem::take(&mut into.tenants));
-        into.disk = disk;
+        put_rows(&mut into.tiers, &disk);
         into.tenants = tenants;
     }
 
@@ -231,25 +232,133 @@ impl DiskCells {
     /// blocks of that the megaslab does not count now (after them). Read
     /// under the tenants' lock, so the rows add up to the totals.
     pub fn stats_and_tenants(&self, mut tenants: Vec<TenantStats>) -> (DiskStats, Vec<TenantStats>) {
-        let Ok(disk) = self.tenants.lock() else { return (self.stats(), tenants) };
+        let published = self.tenants.lock();
         let stats = self.stats();
-        for d in disk.iter() {
+        let disk = published.as_deref().map_or(&[][..], |d| d.as_slice());
+        let mut rows = vec![TenantDiskStats::default(); tenants.len()];
+        for d in disk {
             let i = match tenants.iter().position(|t| t.name == d.name) {
                 Some(i) => i,
                 None if d.blocks == 0 && d.limit.is_none() && d.evictions == 0 && d.limit_refusals == 0 => continue,
                 None => {
                     tenants.push(TenantStats { name: d.name.clone(), ..Default::default() });
+                    rows.push(TenantDiskStats::default());
                     tenants.len() - 1
                 }
             };
-            let t = &mut tenants[i];
-            t.disk_bytes = d.bytes;
-            t.disk_blocks = d.blocks;
-            t.disk_limit_bytes = d.limit;
-            t.disk_evictions = d.evictions;
-            t.disk_limit_refusals = d.limit_refusals;
+            rows[i] = TenantDiskStats {
+                disk_bytes: d.bytes,
+                disk_blocks: d.blocks,
+                disk_limit_bytes: d.limit,
+                disk_evictions: d.evictions,
+                disk_limit_refusals: d.limit_refusals,
+            };
+        }
+        drop(published);
+        for (t, row) in tenants.iter_mut().zip(&rows) {
+            put_rows(&mut t.tiers, row);
         }
         (stats, tenants)
+    }
+}
+
+/// The disk tier's rows of `kachedb stats` (`kachedb serve --disk`,
+/// docs/disk.md): all zero without `--disk`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DiskStats {
+    /// The daemon runs with a disk tier.
+    pub disk_enabled: bool,
+    /// Blocks on disk.
+    pub disk_blocks: u64,
+    /// File-system bytes the blocks on disk take.
+    pub disk_bytes: u64,
+    /// The bound on them (`--disk-size`).
+    pub disk_capacity_bytes: u64,
+    /// Blocks written (reported written: renamed into place, synced).
+    pub disk_writes: u64,
+    /// Tensor bytes of the blocks written.
+    pub disk_write_bytes: u64,
+    /// Committed blocks not written: the write-behind queue was full.
+    pub disk_dropped_writes: u64,
+    /// Tensor bytes queued or being written now.
+    pub disk_queue_bytes: u64,
+    /// Blocks queued or being written now.
+    pub disk_queue_blocks: u64,
+    /// Disk reads asked for (one per local-miss tail of a batch).
+    pub disk_fetches: u64,
+    /// Blocks filled from disk into the megaslab.
+    pub disk_fills: u64,
+    /// Tensor bytes of the blocks filled.
+    pub disk_fill_bytes: u64,
+    /// Keys asked for that are not on disk.
+    pub disk_misses: u64,
+    /// Blocks evicted from disk to make room.
+    pub disk_evictions: u64,
+    /// I/O errors (a write or read that failed: full, read-only, gone).
+    pub disk_errors: u64,
+    /// Block files found torn or corrupt (at start or at a fill; never
+    /// served, deleted).
+    pub disk_torn: u64,
+    /// Blocks found whole at start.
+    pub disk_recovered: u64,
+    /// Blocks deleted from disk because a client deleted their key
+    /// (DELETE goes through to the disk).
+    pub disk_deletes: u64,
+    /// Disk fetches the serve loop stopped waiting for at
+    /// `--disk-timeout-ms` (their keys were answered as misses).
+    pub disk_fetches_timed_out: u64,
+    /// The start-up index rebuild is done.
+    pub disk_indexed: bool,
+    /// Seconds the start-up index rebuild took.
+    pub disk_index_s: f64,
+    /// The tier's directory is no longer the one it opened (removed,
+    /// moved or replaced under the daemon): the tier stopped, every key is a
+    /// miss and nothing is written (docs/disk.md).
+    pub disk_dir_lost: bool,
+    /// DELETEs (and replacements) whose removal of the older copy on disk
+    /// was not confirmed in time: answered `NOT_DURABLE`, retried.
+    pub disk_unconfirmed_removals: u64,
+    /// Removals of older copies made durable (a DELETE's, or a replaced
+    /// key's, file unlinked and the directory synced) before the client's
+    /// answer.
+    pub disk_removals: u64,
+    /// Mean time from a local miss to its disk fill landing, milliseconds
+    /// (fetches that ended at the disk and filled something).
+    pub disk_fill_ms_mean: f64,
+}
+
+impl DiskStats {
+    /// The disk tier's rows of `s`.
+    pub fn of(s: &Stats) -> DiskStats {
+        rows_of(&s.tiers)
+    }
+}
+
+/// The disk tier's columns of a tenant row of `kachedb stats`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TenantDiskStats {
+    /// File-system bytes of its blocks on the disk tier (`--disk`; these
+    /// add up to `disk_bytes` exactly).
+    pub disk_bytes: u64,
+    /// Its blocks on the disk tier (these add up to `disk_blocks`).
+    pub disk_blocks: u64,
+    /// Its limit on `disk_bytes` (`--tenant-disk-limit`, or its share by
+    /// `--tenant-limit`); absent: none.
+    pub disk_limit_bytes: Option<u64>,
+    /// Its blocks evicted from disk (by its own writes or, for a tenant
+    /// without a disk limit, by anyone's).
+    pub disk_evictions: u64,
+    /// Its blocks not written to disk because its own blocks there could not
+    /// make room within its disk limit.
+    pub disk_limit_refusals: u64,
+}
+
+impl TenantDiskStats {
+    /// The disk tier's columns of tenant row `t`.
+    pub fn of(t: &TenantStats) -> TenantDiskStats {
+        rows_of(&t.tiers)
     }
 }
 

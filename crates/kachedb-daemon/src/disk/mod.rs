@@ -58,6 +58,8 @@ pub mod cells;
 mod dir;
 pub mod format;
 pub mod index;
+pub mod setup;
+mod view;
 
 use crate::metrics::Metrics;
 use crate::tier::gate::{Refused, SlabGate};

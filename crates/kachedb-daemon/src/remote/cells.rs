@@ -1,8 +1,9 @@
 //! The remote tier's counters and metric families (`kachedb_remote_*`), and
 //! its rows of `kachedb stats`.
 
-use crate::tier::metrics::{rows, Family, FillLatency, Kind, Row, TierMetrics};
-use kachedb_shm::control::{RemoteStats, Stats};
+use crate::tier::metrics::{put_rows, rows, rows_of, Family, FillLatency, Kind, Row, TierMetrics};
+use kachedb_shm::control::Stats;
+use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 /// The remote tier's counters (`kachedb serve --remote`). Written by the
@@ -92,7 +93,7 @@ const ROWS: [Row<RemoteCells>; 13] = [
 
 impl TierMetrics for RemoteCells {
     fn fill_stats(&self, into: &mut Stats) {
-        into.remote = self.stats();
+        put_rows(&mut into.tiers, &self.stats());
     }
 
     fn families(&self, out: &mut Vec<Family>) {
@@ -128,5 +129,52 @@ impl RemoteCells {
             remote_fill_ms_mean: self.fill.mean_ms(),
             remote_fill_ms_max: self.fill.max_ms(),
         }
+    }
+}
+
+/// The remote tier's rows of `kachedb stats` (`kachedb serve --remote`,
+/// docs/remote.md): all zero without `--remote`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RemoteStats {
+    /// The daemon runs with a remote tier.
+    pub remote_enabled: bool,
+    /// Blocks written to the remote store.
+    pub remote_writes: u64,
+    /// Tensor bytes of the blocks written.
+    pub remote_write_bytes: u64,
+    /// Committed blocks not written because the write-behind queue was full.
+    pub remote_dropped_writes: u64,
+    /// Tensor bytes queued or being written now.
+    pub remote_queue_bytes: u64,
+    /// Blocks queued or being written now.
+    pub remote_queue_blocks: u64,
+    /// Remote reads asked for (one per local-miss tail of a batch).
+    pub remote_fetches: u64,
+    /// Blocks filled from the remote store into the megaslab.
+    pub remote_fills: u64,
+    /// Tensor bytes of the blocks filled.
+    pub remote_fill_bytes: u64,
+    /// Keys asked for that the remote store does not hold.
+    pub remote_misses: u64,
+    /// Remote requests that failed or timed out (a node down or slow).
+    pub remote_errors: u64,
+    /// Values read back whose header or checksum did not verify (never served).
+    pub remote_corrupt: u64,
+    /// Values read back that failed authentication: a tag that does not
+    /// verify under the fleet key, or keyed/unkeyed not as this node (never served).
+    pub remote_auth_failures: u64,
+    /// Fetches cancelled at their deadline (their unfilled keys are misses).
+    pub remote_fetches_cancelled: u64,
+    /// Mean time from a local miss to its fill being served, milliseconds.
+    pub remote_fill_ms_mean: f64,
+    /// Longest such time, milliseconds.
+    pub remote_fill_ms_max: f64,
+}
+
+impl RemoteStats {
+    /// The remote tier's rows of `s`.
+    pub fn of(s: &Stats) -> RemoteStats {
+        rows_of(&s.tiers)
     }
 }

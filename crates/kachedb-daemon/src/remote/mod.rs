@@ -42,6 +42,7 @@
 pub mod cells;
 pub mod format;
 mod reader;
+pub mod setup;
 mod writer;
 
 use crate::metrics::Metrics;

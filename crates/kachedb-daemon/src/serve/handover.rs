@@ -33,7 +33,7 @@ pub(crate) struct ChannelState {
     pub waiting: bool,
     pub kicked: bool,
     /// Keys already asked of a tier for the held frames.
-    pub remote_asked: HashSet<u128>,
+    pub tier_asked: HashSet<u128>,
 }
 
 /// A parked WAIT.
@@ -146,7 +146,7 @@ impl Serve {
                 waiting: c.waiting,
                 held: frames(c.held),
                 fetch: None,
-                remote_asked: c.remote_asked,
+                tier_asked: c.tier_asked,
                 stuck_since: None,
                 held_answers: Vec::new(),
             });
@@ -241,7 +241,7 @@ impl Serve {
                         held: frames(&s.held),
                         waiting: s.waiting,
                         kicked: s.kicked,
-                        remote_asked: s.remote_asked.clone(),
+                        tier_asked: s.tier_asked.clone(),
                     })
                 })
                 .collect(),

@@ -503,7 +503,7 @@ impl Serve {
                     waiting: false,
                     held: Vec::new(),
                     fetch: None,
-                    remote_asked: HashSet::new(),
+                    tier_asked: HashSet::new(),
                     stuck_since: None,
                     held_answers: Vec::new(),
                 });

@@ -39,7 +39,7 @@ pub(super) struct Session {
     pub(super) fetch: Option<PendingFetch>,
     /// Keys a tier was asked for while this channel's held frames
     /// are served: a local miss of one of them is answered, not fetched again.
-    pub(super) remote_asked: HashSet<u128>,
+    pub(super) tier_asked: HashSet<u128>,
     /// Since when requests of this channel wait for room in its completion
     /// ring (the client does not drain it); `None` while it does.
     pub(super) stuck_since: Option<Instant>,
@@ -180,7 +180,7 @@ pub(super) fn unpark_fetch(s: &mut Session) -> Instant {
     s.waiting = false;
     match s.fetch.take() {
         Some(f) => {
-            s.remote_asked.extend(f.keys);
+            s.tier_asked.extend(f.keys);
             f.started
         }
         None => Instant::now(),
@@ -362,7 +362,7 @@ pub(super) fn serve_channel(
                 c
             }
             Ok(r @ (Request::Get { key } | Request::Lookup { key }))
-                if !tiers.is_empty() && !s.remote_asked.contains(&key) && store.peek(key).is_none() =>
+                if !tiers.is_empty() && !s.tier_asked.contains(&key) && store.peek(key).is_none() =>
             {
                 // A local miss: ask the first tier for it and for every
                 // other local miss of this batch after it (a chain's tail,
@@ -371,7 +371,7 @@ pub(super) fn serve_channel(
                 let mut keys = vec![key];
                 for f in &req[i + 1..n] {
                     if let Ok(Request::Get { key: k } | Request::Lookup { key: k }) = Request::decode(f) {
-                        if !s.remote_asked.contains(&k) && store.peek(k).is_none() && !keys.contains(&k) {
+                        if !s.tier_asked.contains(&k) && store.peek(k).is_none() && !keys.contains(&k) {
                             keys.push(k);
                         }
                     }
@@ -406,7 +406,7 @@ pub(super) fn serve_channel(
                         // answers this WAIT (`wake_waits`); a miss there leaves
                         // it parked for a COMMIT or its deadline. The channel
                         // waits on the WAIT, not on the fetch.
-                        if !tiers.is_empty() && !s.remote_asked.contains(&key) {
+                        if !tiers.is_empty() && !s.tier_asked.contains(&key) {
                             tiers.start_fetch(
                                 channel,
                                 store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT),
@@ -467,7 +467,7 @@ pub(super) fn serve_channel(
     }
     metrics.batch_end(timer, &req[..n]);
     if from_held && s.held.is_empty() && !s.waiting {
-        s.remote_asked.clear();
+        s.tier_asked.clear();
     }
     if s.comp.notify_consumer() {
         counters.wakeups_sent += 1;

@@ -11,6 +11,7 @@
 //! written or filled). Relaxed: each value is read for itself, nothing else
 //! is published through it.
 
+use kachedb_shm::control::TierRows;
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -63,10 +64,29 @@ pub trait TierMetrics: Send + Sync + std::fmt::Debug + Any {
     /// Appends the tier's families to `out` (none while the tier is off).
     fn families(&self, out: &mut Vec<Family>);
 
-    /// Writes the tier's figures into `kachedb stats`' answer: its own
-    /// section, and its columns of the tenant rows (`into.tenants` holds
-    /// the megaslab's rows when this is called).
+    /// Writes the tier's figures into `kachedb stats`' answer: its rows
+    /// (`into.tiers`, [`put_rows`]), and its columns of the tenant rows
+    /// (`into.tenants` holds the megaslab's rows when this is called). A
+    /// tier that is off writes them too, as zeros, so that the answer
+    /// always has the same keys.
     fn fill_stats(&self, into: &mut kachedb_shm::control::Stats);
+}
+
+/// Adds the fields of `section` (a struct of a tier's rows, each field named
+/// `<tier>_<figure>`) to `into`, as the stats object carries them.
+pub fn put_rows<T: serde::Serialize>(into: &mut TierRows, section: &T) {
+    // A struct of plain fields always serialises to an object.
+    if let Ok(serde_json::Value::Object(m)) = serde_json::to_value(section) {
+        into.extend(m);
+    }
+}
+
+/// A tier's section as its own struct, read from `rows`: the fields not
+/// there at their defaults (a daemon of another version may carry other
+/// rows); all of them, if the rows do not read as `T`.
+pub fn rows_of<T: serde::de::DeserializeOwned + Default>(rows: &TierRows) -> T {
+    let picked = serde_json::Map::from_iter(rows.iter().map(|(k, v)| (k.clone(), v.clone())));
+    serde_json::from_value(serde_json::Value::Object(picked)).unwrap_or_default()
 }
 
 /// A row of a tier's table of single-valued families: name, help, kind and

@@ -16,6 +16,7 @@ pub mod gate;
 pub mod metrics;
 pub mod reply;
 pub mod threads;
+pub mod view;
 
 use kachedb_shm::{DType, Shape};
 use std::sync::Arc;
