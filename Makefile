@@ -7,7 +7,8 @@ CARGO ?= cargo
 PIP := $(PYTHON) -m pip
 # torch comes from PyPI with its CUDA wheels; it imports and runs on CPU.
 PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2" \
-	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17" "auditwheel>=6" "ziglang>=0.13" "twine>=5"
+	"transformers>=5,<6" "ray>=2.9" "redis>=5" "hiredis" "matplotlib>=3.5" "prometheus-client>=0.17" "auditwheel>=6" "ziglang>=0.13" "twine>=5" \
+	"pyzmq>=25" "msgspec>=0.18"
 
 .PHONY: setup system-deps build build-bench build-tests maturin-deps wheel sdist install-check release release-changelog python demo test test-steps test-rust test-python test-loom \
 	test-miri test-engines test-upgrade test-all bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang \
@@ -90,7 +91,7 @@ release: release-changelog install-check
 ## wheel (target/wheel, no test hooks) is what tests/test_wheel.py and the engine environments install
 WHEELS_TESTING := target/wheel-testing
 python: system-deps wheel
-	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout, transformers, ray, redis, matplotlib, prometheus_client, auditwheel" 2>/dev/null \
+	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout, transformers, ray, redis, matplotlib, prometheus_client, auditwheel, zmq, msgspec" 2>/dev/null \
 	  || { echo "== installing Python dependencies (torch is ~5 GB; first time only)"; $(PIP) install -q $(PY_DEPS); }
 	rm -rf $(WHEELS_TESTING)
 	$(PYTHON) -m maturin build --release $(MATURIN_ZIG) -q --features testing -o $(WHEELS_TESTING)

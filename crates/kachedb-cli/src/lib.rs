@@ -1,4 +1,4 @@
-//! The `kachedb` command line: `serve` and `stats`. This binary is the one
+//! The `kachedb` command line: `serve`, `stats` and `events`. This binary is the one
 //! shipped: the Python package (`kachedb-shm` on the package index) carries it
 //! as built here and runs it for `kachedb serve|stats`; the engine config
 //! commands (`vllm-config`, …) are the package's own and are listed here so
@@ -12,6 +12,7 @@
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 
+pub mod events_cmd;
 pub mod serve_cmd;
 pub mod watch;
 
@@ -41,6 +42,9 @@ pub enum Command {
     /// Print a running daemon's stats (blocks, bytes, pins, clients, evictions,
     /// rejected frames, ops/s); `--watch` keeps a live view.
     Stats(serve_cmd::StatsArgs),
+    /// Print a KV event stream live (`kachedb serve --events-endpoint`, or a
+    /// vLLM engine's): one line per batch, its sequence number and events.
+    Events(events_cmd::WatchArgs),
     /// Print the `--kv-transfer-config` JSON that plugs KacheDB into vLLM
     /// (Python package: `kachedb vllm-config --help`).
     #[command(disable_help_flag = true)]
@@ -88,6 +92,7 @@ where
     let result = match cli.command {
         Command::Serve(a) => serve_cmd::serve(&a),
         Command::Stats(a) => serve_cmd::stats(&a),
+        Command::Events(a) => events_cmd::watch(&a),
         Command::VllmConfig(_) => return in_package("vllm-config"),
         Command::LmcacheConfig(_) => return in_package("lmcache-config"),
         Command::SglangConfig(_) => return in_package("sglang-config"),

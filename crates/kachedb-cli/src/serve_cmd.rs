@@ -161,6 +161,9 @@ pub struct ServeArgs {
     /// reload` after an upgrade, deploy/kachedb.service).
     #[arg(long, value_enum, default_value_t = OnSighup::Stop, value_name = "ACTION")]
     pub on_sighup: OnSighup,
+    /// The KV event publisher (`--events-*`).
+    #[command(flatten)]
+    pub events: crate::events_cmd::EventsArgs,
 }
 
 /// `kachedb serve --on-sighup`.
@@ -435,6 +438,7 @@ pub fn serve(a: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         },
         tiers: tiers.clone(),
         tenants: tenant_config(a)?,
+        events: crate::events_cmd::events_config(&a.events)?,
     };
     if a.takeover {
         let (daemon, t) = Daemon::take_over(cfg, shutdown)?;

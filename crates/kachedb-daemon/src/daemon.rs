@@ -72,6 +72,8 @@ pub struct ServeConfig {
     pub tiers: Vec<Arc<dyn TierSetup>>,
     /// Tenants and their limits (`kachedb serve --tenant-limit`, docs/metrics.md "Tenants").
     pub tenants: TenantConfig,
+    /// The KV event publisher, if on (`kachedb serve --events-endpoint`, docs/events.md).
+    pub events: Option<crate::kv_events::EventsConfig>,
 }
 
 /// Tenant accounting and limits (`store/tenants.rs`).
@@ -155,6 +157,9 @@ pub enum ServeError {
     /// `--takeover` did not happen.
     #[error(transparent)]
     Takeover(#[from] crate::takeover::TakeoverError),
+    /// The KV event publisher could not start.
+    #[error("cannot publish KV events: {0}; pick a free address with --events-endpoint / --events-replay-endpoint")]
+    Events(String),
     /// A filesystem or socket operation failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -186,7 +191,12 @@ pub struct Daemon {
     started: Instant,
     /// What the daemon taken over was serving (`crate::takeover`).
     restored: Option<Restored>,
+    /// The KV event publisher's queue and thread, if on.
+    kv_events: Option<KvEvents>,
 }
+
+/// The serve loop's end of the KV event publisher's queue, and its thread.
+type KvEvents = (crate::kv_events::EventSink, std::thread::JoinHandle<()>);
 
 /// The serve loop's part of a takeover, taken up by [`Daemon::run`].
 struct Restored {
@@ -519,6 +529,7 @@ impl Daemon {
             _lock: lock,
             started,
             restored,
+            kv_events,
         } = self;
         let mut serve = Serve::new(
             region,
@@ -536,7 +547,9 @@ impl Daemon {
             serve = serve.restore(r.channels, r.waits, r.counters, &r.streams);
             tier_work = Some((r.tier_writes, r.tier_unremoved));
         }
+        let (sink, events_thread) = kv_events.unzip();
         let mut serve = serve
+            .with_kv_events(sink)
             .with_full_checks(cfg.check_invariants)
             .with_tiers(tiers)
             .with_stuck_client_timeout(cfg.stuck_client_timeout)
@@ -552,6 +565,10 @@ impl Daemon {
         let successor = control.and_then(|c| c.join().ok().flatten());
         if let Some((h, _)) = http {
             let _ = h.join();
+        }
+        // Its queue's sender went with the serve loop: it sends what is queued and ends.
+        if let Some(t) = events_thread {
+            let _ = t.join();
         }
         if handed_over {
             lock.hand_over();
@@ -600,6 +617,7 @@ struct Started {
     go: Vec<Sender<bool>>,
     started: Instant,
     restored: Option<Restored>,
+    kv_events: Option<KvEvents>,
 }
 
 impl Parts {
@@ -609,7 +627,7 @@ impl Parts {
         let Parts {
             cfg,
             region,
-            store,
+            mut store,
             listener,
             control_lock,
             channels,
@@ -661,6 +679,20 @@ impl Parts {
             };
             tiers.push(setup.start(at).map_err(ServeError::Tier)?);
         }
+        // After a takeover the old daemon holds the addresses until it
+        // exits: the thread binds as soon as they are free.
+        let kv_events = match &cfg.events {
+            Some(ec) => Some(
+                crate::kv_events::start(
+                    ec,
+                    &mut store,
+                    metrics.tier::<crate::kv_events::EventCells>(),
+                    restored.is_some(),
+                )
+                .map_err(ServeError::Events)?,
+            ),
+            None => None,
+        };
         let mut go = Vec::new();
         let (control_go, control_start) = mpsc::channel();
         go.push(control_go);
@@ -705,6 +737,7 @@ impl Parts {
             go,
             started,
             restored,
+            kv_events,
         })
     }
 }
@@ -734,6 +767,7 @@ impl Started {
             _lock: lock,
             started: self.started,
             restored: self.restored,
+            kv_events: self.kv_events,
         }
     }
 

@@ -14,6 +14,8 @@
 //! holds all of it (flags, configuration, errors, counters, stats rows);
 //! the other modules reach a tier only through [`TIERS`] (`tiers.rs`) and
 //! what [`tier_kind`] says a tier gives.
+//! With `--events-endpoint`, the [`kv_events`] publisher's thread sends the
+//! store's index changes, which `serve` queues for it, to KV-aware routers.
 #![warn(missing_docs)]
 
 pub mod alloc;
@@ -24,6 +26,7 @@ pub mod daemon;
 pub mod disk;
 pub mod events;
 pub mod http;
+pub mod kv_events;
 pub mod lock;
 pub mod metrics;
 pub mod remote;

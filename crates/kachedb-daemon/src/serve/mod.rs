@@ -54,6 +54,10 @@ const TENANT_PUBLISH_PASSES: u64 = 64;
 /// Most control and tier events a pass handles before it serves the rings.
 const EVENTS_PER_PASS: usize = 16;
 
+/// How soon an idle serve loop looks again for room in the KV event
+/// publisher's queue when a snapshot waits for it.
+const EVENTS_RETRY: Duration = Duration::from_millis(10);
+
 /// How long a request window runs by default (`kachedb serve --request-window`).
 pub const DEFAULT_REQUEST_WINDOW: Duration = Duration::from_secs(300);
 
@@ -117,6 +121,9 @@ pub(crate) struct Serve {
     window: Duration,
     /// When the current request window started.
     window_started: Instant,
+    /// The KV event publisher's queue, if it runs (`crate::kv_events`):
+    /// the store's index changes go there after each pass.
+    kv_events: Option<crate::kv_events::EventSink>,
 }
 
 impl Serve {
@@ -159,6 +166,7 @@ impl Serve {
             handed_over: false,
             window: DEFAULT_REQUEST_WINDOW,
             window_started: Instant::now(),
+            kv_events: None,
         }
     }
 
@@ -216,6 +224,20 @@ impl Serve {
         }
     }
 
+    /// Queues the store's index changes on `sink` after each pass (`kv_events`).
+    pub(crate) fn with_kv_events(mut self, sink: Option<crate::kv_events::EventSink>) -> Serve {
+        self.kv_events = sink;
+        self.flush_kv_events();
+        self
+    }
+
+    /// Queues the index changes of the pass for the KV event publisher.
+    fn flush_kv_events(&mut self) {
+        if let Some(sink) = &mut self.kv_events {
+            sink.flush(&mut self.store);
+        }
+    }
+
     /// Whether every stats answer runs the full invariant check (see `full_checks`).
     pub(crate) fn with_full_checks(mut self, on: bool) -> Serve {
         self.full_checks = on;
@@ -258,10 +280,18 @@ impl Serve {
             // Idle: wait by the policy on the doorbell, parking no later than
             // the next WAIT deadline.
             let ops = self.counters.ops;
-            let deadline = [self.waits.next_deadline(), self.tiers.next_fetch_deadline(), self.next_stuck_deadline()]
-                .into_iter()
-                .flatten()
-                .min();
+            // A snapshot for the KV event publisher waits for room in its queue: look again soon.
+            let events_retry =
+                self.kv_events.as_ref().filter(|s| s.snapshot_due()).map(|_| Instant::now() + EVENTS_RETRY);
+            let deadline = [
+                self.waits.next_deadline(),
+                self.tiers.next_fetch_deadline(),
+                self.next_stuck_deadline(),
+                events_retry,
+            ]
+            .into_iter()
+            .flatten()
+            .min();
             let mut policy = if self.woken_by_client { self.wait.in_wake_window() } else { self.wait };
             let parks_before = self.counters.parks;
             if let Some(d) = deadline {
@@ -353,6 +383,7 @@ impl Serve {
                 let _ = tx.send(stats.clone());
             }
         }
+        self.flush_kv_events();
         if did_work {
             // Events (sessions closed, clients kicked) change gauges outside batches.
             self.metrics.publish_store(&self.store.gauges());

@@ -5,7 +5,7 @@ use super::evict::Unlink;
 use super::handles::{decode_handle, encode_handle, HandleKind};
 use super::slots::{is_lent, Pin, SlotState, MAX_SLOTS};
 use super::unit::Undo;
-use super::{Reply, SessionId, Store, Tensor};
+use super::{IndexChange, Reply, SessionId, Store, Tensor};
 use crate::alloc::round_up_to_pages;
 use kachedb_shm::{page_offset_is_valid, DType, Op, Shape, Status};
 
@@ -95,13 +95,19 @@ impl Store {
             session.reservations.remove(&index);
         }
         self.hold(s, tensor.extent.len, false);
-        if let Some(old) = self.keys.insert(tensor.key, index) {
+        let replaced = self.keys.insert(tensor.key, index);
+        if let Some(old) = replaced {
             self.counters.block_replaced();
             self.unlink(old, Unlink::Dropped)?;
         }
         if let Some(parent) = parent {
             self.link_parent(index, parent)?;
         }
+        let linked_parent = match self.slots.get(index as usize).map(|slot| &slot.state) {
+            Some(SlotState::Block { parent: Some(p), .. }) => self.key_of(*p),
+            _ => None,
+        };
+        self.changes.push(IndexChange::Stored { key: tensor.key, parent: linked_parent, replaced: replaced.is_some() });
         self.linked_now(index, parent.is_none())?;
         self.lru_touch(index)?;
         Ok(Reply::default())
@@ -378,6 +384,7 @@ impl Store {
         self.resident(tenant, len, rooted, false)?;
         if self.keys.get(&key) == Some(&index) {
             self.keys.remove(&key);
+            self.changes.push(IndexChange::Removed { key });
         }
         self.resync(index)?;
         self.cut_links(index, why)?;

@@ -91,7 +91,8 @@
 //! slot tables behind handles, `handles` the handle encoding; `counters` what
 //! is counted; `check` the invariant check; `state` the store's serialized
 //! form (handed to a new daemon by a takeover); `unit` reservation units and
-//! the undo journal that makes a refused request change nothing.
+//! the undo journal that makes a refused request change nothing; `changes`
+//! the log of the index's changes that the KV event publisher reads.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -102,6 +103,7 @@ use crate::alloc::{Extent, ExtentAllocator};
 mod blocks;
 #[cfg(test)]
 mod chain_tests;
+mod changes;
 mod check;
 mod counters;
 mod evict;
@@ -123,6 +125,7 @@ mod unit;
 #[cfg(test)]
 mod unit_tests;
 
+pub use changes::IndexChange;
 pub use evict::EvictionPolicy;
 pub use gauges::Gauges;
 pub use kachedb_shm::control::StoreStats;
@@ -248,6 +251,10 @@ pub struct Store {
     /// to undo if it is refused (`unit.rs`). Closed and empty between requests.
     #[serde(skip)]
     journal: unit::Journal,
+    /// The index's changes for the KV event publisher (`changes.rs`); off
+    /// unless [`log_changes`](Store::log_changes) turned it on.
+    #[serde(skip)]
+    changes: changes::ChangeLog,
 }
 
 impl Store {
@@ -280,6 +287,7 @@ impl Store {
             reachable_bytes: 0,
             orphaned_bytes: 0,
             journal: unit::Journal::default(),
+            changes: changes::ChangeLog::default(),
         }
     }
 

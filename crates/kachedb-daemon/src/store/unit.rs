@@ -79,6 +79,7 @@ impl Store {
         }
         self.journal.open = true;
         self.journal.entries.clear();
+        self.changes.mark();
         true
     }
 
@@ -88,6 +89,7 @@ impl Store {
         let mut entries = std::mem::take(&mut self.journal.entries);
         if undo {
             self.undo(&mut entries);
+            self.changes.forget_since_mark();
         }
         entries.clear();
         self.journal.entries = entries;

@@ -1,0 +1,361 @@
+//! The publisher thread: turns the index's changes into vLLM `KVEventBatch`es
+//! (`wire.rs`) and sends them on a ZMQ PUB socket, keeps the last batches for
+//! the replay socket, and keeps its own copy of the index for snapshots.
+//!
+//! # Frames (vLLM's `ZmqEventPublisher`)
+//!
+//! * PUB: each batch is a three-frame message `[topic, seq, payload]`: the
+//!   topic (`--events-topic`, empty by default), the sequence number as 8
+//!   bytes big-endian, the msgpack batch. Sequence numbers go up by one per
+//!   batch, with no gap, from the publisher's start time in microseconds
+//!   since the epoch: a daemon that takes over, or starts again, goes on
+//!   above the numbers of the one before (unless the clock went back), so a
+//!   subscriber sees a gap and asks for a replay, which is a snapshot.
+//! * Replay (ROUTER): a request is `[empty, start]` from a REQ or DEALER
+//!   socket (`start` 8 bytes big-endian); the answer is one
+//!   `[empty, seq, payload]` message per buffered batch from `start` on, then
+//!   the end marker `[empty, -1 as 8 bytes, empty]`. When `start` is older
+//!   than the oldest buffered batch (a late joiner asks from 0, or a
+//!   subscriber fell behind further than the buffer), the answer is a
+//!   **snapshot** instead: batches that begin with `AllBlocksCleared` and store
+//!   every block of the index as of the last batch published, each with that
+//!   batch's sequence number `S`, then the end marker; the subscriber goes on
+//!   with the stream from `S + 1`. (vLLM answers such a request with what it
+//!   still has, leaving the subscriber's view incomplete.)
+//!
+//! # Its copy of the index
+//!
+//! The thread applies every change it publishes to a map hash -> parent, so
+//! the map is the index as of the last batch sent: what a snapshot sends. A
+//! change the serve loop could not queue (queue full) never reaches it; the
+//! serve loop then sends the store's whole index as one message, which
+//! replaces the map and goes out on the stream as `AllBlocksCleared` and a
+//! `BlockStored` per block: every subscriber's view is whole again.
+//!
+//! # A subscriber that does not read
+//!
+//! The PUB socket (the `zeromq` crate) writes a batch to each subscriber in
+//! turn and waits for room in its connection: a batch not taken within
+//! `send_timeout` is given up (`kachedb_events_send_timeouts_total`), for
+//! that subscriber and the ones after it in this send, who see a gap in the
+//! sequence and ask the replay socket. A subscriber sees a gap only when a
+//! later batch comes: so when the stream goes quiet after such a batch, an
+//! empty batch follows ([`GAP_NOTICE_AFTER`]). While a subscriber stalls,
+//! each batch costs up to `send_timeout` and batches grow (the thread takes
+//! all the queued changes at once); the serve loop never waits.
+
+use super::cells::EventCells;
+use super::wire::{block_hash, encode_batch, KvEvent, MEDIUM_CPU};
+use super::{EventsConfig, Msg};
+use crate::store::IndexChange;
+use bytes::Bytes;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
+
+/// Most events in one batch (a snapshot of a large index is many batches).
+const EVENTS_PER_BATCH: usize = 4096;
+/// Most queued messages the thread takes before it publishes.
+const MESSAGES_PER_ROUND: usize = 256;
+/// How long a bind of an address in use is retried after a takeover (the
+/// old daemon holds it until it exits).
+const BIND_RETRY: Duration = Duration::from_secs(15);
+
+/// How long after a batch that a subscriber did not take in time (and no
+/// batch since) an empty batch follows: it lets that subscriber see the gap
+/// even when the stream goes quiet (it sees a gap only when a later batch
+/// comes).
+const GAP_NOTICE_AFTER: Duration = Duration::from_millis(100);
+
+/// The end marker of a replay answer: -1 as 8 bytes big-endian.
+const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
+
+/// The thread's state.
+struct State {
+    cfg: EventsConfig,
+    cells: Arc<EventCells>,
+    /// Changes queued by the serve loop and not yet taken.
+    in_flight: Arc<AtomicUsize>,
+    topic: Bytes,
+    /// The next batch's sequence number.
+    next_seq: u64,
+    /// The last batches sent, oldest first, at most `cfg.replay_batches`.
+    buffer: VecDeque<(u64, Bytes)>,
+    /// The index as of the last batch sent: hash -> parent hash.
+    index: HashMap<u64, Option<u64>>,
+    /// Events taken, not yet sent.
+    pending: Vec<KvEvent>,
+    /// The last batch sent was not taken by every subscriber in time: an
+    /// empty batch follows when the stream stays quiet ([`GAP_NOTICE_AFTER`]).
+    gap_notice_due: bool,
+}
+
+impl State {
+    fn take(&mut self, msg: Msg) {
+        match msg {
+            Msg::Changes(changes) => {
+                self.in_flight.fetch_sub(changes.len(), Relaxed);
+                for c in changes {
+                    self.apply(c);
+                }
+            }
+            Msg::Snapshot(all) => {
+                self.in_flight.fetch_sub(1, Relaxed);
+                self.index.clear();
+                self.pending.push(KvEvent::Cleared);
+                for c in all {
+                    self.apply(c);
+                }
+                self.cells.resyncs.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    fn apply(&mut self, change: IndexChange) {
+        match change {
+            IndexChange::Stored { key, parent, replaced } => {
+                let hash = block_hash(key);
+                if replaced {
+                    self.removed(hash);
+                }
+                let parent = parent.map(block_hash);
+                self.index.insert(hash, parent);
+                self.pending.push(KvEvent::Stored { hash, parent, medium: MEDIUM_CPU });
+            }
+            IndexChange::Removed { key } => {
+                let hash = block_hash(key);
+                self.index.remove(&hash);
+                self.removed(hash);
+            }
+        }
+    }
+
+    /// A removal, merged into the previous event if that is one too.
+    fn removed(&mut self, hash: u64) {
+        if let Some(KvEvent::Removed { hashes, .. }) = self.pending.last_mut() {
+            hashes.push(hash);
+        } else {
+            self.pending.push(KvEvent::Removed { hashes: vec![hash], medium: MEDIUM_CPU });
+        }
+    }
+
+    /// Sends the pending events as batches of at most [`EVENTS_PER_BATCH`]
+    /// (`empty_too`: one empty batch when none are pending).
+    async fn publish(&mut self, sock: &mut PubSocket, empty_too: bool) {
+        let pending = std::mem::take(&mut self.pending);
+        let no_events: &[KvEvent] = &[];
+        let chunks: Vec<&[KvEvent]> =
+            if pending.is_empty() && empty_too { vec![no_events] } else { pending.chunks(EVENTS_PER_BATCH).collect() };
+        for chunk in chunks {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            let payload = batch_payload(chunk);
+            let msg = frames(vec![self.topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()]);
+            self.gap_notice_due = false;
+            match tokio::time::timeout(self.cfg.send_timeout, sock.send(msg)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!("KV event batch {seq}: {e}"),
+                Err(_) => {
+                    self.cells.send_timeouts.fetch_add(1, Relaxed);
+                    self.gap_notice_due = true;
+                }
+            }
+            self.cells.batches.fetch_add(1, Relaxed);
+            self.cells.events.fetch_add(chunk.len() as u64, Relaxed);
+            self.cells.bytes.fetch_add(payload.len() as u64, Relaxed);
+            self.cells.sequence.store(seq, Relaxed);
+            if self.cfg.replay_batches > 0 {
+                if self.buffer.len() == self.cfg.replay_batches {
+                    self.buffer.pop_front();
+                }
+                self.buffer.push_back((seq, payload));
+            }
+        }
+        self.cells.blocks.store(self.index.len() as u64, Relaxed);
+        // Keeps the vector's capacity for the next round.
+        self.pending = pending;
+        self.pending.clear();
+    }
+
+    /// Answers one replay request (`msg`: identity, empty, start).
+    async fn replay(&mut self, sock: &mut RouterSocket, msg: ZmqMessage) {
+        let req = msg.into_vec();
+        let [id, _, start] = req.as_slice() else {
+            tracing::debug!("a replay request of {} frames (3 expected) is ignored", req.len());
+            return;
+        };
+        let Ok(start) = <[u8; 8]>::try_from(start.as_ref()) else {
+            tracing::debug!("a replay request whose start is not 8 bytes is ignored");
+            return;
+        };
+        let start = u64::from_be_bytes(start);
+        self.cells.replays.fetch_add(1, Relaxed);
+        let empty = Bytes::new();
+        let buffered = self.buffer.front().is_some_and(|&(oldest, _)| start >= oldest) || start >= self.next_seq;
+        let mut answers: Vec<(u64, Bytes)> = Vec::new();
+        if buffered {
+            answers.extend(self.buffer.iter().filter(|(seq, _)| *seq >= start).cloned());
+        } else {
+            self.cells.replay_snapshots.fetch_add(1, Relaxed);
+            let last = self.next_seq.saturating_sub(1);
+            let events = self.snapshot();
+            for chunk in events.chunks(EVENTS_PER_BATCH) {
+                answers.push((last, batch_payload(chunk)));
+            }
+        }
+        for (seq, payload) in answers {
+            let reply = frames(vec![id.clone(), empty.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload]);
+            if sock.send(reply).await.is_err() {
+                return; // the peer left
+            }
+        }
+        let _ = sock.send(frames(vec![id.clone(), empty.clone(), Bytes::from_static(&END_SEQ), empty])).await;
+    }
+
+    /// `AllBlocksCleared`, then every block of the index, parents before
+    /// their children.
+    fn snapshot(&self) -> Vec<KvEvent> {
+        let mut out = Vec::with_capacity(self.index.len() + 1);
+        out.push(KvEvent::Cleared);
+        let mut sent: std::collections::HashSet<u64> = std::collections::HashSet::with_capacity(self.index.len());
+        let mut chain = Vec::new();
+        for &hash in self.index.keys() {
+            // Walk up to the first ancestor sent (or absent), then send
+            // downwards.
+            let mut h = hash;
+            while !sent.contains(&h) {
+                let Some(&parent) = self.index.get(&h) else { break };
+                chain.push((h, parent));
+                match parent {
+                    // Longer than the index: a cycle (two keys of one hash).
+                    Some(p) if chain.len() <= self.index.len() => h = p,
+                    _ => break,
+                }
+            }
+            while let Some((h, parent)) = chain.pop() {
+                if sent.insert(h) {
+                    out.push(KvEvent::Stored { hash: h, parent, medium: MEDIUM_CPU });
+                }
+            }
+        }
+        out
+    }
+}
+
+fn batch_payload(events: &[KvEvent]) -> Bytes {
+    let ts = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    let mut out = Vec::with_capacity(16 + events.len() * 48);
+    encode_batch(ts, events, 0, &mut out);
+    Bytes::from(out)
+}
+
+fn frames(v: Vec<Bytes>) -> ZmqMessage {
+    // Never empty: every caller gives at least three frames.
+    ZmqMessage::try_from(v).unwrap_or_else(|_| ZmqMessage::from(Bytes::new()))
+}
+
+/// Binds `sock` to `endpoint`, retrying an address in use for [`BIND_RETRY`]
+/// if `retry`.
+async fn bind<S: Socket>(sock: &mut S, endpoint: &str, retry: bool) -> Result<(), String> {
+    let until = tokio::time::Instant::now() + BIND_RETRY;
+    loop {
+        match sock.bind(endpoint).await {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                let in_use = e.to_string().to_ascii_lowercase().contains("in use");
+                if !(retry && in_use) || tokio::time::Instant::now() >= until {
+                    return Err(format!("binding {endpoint}: {e}"));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// The thread: binds, reports the outcome on `bound`, then publishes until
+/// the serve loop drops its sender.
+pub(super) fn run(
+    cfg: EventsConfig,
+    cells: Arc<EventCells>,
+    in_flight: Arc<AtomicUsize>,
+    mut rx: mpsc::Receiver<Msg>,
+    retry_bind: bool,
+    bound: std::sync::mpsc::Sender<Result<(), String>>,
+) {
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = bound.send(Err(format!("starting the KV event publisher's runtime: {e}")));
+            return;
+        }
+    };
+    rt.block_on(async move {
+        let mut pub_sock = PubSocket::new();
+        let mut monitor = pub_sock.monitor();
+        if let Err(e) = bind(&mut pub_sock, &cfg.endpoint, retry_bind).await {
+            tracing::error!("the KV event publisher is off: {e}");
+            let _ = bound.send(Err(e));
+            return;
+        }
+        let mut router = None;
+        if let Some(ep) = &cfg.replay_endpoint {
+            let mut r = RouterSocket::new();
+            if let Err(e) = bind(&mut r, ep, retry_bind).await {
+                tracing::error!("the KV event publisher is off: {e}");
+                let _ = bound.send(Err(e));
+                return;
+            }
+            router = Some(r);
+        }
+        let _ = bound.send(Ok(()));
+        cells.enabled.store(1, Relaxed);
+        let mut st = State {
+            topic: Bytes::from(cfg.topic.clone().into_bytes()),
+            cfg,
+            cells: cells.clone(),
+            in_flight,
+            next_seq: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64),
+            buffer: VecDeque::new(),
+            index: HashMap::new(),
+            pending: Vec::new(),
+            gap_notice_due: false,
+        };
+        let mut monitor_open = true;
+        loop {
+            tokio::select! {
+                m = rx.recv() => {
+                    let Some(m) = m else { break };
+                    st.take(m);
+                    for _ in 1..MESSAGES_PER_ROUND {
+                        match rx.try_recv() {
+                            Ok(m) => st.take(m),
+                            Err(_) => break,
+                        }
+                    }
+                    st.publish(&mut pub_sock, false).await;
+                }
+                _ = tokio::time::sleep(GAP_NOTICE_AFTER), if st.gap_notice_due => {
+                    st.publish(&mut pub_sock, true).await;
+                }
+                req = async { router.as_mut().expect("guarded").recv().await }, if router.is_some() => {
+                    if let (Ok(req), Some(r)) = (req, router.as_mut()) {
+                        st.replay(r, req).await;
+                    }
+                }
+                ev = futures_util::StreamExt::next(&mut monitor), if monitor_open => match ev {
+                    Some(SocketEvent::Accepted(..)) => { cells.subscribers.fetch_add(1, Relaxed); }
+                    Some(SocketEvent::Disconnected(_)) => {
+                        crate::tier::metrics::sub(&cells.subscribers, 1);
+                    }
+                    Some(_) => {}
+                    None => monitor_open = false,
+                },
+            }
+        }
+        cells.enabled.store(0, Relaxed);
+        cells.subscribers.store(0, Relaxed);
+    });
+}
