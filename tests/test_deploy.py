@@ -54,10 +54,11 @@ INSTALLED = "/usr/local/bin/kachedb"  # where the unit expects the binary
 SOCKET_DIR = "/run/kachedb"  # the socket directory on every host, container and node
 DEFAULT_HEADROOM = 512 << 20  # `kachedb serve --headroom` default
 STATE_DIR = "/var/lib/kachedb"  # the disk tier's home: the unit's StateDirectory=, the DaemonSet's hostPath
-# The disk tier's index costs memory beside the region: measured ~420 bytes per
-# block on disk (100 000 blocks, RssAnon of a daemon that rebuilt its index: 42 MiB);
-# counted here as 512 per block of the smallest usual size, 64 KiB + the 4 KiB header.
-INDEX_BYTES_PER_BLOCK = 512
+# The disk tier's index costs memory beside the region: measured 153 bytes per
+# block on disk (100 000 blocks, RssAnon of a daemon that rebuilt its index after
+# kill -9 against one with an empty DIR: 15.2 vs 0.7 MiB; docs/deploy.md); counted
+# here as 256 per block of the smallest usual size, 64 KiB + the 4 KiB header.
+INDEX_BYTES_PER_BLOCK = 256
 SMALL_BLOCK_ON_DISK = (64 << 10) + 4096
 
 

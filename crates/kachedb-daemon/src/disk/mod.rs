@@ -942,6 +942,15 @@ fn discard_torn(s: &Shared, key: u128, why: &dyn std::fmt::Display) {
 
 /// Empties `tmp/` and rebuilds the index from the headers under `blocks/`;
 /// then lets the writers go.
+/// Gives the allocator's free memory back to the kernel, every arena's.
+fn trim_heap() {
+    // SAFETY: `malloc_trim` takes no pointer and only returns free memory to
+    // the kernel; glibc's allocator is thread-safe.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 fn rebuild_index(s: &Shared, run: u64) {
     let t0 = Instant::now();
     let mut torn = s.dir.clear_tmp();
@@ -991,6 +1000,12 @@ fn rebuild_index(s: &Shared, run: u64) {
             bytes += b;
         }
     }
+    drop(found);
+    drop(keys);
+    // The names and headers read (~100 bytes a block, in the reader threads'
+    // arenas too) are free now; the daemon's trim threshold (`mallopt` in
+    // `kachedb serve`) would keep them as resident memory for good.
+    trim_heap();
     let victims = {
         let mut ix = lock(&s.index);
         let v = ix.shrink_to_fit();
