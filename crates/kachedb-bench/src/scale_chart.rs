@@ -72,7 +72,9 @@ pub fn draw(path: &Path, rows: &[Row], block_bytes: u64, font: &'static [u8]) ->
             .iter()
             .flat_map(|(_, s)| s.iter().map(|p| p.1))
             .fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
-        let (lo, hi) = if lo > hi { (0.1, 10.0) } else { (lo / 2.0, hi * 2.0) };
+        // Whole decades, so that every panel has labels at both ends.
+        let (lo, hi) =
+            if lo > hi { (0.1, 10.0) } else { (10f64.powf(lo.log10().floor()), 10f64.powf(hi.log10().ceil())) };
         let mut chart = ChartBuilder::on(area)
             .caption(caption, ("sans-serif", 20))
             .margin(12)
