@@ -18,6 +18,7 @@ pub mod remote;
 pub mod ring;
 pub mod scale;
 pub mod scale_chart;
+pub mod scale_costs;
 pub mod scrape;
 pub mod spawn;
 

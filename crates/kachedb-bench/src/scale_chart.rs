@@ -2,7 +2,7 @@
 //! block count (log x): µs per request, ms, RAM bytes per block (log y),
 //! and every cost over its value at the first count, with the goal (1.5×).
 
-use crate::scale::{Panel, Row, COSTS};
+use crate::scale_costs::{fmt_figure, Panel, Row, COSTS};
 use plotters::prelude::*;
 use plotters::style::register_font;
 use std::path::Path;
@@ -85,7 +85,7 @@ pub fn draw(path: &Path, rows: &[Row], block_bytes: u64, font: &'static [u8]) ->
             .configure_mesh()
             .x_desc("blocks stored")
             .x_label_formatter(&|x| format!("{x:.0e}"))
-            .y_label_formatter(&|y| crate::scale::fmt_figure(*y))
+            .y_label_formatter(&|y| fmt_figure(*y))
             .label_style(("sans-serif", 14))
             .draw()?;
         for (i, s) in lines {
@@ -131,7 +131,7 @@ pub fn draw(path: &Path, rows: &[Row], block_bytes: u64, font: &'static [u8]) ->
         .configure_mesh()
         .x_desc("blocks stored")
         .x_label_formatter(&|x| format!("{x:.0e}"))
-        .y_label_formatter(&|y| format!("{}×", crate::scale::fmt_figure(*y)))
+        .y_label_formatter(&|y| format!("{}×", fmt_figure(*y)))
         .label_style(("sans-serif", 14))
         .draw()?;
     chart.draw_series(LineSeries::new(vec![(x_min, GOAL), (x_max, GOAL)], RED.stroke_width(1)))?;
