@@ -186,7 +186,7 @@ pub fn run(a: &ScaleArgs) -> Res<()> {
     }
     // The font is looked for before anything is measured: a run that cannot
     // draw its chart says so at once.
-    let font = font_bytes(a.font.as_deref())?;
+    crate::scale_chart::use_font(font_bytes(a.font.as_deref())?)?;
     let (rows, block_bytes) = match &a.from_json {
         Some(p) => {
             let doc: Json = serde_json::from_str(&std::fs::read_to_string(p)?)?;
@@ -201,7 +201,7 @@ pub fn run(a: &ScaleArgs) -> Res<()> {
         None => (measure(a)?, a.block_size),
     };
     println!("{}", table(&rows, block_bytes));
-    crate::scale_chart::draw(&a.png, &rows, block_bytes, font)?;
+    crate::scale_chart::draw(&a.png, &rows, block_bytes)?;
     eprintln!("scale: chart written to {}", a.png.display());
     Ok(())
 }

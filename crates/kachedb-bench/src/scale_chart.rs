@@ -38,9 +38,15 @@ fn series(rows: &[Row], key: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// Draws the chart of `rows` to `path` (PNG), its text in `font` (TrueType bytes).
-pub fn draw(path: &Path, rows: &[Row], block_bytes: u64, font: &'static [u8]) -> Res<()> {
+/// Makes `font` (TrueType bytes) the font of the chart's text; an error if
+/// it is not a TrueType font.
+pub fn use_font(font: &'static [u8]) -> Res<()> {
     register_font("sans-serif", FontStyle::Normal, font).map_err(|_| "the chart's font is not a TrueType font")?;
+    Ok(())
+}
+
+/// Draws the chart of `rows` to `path` (PNG), its text in the font given to [`use_font`].
+pub fn draw(path: &Path, rows: &[Row], block_bytes: u64) -> Res<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
