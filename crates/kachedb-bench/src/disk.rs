@@ -90,7 +90,8 @@ pub enum WorkerClass {
 }
 
 impl WorkerClass {
-    fn arg(self) -> &'static str {
+    /// Its value for `serve --disk-worker-class`.
+    pub fn arg(self) -> &'static str {
         match self {
             WorkerClass::Idle => "idle",
             WorkerClass::Normal => "normal",
@@ -822,30 +823,40 @@ fn get_during_io(
     Ok(())
 }
 
+/// Writes `n` block files of `len` bytes under `blocks_dir`, in the tier's
+/// format (`format::Header`, then the payload): keys `Key::from_parts(j,
+/// salt)`, `j` in `0..n`, in chains of 16 (each block's parent the one
+/// before it, except at every 16th). What a daemon with `--disk` indexes at
+/// its start as if it had written them.
+pub fn write_block_files(blocks_dir: &Path, n: u64, salt: u64, len: usize) -> Res<()> {
+    let payload = vec![3u8; len];
+    for j in 0..n {
+        let key = Key::from_parts(j, salt);
+        let h = Header {
+            tenant: None,
+            key: key.0,
+            parent: (j % 16 != 0).then(|| Key::from_parts(j - 1, salt).0),
+            dtype: kachedb_shm::DType::U8,
+            shape: kachedb_shm::Shape::new(&[len as u64]).ok_or("shape")?,
+            len: len as u64,
+            written_ms: 0,
+            checksum: format::checksum(&payload),
+        };
+        let mut b = h.encode();
+        b.extend_from_slice(&payload);
+        std::fs::write(format::block_path(blocks_dir, key.0), &b)?;
+    }
+    Ok(())
+}
+
 /// The restart measurement (see the module docs).
 fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -> Res<()> {
     let disk = tmp.join("restart");
     let blocks_dir = disk.join("blocks");
     std::fs::create_dir_all(&blocks_dir)?;
     let n = a.restart_blocks;
-    let payload = vec![3u8; 4096];
     let t = Instant::now();
-    for j in 0..n {
-        let key = Key::from_parts(j, 0x5e57a47);
-        let h = Header {
-            tenant: None,
-            key: key.0,
-            parent: (j % 16 != 0).then(|| Key::from_parts(j - 1, 0x5e57a47).0),
-            dtype: kachedb_shm::DType::U8,
-            shape: kachedb_shm::Shape::new(&[4096]).ok_or("shape")?,
-            len: 4096,
-            written_ms: 0,
-            checksum: format::checksum(&payload),
-        };
-        let mut b = h.encode();
-        b.extend_from_slice(&payload);
-        std::fs::write(format::block_path(&blocks_dir, key.0), &b)?;
-    }
+    write_block_files(&blocks_dir, n, 0x5e57a47, 4096)?;
     rustix::fs::sync();
     let made_s = t.elapsed().as_secs_f64();
     let first = Key::from_parts(n / 2, 0x5e57a47);

@@ -1,5 +1,5 @@
 //! The `kachedb-bench` command: the benchmarks (`ring`, `ops`, `remote`,
-//! `disk`), the demo, and the hidden child processes they start by
+//! `disk`, `scale`), the demo, and the hidden child processes they start by
 //! re-executing this binary: `bench-child` and `demo-child`, and `serve`, the
 //! daemon the benchmarks start (the code of `kachedb serve`, from `kachedb-cli`,
 //! linked in so that a benchmark needs nothing beside this binary; `--socket`
@@ -16,6 +16,9 @@ pub mod disk;
 pub mod ops;
 pub mod remote;
 pub mod ring;
+pub mod scale;
+pub mod scale_chart;
+pub mod scale_costs;
 pub mod scrape;
 pub mod spawn;
 
@@ -51,6 +54,11 @@ pub enum Command {
     /// and writes of the same files, O_DIRECT next to buffered, GET latency
     /// during disk I/O, restart after kill -9 with 100 000 blocks on disk.
     Disk(disk::DiskArgs),
+    /// How the costs grow with the blocks stored (10³ … 10⁶): GET, PUT and
+    /// LOOKUP p50/p99, eviction per evicted block, stats, the daemon's RAM
+    /// per block, the takeover's pause, and with --disk the disk index's RAM
+    /// and its restart after kill -9; a table, --json and a PNG chart.
+    Scale(scale::ScaleArgs),
     /// Start a daemon (unless one runs), put a tensor from one process and get it
     /// back in another, verifying every byte.
     Demo(demo::DemoArgs),
@@ -97,6 +105,7 @@ pub fn run(command: &Command) -> Result<(), Box<dyn std::error::Error>> {
         Command::Ops(a) => ops::run(a),
         Command::Remote(a) => remote::run(a),
         Command::Disk(a) => disk::run(a),
+        Command::Scale(a) => scale::run(a),
         Command::Demo(a) => demo::run(a),
         Command::DemoChild(a) => demo::child(a),
         Command::BenchChild(a) => ring::child(a),

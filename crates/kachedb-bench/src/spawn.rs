@@ -1,4 +1,4 @@
-//! Starting a daemon as a child process for `demo` and `kachedb-bench ops`.
+//! Starting a daemon as a child process for `demo` and the benchmarks.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -77,6 +77,12 @@ impl DaemonProcess {
     /// Its pid.
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Kills it with SIGKILL (no shutdown of its own) and waits for it.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
