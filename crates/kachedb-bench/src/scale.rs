@@ -35,6 +35,7 @@ use crate::scale_costs::{fmt_figure, Cost, Row, COSTS};
 use crate::spawn::{DaemonProcess, TempDir};
 use clap::Args;
 use kachedb_client::{Client, ConnectOptions, Key, Value};
+use kachedb_daemon::disk::cells::DiskStats;
 use kachedb_shm::units::parse_size;
 use serde_json::{json, Value as Json};
 use std::path::{Path, PathBuf};
@@ -552,7 +553,7 @@ fn disk(a: &ScaleArgs, base: &Path, n: u64, row: &mut Row) -> Res<TempDir> {
         let t = Instant::now();
         loop {
             let s = kachedb_client::daemon_stats(&opts)?;
-            if s.disk.disk_indexed {
+            if DiskStats::of(&s).disk_indexed {
                 return Ok(s);
             }
             if t.elapsed() > Duration::from_secs(1800) {
@@ -569,8 +570,8 @@ fn disk(a: &ScaleArgs, base: &Path, n: u64, row: &mut Row) -> Res<TempDir> {
     drop(e);
     let mut d = spawn(&full)?;
     let s = indexed(&d)?;
-    if s.disk.disk_blocks < n {
-        return Err(format!("the tier indexed {} of the {n} block files", s.disk.disk_blocks).into());
+    if DiskStats::of(&s).disk_blocks < n {
+        return Err(format!("the tier indexed {} of the {n} block files", DiskStats::of(&s).disk_blocks).into());
     }
     std::thread::sleep(Duration::from_millis(300));
     let anon_full = proc_status_bytes(d.pid(), "RssAnon")?;
@@ -594,7 +595,7 @@ fn disk(a: &ScaleArgs, base: &Path, n: u64, row: &mut Row) -> Res<TempDir> {
     row.insert("restart_first_get_ms".into(), json!(t.elapsed().as_secs_f64() * 1e3));
     let s = indexed(&d)?;
     row.insert("restart_indexed_ms".into(), json!(t.elapsed().as_secs_f64() * 1e3));
-    row.insert("restart_index_rebuild_s".into(), json!(s.disk.disk_index_s));
+    row.insert("restart_index_rebuild_s".into(), json!(DiskStats::of(&s).disk_index_s));
     drop(kc);
     drop(d);
     Ok(tmp)
