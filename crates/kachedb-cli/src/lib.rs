@@ -57,7 +57,7 @@ pub enum Command {
     /// (Python package: `kachedb sglang-config --help`).
     #[command(disable_help_flag = true)]
     SglangConfig(PackageCommand),
-    /// Deprecated: `kachedb-bench ring|ops|remote|disk` (run when it is beside this binary).
+    /// Deprecated: `kachedb-bench ring|ops|remote|disk|scale` (run when it is beside this binary).
     #[command(hide = true, disable_help_flag = true)]
     Bench(PackageCommand),
     /// Deprecated: `kachedb-bench demo` (run when it is beside this binary).
@@ -142,7 +142,7 @@ fn to_bench_binary(cmd: &str, lead: &[OsString], args: &[OsString]) -> u8 {
             eprintln!(
                 "kachedb: the benchmarks and the demo are the `{BENCH_BINARY}` binary, not part of `kachedb` \
                  (the one the Python package ships): from a KacheDB checkout, `cargo build --release -p kachedb-bench` \
-                 and run `target/release/{BENCH_BINARY} ring|ops|remote|disk|demo`; \
+                 and run `target/release/{BENCH_BINARY} ring|ops|remote|disk|scale|demo`; \
                  `python benchmarks/python_ops.py` gives the Python figures"
             );
             USAGE

@@ -35,7 +35,7 @@ fn the_binary_names_no_benchmark_and_says_where_they_are() {
         let out = run(&exe, args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-        assert!(err.contains("kachedb-bench ring|ops|remote|disk|demo"), "{args:?}: {err}");
+        assert!(err.contains("kachedb-bench ring|ops|remote|disk|scale|demo"), "{args:?}: {err}");
         assert!(out.stdout.is_empty(), "{args:?}");
     }
 }
