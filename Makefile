@@ -154,7 +154,7 @@ vllm-env: wheel
 
 ## test-vllm: KacheDB inside real vLLM CPU engines (tests/vllm; ~10 min on 2 cores)
 test-vllm: build vllm-env
-	$(VLLM_PY) -m pytest -q tests/vllm
+	$(VLLM_PY) -m pytest -q -rs tests/vllm
 
 ## bench-vllm: TTFT of a fresh vLLM engine, cold vs KacheDB hit vs in-engine prefix-cache hit
 bench-vllm: build vllm-env
@@ -175,7 +175,7 @@ lmcache-env: wheel
 
 ## test-lmcache: KacheDB as LMCache's remote storage plugin, real engines in separate processes (tests/lmcache)
 test-lmcache: build lmcache-env
-	$(LMCACHE_PY) -m pytest -q tests/lmcache
+	$(LMCACHE_PY) -m pytest -q -rs tests/lmcache
 
 ## bench-lmcache: a 2K-token prompt's KV stored and retrieved through KacheDB vs LMCache's local CPU tier
 bench-lmcache: build lmcache-env
@@ -198,7 +198,7 @@ sglang-env: wheel
 
 ## test-sglang: KacheDB as SGLang's HiCache L3 storage, real host pools in two processes (tests/sglang)
 test-sglang: build sglang-env
-	$(SGLANG_RUN) $(SGLANG_PY) -m pytest -q tests/sglang
+	$(SGLANG_RUN) $(SGLANG_PY) -m pytest -q -rs tests/sglang
 
 ## bench-sglang: a 2K-token prompt's KV stored and retrieved through KacheDB vs SGLang's file backend
 bench-sglang: build sglang-env
