@@ -47,92 +47,27 @@ struct Family {
     shows: Shows,
 }
 
+/// A [`Family`] in one line of [`FAMILIES`].
+const fn family(name: &'static str, help: &'static str, kind: MetricType, shows: Shows) -> Family {
+    Family { name, help, kind, shows }
+}
+
 /// Every per-tenant family, in the order they are written.
 const FAMILIES: [Family; 14] = [
-    Family {
-        name: "tenant_clients",
-        help: "Clients connected as this tenant now.",
-        kind: Gauge,
-        shows: Shows::Cell(|c| c.clients.get()),
-    },
-    Family {
-        name: "tenant_bytes",
-        help: "Megaslab bytes in the tenant's extents: its blocks, deleted-but-pinned blocks and reservations (sums to kachedb_bytes_used).",
-        kind: Gauge,
-        shows: Shows::Cell(|c| c.bytes.get()),
-    },
-    Family {
-        name: "tenant_blocks",
-        help: "The tenant's blocks that GET can find (sums to kachedb_blocks).",
-        kind: Gauge,
-        shows: Shows::Cell(|c| c.blocks.get()),
-    },
-    Family {
-        name: "tenant_reachable_bytes",
-        help: "Extent bytes of the tenant's blocks whose chain is whole in the megaslab.",
-        kind: Gauge,
-        shows: Shows::Cell(|c| c.reachable_bytes.get()),
-    },
-    Family {
-        name: "tenant_orphaned_bytes",
-        help: "Extent bytes of the tenant's blocks a block before them in their chain is missing for.",
-        kind: Gauge,
-        shows: Shows::Cell(|c| c.orphaned_bytes.get()),
-    },
-    Family {
-        name: "tenant_evictions",
-        help: "The tenant's blocks evicted (sums to kachedb_evictions_total).",
-        kind: Counter,
-        shows: Shows::Cell(|c| c.evictions.get()),
-    },
-    Family {
-        name: "tenant_evicted_bytes",
-        help: "Extent bytes of the tenant's blocks evicted.",
-        kind: Counter,
-        shows: Shows::Cell(|c| c.evicted_bytes.get()),
-    },
-    Family {
-        name: "tenant_stored_bytes",
-        help: "Tensor bytes the tenant's clients committed.",
-        kind: Counter,
-        shows: Shows::Cell(|c| c.stored_bytes.get()),
-    },
-    Family {
-        name: "tenant_limit_refusals",
-        help: "RESERVEs refused because they could not fit within the tenant's limit (nothing evicted).",
-        kind: Counter,
-        shows: Shows::Cell(|c| c.limit_refusals.get()),
-    },
-    Family {
-        name: "tenant_window_distinct_keys",
-        help: "Distinct keys the tenant's clients asked for in the current request window (HyperLogLog estimate, ~1.6 % standard error).",
-        kind: Gauge,
-        shows: Shows::Cell(|c| c.window_distinct_keys.get()),
-    },
-    Family {
-        name: "tenant_window_key_requests",
-        help: "Keys the tenant's clients asked for (GET, LOOKUP) in the current request window.",
-        kind: Gauge,
-        shows: Shows::Cell(|c| c.window_key_requests.get()),
-    },
-    Family {
-        name: "tenant_limit_bytes",
-        help: "The tenant's limit on kachedb_tenant_bytes (--tenant-limit); absent without one.",
-        kind: Gauge,
-        shows: Shows::Limit,
-    },
-    Family {
-        name: "tenant_hit_blocks",
-        help: "Keys the tenant's clients found, by op (sums to kachedb_hit_blocks_total).",
-        kind: Counter,
-        shows: Shows::ByOp(|c| [c.get_hits.get(), c.lookup_hits.get()]),
-    },
-    Family {
-        name: "tenant_miss_blocks",
-        help: "Keys the tenant's clients did not find, by op (sums to kachedb_miss_blocks_total).",
-        kind: Counter,
-        shows: Shows::ByOp(|c| [c.get_misses.get(), c.lookup_misses.get()]),
-    },
+    family("tenant_clients", "Clients connected as this tenant now.", Gauge, Shows::Cell(|c| c.clients.get())),
+    family("tenant_bytes", "Megaslab bytes in the tenant's extents: its blocks, deleted-but-pinned blocks and reservations (sums to kachedb_bytes_used).", Gauge, Shows::Cell(|c| c.bytes.get())),
+    family("tenant_blocks", "The tenant's blocks that GET can find (sums to kachedb_blocks).", Gauge, Shows::Cell(|c| c.blocks.get())),
+    family("tenant_reachable_bytes", "Extent bytes of the tenant's blocks whose chain is whole in the megaslab.", Gauge, Shows::Cell(|c| c.reachable_bytes.get())),
+    family("tenant_orphaned_bytes", "Extent bytes of the tenant's blocks a block before them in their chain is missing for.", Gauge, Shows::Cell(|c| c.orphaned_bytes.get())),
+    family("tenant_evictions", "The tenant's blocks evicted (sums to kachedb_evictions_total).", Counter, Shows::Cell(|c| c.evictions.get())),
+    family("tenant_evicted_bytes", "Extent bytes of the tenant's blocks evicted.", Counter, Shows::Cell(|c| c.evicted_bytes.get())),
+    family("tenant_stored_bytes", "Tensor bytes the tenant's clients committed.", Counter, Shows::Cell(|c| c.stored_bytes.get())),
+    family("tenant_limit_refusals", "RESERVEs refused because they could not fit within the tenant's limit (nothing evicted).", Counter, Shows::Cell(|c| c.limit_refusals.get())),
+    family("tenant_window_distinct_keys", "Distinct keys the tenant's clients asked for in the current request window (HyperLogLog estimate, ~1.6 % standard error).", Gauge, Shows::Cell(|c| c.window_distinct_keys.get())),
+    family("tenant_window_key_requests", "Keys the tenant's clients asked for (GET, LOOKUP) in the current request window.", Gauge, Shows::Cell(|c| c.window_key_requests.get())),
+    family("tenant_limit_bytes", "The tenant's limit on kachedb_tenant_bytes (--tenant-limit); absent without one.", Gauge, Shows::Limit),
+    family("tenant_hit_blocks", "Keys the tenant's clients found, by op (sums to kachedb_hit_blocks_total).", Counter, Shows::ByOp(|c| [c.get_hits.get(), c.lookup_hits.get()])),
+    family("tenant_miss_blocks", "Keys the tenant's clients did not find, by op (sums to kachedb_miss_blocks_total).", Counter, Shows::ByOp(|c| [c.get_misses.get(), c.lookup_misses.get()])),
 ];
 
 impl Family {
