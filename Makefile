@@ -12,7 +12,7 @@ PY_DEPS := "maturin>=1.5,<2" "numpy>=1.22" "torch>=2.1" "pytest>=7" "hypothesis>
 
 .PHONY: setup system-deps build build-bench build-tests maturin-deps wheel sdist install-check release release-changelog python demo test test-steps test-rust test-python test-loom \
 	test-miri test-engines test-upgrade test-all bench lint vllm-env test-vllm bench-vllm sglang-env test-sglang bench-sglang \
-	lmcache-env test-lmcache bench-lmcache
+	lmcache-env test-lmcache bench-lmcache dynamo-env test-dynamo
 
 ## setup: install the Python tools and build everything, test binaries included (idempotent)
 setup: build python build-tests
@@ -111,8 +111,9 @@ test:
 test-steps: setup test-rust test-loom test-python
 
 ## test-engines: the vLLM, LMCache and SGLang suites, each in its own virtual environment
-## (created on first use: ~25 GB of disk and 10-15 min of downloads; then ~35 min a run)
-test-engines: test-vllm test-lmcache test-sglang
+## (created on first use: ~25 GB of disk and 10-15 min of downloads; then ~35 min a run), and
+## the Dynamo indexer suite (~1 min more)
+test-engines: test-vllm test-lmcache test-sglang test-dynamo
 
 ## test-all: both, the upgrade from the previous state format and every install path (what CI
 ## runs, .ci/run)
@@ -204,6 +205,23 @@ test-sglang: build sglang-env
 bench-sglang: build sglang-env
 	$(SGLANG_RUN) $(SGLANG_PY) benchmarks/sglang_backend.py
 
+## dynamo-env: Dynamo's standalone KV indexer (`python -m dynamo.indexer`, ai-dynamo-runtime
+## 1.6.1: a Rust binary in its wheel, ~75 MB; no NATS or etcd) in its own virtual environment,
+## .venv-dynamo (its pydantic pin is not vLLM's): created once. tests/dynamo starts the indexer
+## from it, beside the daemon, as a separate process
+DYNAMO_VENV ?= .venv-dynamo
+DYNAMO_PY := $(DYNAMO_VENV)/bin/python
+dynamo-env:
+	@if $(DYNAMO_PY) -c "import dynamo.llm" >/dev/null 2>&1; then echo "== $(DYNAMO_VENV): ai-dynamo-runtime already installed"; else \
+	  echo "== creating $(DYNAMO_VENV): ai-dynamo-runtime 1.6.1 (first time only)"; \
+	  $(PYTHON) -m venv $(DYNAMO_VENV) && $(DYNAMO_VENV)/bin/pip install -q uv && \
+	  $(VLLM_SSL) $(DYNAMO_VENV)/bin/uv pip install -q --python $(DYNAMO_PY) ai-dynamo-runtime==1.6.1; fi
+
+## test-dynamo: the node's KV events in Dynamo's standalone indexer (tests/dynamo): the daemon's
+## own stream (main environment) and a vLLM CPU engine as the writer (run in .venv-vllm)
+test-dynamo: build dynamo-env vllm-env
+	KACHEDB_DYNAMO_PY=$(abspath $(DYNAMO_PY)) $(VLLM_PY) -m pytest -q -rs tests/dynamo
+
 ## test-miri: the ring under Miri (needs `rustup +nightly component add miri`; not in CI)
 test-miri:
 	$(CARGO) +nightly miri test -p kachedb-shm --test heap_ring
@@ -217,7 +235,7 @@ bench: build-bench python
 
 ## The generic layers: files that must name no tier (`make lint`, docs/tiers.md).
 TIER_FREE := crates/kachedb-daemon/src/metrics.rs crates/kachedb-daemon/src/metrics/ crates/kachedb-daemon/src/tier/ crates/kachedb-daemon/src/serve/ \
-	crates/kachedb-daemon/src/tier_kind.rs crates/kachedb-daemon/src/daemon.rs crates/kachedb-daemon/src/control.rs crates/kachedb-daemon/src/takeover.rs \
+	crates/kachedb-daemon/src/tier_kind.rs crates/kachedb-daemon/src/daemon.rs crates/kachedb-daemon/src/control.rs crates/kachedb-daemon/src/takeover/ \
 	crates/kachedb-shm/src/control.rs crates/kachedb-cli/src/serve_cmd.rs crates/kachedb-cli/src/watch.rs
 lint:
 	$(CARGO) fmt --all --check

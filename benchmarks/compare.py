@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from handoff.cases import Case, FULL_SIZES, QUICK_SIZES, case_title, fmt_bytes, parse_size
 from handoff.cleanup import check_cleanup, set_subreaper, shm_names, stop_resource_tracker
+from handoff.floors import add_floor_ratios, measure_floors
 from handoff.report import add_ratios, machine_description, render_chart, render_markdown, update_doc
 from handoff.runner import Runner, mem_available
 from handoff.transports import TITLES, TORCH_MP_BATCH, TRANSPORTS, quiet_warnings, single_threaded_torch
@@ -74,6 +75,9 @@ def build_parser(prog: str = "benchmarks/compare.py") -> argparse.ArgumentParser
                         "each size of each transport gets a fair share of what is left")
     p.add_argument("--case-budget", type=float, default=None,
                    help="seconds per transport and size for the timed repetitions (default 6)")
+    p.add_argument("--no-floors", action="store_true",
+                   help="do not measure the copy floors (memcpy of each size's bytes on one thread and on "
+                        "several, beside KacheDB's producer)")
     return p
 
 
@@ -81,7 +85,8 @@ def write_outputs(results: List[dict], cases: List[Case], transports: List[str],
                   out_dir: Optional[str], doc: Optional[str], log: Callable[[str], None]) -> str:
     """The Markdown table (returned), and with ``out_dir`` compare_table.md,
     compare_results.jsonl and compare_chart.png; with ``doc`` its generated block."""
-    md = render_markdown(results, cases, transports, meta)
+    floors = [r for r in rows if "floor" in r]
+    md = render_markdown(results, cases, transports, meta, floors)
     chart_err = None
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -173,7 +178,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "benchmarks/compare.p
         if not ok:
             log(f"  size {case_title(c)} will be skipped: {why}")
     interrupted = False
+    floors: List[dict] = []
     try:
+        if not args.no_floors:
+            log("copy floors (memcpy of each size's bytes, this process)")
+            floors = measure_floors(cases, mem_available, log)
         runner.run(transports, cases, tmp)
     except KeyboardInterrupt:
         interrupted = True
@@ -196,8 +205,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "benchmarks/compare.p
         meta["notes"].append(f"torch.multiprocessing sends more than {TORCH_MP_BATCH} tensors in acknowledged "
                              "batches (file_descriptor strategy: 2 fds per tensor in flight, RLIMIT_NOFILE)")
     add_ratios(runner.results)
+    add_floor_ratios(floors, runner.results)
     for r in runner.results:
         emit(r)
+    for f in floors:
+        emit(f)
     emit({"meta": {**meta, "sizes": [c.label for c in cases], "transports": transports}})
     emit({"cleanup": cleanup})
     md = write_outputs(runner.results, cases, transports, meta, rows_out, args.out, args.doc, log)

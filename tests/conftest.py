@@ -3,8 +3,11 @@
 (vllm/, sglang/, lmcache/) collected only where their engine is installed —
 ``make test-<engine>`` runs each in its own environment, where that folder is
 on ``sys.path`` too, for its helper modules. In the project's main
-environment, where no engine is installed, they collect nothing."""
+environment, where no engine is installed, they collect nothing. dynamo/
+(Dynamo's indexer, run from its own environment) is collected only where
+``$KACHEDB_DYNAMO_PY`` names that environment's python (``make test-dynamo``)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +29,10 @@ for _name in ENGINES:
         sys.path.insert(0, str(TESTS / _name))
     else:
         collect_ignore_glob.append(f"{_name}/test_*.py")
+if os.environ.get("KACHEDB_DYNAMO_PY"):
+    sys.path.insert(0, str(TESTS / "dynamo"))
+else:
+    collect_ignore_glob.append("dynamo/test_*.py")
 
 
 @pytest.fixture(scope="session")

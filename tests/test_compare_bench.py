@@ -84,6 +84,16 @@ def test_quick_compare_runs_every_transport_and_cleans_up(tmp_path):
             assert r["ratio_vs_kachedb"] == pytest.approx(
                 r["handoff_s"] / by[("kachedb", nbytes, count)]["handoff_s"])
 
+    # the copy floors: one per size, beside KacheDB's producer
+    floors = {r["bytes"]: r for r in rows if "floor" in r}
+    for nbytes, count in QUICK:
+        f = floors[nbytes * count]
+        assert f["memcpy_1t_s"] > 0 and f["memcpy_mt_s"] > 0 and f["threads"] >= 1, f
+        prod = by[("kachedb", nbytes, count)]["producer_s"]
+        assert f["kachedb_producer_s"] == prod
+        assert f["kachedb_vs_floor"] == pytest.approx(min(f["memcpy_1t_s"], f["memcpy_mt_s"]) / prod)
+        assert f["reaches"] in ("none", "memcpy on 1 thread", f"memcpy on {f['threads']} threads"), f
+
     cleanup = [r["cleanup"] for r in rows if "cleanup" in r]
     assert len(cleanup) == 1 and cleanup[0]["ok"], cleanup
     assert not cleanup[0]["leftover_processes"] and not cleanup[0]["leftover_shm"]
@@ -96,6 +106,7 @@ def test_quick_compare_runs_every_transport_and_cleans_up(tmp_path):
     # the artefacts the docs are made of
     md = (out_dir / "compare_table.md").read_text()
     assert "| KacheDB |" in md and "Ray object store" in md and "Cleanup check: every process" in md
+    assert "Copy floors" in md and "| memcpy, 1 thread |" in md
     png = (out_dir / "compare_chart.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     jl = (out_dir / "compare_results.jsonl").read_text().splitlines()
@@ -118,3 +129,31 @@ def test_sizes_flag_parses_and_rejects():
         parse_size("12 parsecs")
     proc = subprocess.run([sys.executable, SCRIPT, "--sizes", "3B"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "multiple of 4 KiB" in proc.stderr
+
+
+def test_copy_floor_copies_and_says_which_floor_the_put_reaches():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from handoff.floors import REACH, add_floor_ratios, measure_floor
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+    # an odd size (not a multiple of the threads' page-aligned shares): the copy
+    # checks its own bytes and raises if they differ
+    f = measure_floor((1 << 20) + 4096, 3)
+    assert f["memcpy_1t_s"] > 0 and f["memcpy_mt_s"] > 0 and f["reps"] >= 3
+    assert f["memcpy_1t_min_s"] <= f["memcpy_1t_s"] and f["memcpy_mt_min_s"] <= f["memcpy_mt_s"]
+
+    floors = [{"size": s, "threads": 2, "memcpy_1t_s": 0.010, "memcpy_mt_s": 0.006} for s in ("a", "b", "c", "d")]
+    results = [{"transport": "kachedb", "size": "a", "producer_s": 0.006},
+               {"transport": "kachedb", "size": "b", "producer_s": 0.010},
+               {"transport": "kachedb", "size": "c", "producer_s": 0.030},
+               {"transport": "tcp", "size": "d", "producer_s": 0.001}]
+    add_floor_ratios(floors, results)
+    a, b, c, d = floors
+    assert a["reaches"] == "memcpy on 2 threads" and a["kachedb_vs_floor"] == pytest.approx(1.0)
+    assert b["reaches"] == "memcpy on 1 thread" and b["kachedb_vs_floor"] == pytest.approx(0.6)
+    assert b["kachedb_vs_memcpy_1t"] == pytest.approx(1.0)
+    assert c["reaches"] == "none" and c["kachedb_vs_floor"] == pytest.approx(0.2)
+    assert 0.006 * REACH < 0.010  # b is past the 2-thread floor's reach
+    assert "reaches" not in d  # no KacheDB result for that size

@@ -66,10 +66,23 @@ def test_bench_quick_json_smoke():
     assert 0 <= idle["daemon_idle_cpu_pct"] < 100  # the daemon started for the run is this user's: visible
     (prefix,) = by["py_get_prefix"]
     assert prefix["us"] > 0 and prefix["ratio"] == pytest.approx(prefix["us"] / prefix["torch_views_us"])
-    # the daemon this run started on one CPU, the benchmark's thread on another
+    (small,) = by["py_put_many_small"]
+    assert small["blocks"] == 200 and small["block_bytes"] == 64 << 10
+    assert small["ratio"] == pytest.approx(small["put_many_s"] / small["torch_copy_loop_s"])
+    assert small["target_ratio"] == 1.3
+    # the daemon this run started on one CPU, the benchmark's thread on another, for both
     cpus = sorted(os.sched_getaffinity(0))
     want = f"daemon CPU {cpus[1]}, client CPU {cpus[0]}" if len(cpus) >= 2 else "unpinned"
-    assert prefix["placement"] == want
+    assert prefix["placement"] == want and small["placement"] == want
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_small_section_alone_puts_a_thousand_blocks():
+    out = run_bench("--json", "--only", "small")
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = {r["bench"]: r for r in map(json.loads, filter(str.strip, out.stdout.splitlines()))}
+    assert sorted(recs) == ["py_get_prefix", "py_put_many_small"]
+    assert recs["py_put_many_small"]["blocks"] == 1000  # the daemon it starts holds two generations of them
 
 
 @pytest.mark.timeout(300, method="thread")

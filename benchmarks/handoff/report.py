@@ -12,6 +12,7 @@ import subprocess
 from typing import Dict, List, Optional
 
 from .cases import Case, KIB, case_title, fmt_bytes, fmt_ratio, fmt_time
+from .floors import floor_rows_markdown
 from .services import redis_version
 from .transports import TITLES
 
@@ -80,7 +81,8 @@ def _git_revision() -> Optional[str]:
         return None
 
 
-def render_markdown(results: List[dict], cases: List[Case], transports: List[str], meta: dict) -> str:
+def render_markdown(results: List[dict], cases: List[Case], transports: List[str], meta: dict,
+                    floors: Optional[List[dict]] = None) -> str:
     by = {(r["transport"], r["size"]): r for r in results}
     lines = []
     m = meta["machine"]
@@ -130,6 +132,8 @@ def render_markdown(results: List[dict], cases: List[Case], transports: List[str
     if skipped:
         lines.append("")
         lines.append(f"Skipped for lack of memory: {', '.join(skipped)}.")
+    titles = {c.label: case_title(c) for c in cases}
+    lines += floor_rows_markdown(floors or [], lambda label: titles.get(label, label))
     if meta.get("notes"):
         lines.append("")
         lines.append("Notes: " + "; ".join(meta["notes"]) + ".")

@@ -86,6 +86,8 @@ def main():
         )
     if spec.get("mamba_ssm_cache_dtype"):
         kw["mamba_ssm_cache_dtype"] = spec["mamba_ssm_cache_dtype"]
+    if spec.get("prefix_cache_retention_interval") is not None:
+        kw["prefix_cache_retention_interval"] = spec["prefix_cache_retention_interval"]
     if spec.get("socket"):
         import kachedb.vllm
 

@@ -9,12 +9,15 @@ checkpoints from ``models.make_hybrid`` (issue 43):
    its greedy tokens and their log-probabilities equal an engine's without KacheDB.
    Negative control: the loaded sliding-window blocks zeroed through the KacheDB API
    (same shape) change B's tokens. A request sharing only the prompt's first 320
-   tokens reuses nothing (vLLM stores the window at the stored prompt's end only).
+   tokens reuses nothing (vLLM stores the window at the stored prompt's end only);
+   with vLLM's ``prefix_cache_retention_interval`` of 256 it also stores the windows
+   ending at 256 and 512, and that request resumes at 256, tokens equal.
 2. Mamba state (Nemotron-H: two Mamba2 layers, one attention layer, MLP layers;
    its Mamba weights set so that the state carries the context, models.py). The same
    A -> B pair: B loads the attention blocks and the Mamba states, tokens and
    log-probabilities equal the reference; zeroing the loaded Mamba states changes
-   the tokens.
+   the tokens. With a retention interval of 256 the states at 256 and 512 are
+   stored too, and a request sharing 320 tokens resumes at 256.
 3. Engines that differ only in ``mamba_ssm_cache_dtype`` (float16 and float32 state
    stored first, then a bfloat16 engine): same block size, same block hashes, other
    namespace; the bfloat16 engine shares nothing (no lookup hit, no load) and finishes
@@ -32,8 +35,8 @@ too (the same steps: with its state in bfloat16, a 640-token prefill in one step
 gives log-probabilities 5e-3 away from one in 32-token steps, the same tokens), and
 the tests check that vLLM kept the block size at 32.
 
-Eight engines (two references, run beside the first storing engine of their model);
-~4-6 min on this 2-core machine.
+Thirteen engines (three references, run beside the first storing engine of their
+model); ~10-17 min on this 2-core machine.
 """
 
 import random
@@ -193,6 +196,57 @@ def test_gemma3_a_shorter_shared_prefix_reuses_nothing(gemma):
     assert out["tokens"] == gemma["ref_half"]["tokens"]
 
 
+# -- 1b. sliding window with periodic checkpoints --------------------------------
+
+#: vLLM's ``prefix_cache_retention_interval``: a sliding-window (or Mamba) group keeps
+#: a checkpoint every this many tokens besides the stored prompt's end.
+INTERVAL = 256
+WINDOW_BLOCKS = -(-(128 - 1) // BLOCK)  # 4: the blocks of one 128-token window
+
+
+@pytest.fixture(scope="module")
+def gemma_periodic(workdir, gemma):
+    """A (retention interval 256): stores P. B (fresh, same interval): HALF, which
+    shares P's first 320 tokens. The reference is the gemma fixture's."""
+    model = make_hybrid(str(workdir / "gemma3-tiny"), "gemma3")
+    d = Daemon(str(workdir / "gemma-periodic.sock")).start()
+    try:
+        kw = {"prefix_cache_retention_interval": INTERVAL}
+        a = run_engine(workdir, "gemma-periodic-A", spec(model, d.socket, [{"prompts": [P], "max_tokens": 1}], **kw))
+        b = run_engine(workdir, "gemma-periodic-B", spec(model, d.socket, [
+            {"prompts": [HALF], "max_tokens": MAX_TOKENS, "logprobs": True}], **kw))
+        yield {"A": a, "B": b, "ref_half": gemma["ref_half"], "dense_A": gemma["A"], "daemon": d.stats()}
+    finally:
+        d.stop()
+
+
+def test_gemma3_periodic_windows_let_a_shorter_shared_prefix_hit(gemma_periodic):
+    """With a retention interval vLLM also stores the window ending at every
+    multiple of the interval, so a request sharing P's first 320 tokens resumes at
+    256 (the last checkpoint inside the shared part), tokens equal the reference;
+    the cost is the extra windows' blocks, counted against the dense run."""
+    a, b = gemma_periodic["A"], gemma_periodic["B"]
+    groups = groups_of(a)
+    stored = per_group(a["stored_keys"], groups)
+    dense = per_group(gemma_periodic["dense_A"]["stored_keys"], groups_of(gemma_periodic["dense_A"]))
+    # windows ending at token 256, 512 and at the prompt's last whole block (576):
+    # blocks 4-7, 12-15 and 14-17 — 10 distinct blocks per sliding-window group
+    windows = set()
+    for end in (256, 512, WHOLE):
+        windows |= set(range(end // BLOCK - WINDOW_BLOCKS, end // BLOCK))
+    for gid, kind in kinds(groups).items():
+        want = WHOLE // BLOCK if kind == "FullAttentionSpec" else len(windows)
+        assert stored[gid] == want, (gid, kind, stored)
+    extra = sum(stored.values()) - sum(dense.values())
+    assert extra == 3 * (len(windows) - WINDOW_BLOCKS), (stored, dense)
+    out = b["phases"][0]["outputs"][0]
+    assert out["num_cached_tokens"] == INTERVAL, out["num_cached_tokens"]
+    assert out["tokens"] == gemma_periodic["ref_half"]["tokens"]
+    assert_close(out["logprobs"], gemma_periodic["ref_half"]["logprobs"])
+    st = gemma_periodic["daemon"]
+    assert st["pins"] == 0 and st["reserved"] == 0, st
+
+
 # -- 2-4. Mamba state: Nemotron-H ------------------------------------------------
 
 
@@ -325,4 +379,47 @@ def test_nemotron_h_never_loadable_block_is_deleted_without_livelock(nemotron):
     assert planted["key"] not in nemotron["B"]["stored_keys"]
     assert nemotron["planted_key_now"] is None
     st = nemotron["daemon"]
+    assert st["pins"] == 0 and st["reserved"] == 0, st
+
+
+# -- 2b. Mamba state with periodic checkpoints -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def nemotron_periodic(workdir, nemotron):
+    """ref (bfloat16 state, no KacheDB): HALF. A (retention interval 256): stores P.
+    B (fresh, same interval): HALF, which shares P's first 320 tokens."""
+    model = make_hybrid(str(workdir / "nemotron-h-tiny"), "nemotron_h")
+    d = Daemon(str(workdir / "nemotron-periodic.sock")).start()
+    try:
+        kw = dict(mamba_ssm_cache_dtype="bfloat16", prefix_cache_retention_interval=INTERVAL, **MAMBA)
+        ref, a = run_with_ref(
+            workdir, "nemotron-periodic",
+            spec(model, None, [{"prompts": [HALF], "max_tokens": MAX_TOKENS, "logprobs": True}],
+                 prefix_caching=False, mamba_ssm_cache_dtype="bfloat16", **MAMBA),
+            ("nemotron-periodic-A", spec(model, d.socket, [{"prompts": [P], "max_tokens": 1}], **kw)),
+        )
+        b = run_engine(workdir, "nemotron-periodic-B", spec(model, d.socket, [
+            {"prompts": [HALF], "max_tokens": MAX_TOKENS, "logprobs": True}], **kw))
+        yield {"ref": ref["phases"][0]["outputs"][0], "A": a, "B": b, "dense_A": nemotron["A"], "daemon": d.stats()}
+    finally:
+        d.stop()
+
+
+def test_nemotron_h_periodic_states_let_a_shorter_shared_prefix_hit(nemotron_periodic):
+    """With a retention interval of 256 each Mamba group also stores the state at
+    tokens 256 and 512 (one block each), so the request sharing P's first 320
+    tokens resumes at 256, tokens and log-probabilities equal its reference's."""
+    a, b = nemotron_periodic["A"], nemotron_periodic["B"]
+    groups = groups_of(a)
+    stored = per_group(a["stored_keys"], groups)
+    dense = per_group(nemotron_periodic["dense_A"]["stored_keys"], groups_of(nemotron_periodic["dense_A"]))
+    for gid, kind in kinds(groups).items():
+        want = WHOLE // BLOCK if kind == "FullAttentionSpec" else 3  # states at 256, 512, 576
+        assert stored[gid] == want, (gid, kind, stored, dense)
+    out = b["phases"][0]["outputs"][0]
+    assert out["num_cached_tokens"] == INTERVAL, out["num_cached_tokens"]
+    assert out["tokens"] == nemotron_periodic["ref"]["tokens"]
+    assert_close(out["logprobs"], nemotron_periodic["ref"]["logprobs"])
+    st = nemotron_periodic["daemon"]
     assert st["pins"] == 0 and st["reserved"] == 0, st

@@ -4,7 +4,7 @@
 
 use crate::dlpack::{tensor_capsule, DLPackBuffer, DlDtype, DlOwner, DlpackFormat, Reader};
 use crate::errors::{client_err, InvalidArgument, KacheDBError};
-use kachedb_client::{BlockView, ConnectOptions, DType, Key, Reservation, Shape, Value};
+use kachedb_client::{BlockMeta, BlockView, ConnectOptions, DType, Key, Reservation, Shape, Value};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
@@ -781,6 +781,15 @@ pub(crate) struct ReservedExtents {
     state: Mutex<Extents>,
 }
 
+/// A block metadata record as the package passes it: `(block_hash,
+/// parent_hash, block_size, token_ids, lora_id, lora_name)`
+/// (`kachedb.BlockMeta`).
+type MetaTuple = (u64, Option<u64>, u32, Vec<u32>, Option<u32>, Option<String>);
+
+fn meta_of_tuple((block_hash, parent_hash, block_size, token_ids, lora_id, lora_name): MetaTuple) -> BlockMeta {
+    BlockMeta { block_hash, parent_hash, block_size, token_ids, lora_id, lora_name }
+}
+
 /// The state of the reservations of one `reserve` / `reserve_many` call.
 #[derive(Debug, Default)]
 enum Extents {
@@ -867,6 +876,22 @@ impl ReservedExtents {
         }
     }
 
+    /// Attaches block metadata to the open reservations, one record (or
+    /// `None`) each (`Reservation::attach_meta_all`).
+    fn attach_meta(this: &Arc<Self>, py: Python<'_>, what: &str, metas: Vec<Option<MetaTuple>>) -> PyResult<()> {
+        let metas: Vec<Option<BlockMeta>> = metas.into_iter().map(|m| m.map(meta_of_tuple)).collect();
+        let state = &this.state;
+        py.allow_threads(|| {
+            // Held through the round trips: a commit from another thread
+            // waits for the records to be attached.
+            let g = state.lock().map_err(|_| KacheDBError::new_err("poisoned"))?;
+            let Extents::Open(rs) = &*g else {
+                return Err(InvalidArgument::new_err(format!("{what} already committed or aborted")));
+            };
+            Reservation::attach_meta_all(rs, &metas).map_err(client_err)
+        })
+    }
+
     /// Aborts now if no tensor of the reservations may live; else leaves them
     /// reserved (refusing a later commit) until the last tensor goes, whose
     /// drop sends the ABORTs.
@@ -936,6 +961,10 @@ impl NativeReservation {
     }
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
         ReservedExtents::abort(&self.extents, py, "the reservation was")
+    }
+    /// Attaches a block metadata record (a `MetaTuple`), before the commit.
+    fn attach_meta(&self, py: Python<'_>, meta: MetaTuple) -> PyResult<()> {
+        ReservedExtents::attach_meta(&self.extents, py, "the reservation was", vec![Some(meta)])
     }
 }
 
@@ -1067,6 +1096,12 @@ impl NativeReservations {
     /// when the last of them goes.
     fn abort(&self, py: Python<'_>) -> PyResult<()> {
         ReservedExtents::abort(&self.extents, py, "the reservations were")
+    }
+
+    /// Attaches block metadata records (`MetaTuple`s or `None`), one per
+    /// reservation, before the commit.
+    fn attach_meta(&self, py: Python<'_>, metas: Vec<Option<MetaTuple>>) -> PyResult<()> {
+        ReservedExtents::attach_meta(&self.extents, py, "the reservations were", metas)
     }
 }
 

@@ -29,6 +29,17 @@
 //!   the benchmark as the tier's threads are than the daemon
 //!   (`--worker-nice`), so that under CPU load both sides of a ratio get the
 //!   same share of it.
+//! * **Chain walk** (`--only walk`, not run by default): chains of 20
+//!   blocks (`--walk-bytes`, 600 MiB, of `--walk-block` 1 MiB blocks) on
+//!   disk, written in the tier's format; a daemon with a megaslab of
+//!   `--walk-slab` (256 MiB) indexes them and is `kill -9`ed; then, per round,
+//!   a daemon started again on them with `--disk-read-ahead 0` and one with
+//!   `--disk-read-ahead` `--walk-read-ahead` (8), each after the page cache is
+//!   dropped (`/proc/sys/vm/drop_caches`, root; else each file's pages), GET
+//!   the chains block after block, one GET waiting for the one before;
+//!   baseline: a plain sequential read (`pread`) of the same files' payloads
+//!   in the same order, page cache dropped too, on a thread at the tier
+//!   threads' priority (as the fill's). Rounds alternate, medians.
 //! * **Restart**: 100 000 block files on disk (written in the tier's format
 //!   by the benchmark itself, `--restart-blocks`), a daemon started on them,
 //!   `kill -9`ed once indexed, and started again: seconds to its first GET
@@ -74,10 +85,37 @@ pub struct DiskArgs {
     /// floor load run in the same class.
     #[arg(long, value_enum, default_value_t = WorkerClass::Idle, value_name = "CLASS")]
     pub worker_class: WorkerClass,
-    /// Run only some parts (comma-separated: write, fill, get, restart; fill
-    /// and get write their blocks first, unmeasured unless write is named).
+    /// Run only some parts (comma-separated: write, fill, get, restart,
+    /// walk; fill and get write their blocks first, unmeasured unless write
+    /// is named; walk runs only when named).
     #[arg(long, value_delimiter = ',', value_name = "PARTS")]
     pub only: Vec<Part>,
+    /// Chain walk: bytes of blocks on disk.
+    #[arg(long, default_value = "600MiB", value_parser = kachedb_shm::units::parse_size, value_name = "SIZE")]
+    pub walk_bytes: u64,
+    /// Chain walk: bytes of each block.
+    #[arg(long, default_value = "1MiB", value_parser = kachedb_shm::units::parse_size, value_name = "SIZE")]
+    pub walk_block: u64,
+    /// Chain walk: blocks per chain.
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    pub walk_chain: u64,
+    /// Chain walk: the daemons' megaslab (`serve --size`).
+    #[arg(long, default_value = "256MiB", value_parser = kachedb_shm::units::parse_size, value_name = "SIZE")]
+    pub walk_slab: u64,
+    /// Chain walk: `--disk-read-ahead` of the daemon that reads ahead.
+    #[arg(long, default_value_t = kachedb_daemon::disk::DEFAULT_READ_AHEAD, value_name = "BLOCKS")]
+    pub walk_read_ahead: usize,
+    /// The executable whose `serve` the daemons run (default: this one's).
+    /// With `--restart-dir`, two builds' restarts compare on the same files
+    /// in one run.
+    #[arg(long, value_name = "PATH")]
+    pub daemon: Option<PathBuf>,
+    /// The restart's directory: its `--restart-blocks` block files are
+    /// written there if `DIR/blocks` has none, and kept afterwards (by
+    /// default they are written in the run's temporary directory and go
+    /// with it).
+    #[arg(long, value_name = "DIR")]
+    pub restart_dir: Option<PathBuf>,
 }
 
 /// The scheduling class of the tier's threads (`--worker-class`).
@@ -110,6 +148,8 @@ pub enum Part {
     Get,
     /// Restart after `kill -9`.
     Restart,
+    /// A chain walk after `kill -9`, read-ahead on and off, vs a plain read.
+    Walk,
 }
 
 /// Gives the calling thread the tier threads' priority: its nice value
@@ -145,11 +185,12 @@ struct Serve {
 
 impl Serve {
     fn start(dir: &Path, name: &str, size: u64, disk: &Path, a: &DiskArgs) -> Res<Serve> {
-        Serve::start_with_queue(dir, name, size, size, disk, a, "warn")
+        Serve::start_with_queue(dir, name, size, size, disk, a, "warn", &[])
     }
 
     /// As [`start`](Self::start), with `--disk-queue-bytes` `queue`, logging
-    /// what `log` lets through (`RUST_LOG`).
+    /// what `log` lets through (`RUST_LOG`), and the flags `extra`.
+    #[allow(clippy::too_many_arguments)] // a daemon's command line, flag by flag
     fn start_with_queue(
         dir: &Path,
         name: &str,
@@ -158,9 +199,14 @@ impl Serve {
         disk: &Path,
         a: &DiskArgs,
         log: &str,
+        extra: &[String],
     ) -> Res<Serve> {
         let socket = dir.join(format!("{name}.sock"));
-        let child = Command::new(std::env::current_exe()?)
+        let exe = match &a.daemon {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()?,
+        };
+        let child = Command::new(exe)
             .args(["serve", "--size", &size.to_string(), "--socket"])
             .arg(&socket)
             .arg("--disk")
@@ -168,6 +214,7 @@ impl Serve {
             .args(["--disk-size", "64GiB", "--disk-queue-bytes", &queue.to_string()])
             .args(["--disk-worker-nice", &a.worker_nice.to_string()])
             .args(["--disk-worker-class", a.worker_class.arg()])
+            .args(extra)
             .env("RUST_LOG", log)
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -348,7 +395,7 @@ pub fn run(a: &DiskArgs) -> Res<()> {
     };
     let total: usize = sizes.iter().map(|s| s.1 * s.2).sum();
     let slab = (total as u64 + (256 << 20)).next_multiple_of(1 << 20);
-    if !a.json {
+    if !a.json && a.only != [Part::Walk] {
         println!(
             "kachedb-bench disk — {} ({} of blocks, megaslab {} MiB, tier threads at nice +{}, class {}), {rounds} rounds, medians; load {}",
             disk.display(),
@@ -359,7 +406,7 @@ pub fn run(a: &DiskArgs) -> Res<()> {
             std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
         );
     }
-    let part = |p: Part| a.only.is_empty() || a.only.contains(&p);
+    let part = |p: Part| (a.only.is_empty() && p != Part::Walk) || a.only.contains(&p);
     let mut keys: Vec<Vec<Key>> = Vec::new();
     if part(Part::Write) || part(Part::Fill) || part(Part::Get) {
         let a_node = Serve::start(&tmp.0, "a", slab, &disk, a)?;
@@ -477,6 +524,9 @@ pub fn run(a: &DiskArgs) -> Res<()> {
     }
     if a.restart_blocks > 0 && part(Part::Restart) {
         restart(a, &tmp.0, &emit)?;
+    }
+    if part(Part::Walk) {
+        walk(a, &tmp.0, rounds, &emit)?;
     }
     Ok(())
 }
@@ -674,7 +724,7 @@ fn get_during_io(
     // On a daemon whose megaslab holds half of the 64 KiB blocks.
     let small_bytes = (sizes[0].1 * sizes[0].2) as u64;
     let b_slab = (small_bytes / 2).max(4 << 20).next_multiple_of(1 << 20);
-    let b = Serve::start_with_queue(tmp, "b", b_slab, b_slab / 8, disk, a, "warn")?;
+    let b = Serve::start_with_queue(tmp, "b", b_slab, b_slab / 8, disk, a, "warn", &[])?;
     b.until("the index", |s| DiskStats::of(s).disk_indexed)?;
     let c = b.client()?;
     let hot = Key::from_parts(1, 0x4_07);
@@ -829,13 +879,28 @@ fn get_during_io(
 /// before it, except at every 16th). What a daemon with `--disk` indexes at
 /// its start as if it had written them.
 pub fn write_block_files(blocks_dir: &Path, n: u64, salt: u64, len: usize) -> Res<()> {
-    let payload = vec![3u8; len];
+    write_chains(blocks_dir, n, salt, len, 16, |_, _| {})
+}
+
+/// Writes `n` block files as [`write_block_files`] does, in chains of
+/// `chain` blocks, block `j`'s payload made by `fill(j, payload)` (from
+/// bytes of 3s).
+fn write_chains(
+    blocks_dir: &Path,
+    n: u64,
+    salt: u64,
+    len: usize,
+    chain: u64,
+    mut fill: impl FnMut(u64, &mut [u8]),
+) -> Res<()> {
+    let mut payload = vec![3u8; len];
     for j in 0..n {
+        fill(j, &mut payload);
         let key = Key::from_parts(j, salt);
         let h = Header {
             tenant: None,
             key: key.0,
-            parent: (j % 16 != 0).then(|| Key::from_parts(j - 1, salt).0),
+            parent: (!j.is_multiple_of(chain)).then(|| Key::from_parts(j - 1, salt).0),
             dtype: kachedb_shm::DType::U8,
             shape: kachedb_shm::Shape::new(&[len as u64]).ok_or("shape")?,
             len: len as u64,
@@ -851,13 +916,15 @@ pub fn write_block_files(blocks_dir: &Path, n: u64, salt: u64, len: usize) -> Re
 
 /// The restart measurement (see the module docs).
 fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -> Res<()> {
-    let disk = tmp.join("restart");
+    let disk = a.restart_dir.clone().unwrap_or_else(|| tmp.join("restart"));
     let blocks_dir = disk.join("blocks");
     std::fs::create_dir_all(&blocks_dir)?;
     let n = a.restart_blocks;
     let t = Instant::now();
-    write_block_files(&blocks_dir, n, 0x5e57a47, 4096)?;
-    rustix::fs::sync();
+    if a.restart_dir.is_none() || std::fs::read_dir(&blocks_dir)?.next().is_none() {
+        write_block_files(&blocks_dir, n, 0x5e57a47, 4096)?;
+        rustix::fs::sync();
+    }
     let made_s = t.elapsed().as_secs_f64();
     let first = Key::from_parts(n / 2, 0x5e57a47);
     // A first daemon indexes them, then dies.
@@ -866,7 +933,7 @@ fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -
     drop(d);
     let t = Instant::now();
     // Its log line of the rebuild says where the time went.
-    let d = Serve::start_with_queue(tmp, "r2", 64 << 20, 64 << 20, &disk, a, "warn,kachedb_daemon::disk=info")?;
+    let d = Serve::start_with_queue(tmp, "r2", 64 << 20, 64 << 20, &disk, a, "warn,kachedb_daemon::disk=info", &[])?;
     let c = d.client()?;
     loop {
         if c.get(first)?.is_some() {
@@ -887,5 +954,135 @@ fn restart(a: &DiskArgs, tmp: &Path, emit: &dyn Fn(serde_json::Value, String)) -
             s.disk_index_s, s.disk_recovered
         ),
     );
+    Ok(())
+}
+
+/// Drops the page cache: all of it (`/proc/sys/vm/drop_caches`, as root),
+/// else the pages of `files`.
+fn drop_page_cache(files: &[PathBuf]) -> &'static str {
+    rustix::fs::sync();
+    if std::fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok() {
+        return "drop_caches";
+    }
+    for f in files {
+        uncache(f);
+    }
+    "fadvise"
+}
+
+/// The chain walk (see the module docs).
+fn walk(a: &DiskArgs, tmp: &Path, rounds: usize, emit: &dyn Fn(serde_json::Value, String)) -> Res<()> {
+    let disk = tmp.join("walk");
+    let blocks_dir = disk.join("blocks");
+    std::fs::create_dir_all(&blocks_dir)?;
+    let len = a.walk_block as usize;
+    let n = (a.walk_bytes / a.walk_block).max(1);
+    let per = a.walk_chain.max(1);
+    let salt = 0x3a1c_0000u64;
+    let keys: Vec<Key> = (0..n).map(|j| Key::from_parts(j, salt)).collect();
+    write_chains(&blocks_dir, n, salt, len, per, |j, payload| {
+        for (i, w) in payload.chunks_mut(8).enumerate() {
+            let v = j.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64;
+            w.copy_from_slice(&v.to_le_bytes()[..w.len()]);
+        }
+    })?;
+    let files: Vec<PathBuf> = keys.iter().map(|k| format::block_path(&blocks_dir, k.0)).collect();
+    let flag = |ahead: usize| vec!["--disk-read-ahead".to_string(), ahead.to_string()];
+    // A daemon indexes them and dies.
+    {
+        let d = Serve::start_with_queue(tmp, "w0", a.walk_slab, 64 << 20, &disk, a, "warn", &flag(0))?;
+        d.until("the index", |s| DiskStats::of(s).disk_indexed)?;
+    }
+    let mut how = "";
+    // The blocks that fit the megaslab: a walk reads those into free room,
+    // the rest into a full one (each part timed on its own too).
+    let split = ((a.walk_slab / a.walk_block) as usize).min(n as usize);
+    // One walk by a daemon started again (read-ahead `ahead`): seconds in
+    // all and for the first `split` blocks, and its disk stats.
+    let tier_walk = |ahead: usize, how: &mut &'static str| -> Res<(f64, f64, DiskStats)> {
+        let d = Serve::start_with_queue(tmp, "w", a.walk_slab, 64 << 20, &disk, a, "warn", &flag(ahead))?;
+        d.until("the index", |s| DiskStats::of(s).disk_indexed)?;
+        let c = d.client()?;
+        *how = drop_page_cache(&files);
+        let t = Instant::now();
+        let mut first = 0.0;
+        for (j, &k) in keys.iter().enumerate() {
+            if j == split {
+                first = t.elapsed().as_secs_f64();
+            }
+            let v = c.get(k)?.ok_or_else(|| format!("block {j} of the walk is missing"))?;
+            if v.len() != len {
+                return Err(format!("block {j}: {} bytes", v.len()).into());
+            }
+        }
+        let s = t.elapsed().as_secs_f64();
+        let st = DiskStats::of(&d.stats()?);
+        Ok((s, if split == keys.len() { s } else { first }, st))
+    };
+    // Seconds in all and for the first `split` blocks, per round.
+    let (mut plain, mut off, mut on) = (Vec::new(), Vec::new(), Vec::new());
+    let mut last_on = DiskStats::default();
+    for _ in 0..rounds {
+        how = drop_page_cache(&files);
+        // At the tier threads' priority, as the fill baselines.
+        let (p1, p2) = at_nice(a.worker_nice, a.worker_class, || -> Result<(f64, f64), String> {
+            let p1 = plain_read(&files[..split], len, false).map_err(|e| e.to_string())?;
+            let p2 = if split < files.len() {
+                plain_read(&files[split..], len, false).map_err(|e| e.to_string())?
+            } else {
+                0.0
+            };
+            Ok((p1, p2))
+        })?;
+        plain.push((p1 + p2, p1));
+        let (s, first, _) = tier_walk(0, &mut how)?;
+        off.push((s, first));
+        let (s, first, st) = tier_walk(a.walk_read_ahead, &mut how)?;
+        on.push((s, first));
+        last_on = st;
+    }
+    let bytes = (n as usize * len) as f64;
+    let (first_bytes, rest_bytes) = ((split * len) as f64, ((n as usize - split) * len) as f64);
+    let all = |v: &[(f64, f64)]| median(v.iter().map(|x| x.0).collect());
+    let first = |v: &[(f64, f64)]| median(v.iter().map(|x| x.1).collect());
+    let rest = |v: &[(f64, f64)]| median(v.iter().map(|x| x.0 - x.1).collect());
+    let per_round: Vec<String> =
+        (0..rounds).map(|r| format!("{:.2}x/{:.2}x", plain[r].0 / on[r].0, plain[r].0 / off[r].0)).collect();
+    let (p, f, o) = (all(&plain), all(&off), all(&on));
+    emit(
+        json!({"bench":"disk_chain_walk","blocks":n,"block_bytes":len,"chain":per,"slab_bytes":a.walk_slab,
+               "rounds":rounds,"read_ahead":a.walk_read_ahead,"plain_gb_s":bytes/p/1e9,"off_gb_s":bytes/f/1e9,
+               "on_gb_s":bytes/o/1e9,"ratio_on":p/o,"ratio_off":p/f,"cache_dropped_by":how,
+               "read_ahead_blocks":last_on.disk_read_ahead,"read_ahead_cached":last_on.disk_read_ahead_cached,
+               "split_blocks":split,"plain_first_gb_s":first_bytes/first(&plain)/1e9,"on_first_gb_s":first_bytes/first(&on)/1e9,
+               "off_first_gb_s":first_bytes/first(&off)/1e9,"plain_rest_gb_s":rest_bytes/rest(&plain)/1e9,
+               "on_rest_gb_s":rest_bytes/rest(&on)/1e9,"off_rest_gb_s":rest_bytes/rest(&off)/1e9,
+               "ratios_on_off_by_round":per_round,
+               "load":std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()}),
+        format!(
+            "chain walk   {} of {per}-block chains of {}, megaslab {}, GET after GET after kill -9 ({how}): \
+             read-ahead {} {:.2} GB/s ({:.2}x), off {:.2} GB/s ({:.2}x), plain read {:.2} GB/s; \
+             read ahead {} blocks into the megaslab, {} into the page cache (last round); \
+             the first {split} blocks (free room) {:.2}x / {:.2}x, the rest (megaslab full) {:.2}x / {:.2}x (on / off vs plain); \
+             by round (on/off): {}",
+            kachedb_shm::units::human_bytes(bytes as u64),
+            kachedb_shm::units::human_bytes(len as u64),
+            kachedb_shm::units::human_bytes(a.walk_slab),
+            a.walk_read_ahead,
+            bytes / o / 1e9,
+            p / o,
+            bytes / f / 1e9,
+            p / f,
+            bytes / p / 1e9,
+            last_on.disk_read_ahead,
+            last_on.disk_read_ahead_cached,
+            first(&plain) / first(&on),
+            first(&plain) / first(&off),
+            rest(&plain) / rest(&on),
+            rest(&plain) / rest(&off),
+            per_round.join(" ")
+        ),
+    );
+    let _ = std::fs::remove_dir_all(&disk);
     Ok(())
 }

@@ -13,6 +13,7 @@ use std::ffi::OsString;
 
 pub mod demo;
 pub mod disk;
+pub mod events;
 pub mod ops;
 pub mod remote;
 pub mod ring;
@@ -59,6 +60,11 @@ pub enum Command {
     /// per block, the takeover's pause, and with --disk the disk index's RAM
     /// and its restart after kill -9; a table, --json and a PNG chart.
     Scale(scale::ScaleArgs),
+    /// The KV event publisher: PUT/GET round trips and put_many throughput
+    /// with it on (and a subscriber) vs off in alternating rounds, the rate it
+    /// keeps up with (100 000 blocks/s by default) and the lag from a commit
+    /// to a subscriber's receipt.
+    Events(events::EventsArgs),
     /// Start a daemon (unless one runs), put a tensor from one process and get it
     /// back in another, verifying every byte.
     Demo(demo::DemoArgs),
@@ -106,6 +112,7 @@ pub fn run(command: &Command) -> Result<(), Box<dyn std::error::Error>> {
         Command::Remote(a) => remote::run(a),
         Command::Disk(a) => disk::run(a),
         Command::Scale(a) => scale::run(a),
+        Command::Events(a) => events::run(a),
         Command::Demo(a) => demo::run(a),
         Command::DemoChild(a) => demo::child(a),
         Command::BenchChild(a) => ring::child(a),

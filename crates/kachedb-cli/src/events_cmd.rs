@@ -114,6 +114,9 @@ pub fn watch(a: &WatchArgs) -> Result<(), Box<dyn std::error::Error>> {
                         if let Some(m) = &e.medium {
                             line.push_str(&format!(" {m}"));
                         }
+                        if e.tokens > 0 {
+                            line.push_str(&format!(" {} tokens", e.tokens));
+                        }
                     }
                 }
                 Err(e) => line.push_str(&format!(": undecodable ({e})")),

@@ -1289,3 +1289,68 @@ fn kachedb_socket_names_instance_0_for_every_binary_and_client() {
     assert!(zero.wait_exit(Duration::from_secs(20)).is_some_and(|s| s.success()), "{}", zero.log());
     assert!(one.wait_exit(Duration::from_secs(20)).is_some_and(|s| s.success()), "{}", one.log());
 }
+
+/// META (docs/PROTOCOL.md, "META and block metadata") against the real
+/// daemon: a record that does not decode, lies outside its scratch block or
+/// names what is not this client's open reservation is refused (INVALID,
+/// BAD_HANDLE) and leaves the reservation as it was (it commits); a good one
+/// is taken; the client refuses a record out of bounds before sending.
+#[test]
+fn meta_frames_bad_records_are_refused_and_change_nothing() {
+    use kachedb_shm::BlockMeta;
+    let dir = TempDir::new("meta");
+    let daemon = Daemon::start(&dir.socket(), "64MiB");
+    let kc = Client::connect(&daemon.opts()).expect("connect");
+    let other = Client::connect(&daemon.opts()).expect("connect a second client");
+    let shape = Shape::new(&[4096]).unwrap();
+    let block = kc.reserve(Key(5), DType::U8, &shape, 0).expect("reserve the block");
+    let mut scratch = kc.reserve(Key(0), DType::U8, &shape, 0).expect("reserve the scratch");
+    let foreign = other.reserve(Key(6), DType::U8, &shape, 0).expect("another client's reservation");
+    let good = BlockMeta { block_hash: 9, block_size: 2, token_ids: vec![4, 5], ..BlockMeta::default() };
+    let mut rec = Vec::new();
+    good.encode(&mut rec).unwrap();
+    let n = rec.len();
+    scratch.as_mut_slice()[..n].copy_from_slice(&rec);
+    scratch.as_mut_slice()[n] = 2; // a second copy with version 2
+    scratch.as_mut_slice()[n + 1..2 * n].copy_from_slice(&rec[1..]);
+    let meta = |handle: u64, scratch: u64, offset: u64, len: u64| {
+        let mut f = frame(Op::Meta as u8);
+        f.handle = handle;
+        f.key_lo = scratch;
+        f.key_hi = len;
+        f.offset = offset;
+        f
+    };
+    let (b, s) = (block.handle(), scratch.handle());
+    let cases = [
+        ("a length below the header", meta(b, s, 0, 8), Status::Invalid),
+        ("a length past MAX_META_LEN", meta(b, s, 0, 1 << 20), Status::Invalid),
+        ("a record of version 2", meta(b, s, n as u64, n as u64), Status::Invalid),
+        ("a record cut short", meta(b, s, 0, n as u64 - 1), Status::Invalid),
+        ("a record past the scratch's end", meta(b, s, 4096 - 8, n as u64), Status::Invalid),
+        ("the block as its own scratch", meta(b, b, 0, n as u64), Status::Invalid),
+        ("another client's reservation", meta(foreign.handle(), s, 0, n as u64), Status::BadHandle),
+        ("another client's scratch", meta(b, foreign.handle(), 0, n as u64), Status::BadHandle),
+        ("a forged handle", meta(0xdead_beef, s, 0, n as u64), Status::BadHandle),
+        ("a good record", meta(b, s, 0, n as u64), Status::Ok),
+    ];
+    for (what, f, want) in cases {
+        let c = raw1(&kc, f);
+        assert_eq!(c.status, want as u8, "{what}: {c:?}");
+    }
+    // Out of bounds: refused by the client before anything is sent.
+    let too_many = BlockMeta { token_ids: vec![1; 3], ..good.clone() };
+    let e = kc.attach_meta(std::slice::from_ref(&block), &[Some(too_many)]).unwrap_err();
+    assert!(matches!(&e, ClientError::Invalid(m) if m.contains("token ids")), "{e}");
+    let e = kc.attach_meta(std::slice::from_ref(&block), &[]).unwrap_err();
+    assert!(matches!(&e, ClientError::Invalid(_)), "{e}");
+    // Through the client: one scratch and one META per record.
+    kc.attach_meta(std::slice::from_ref(&block), &[Some(good)]).expect("attach");
+    scratch.abort().expect("abort the scratch");
+    block.commit().expect("the block commits after the refusals");
+    foreign.abort().expect("abort");
+    assert!(kc.contains(Key(5)).unwrap());
+    let v = stats(&daemon.socket);
+    assert_eq!(num(&v, "blocks"), 1, "{v}");
+    assert_eq!(num(&v, "reserved"), 0, "{v}");
+}

@@ -748,3 +748,107 @@ fn the_disk_tiers_threads_run_sched_idle_unless_told_otherwise() {
     assert!(!bad.wait_exit(Duration::from_secs(30)).expect("exits").success());
     assert!(bad.log().contains("--disk-worker-class"), "{}", bad.log());
 }
+
+/// Read-ahead along a chain (`--disk-read-ahead`, docs/disk.md): after a
+/// restart, a GET of a chain's first block fills the blocks after it into
+/// free megaslab space, and a GET of one of those moves the window on; those
+/// nobody asked for are the first blocks eviction takes; once the megaslab
+/// has no free room a read-ahead evicts nothing (the files go to the page
+/// cache instead); and every byte a walk of the chains reads is right.
+#[test]
+fn read_ahead_fills_the_next_blocks_into_free_room_only_and_goes_first() {
+    let tmp = TempDir::new("disk-read-ahead");
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let len = 64 << 10;
+    let chain = |tag: u64| (0..8).map(|j| tkey(tag, j)).collect::<Vec<Key>>();
+    let (x, y) = (chain(300), chain(301));
+    {
+        let d = disk_daemon(&tmp, "8MiB", &disk, "64MiB", &["--disk-read-ahead", "0"]);
+        indexed(&socket);
+        let c = Client::connect(&d.opts()).expect("connect");
+        for ch in [&x, &y] {
+            let mut parent = None;
+            for &k in ch {
+                c.put(k, kachedb_client::Value::bytes(&pattern(k, len)).parent(parent)).expect("put");
+                parent = Some(k);
+            }
+        }
+        drained(&socket);
+        d.signal(rustix::process::Signal::KILL);
+    }
+    let d = disk_daemon(&tmp, "2MiB", &disk, "64MiB", &["--disk-read-ahead", "4"]);
+    indexed(&socket);
+    let c = Client::connect(&d.opts()).expect("connect");
+    let wait = |what: &str, pred: &dyn Fn(&Value) -> bool| {
+        poll_stats_fast(&socket, Duration::from_secs(30), what, |v| pred(v)).0
+    };
+
+    // Free room: the miss of x0 fills x0 and reads x1..x4 ahead; the GET
+    // of x1 (a hit) moves the window on to x5.
+    assert_pattern(&c.get(x[0]).expect("get").expect("x0 from disk"), x[0], len, "x0");
+    wait("x1..x4 read ahead", &|v| num(v, "blocks") == 5 && num(v, "disk_read_ahead") == 4);
+    let fetches = num(&stats_fast(&socket), "disk_fetches");
+    assert_pattern(&c.get(x[1]).expect("get").expect("x1 read ahead"), x[1], len, "x1");
+    wait("x5 read ahead", &|v| num(v, "blocks") == 6 && num(v, "disk_read_ahead") == 5);
+    let s = stats_fast(&socket);
+    assert_eq!(num(&s, "disk_fetches"), fetches, "x1 was not a hit");
+    // Read on two threads, committed in chain order: each names its parent.
+    assert_eq!((num(&s, "parents_missing"), num(&s, "chained_blocks")), (0, 5), "{s}");
+
+    // Fill the free room with a client's blocks (from page-aligned bytes:
+    // 64 KiB extents, as the fills'): nothing evicted. Two more take the
+    // read-ahead blocks nobody asked for, the chain's tail first (x5, x4),
+    // before any block a client used.
+    let mut buf = vec![0u8; len + 4096];
+    let at = buf.as_ptr().align_offset(4096);
+    let mut put = |k: Key| {
+        buf[at..at + len].copy_from_slice(&pattern(k, len));
+        c.put(k, &buf[at..at + len]).expect("put");
+    };
+    let mut z: Vec<Key> = Vec::new();
+    while num(&stats_fast(&socket), "bytes_free") >= len as u64 {
+        let k = tkey(302, z.len() as u64);
+        put(k);
+        z.push(k);
+        assert_eq!(num(&stats_fast(&socket), "evictions"), 0, "the free room held them");
+    }
+    for j in 0..2 {
+        let k = tkey(303, j);
+        put(k);
+        z.push(k);
+    }
+    let s = drained(&socket);
+    assert_eq!(num(&s, "evictions"), 2, "{s}");
+    assert_eq!(num(&s, "blocks") as usize, z.len() + 4, "{s}");
+    let fetches = num(&s, "disk_fetches");
+    for (n, &k) in z.iter().enumerate() {
+        assert_eq!(c.lookup(&[k]).expect("lookup"), 1);
+        assert_eq!(num(&stats_fast(&socket), "disk_fetches"), fetches, "block {n} of {} was evicted", z.len());
+    }
+    // x0 and x1 (asked for) and every block of the client's are there, and
+    // x2, x3 (the LOOKUP of x3 reads ahead after it: x4 and x5 were read
+    // ahead already, x6 and x7 find no free room).
+    assert_eq!(c.lookup(&x[..4]).expect("lookup"), 4, "a block a client used was evicted before a guess");
+    let s = stats_fast(&socket);
+    assert_eq!(num(&s, "blocks") as usize, z.len() + 4, "{s}");
+    assert_eq!(num(&s, "disk_fetches"), fetches, "a block was evicted for a guess");
+    wait("x6, x7 read into the page cache", &|v| num(v, "disk_read_ahead_cached") == 2);
+
+    // No free room: the miss of y0 evicts one block for itself; the
+    // read-ahead of y1..y4 evicts nothing and goes to the page cache.
+    let s = stats_fast(&socket);
+    let (blocks, evictions, cached) = (num(&s, "blocks"), num(&s, "evictions"), num(&s, "disk_read_ahead_cached"));
+    assert!(num(&s, "bytes_free") < len as u64, "the megaslab still has room: {s}");
+    assert_pattern(&c.get(y[0]).expect("get").expect("y0 from disk"), y[0], len, "y0");
+    let s = wait("y1..y4 read into the page cache", &|v| num(v, "disk_read_ahead_cached") == cached + 4);
+    assert_eq!(num(&s, "evictions"), evictions + 1, "a read-ahead evicted a resident block: {s}");
+    assert_eq!(num(&s, "blocks"), blocks, "{s}");
+    assert_eq!(num(&s, "disk_read_ahead"), 5);
+
+    // A walk of both chains, block after block: every byte right.
+    for (n, &k) in x.iter().chain(&y).enumerate() {
+        assert_pattern(&c.get(k).expect("get").expect("on disk"), k, len, &format!("block {n} of the walk"));
+    }
+    assert!(invariants_ok(&stats_fast(&socket)));
+}

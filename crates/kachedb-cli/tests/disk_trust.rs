@@ -210,6 +210,79 @@ fn a_replaced_key_never_serves_its_older_bytes_after_kill_9() {
     }
 }
 
+/// A DELETE and a replacement answered while a restarted daemon's index
+/// rebuild is still reading the block files' headers (the disk's reads
+/// stalled: an ext4 image on a loop device whose reads the daemon's cgroup
+/// may do at 64 KiB a second, 400 more block files to read, each removal's
+/// own reads queued behind theirs) hold through a `kill -9` in that window:
+/// the next daemon serves neither the deleted key nor the replaced key's
+/// older bytes, and the block nobody touched comes back whole.
+#[test]
+#[cfg_attr(
+    not(kdb_blkio),
+    ignore = "needs root, mkfs.ext4 and a blkio (cgroup v1) or io (cgroup v2) controller: throttles a loop-mounted ext4 image"
+)]
+fn a_delete_and_a_replacement_during_the_index_rebuild_survive_kill_9() {
+    let name = "a_delete_and_a_replacement_during_the_index_rebuild_survive_kill_9";
+    need::root(name);
+    need::tool(name, "mkfs.ext4");
+    let tmp = TempDir::new("trust-rebuild");
+    let mnt = Mount::ext4(&tmp.0.join("mnt"), 64);
+    let throttle = ReadThrottle::new("trust-rebuild", device_of(&mnt.at));
+    let disk = mnt.at.join("disk");
+    let socket = tmp.socket();
+    let normal = ["--disk-worker-class", "normal"];
+    let (gone, replaced, kept) = (tkey(61, 0), tkey(61, 1), tkey(61, 2));
+    let d = disk_daemon(&tmp, "16MiB", &disk, "48MiB", &normal);
+    indexed(&socket);
+    let c = Client::connect(&d.opts()).expect("connect");
+    for k in [gone, replaced, kept] {
+        c.put(k, &versioned(k, 1)).expect("put v1");
+    }
+    for j in 0..400 {
+        c.put(tkey(62, j), &[j as u8; 4096]).expect("put a filler");
+    }
+    assert_eq!(num(&drained(&socket), "disk_writes"), 403);
+    drop(c);
+    kill9(d, None);
+
+    // The restart's rebuild stalls on its header reads.
+    uncache_blocks(&disk);
+    throttle.limit(64 << 10);
+    // Time for the removals, whose reads wait behind the headers'.
+    let timeout = ["--disk-timeout-ms", "60000"];
+    let args = [&["--disk", disk.to_str().expect("utf-8 path"), "--disk-size", "48MiB"][..], &normal[..], &timeout[..]]
+        .concat();
+    let mut d = throttle.daemon(&socket, "16MiB", &args);
+    let c = Client::connect(&d.opts()).expect("connect");
+    c.delete(gone).expect("a DELETE during the rebuild");
+    c.put(replaced, &versioned(replaced, 2)).expect("a replacement during the rebuild");
+    let s = stats_fast(&socket);
+    assert!(s["disk_indexed"] == false, "the index rebuild did not stall: {s}");
+    assert!(!block_file(&disk, gone).exists(), "the DELETE was answered before its file went: {s}");
+    assert!(!block_file(&disk, replaced).exists(), "the replacement was answered before the older file went: {s}");
+    drop(c);
+    // Killed in the window; the limit lifted so that its stalled reads end.
+    d.signal(rustix::process::Signal::KILL);
+    throttle.limit(0);
+    assert!(d.wait_exit(Duration::from_secs(60)).is_some(), "the killed daemon did not exit");
+
+    let d = disk_daemon(&tmp, "16MiB", &disk, "48MiB", &normal);
+    let s = indexed(&socket);
+    let c = Client::connect(&d.opts()).expect("connect");
+    assert!(served(&c, gone).is_none(), "a key deleted during the rebuild came back after kill -9: {s}");
+    if let Some(b) = served(&c, replaced) {
+        assert!(!is_version(&b, replaced, 1), "the bytes replaced during the rebuild came back after kill -9: {s}");
+        assert!(is_version(&b, replaced, 2), "bytes that are neither v1 nor v2");
+    }
+    let b = served(&c, kept).expect("the block nobody touched came back");
+    assert!(is_version(&b, kept, 1), "the block nobody touched came back with other bytes");
+    drop(c);
+    drop(d);
+    drop(throttle);
+    drop(mnt);
+}
+
 /// A process that asks the daemon to take over, speaking the protocol of
 /// `kachedb serve --takeover` by hand: the takeover request, the go (where
 /// the daemon asks for one), and the offer with its descriptors, which it
@@ -223,10 +296,12 @@ struct Asker {
 }
 
 impl Asker {
-    /// Connects and asks to take over (reading state formats 4 and 5).
+    /// Connects and asks to take over (reading the state formats this build reads).
     fn ask(socket: &Path) -> Asker {
         let mut stream = UnixStream::connect(socket).expect("connect to the control socket");
-        stream.write_all(b"{\"op\":\"takeover\",\"state_versions\":[4,5]}\n").expect("ask");
+        let versions = kachedb_daemon::takeover::STATE_VERSIONS_READ.to_vec();
+        let ask = kachedb_shm::control::ControlRequest::Takeover { state_versions: versions };
+        stream.write_all(&kachedb_shm::control::to_line(&ask).expect("a line")).expect("ask");
         Asker { stream, fds: Default::default(), lines: Vec::new() }
     }
 

@@ -20,14 +20,25 @@ const PARALLEL_COPY_CHUNK: usize = 16 << 20;
 const PARALLEL_COPY_MAX_THREADS: usize = 8;
 
 /// How many threads copy `n` bytes: 1 below [`PARALLEL_COPY_MIN`], else up to one
-/// per [`PARALLEL_COPY_CHUNK`], per available core, and [`PARALLEL_COPY_MAX_THREADS`].
+/// per [`PARALLEL_COPY_CHUNK`], per core this thread may run on now, and
+/// [`PARALLEL_COPY_MAX_THREADS`].
 fn copy_threads(n: usize) -> usize {
-    static CORES: OnceLock<usize> = OnceLock::new();
     if n < PARALLEL_COPY_MIN {
         return 1;
     }
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |c| c.get()));
-    cores.min(PARALLEL_COPY_MAX_THREADS).min(n / PARALLEL_COPY_CHUNK).max(1)
+    usable_cores().min(PARALLEL_COPY_MAX_THREADS).min(n / PARALLEL_COPY_CHUNK).max(1)
+}
+
+/// The cores the copy's threads can run on: the CPUs in this thread's affinity
+/// mask now (one syscall: a caller pinned to one CPU after the first copy gets
+/// one thread, not several taking turns on that CPU), and no more than
+/// `available_parallelism` found at the first call (which also counts a
+/// cgroup's CPU quota; reading that is too slow to repeat per copy).
+fn usable_cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    let limit = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |c| c.get()));
+    let now = rustix::thread::sched_getaffinity(None).map_or(limit, |set| set.count() as usize);
+    limit.min(now).max(1)
 }
 
 /// `dst.copy_from_slice(src)`, split into page-aligned chunks that
@@ -76,6 +87,7 @@ pub fn copy_many_on(pairs: &mut [(&mut [u8], &[u8])], max_threads: usize) {
         for (d, s) in pairs.iter_mut() {
             stream_copy(d, s);
         }
+        store_fence();
         return;
     }
     // Work items of about `chunk` bytes: large blocks cut into page-aligned
@@ -83,12 +95,15 @@ pub fn copy_many_on(pairs: &mut [(&mut [u8], &[u8])], max_threads: usize) {
     let chunk = total.div_ceil(threads * 4).next_multiple_of(4096).max(PARALLEL_COPY_CHUNK / 4);
     let items = pairs.iter_mut().flat_map(|(d, s)| d.chunks_mut(chunk).zip(s.chunks(chunk)));
     let work = Mutex::new(items);
-    let run = || loop {
-        let next = work.lock().unwrap_or_else(PoisonError::into_inner).next();
-        match next {
-            Some((d, s)) => stream_copy(d, s),
-            None => break,
+    let run = || {
+        loop {
+            let next = work.lock().unwrap_or_else(PoisonError::into_inner).next();
+            match next {
+                Some((d, s)) => stream_copy(d, s),
+                None => break,
+            }
         }
+        store_fence();
     };
     std::thread::scope(|scope| {
         for _ in 1..threads {
@@ -101,14 +116,15 @@ pub fn copy_many_on(pairs: &mut [(&mut [u8], &[u8])], max_threads: usize) {
 }
 
 /// `dst.copy_from_slice(src)` with non-temporal stores for the 64-byte-aligned
-/// middle of `dst`, ordinary stores for the unaligned head and tail; ends with
-/// a store fence, so the streamed bytes are ordered before this thread's later
-/// stores (the COMMIT, or the end of a copying thread that the committing
-/// thread joins). The middle is copied four 4 KiB pages at a time, one line of
-/// each page in turn ([`stream_pages`]), as glibc's own large-copy loop does:
-/// four streams in flight instead of one (on an Intel Xeon host, 2 GiB with two
-/// threads in ~113 ms against ~138 ms line after line, and 256 MiB in ~16
-/// against ~25 ms). Elsewhere than x86-64 a plain copy.
+/// middle of `dst`, ordinary stores for the unaligned head and tail. Not
+/// fenced: the caller runs [`store_fence`] once after its last `stream_copy`
+/// (a fence waits for every streamed line of the thread to drain, so one per
+/// block would stall a batch of small blocks once per block). The middle is
+/// copied four 4 KiB pages at a time, one line of each page in turn
+/// ([`x86::stream_pages`]), as glibc's own large-copy loop does: four streams in
+/// flight instead of one (on an Intel Xeon host, 2 GiB with two threads in
+/// ~113 ms against ~138 ms line after line, and 256 MiB in ~16 against ~25 ms).
+/// Elsewhere than x86-64 a plain copy.
 fn stream_copy(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "stream_copy slices of different lengths");
     #[cfg(target_arch = "x86_64")]
@@ -130,12 +146,22 @@ fn stream_copy(dst: &mut [u8], src: &[u8]) {
             x86::stream_pages(d_groups, s_groups);
         }
         x86::stream_lines(d_lines, s_lines);
-        // SAFETY: a fence; SSE is part of x86-64.
-        unsafe { std::arch::x86_64::_mm_sfence() };
         d_tail.copy_from_slice(s_tail);
     }
     #[cfg(not(target_arch = "x86_64"))]
     dst.copy_from_slice(src);
+}
+
+/// Orders this thread's streamed stores ([`stream_copy`]) before its later
+/// stores: the COMMIT, or the end of a copying thread that the committing
+/// thread joins (a non-temporal store is not ordered by the release that a
+/// join or a ring push makes; `sfence` drains it). Nothing elsewhere than x86-64.
+fn store_fence() {
+    // SAFETY: a fence; SSE is part of x86-64.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 /// Bytes of a cache line: the unit of one round of streaming stores.
@@ -273,6 +299,73 @@ mod tests {
         let src: Vec<u8> = (0..one.len()).map(|j| (j % 251) as u8).collect();
         copy_into(&mut one, &src);
         assert_eq!(one, src);
+    }
+
+    /// Batches just below, at and just above [`PARALLEL_COPY_MIN`] (the plain
+    /// copy, then the streamed one, on one thread and on several), made of
+    /// pairs of odd lengths at odd offsets of their buffers: every byte of
+    /// every destination equals its source, and nothing around a destination
+    /// is written.
+    #[test]
+    fn batches_at_the_streaming_threshold_copy_every_byte_and_nothing_else() {
+        const GUARD: usize = 67;
+        // Odd lengths (the last one fills the batch up to `total`) at
+        // destination offsets that are not 64-byte aligned, and sources at
+        // other offsets.
+        let lens = [1usize, 63, 65, 4095, 4097, 65_537, 3 << 20, (5 << 20) + 13];
+        for total in [PARALLEL_COPY_MIN - 1, PARALLEL_COPY_MIN, PARALLEL_COPY_MIN + 4097] {
+            let mut sizes: Vec<usize> = lens.to_vec();
+            let used: usize = sizes.iter().sum();
+            sizes.push(total - used);
+            let srcs: Vec<Vec<u8>> =
+                sizes.iter().enumerate().map(|(i, &n)| (0..n + 3).map(|j| (j * 131 + i * 7) as u8).collect()).collect();
+            for max_threads in [1, PARALLEL_COPY_MAX_THREADS] {
+                let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xA5u8; n + 2 * GUARD]).collect();
+                let mut pairs: Vec<(&mut [u8], &[u8])> = bufs
+                    .iter_mut()
+                    .zip(&srcs)
+                    .enumerate()
+                    .map(|(i, (b, s))| {
+                        let (n, d_off, s_off) = (sizes[i], GUARD - i % 5, i % 4);
+                        (&mut b[d_off..d_off + n], &s[s_off..s_off + n])
+                    })
+                    .collect();
+                assert_eq!(pairs.iter().map(|(d, _)| d.len()).sum::<usize>(), total);
+                copy_many_on(&mut pairs, max_threads);
+                for (i, b) in bufs.iter().enumerate() {
+                    let (n, d_off, s_off) = (sizes[i], GUARD - i % 5, i % 4);
+                    assert!(
+                        b[d_off..d_off + n] == srcs[i][s_off..s_off + n],
+                        "total {total} threads {max_threads} pair {i}"
+                    );
+                    assert!(
+                        b[..d_off].iter().chain(&b[d_off + n..]).all(|&x| x == 0xA5),
+                        "total {total} threads {max_threads} pair {i}: wrote outside the destination"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The copy's threads are counted from the CPUs the calling thread may run
+    /// on at the time of the copy: a thread pinned to one CPU copies alone.
+    #[test]
+    fn a_thread_pinned_to_one_cpu_copies_alone() {
+        let big = PARALLEL_COPY_CHUNK * PARALLEL_COPY_MAX_THREADS;
+        let before = copy_threads(big);
+        assert!((1..=PARALLEL_COPY_MAX_THREADS).contains(&before));
+        std::thread::spawn(move || {
+            let mine = rustix::thread::sched_getaffinity(None).expect("affinity");
+            let cpu = (0..rustix::thread::CpuSet::MAX_CPU).find(|&c| mine.is_set(c)).expect("a CPU");
+            let mut one = rustix::thread::CpuSet::new();
+            one.set(cpu);
+            rustix::thread::sched_setaffinity(None, &one).expect("pin");
+            assert_eq!(copy_threads(big), 1);
+            assert_eq!(copy_threads(PARALLEL_COPY_MIN - 1), 1);
+        })
+        .join()
+        .unwrap();
+        assert_eq!(copy_threads(big), before, "the pin was this test's thread's only");
     }
 
     /// Both page loops (the SSE2 one and, where the CPU has it, the AVX one)

@@ -45,7 +45,7 @@ mod view;
 
 pub use connect::{daemon_stats, ConnectOptions, DEFAULT_ANSWER_TIMEOUT, TRUST_UID_ENV};
 pub use error::{ClientError, Result};
-pub use kachedb_shm::{DType, Shape, Stats};
+pub use kachedb_shm::{BlockMeta, DType, Shape, Stats};
 pub use key::Key;
 pub use value::Value;
 pub use view::{BlockView, Reservation};
@@ -308,6 +308,13 @@ impl Client {
     /// ([`Reservation::commit_all`]): each block becomes visible under its key.
     pub fn commit_many(&self, reservations: Vec<Reservation>) -> Result<()> {
         Reservation::commit_all(reservations)
+    }
+
+    /// Attaches what an engine knows of each block (its hash, parent, tokens:
+    /// [`BlockMeta`]) to open reservations, for the KV events
+    /// ([`Reservation::attach_meta_all`]); commit them as usual after.
+    pub fn attach_meta(&self, reservations: &[Reservation], metas: &[Option<BlockMeta>]) -> Result<()> {
+        Reservation::attach_meta_all(reservations, metas)
     }
 
     /// Aborts many reservations with one batch of ABORTs ([`Reservation::abort_all`]).

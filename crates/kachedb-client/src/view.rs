@@ -3,9 +3,9 @@
 //! written. Both keep the region mapped and the connection open while they live.
 
 use crate::channel::Channel;
-use crate::error::{ok_or, ClientError, Result};
+use crate::error::{ok_or, status_error, ClientError, Result};
 use crate::Key;
-use kachedb_shm::{Completion, DType, Op, Request, Shape, Status};
+use kachedb_shm::{BlockMeta, Completion, DType, Op, Request, Shape, Status};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -306,6 +306,68 @@ impl Reservation {
         self.done = true;
         self.finish(Request::Abort { handle: self.handle })
     }
+    /// Attaches block metadata (`metas[i]` to `reservations[i]`; `None`:
+    /// none) for the KV events (docs/events.md): each record is checked here
+    /// ([`BlockMeta::check`]), all are written into one scratch reservation
+    /// of this client, and one batch of META frames names them; the scratch
+    /// is aborted after. Kept by the daemon with the block once committed; a
+    /// second attach replaces the first. `Invalid` (nothing attached) for a
+    /// record out of bounds, a count that differs from the reservations', or
+    /// reservations of different clients; a refusal by the daemon after some
+    /// records were attached leaves those attached (the caller aborts the
+    /// reservations to undo).
+    pub fn attach_meta_all(reservations: &[Reservation], metas: &[Option<BlockMeta>]) -> Result<()> {
+        if metas.len() != reservations.len() {
+            return Err(ClientError::Invalid(format!(
+                "{} block metadata records for {} reservations: give one (or None) per reservation",
+                metas.len(),
+                reservations.len()
+            )));
+        }
+        let Some(channel) = reservations.first().map(|r| r.channel.clone()) else { return Ok(()) };
+        if reservations.iter().any(|r| !Arc::ptr_eq(&r.channel, &channel)) {
+            return Err(ClientError::Invalid("a batch of reservations must all come from one client".into()));
+        }
+        let mut bytes = Vec::new();
+        let mut spans = Vec::new();
+        for (r, m) in reservations.iter().zip(metas) {
+            let Some(m) = m else { continue };
+            if r.done {
+                return Err(ClientError::Invalid("block metadata for a reservation already finished".into()));
+            }
+            let at = bytes.len();
+            m.encode(&mut bytes).map_err(|e| ClientError::Invalid(format!("block metadata: {e}")))?;
+            spans.push((r.handle, at as u64, (bytes.len() - at) as u64));
+        }
+        if spans.is_empty() {
+            return Ok(());
+        }
+        let len = bytes.len() as u64;
+        let shape = Shape::for_bytes(len).ok_or_else(|| ClientError::Invalid(format!("{len} bytes of metadata")))?;
+        let reserve = Request::reserve(0, DType::U8, shape, 0).map_err(|e| ClientError::Invalid(e.to_string()))?;
+        let c = channel.call1(reserve)?;
+        let mut scratch = Reservation::from_reserve(&channel, c, DType::U8, shape, len)?;
+        scratch.as_mut_slice().copy_from_slice(&bytes);
+        let reqs: Vec<Request> = spans
+            .iter()
+            .map(|&(handle, offset, len)| Request::Meta { handle, scratch: scratch.handle, offset, len })
+            .collect();
+        let done = channel.call(&reqs);
+        let aborted = scratch.abort();
+        for c in done? {
+            if c.status != Status::Ok {
+                return Err(match c.status {
+                    Status::Invalid => ClientError::Invalid(
+                        "the daemon refused a block metadata record (docs/PROTOCOL.md, \"META and block metadata\")"
+                            .into(),
+                    ),
+                    s => status_error(s, 0),
+                });
+            }
+        }
+        aborted
+    }
+
     /// Commits many reservations of one client with one batch of COMMITs (a
     /// closed client still finishes them), in order, each with its parent (so
     /// a chain reserved in order links block by block). Every COMMIT is sent; the first

@@ -23,7 +23,8 @@ pub use kachedb_shm::region::PAGE_LEN;
 const _: () = assert!(PAGE_LEN.is_power_of_two());
 
 /// A contiguous run of whole pages of the region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub struct Extent {
     /// Start, bytes from the region base; a multiple of [`PAGE_LEN`].
     pub offset: u64,
@@ -53,7 +54,8 @@ pub enum FreeError {
 }
 
 /// Best-fit allocator of page extents with coalescing on free.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub struct ExtentAllocator {
     /// Start of the managed range, bytes from the region base; page aligned.
     base_offset: u64,
@@ -106,6 +108,49 @@ impl ExtentAllocator {
             a.insert_free(aligned_base, total_len);
         }
         a
+    }
+
+    /// An allocator for `[base_offset, base_offset + len)` (as [`new`](Self::new))
+    /// whose live allocations are `extents`, in any order; the rest is free,
+    /// coalesced. `Err` names the first extent that is not page aligned,
+    /// empty, outside the range or overlapping another. One sort and one
+    /// pass: the indexes are built from sorted runs.
+    pub fn with_allocated(base_offset: u64, len: u64, mut extents: Vec<Extent>) -> Result<Self, String> {
+        let empty = Self::new(base_offset, len);
+        let (base, total) = (empty.base_offset, empty.total_len);
+        extents.sort_unstable_by_key(|e| e.offset);
+        let mut free = Vec::new();
+        let mut at = base;
+        for e in &extents {
+            let end = e.offset.checked_add(e.len).filter(|&end| end <= base + total);
+            let Some(end) = end.filter(|_| e.len > 0 && is_page_aligned(e.offset) && is_page_aligned(e.len)) else {
+                return Err(format!("extent at {} of {} bytes is not whole pages of the megaslab", e.offset, e.len));
+            };
+            if e.offset < at {
+                return Err(format!(
+                    "extent at {} overlaps the one before it (or starts before the megaslab)",
+                    e.offset
+                ));
+            }
+            if e.offset > at {
+                free.push((at, e.offset - at));
+            }
+            at = end;
+        }
+        if at < base + total {
+            free.push((at, base + total - at));
+        }
+        let free_len = free.iter().map(|&(_, l)| l).sum();
+        let mut by_len: Vec<(u64, u64)> = free.iter().map(|&(o, l)| (l, o)).collect();
+        by_len.sort_unstable();
+        Ok(Self {
+            base_offset: base,
+            total_len: total,
+            free_by_offset: free.into_iter().collect(),
+            free_by_len: by_len.into_iter().collect(),
+            allocated: extents.iter().map(|e| (e.offset, e.len)).collect(),
+            free_len,
+        })
     }
 
     /// Start of the managed range, bytes from the region base.

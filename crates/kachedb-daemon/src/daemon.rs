@@ -7,8 +7,9 @@ use crate::channels::Channels;
 use crate::control::{self, Access};
 use crate::events::{self, Event};
 use crate::metrics::Metrics;
-use crate::serve::{RegionLayout, Serve};
+use crate::serve::Serve;
 use crate::store::Store;
+use crate::takeover::state::RegionLayout;
 use crate::tier::{Tier, TierError};
 use crate::tier_kind::{Start, TierSetup};
 use kachedb_shm::region::{CreateOptions, Layout};
@@ -200,9 +201,9 @@ type KvEvents = (crate::kv_events::EventSink, std::thread::JoinHandle<()>);
 
 /// The serve loop's part of a takeover, taken up by [`Daemon::run`].
 struct Restored {
-    channels: Vec<crate::serve::ChannelState>,
-    waits: Vec<crate::serve::ParkedWait>,
-    counters: kachedb_shm::control::ServeStats,
+    channels: Vec<crate::takeover::state::ChannelState>,
+    waits: Vec<crate::takeover::state::ParkedWait>,
+    counters: crate::takeover::state::ServeCounters,
     streams: std::collections::HashMap<u32, Arc<std::os::unix::net::UnixStream>>,
     /// The old daemon's tiers' writes not finished, and keys whose older
     /// copy they could not remove (`ServeState`).
@@ -413,7 +414,7 @@ impl Daemon {
         t0: Instant,
     ) -> Result<(Started, std::os::fd::OwnedFd, u64, std::time::Duration), ServeError> {
         let sock = cfg.socket_path.clone();
-        let mut serve = crate::takeover::decode_serve::<crate::serve::ServeState>(taken.state_version, &taken.serve)
+        let mut serve = crate::takeover::decode_serve(taken.state_version, &taken.serve)
             .map_err(|e| taken.refuse(&format!("serve state: {e}")))?;
         let region =
             Region::attach_lazily(taken.region.try_clone().map_err(io_err("duplicating the region of", &sock))?)
@@ -433,9 +434,8 @@ impl Daemon {
                 .into());
         }
         let layout = *region.layout();
-        let received_store = std::mem::replace(&mut serve.store, Store::new(0, 0));
-        let mut store = received_store
-            .restore_checked(layout.slab_offset, layout.slab_len)
+        let received_store = std::mem::take(&mut serve.store);
+        let mut store = Store::from_state(received_store, layout.slab_offset, layout.slab_len)
             .map_err(|e| taken.refuse(&format!("the store: {e}")))?;
         store.set_max_session_bytes(cfg.max_client_bytes);
         store.set_max_uid_bytes(cfg.max_uid_bytes);
@@ -474,7 +474,11 @@ impl Daemon {
             waits: serve.waits,
             counters: serve.counters,
             streams,
-            tier_writes: serve.tier_writes,
+            tier_writes: serve
+                .tier_writes
+                .iter()
+                .map(|w| crate::tier::PendingWrite { key: w.key, parent: w.parent })
+                .collect(),
             tier_unremoved: serve.tier_unremoved,
             tier_fds,
         };

@@ -15,6 +15,7 @@
 //! memory is untrusted: decoding never panics and never indexes with an
 //! unchecked value.
 
+use crate::block_meta::{MAX_META_LEN, META_HEADER_LEN};
 use bytemuck::{Pod, Zeroable};
 
 /// Most dimensions a descriptor carries.
@@ -246,6 +247,10 @@ code_enum! {
         /// COMMIT that also pins the committed block, answered as a GET: for a
         /// writer that keeps a pointer into the block after committing it.
         CommitPin = 11,
+        /// Attach a block metadata record (`block_meta`) to an open
+        /// reservation, read from another reservation's bytes: the engine's
+        /// hash, parent, tokens of the block, for the KV events.
+        Meta = 12,
     }
 }
 
@@ -450,6 +455,10 @@ pub enum DecodeError {
     /// RESERVE: the `handle` field is neither 0 nor [`RESERVE_CONTINUES`].
     #[error("RESERVE flags {0:#x} are not 0 or RESERVE_CONTINUES (1)")]
     BadReserveFlags(u64),
+    /// META: the record is longer than [`MAX_META_LEN`] or shorter than
+    /// its header.
+    #[error("META of {0} bytes: a block metadata record is {META_HEADER_LEN} to {MAX_META_LEN} bytes")]
+    BadMetaLen(u64),
     /// A request carried a non-zero status.
     #[error("request frames must carry status 0, got {0}")]
     StatusInRequest(u8),
@@ -498,6 +507,19 @@ pub enum Request {
         key: u128,
         /// COMMIT_PIN (the answer carries a pin) rather than COMMIT.
         pin: bool,
+    },
+    /// META: attach the block metadata record at `offset` bytes into the
+    /// data of reservation `scratch`, `len` bytes long, to reservation
+    /// `handle` (both this client's, open), which keeps it when committed.
+    Meta {
+        /// The reservation the record describes.
+        handle: u64,
+        /// The reservation whose bytes hold the record (carried in `key_lo`).
+        scratch: u64,
+        /// Where the record starts in `scratch`'s data, bytes.
+        offset: u64,
+        /// The record's length, bytes (carried in `key_hi`).
+        len: u64,
     },
     /// ABORT a reservation.
     Abort {
@@ -610,6 +632,7 @@ impl Request {
             Request::CommitPin { .. } | Request::CommitAs { pin: true, .. } => Op::CommitPin,
             Request::CommitAs { pin: false, .. } => Op::Commit,
             Request::Abort { .. } => Op::Abort,
+            Request::Meta { .. } => Op::Meta,
             Request::Get { .. } => Op::Get,
             Request::Release { .. } => Op::Release,
             Request::Lookup { .. } => Op::Lookup,
@@ -638,6 +661,12 @@ impl Request {
             Op::Commit => commit_request(d, false)?,
             Op::CommitPin => commit_request(d, true)?,
             Op::Abort => Request::Abort { handle: d.handle },
+            Op::Meta => {
+                if d.key_hi < META_HEADER_LEN as u64 || d.key_hi > MAX_META_LEN as u64 {
+                    return Err(DecodeError::BadMetaLen(d.key_hi));
+                }
+                Request::Meta { handle: d.handle, scratch: d.key_lo, offset: d.offset, len: d.key_hi }
+            }
             Op::Get => Request::Get { key },
             Op::Release => Request::Release { handle: d.handle },
             Op::Lookup => Request::Lookup { key },
@@ -673,6 +702,12 @@ impl Request {
                 d.offset = COMMIT_NAMES_KEY;
             }
             Request::Abort { handle } | Request::Release { handle } => d.handle = handle,
+            Request::Meta { handle, scratch, offset, len } => {
+                d.handle = handle;
+                d.key_lo = scratch;
+                d.key_hi = len;
+                d.offset = offset;
+            }
             Request::Get { key } | Request::Lookup { key } | Request::Delete { key } => d.set_key(key),
             Request::Wait { key, timeout_us } => {
                 d.set_key(key);

@@ -4,6 +4,7 @@
 //! The memory both map:
 //! * [`region`] — the sealed memfd region, its header and layout;
 //! * [`ring`] — the single-producer single-consumer ring with its 192-byte header;
+//! * [`block_meta`] — the block metadata record a META frame points at;
 //! * [`descriptor`] — the 64-byte `TensorBlockDescriptor`, its encoders and checked decoders;
 //! * [`wait`] — the cross-process spin-then-park wait cell and wait policy;
 //! * [`sync`] — where the atomics come from (std, or loom under the model checker);
@@ -22,6 +23,7 @@
 //! See `docs/PROTOCOL.md` for the wire contract.
 #![warn(missing_docs)]
 
+pub mod block_meta;
 pub mod control;
 pub mod descriptor;
 pub mod fdpass;
@@ -34,6 +36,7 @@ pub mod trust;
 pub mod units;
 pub mod wait;
 
+pub use block_meta::{BlockMeta, MetaError, MAX_META_LEN};
 pub use control::Stats;
 pub use descriptor::{
     continues_unit, mark_unit, page_offset_is_valid, page_offset_of, unit_len, Completion, DType, DecodeError,

@@ -570,6 +570,20 @@ impl Region {
         }
     }
 
+    /// A copy of the `len` bytes of megaslab at `offset` (bytes from the
+    /// region base), or `None` if that range is not inside the megaslab. A
+    /// client may write them meanwhile: the copy is untrusted bytes, for the
+    /// caller to check (the daemon reads a META's record this way).
+    pub fn copy_from_slab(&self, offset: u64, len: u64) -> Option<Vec<u8>> {
+        let ptr = self.slab_ptr(offset, len)?;
+        let mut out = vec![0u8; usize::try_from(len).ok()?];
+        // SAFETY: `slab_ptr` checked that the range lies inside the mapping,
+        // which `self` keeps mapped; bytes have no invalid values, so a
+        // concurrent write by a client only changes what is copied.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.as_ptr(), out.as_mut_ptr(), out.len()) };
+        Some(out)
+    }
+
     /// A pointer to `len` bytes of megaslab at `offset` (bytes from the region
     /// base), or `None` if that range is not inside the megaslab.
     pub fn slab_ptr(&self, offset: u64, len: u64) -> Option<NonNull<u8>> {

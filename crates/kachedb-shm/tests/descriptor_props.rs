@@ -123,6 +123,11 @@ fn check_request(f: &TensorBlockDescriptor) {
                     assert!(matches!(op, Op::Get | Op::Lookup | Op::Delete));
                     assert_eq!(key, f.key());
                 }
+                Request::Meta { handle, scratch, offset, len } => {
+                    assert_eq!(op, Op::Meta);
+                    assert_eq!((handle, scratch, offset, len), (f.handle, f.key_lo, f.offset, f.key_hi));
+                    assert!((32..=kachedb_shm::MAX_META_LEN as u64).contains(&len));
+                }
                 Request::Ping => assert_eq!(op, Op::Ping),
                 Request::Stats => assert_eq!(op, Op::Stats),
                 Request::Wait { key, timeout_us } => {
@@ -135,6 +140,7 @@ fn check_request(f: &TensorBlockDescriptor) {
             assert_eq!(Request::decode(&r.encode(f.request_id)), Ok(r));
         }
         Err(e) => match e {
+            DecodeError::BadMetaLen(len) => assert!(f.op == Op::Meta as u8 && len == f.key_hi),
             DecodeError::StatusInRequest(s) => assert!(s != 0 && s == f.status),
             DecodeError::UnknownOp(o) => assert!(Op::from_code(o).is_none()),
             DecodeError::UnknownStatus(_) => panic!("requests do not decode status"),
@@ -276,6 +282,7 @@ proptest! {
             Op::Delete => Request::Delete { key },
             Op::Stats => Request::Stats,
             Op::Wait => Request::Wait { key, timeout_us: handle },
+            Op::Meta => Request::Meta { handle, scratch: key as u64, offset: page, len: 32 + page * 4 },
         };
         let f = r.encode(request_id);
         prop_assert_eq!((f.op, f.status, f.request_id), (op as u8, 0, request_id));
@@ -288,6 +295,8 @@ proptest! {
                     kachedb_shm::COMMIT_HAS_PARENT
                 }
                 Request::CommitAs { .. } => kachedb_shm::COMMIT_NAMES_KEY,
+                // META's `offset` is where its record starts.
+                Request::Meta { offset, .. } => offset,
                 _ => 0,
             };
             prop_assert_eq!((f.dtype, f.ndim, f.shape, f.offset), (0, 0, [0; MAX_DIMS], flags));

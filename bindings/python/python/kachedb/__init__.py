@@ -21,12 +21,14 @@ from ._client import Client, Reservation, Reservations, connect, default_socket_
 from ._device import to_device
 from ._kachedb_rust import __version__
 from ._keys import KeyLike, key_of
+from ._meta import BlockMeta
 
 __all__ = [
     "connect",
     "Client",
     "Reservation",
     "Reservations",
+    "BlockMeta",
     "default_socket_path",
     "to_device",
     "__version__",

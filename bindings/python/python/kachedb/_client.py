@@ -27,6 +27,7 @@ from . import _kachedb_rust as _native
 from ._daemon_bin import daemon_binary
 from ._dtypes import ShapeLike, _np, _torch, _torch_table, check_shape, dtype_code, is_torch_dtype
 from ._errors import Disconnected, InvalidArgument, KacheDBError, NotFound
+from ._meta import BlockMeta, native_metas
 from ._keys import KeyLike
 from ._views import numpy_from_dlpack, torch_from_dlpack, writable_tensors
 
@@ -260,6 +261,13 @@ class Reservation(_Pending):
     def __enter__(self) -> Any:
         return self.out
 
+    def attach_meta(self, meta: "BlockMeta") -> None:
+        """Tells the daemon what the engine knows of this block (its hash,
+        parent, tokens: ``kachedb.BlockMeta``), for the KV events; before the
+        commit. ``InvalidArgument`` (nothing attached) for a record out of
+        bounds."""
+        self._native.attach_meta(native_metas([meta])[0])
+
     def commit_as(self, key: KeyLike) -> None:
         """Commits the block under ``key``, whatever key it was reserved with
         (docs/PROTOCOL.md, "COMMIT and the key"); it has no parent. Pinned
@@ -300,6 +308,15 @@ class Reservations(_Pending):
 
     def __enter__(self) -> List[Any]:
         return self.out
+
+    def attach_meta(self, metas: Sequence[Optional["BlockMeta"]]) -> None:
+        """Tells the daemon what the engine knows of each block (``metas[i]``
+        for block ``i``, ``None`` for none: ``kachedb.BlockMeta``), for the KV
+        events, in one native call (the records go through one scratch block
+        and one batch of META frames); before the commit. ``InvalidArgument``
+        (nothing attached) for a record out of bounds or a count other than
+        the blocks'."""
+        self._native.attach_meta(native_metas(list(metas)))
 
     def write_ranges(self, addresses: Sequence[int], lengths: Sequence[int], *, threads: Optional[int] = None) -> None:
         """Writes the blocks from byte ranges of this process's memory, without

@@ -164,6 +164,9 @@ class NativeBlock:
         """A read-only DLPack exporter of the block's bytes that owns the pin
         (``.typed(dtype_code, shape)`` exports it as the block)."""
 
+#: ``(block_hash, parent_hash, block_size, token_ids, lora_id, lora_name)`` (``kachedb.BlockMeta``).
+MetaTuple = Tuple[int, Optional[int], int, List[int], Optional[int], Optional[str]]
+
 class NativeReservation:
     """An open reservation: write through ``buffer()``, then ``commit()`` or
     ``abort()`` (each at most once; a second raises ``InvalidArgument``)."""
@@ -176,6 +179,8 @@ class NativeReservation:
     def commit(self, key: Optional[Any] = None) -> None:
         """Commits (under ``key``, in place of the reserved key, when given)."""
     def abort(self) -> None: ...
+    def attach_meta(self, meta: MetaTuple) -> None:
+        """Attaches a block metadata record, before the commit."""
 
 class NativeReservations:
     """The reservations of one ``reserve_many`` batch."""
@@ -189,6 +194,8 @@ class NativeReservations:
         """Commits all of them in one batch (at most once)."""
     def abort(self) -> None:
         """Aborts all of them in one batch (at most once)."""
+    def attach_meta(self, metas: Sequence[Optional[MetaTuple]]) -> None:
+        """Attaches one block metadata record (or None) per reservation, before the commit."""
 
 def default_socket_path(instance: int = 0) -> str:
     """The default control socket path of ``instance`` (``$KACHEDB_SOCKET`` for 0)."""

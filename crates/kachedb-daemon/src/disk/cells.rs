@@ -53,6 +53,10 @@ pub struct DiskCells {
     pub deletes: AtomicU64,
     /// Fetches the serve loop stopped waiting for (past `--disk-timeout-ms`).
     pub fetches_timed_out: AtomicU64,
+    /// Blocks read ahead into free megaslab space.
+    pub read_ahead: AtomicU64,
+    /// Blocks read ahead into the page cache (no free megaslab room).
+    pub read_ahead_cached: AtomicU64,
     /// The start-up index rebuild is done.
     pub indexed: AtomicBool,
     /// Microseconds the start-up index rebuild took.
@@ -70,7 +74,7 @@ pub struct DiskCells {
     pub fill: FillLatency,
 }
 
-const ROWS: [Row<DiskCells>; 22] = [
+const ROWS: [Row<DiskCells>; 24] = [
     ("disk_blocks", "Blocks on the disk tier.", Kind::Gauge, |c| &c.blocks),
     ("disk_bytes", "File-system bytes the disk tier's blocks take.", Kind::Gauge, |c| &c.bytes),
     ("disk_capacity_bytes", "The bound on the disk tier's bytes (--disk-size).", Kind::Gauge, |c| &c.capacity_bytes),
@@ -127,6 +131,18 @@ const ROWS: [Row<DiskCells>; 22] = [
         "Deletes and replacements whose older copy on disk was not confirmed gone in time (answered NOT_DURABLE; retried).",
         Kind::Counter,
         |c| &c.unconfirmed_removals,
+    ),
+    (
+        "disk_read_ahead",
+        "Blocks read ahead along a chain into free megaslab space (--disk-read-ahead; counted in disk_fills too once committed).",
+        Kind::Counter,
+        |c| &c.read_ahead,
+    ),
+    (
+        "disk_read_ahead_cached",
+        "Blocks read ahead along a chain into the page cache only: the megaslab had no free room for them.",
+        Kind::Counter,
+        |c| &c.read_ahead_cached,
     ),
 ];
 
@@ -219,6 +235,8 @@ impl DiskCells {
             disk_recovered: self.recovered.load(Relaxed),
             disk_deletes: self.deletes.load(Relaxed),
             disk_fetches_timed_out: self.fetches_timed_out.load(Relaxed),
+            disk_read_ahead: self.read_ahead.load(Relaxed),
+            disk_read_ahead_cached: self.read_ahead_cached.load(Relaxed),
             disk_indexed: self.indexed.load(Relaxed),
             disk_index_s: self.index_us.load(Relaxed) as f64 / 1e6,
             disk_dir_lost: self.dir_lost.load(Relaxed) != 0,
@@ -308,6 +326,10 @@ pub struct DiskStats {
     /// Disk fetches the serve loop stopped waiting for at
     /// `--disk-timeout-ms` (their keys were answered as misses).
     pub disk_fetches_timed_out: u64,
+    /// Blocks read ahead along a chain into free megaslab space.
+    pub disk_read_ahead: u64,
+    /// Blocks read ahead into the page cache only (no free megaslab room).
+    pub disk_read_ahead_cached: u64,
     /// The start-up index rebuild is done.
     pub disk_indexed: bool,
     /// Seconds the start-up index rebuild took.

@@ -30,6 +30,20 @@ use rustix::fs::{AtFlags, FlockOperation, Mode, OFlags};
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+
+/// A block file's header area, page-aligned: what an `O_DIRECT` read of it
+/// needs (buffer, offset and length all multiples of the device's block).
+#[repr(C, align(4096))]
+pub(super) struct HeaderPage(pub [u8; format::HEADER_AREA as usize]);
+
+const _: () = assert!(std::mem::align_of::<HeaderPage>() as u64 == format::HEADER_AREA);
+
+impl HeaderPage {
+    pub(super) fn new() -> Box<HeaderPage> {
+        Box::new(HeaderPage([0; format::HEADER_AREA as usize]))
+    }
+}
 
 /// The sub-directories the tier keeps its files in.
 const BLOCKS: &str = "blocks";
@@ -189,6 +203,61 @@ impl TierDir {
         Ok(File::from(fd))
     }
 
+    /// Reads block `key`'s header area into `page` and the file's status,
+    /// for the index rebuild: one open, one `fstat`, one read. The open is
+    /// `O_NOATIME` (the read writes no inode) and, while `direct` holds,
+    /// `O_DIRECT`: the header page goes from the device to `page` without
+    /// entering the page cache, so nothing is left to drop. A file system
+    /// that refuses `O_DIRECT` for a regular file clears `direct` and is
+    /// read buffered from then on (the page dropped after the read). Returns the bytes read
+    /// (fewer than the header area for a file that short) and the status.
+    pub(super) fn read_header(
+        &self,
+        key: u128,
+        page: &mut HeaderPage,
+        direct: &AtomicBool,
+    ) -> std::io::Result<(usize, rustix::fs::Stat)> {
+        let name = format::block_name(key);
+        let base = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let open = |flags: OFlags| -> rustix::io::Result<OwnedFd> {
+            match rustix::fs::openat(&self.blocks, name.as_str(), flags | OFlags::NOATIME, Mode::empty()) {
+                // `O_NOATIME` is for the file's owner only.
+                Err(rustix::io::Errno::PERM) => rustix::fs::openat(&self.blocks, name.as_str(), flags, Mode::empty()),
+                r => r,
+            }
+        };
+        // Whether the file system refused `O_DIRECT` for this file: if it is
+        // a regular file, reads go buffered from then on (a planted
+        // directory, which refuses it too, changes nothing).
+        let mut refused = false;
+        if direct.load(Relaxed) {
+            match open(base | OFlags::DIRECT) {
+                Ok(fd) => {
+                    let st = rustix::fs::fstat(&fd)?;
+                    match rustix::io::pread(&fd, &mut page.0, 0) {
+                        Ok(n) => return Ok((n, st)),
+                        Err(rustix::io::Errno::INVAL) => refused = true,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                Err(rustix::io::Errno::INVAL) => refused = true,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let fd = open(base)?;
+        let st = rustix::fs::fstat(&fd)?;
+        if refused && rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile {
+            direct.store(false, Relaxed);
+        }
+        // No readahead: the read brings in the header's page only, and that
+        // page is uptodate and unlocked when the `DONTNEED` after it runs (a
+        // readahead still in flight then would stay cached).
+        let _ = rustix::fs::fadvise(&fd, 0, None, rustix::fs::Advice::Random);
+        let n = rustix::io::pread(&fd, &mut page.0[..format::HEADER_LEN], 0);
+        let _ = rustix::fs::fadvise(&fd, 0, None, rustix::fs::Advice::DontNeed);
+        Ok((n?, st))
+    }
+
     /// Creates the temporary file `name` (`0600`; it must not exist).
     pub(super) fn create_tmp(&self, name: &str) -> std::io::Result<File> {
         let fd = rustix::fs::openat(
@@ -298,4 +367,87 @@ fn read_pid(root: &OwnedFd) -> Option<String> {
     use std::io::Read;
     File::from(fd).take(64).read_to_string(&mut s).ok()?;
     Some(s.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kachedb_shm::{DType, Shape};
+
+    /// A fresh directory under `base` (removed when dropped).
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn scratch(base: &str, name: &str) -> Scratch {
+        let p = Path::new(base).join(format!("kachedb-dir-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        Scratch(p)
+    }
+
+    /// Writes block `key`'s file (`len` tensor bytes) under `dir`.
+    fn write_block(d: &TierDir, key: u128, len: u64) -> format::Header {
+        let payload = vec![9u8; len as usize];
+        let h = format::Header {
+            tenant: Some("team-a".into()),
+            key,
+            parent: Some(key + 1),
+            dtype: DType::U8,
+            shape: Shape::new(&[len]).unwrap(),
+            len,
+            written_ms: 1,
+            checksum: format::checksum(&payload),
+        };
+        let mut b = h.encode();
+        b.extend_from_slice(&payload);
+        std::fs::write(format::block_path(&d.path().join(BLOCKS), key), b).unwrap();
+        h
+    }
+
+    /// The header a rebuild reads is the one written, direct or buffered, on
+    /// the temp directory's file system and on tmpfs; a short file gives
+    /// the bytes it has; a link planted as a block file is refused.
+    #[test]
+    fn a_header_read_for_the_index_gives_the_header_and_the_files_length() {
+        let uid = rustix::process::geteuid().as_raw();
+        let tmp = std::env::temp_dir();
+        for base in [tmp.to_str().unwrap(), "/dev/shm"] {
+            if !Path::new(base).is_dir() {
+                continue;
+            }
+            let s = scratch(base, "read-header");
+            let d = TierDir::open(&s.0, uid).unwrap();
+            let h = write_block(&d, 7, 5000);
+            let mut page = HeaderPage::new();
+            for want_direct in [true, false] {
+                let direct = AtomicBool::new(want_direct);
+                let (n, st) = d.read_header(7, &mut page, &direct).unwrap();
+                assert_eq!(format::Header::decode(&page.0[..n], 7), Ok(h.clone()), "{base}, direct {want_direct}");
+                assert_eq!(st.st_size as u64, format::file_len(5000));
+            }
+            // A file shorter than the header area: its bytes, refused by the decode.
+            std::fs::write(format::block_path(&s.0.join(BLOCKS), 8), [1u8; 100]).unwrap();
+            let (n, _) = d.read_header(8, &mut page, &AtomicBool::new(true)).unwrap();
+            assert_eq!(n, 100);
+            assert!(format::Header::decode(&page.0[..n], 8).is_err());
+            // A link planted as a block file is not followed.
+            std::os::unix::fs::symlink(
+                format::block_path(&s.0.join(BLOCKS), 7),
+                format::block_path(&s.0.join(BLOCKS), 9),
+            )
+            .unwrap();
+            assert!(d.read_header(9, &mut page, &AtomicBool::new(true)).is_err());
+            assert!(d.read_header(10, &mut page, &AtomicBool::new(true)).is_err(), "a missing file");
+            // A directory planted as a block file is refused and leaves
+            // `O_DIRECT` on for the files after it.
+            std::fs::create_dir(format::block_path(&s.0.join(BLOCKS), 11)).unwrap();
+            let direct = AtomicBool::new(true);
+            assert!(d.read_header(11, &mut page, &direct).is_err(), "a directory");
+            assert!(direct.load(Relaxed), "{base}: a planted directory turned O_DIRECT off");
+        }
+    }
 }

@@ -48,6 +48,16 @@
 //! ends: `O(1)` for a chain evicted tail first or written head first (the
 //! parent is the list's oldest or newest entry), else as many steps as the
 //! nearer end is away.
+//!
+//! # Children (read-ahead)
+//!
+//! Each slot keeps the slot of its child used last (`Slot::child`, a
+//! *hint*: set when a block naming it as parent is written or filled, never
+//! cleared; the last use is kept in 48 bits so that it fits the 48 bytes). A hint is checked where it is read — the slot it names is a
+//! present block whose parent is this slot, or the hint says nothing — so a
+//! stale one (its child removed, the slot reused) is harmless.
+//! [`Index::chain_after`] follows the hints from a block to the blocks a
+//! client walking the chain asks for next: what the tier reads ahead.
 
 use hashbrown::HashTable;
 use kachedb_shm::control::{DEFAULT_TENANT, MAX_TENANTS, OTHER_TENANT};
@@ -131,7 +141,10 @@ enum State {
 struct Slot {
     key: u128,
     /// Its last use (written or filled); larger is more recent. Present only.
-    tick: u64,
+    tick: Tick,
+    /// The slot of its child used last, or [`NIL`]: a hint, checked where
+    /// it is read (see "Children" in the module docs).
+    child: SlotIndex,
     /// The slot of the parent its client named (present or phantom), or [`NIL`].
     parent: SlotIndex,
     /// How many present entries name it as their parent.
@@ -145,6 +158,25 @@ struct Slot {
     state: State,
 }
 const _: () = assert!(std::mem::size_of::<Slot>() == 48);
+
+/// A last use in 48 bits (2.8 × 10¹⁴ writes and fills: the index's tick
+/// stops there), as three `u16`s: two bytes less than a `u64` in a [`Slot`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Tick([u16; 3]);
+
+/// The largest tick a slot holds.
+const TICK_MAX: u64 = (1 << 48) - 1;
+
+impl Tick {
+    fn new(t: u64) -> Tick {
+        let t = t.min(TICK_MAX);
+        Tick([t as u16, (t >> 16) as u16, (t >> 32) as u16])
+    }
+
+    fn get(self) -> u64 {
+        u64::from(self.0[0]) | u64::from(self.0[1]) << 16 | u64::from(self.0[2]) << 32
+    }
+}
 
 /// A list of slots threaded through `prev`/`next`, by tick, oldest first.
 #[derive(Clone, Copy, Debug)]
@@ -178,16 +210,16 @@ impl List {
     /// Puts slot `i` (on no list) in at its own tick, walking from both ends
     /// (the ticks of a list's slots are distinct).
     fn insert_by_tick(&mut self, slots: &mut [Slot], i: SlotIndex) {
-        let tick = slots[i as usize].tick;
+        let tick = slots[i as usize].tick.get();
         let (mut newer, mut older) = (self.head, self.tail);
         loop {
             // `newer`: the oldest slot not yet passed from the old end.
-            if newer == NIL || slots[newer as usize].tick > tick {
+            if newer == NIL || slots[newer as usize].tick.get() > tick {
                 let prev = if newer == NIL { self.tail } else { slots[newer as usize].prev };
                 return self.link_between(slots, i, prev, newer);
             }
             // `older`: the newest slot not yet passed from the new end.
-            if slots[older as usize].tick < tick {
+            if slots[older as usize].tick.get() < tick {
                 let next = slots[older as usize].next;
                 return self.link_between(slots, i, older, next);
             }
@@ -382,7 +414,8 @@ impl Index {
         }
         let slot = Slot {
             key,
-            tick: 0,
+            tick: Tick::default(),
+            child: NIL,
             parent: NIL,
             children: 0,
             pages: 0,
@@ -478,7 +511,7 @@ impl Index {
     pub fn insert(&mut self, key: u128, parent: Option<u128>, bytes: u64, tenant: TenantRow) {
         self.remove(key);
         let parent = parent.filter(|&p| p != key);
-        self.tick += 1;
+        self.tick = (self.tick + 1).min(TICK_MAX);
         self.put(key, Entry { parent, bytes, tenant }, self.tick);
     }
 
@@ -494,9 +527,12 @@ impl Index {
             None => NIL,
         };
         let i = self.slot_of(key);
+        if parent != NIL {
+            self.slots[parent as usize].child = i;
+        }
         let pages = u32::try_from(e.bytes.div_ceil(PAGE)).unwrap_or(u32::MAX);
         let s = &mut self.slots[i as usize];
-        (s.tick, s.parent, s.pages, s.tenant, s.state) = (tick, parent, pages, tenant, State::Present);
+        (s.tick, s.parent, s.pages, s.tenant, s.state) = (Tick::new(tick), parent, pages, tenant, State::Present);
         self.list_by_tick(i);
         let bytes = u64::from(pages) * PAGE;
         let row = self.row(tenant);
@@ -550,16 +586,54 @@ impl Index {
         if s.children == 0 {
             self.release(i);
         }
-        Some((key, e, s.tick))
+        Some((key, e, s.tick.get()))
     }
 
-    /// Marks `key` as just used (a fill read it).
+    /// Marks `key` as just used (a fill read it): its parent's child used last.
     pub fn touch(&mut self, key: u128) {
         let Some(i) = self.find_present(key) else { return };
         self.unlist(i);
-        self.tick += 1;
-        self.slots[i as usize].tick = self.tick;
+        self.tick = (self.tick + 1).min(TICK_MAX);
+        self.slots[i as usize].tick = Tick::new(self.tick);
         self.list_by_tick(i);
+        let parent = self.slots[i as usize].parent;
+        if parent != NIL {
+            self.slots[parent as usize].child = i;
+        }
+    }
+
+    /// The present child of slot `p` its hint names, if the hint still holds.
+    fn hinted_child(&self, p: SlotIndex) -> Option<SlotIndex> {
+        let c = self.slots.get(p as usize)?.child;
+        let s = self.slots.get(c as usize)?;
+        (s.state == State::Present && s.parent == p && c != p).then_some(c)
+    }
+
+    /// The blocks after `key` in its chain, as a client walking it asks for
+    /// them: its child used last, that one's, and so on, at most `max_blocks`
+    /// of them and `max_bytes` of file-system bytes (the first always, if
+    /// there is one), each with the bytes it takes; stops at a block with no
+    /// present child (or at a link back into the list: a cycle). `key` need
+    /// not be on disk itself (a phantom names its children too).
+    pub fn chain_after(&self, key: u128, max_blocks: usize, max_bytes: u64) -> Vec<(u128, u64)> {
+        let mut out: Vec<(u128, u64)> = Vec::new();
+        let Some(mut at) = self.find(key) else { return out };
+        let mut bytes = 0u64;
+        while out.len() < max_blocks {
+            let Some(c) = self.hinted_child(at) else { break };
+            let s = &self.slots[c as usize];
+            let b = u64::from(s.pages) * PAGE;
+            if (!out.is_empty() && bytes.saturating_add(b) > max_bytes)
+                || s.key == key
+                || out.iter().any(|o| o.0 == s.key)
+            {
+                break;
+            }
+            bytes += b;
+            out.push((s.key, b));
+            at = c;
+        }
+        out
     }
 
     /// Whether eviction for a write of tenant `t` may take tenant `u`'s blocks.
@@ -571,7 +645,7 @@ impl Index {
     fn older(&self, a: SlotIndex, b: SlotIndex) -> SlotIndex {
         match (a, b) {
             (NIL, x) | (x, NIL) => x,
-            (a, b) if self.slots[a as usize].tick <= self.slots[b as usize].tick => a,
+            (a, b) if self.slots[a as usize].tick.get() <= self.slots[b as usize].tick.get() => a,
             (_, b) => b,
         }
     }
@@ -733,8 +807,8 @@ impl Index {
                 while i != NIL {
                     let s = &self.slots[i as usize];
                     assert!(s.state == State::Present && s.tenant as usize == t && (s.children == 0) == leaves);
-                    assert!(s.prev == prev && s.tick > tick, "list order of row {t}");
-                    (prev, tick, i) = (i, s.tick, s.next);
+                    assert!(s.prev == prev && s.tick.get() > tick, "list order of row {t}");
+                    (prev, tick, i) = (i, s.tick.get(), s.next);
                     listed += 1;
                 }
                 assert_eq!(list.tail, prev);
@@ -1164,6 +1238,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn chain_after_follows_the_child_used_last_within_its_bounds() {
+        let mut ix = Index::new(u64::MAX, &Limits::default());
+        // 1 <- 2 <- 3 <- 4, and a branch 2 <- 5 written last.
+        ix.insert(1, None, 4096, 0);
+        ix.insert(2, Some(1), 4096, 0);
+        ix.insert(3, Some(2), 8192, 0);
+        ix.insert(4, Some(3), 4096, 0);
+        ix.insert(5, Some(2), 4096, 0);
+        let keys = |v: Vec<(u128, u64)>| v.into_iter().map(|e| e.0).collect::<Vec<_>>();
+        assert_eq!(keys(ix.chain_after(1, 8, u64::MAX)), vec![2, 5], "the child written last");
+        // A fill of 3 makes it 2's child used last.
+        ix.touch(3);
+        assert_eq!(ix.chain_after(1, 8, u64::MAX), vec![(2, 4096), (3, 8192), (4, 4096)]);
+        assert_eq!(keys(ix.chain_after(1, 2, u64::MAX)), vec![2, 3], "at most two blocks");
+        assert_eq!(keys(ix.chain_after(1, 8, 12288)), vec![2, 3], "at most 12 KiB");
+        assert_eq!(keys(ix.chain_after(1, 8, 1)), vec![2], "the first one always");
+        // A removed child's hint says nothing; a phantom parent still names its child.
+        ix.remove(3);
+        assert!(ix.chain_after(2, 8, u64::MAX).is_empty());
+        ix.remove(1);
+        assert_eq!(keys(ix.chain_after(1, 8, u64::MAX)), vec![2]);
+        assert!(ix.chain_after(99, 8, u64::MAX).is_empty());
+        // A cycle ends the walk.
+        ix.insert(10, Some(11), 4096, 0);
+        ix.insert(11, Some(10), 4096, 0);
+        assert_eq!(keys(ix.chain_after(10, 8, u64::MAX)), vec![11]);
+        ix.check();
     }
 
     #[test]

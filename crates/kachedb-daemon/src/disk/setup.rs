@@ -54,6 +54,15 @@ pub struct DiskArgs {
     /// or committed a second time (docs/disk.md, "Admission").
     #[arg(long, value_enum, default_value_t = DiskAdmit::First, value_name = "POLICY")]
     pub disk_admit: DiskAdmit,
+    /// Blocks read ahead along a chain: a client's miss of a block filled
+    /// from disk, and its first GET of a block read ahead, start fills of
+    /// up to this many blocks after it in its chain (the child used last,
+    /// and so on; at most 128MiB), into free megaslab space only (a guess
+    /// never evicts a resident block; without room the files are read into
+    /// the page cache instead), committed as the first blocks eviction
+    /// takes until a client uses them. 0: off (docs/disk.md, "Read-ahead").
+    #[arg(long, default_value_t = super::DEFAULT_READ_AHEAD, value_name = "BLOCKS")]
+    pub disk_read_ahead: usize,
     /// Most disk-tier bytes tenant NAME's blocks may take (file-system bytes,
     /// as --disk-size counts them), e.g. `team-a=100GiB` (repeatable; needs
     /// --disk). A tenant at its disk limit evicts its own blocks on disk
@@ -164,6 +173,7 @@ impl TierFlags for DiskArgs {
                 DiskAdmit::Second => Admission::Second,
             },
             tenant_limits: self.tenant_limits(serve, size_bytes),
+            read_ahead: self.disk_read_ahead,
         })))
     }
 }

@@ -49,6 +49,7 @@ use super::wire::{block_hash, encode_batch, KvEvent, MEDIUM_CPU};
 use super::{EventsConfig, Msg};
 use crate::store::IndexChange;
 use bytes::Bytes;
+use kachedb_shm::BlockMeta;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -73,6 +74,18 @@ const GAP_NOTICE_AFTER: Duration = Duration::from_millis(100);
 /// The end marker of a replay answer: -1 as 8 bytes big-endian.
 const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
 
+/// A block as the stream told it.
+struct Entry {
+    /// Its published hash: the engine's (META), else the key's low 64 bits.
+    hash: u64,
+    /// The key of the block it is chained under in the store, if any.
+    parent_key: Option<u128>,
+    /// Its published parent hash.
+    parent_hash: Option<u64>,
+    /// What its writer told of it.
+    meta: Option<Arc<BlockMeta>>,
+}
+
 /// The thread's state.
 struct State {
     cfg: EventsConfig,
@@ -84,8 +97,8 @@ struct State {
     next_seq: u64,
     /// The last batches sent, oldest first, at most `cfg.replay_batches`.
     buffer: VecDeque<(u64, Bytes)>,
-    /// The index as of the last batch sent: hash -> parent hash.
-    index: HashMap<u64, Option<u64>>,
+    /// The index as of the last batch sent: key -> what was published of it.
+    index: HashMap<u128, Entry>,
     /// Events taken, not yet sent.
     pending: Vec<KvEvent>,
     /// The last batch sent was not taken by every subscriber in time: an
@@ -116,18 +129,28 @@ impl State {
 
     fn apply(&mut self, change: IndexChange) {
         match change {
-            IndexChange::Stored { key, parent, replaced } => {
-                let hash = block_hash(key);
+            IndexChange::Stored { key, parent, replaced, meta } => {
                 if replaced {
-                    self.removed(hash);
+                    let old = self.index.remove(&key).map_or(block_hash(key), |e| e.hash);
+                    self.removed(old);
                 }
-                let parent = parent.map(block_hash);
-                self.index.insert(hash, parent);
-                self.pending.push(KvEvent::Stored { hash, parent, medium: MEDIUM_CPU });
+                let hash = meta.as_ref().map_or(block_hash(key), |m| m.block_hash);
+                // The writer's word on the parent, when it gave a record;
+                // else the store's chain link, as that block was published.
+                let parent_hash = match &meta {
+                    Some(m) => m.parent_hash,
+                    None => parent.map(|p| self.index.get(&p).map_or(block_hash(p), |e| e.hash)),
+                };
+                self.pending.push(KvEvent::Stored {
+                    hash,
+                    parent: parent_hash,
+                    medium: MEDIUM_CPU,
+                    meta: meta.clone(),
+                });
+                self.index.insert(key, Entry { hash, parent_key: parent, parent_hash, meta });
             }
             IndexChange::Removed { key } => {
-                let hash = block_hash(key);
-                self.index.remove(&hash);
+                let hash = self.index.remove(&key).map_or(block_hash(key), |e| e.hash);
                 self.removed(hash);
             }
         }
@@ -220,24 +243,30 @@ impl State {
     fn snapshot(&self) -> Vec<KvEvent> {
         let mut out = Vec::with_capacity(self.index.len() + 1);
         out.push(KvEvent::Cleared);
-        let mut sent: std::collections::HashSet<u64> = std::collections::HashSet::with_capacity(self.index.len());
+        let mut sent: std::collections::HashSet<u128> = std::collections::HashSet::with_capacity(self.index.len());
         let mut chain = Vec::new();
-        for &hash in self.index.keys() {
+        for &key in self.index.keys() {
             // Walk up to the first ancestor sent (or absent), then send
             // downwards.
-            let mut h = hash;
-            while !sent.contains(&h) {
-                let Some(&parent) = self.index.get(&h) else { break };
-                chain.push((h, parent));
-                match parent {
-                    // Longer than the index: a cycle (two keys of one hash).
-                    Some(p) if chain.len() <= self.index.len() => h = p,
+            let mut k = key;
+            while !sent.contains(&k) {
+                let Some(e) = self.index.get(&k) else { break };
+                chain.push((k, e));
+                match e.parent_key {
+                    // Longer than the index: a cycle (cannot happen: the
+                    // store's links form a forest).
+                    Some(p) if chain.len() <= self.index.len() => k = p,
                     _ => break,
                 }
             }
-            while let Some((h, parent)) = chain.pop() {
-                if sent.insert(h) {
-                    out.push(KvEvent::Stored { hash: h, parent, medium: MEDIUM_CPU });
+            while let Some((k, e)) = chain.pop() {
+                if sent.insert(k) {
+                    out.push(KvEvent::Stored {
+                        hash: e.hash,
+                        parent: e.parent_hash,
+                        medium: MEDIUM_CPU,
+                        meta: e.meta.clone(),
+                    });
                 }
             }
         }
@@ -346,7 +375,14 @@ pub(super) fn run(
                     }
                 }
                 ev = futures_util::StreamExt::next(&mut monitor), if monitor_open => match ev {
-                    Some(SocketEvent::Accepted(..)) => { cells.subscribers.fetch_add(1, Relaxed); }
+                    Some(SocketEvent::Accepted(..)) => {
+                        cells.subscribers.fetch_add(1, Relaxed);
+                        // An empty batch shortly after tells a subscriber that
+                        // connects now (a router reconnecting to a restarted
+                        // daemon) the sequence: its gap brings its replay and a
+                        // snapshot without waiting for the next store.
+                        st.gap_notice_due = true;
+                    }
                     Some(SocketEvent::Disconnected(_)) => {
                         crate::tier::metrics::sub(&cells.subscribers, 1);
                     }

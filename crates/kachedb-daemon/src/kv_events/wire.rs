@@ -25,6 +25,9 @@
 //! The ZMQ framing (topic, sequence, payload; the replay socket's frames) is
 //! in `publisher.rs`.
 
+use kachedb_shm::BlockMeta;
+use std::sync::Arc;
+
 /// vLLM's medium of host-memory blocks (`MEDIUM_CPU`): the megaslab's.
 pub const MEDIUM_CPU: &str = "CPU";
 
@@ -44,6 +47,9 @@ pub enum KvEvent {
         parent: Option<u64>,
         /// Where it is (`MEDIUM_CPU`).
         medium: &'static str,
+        /// What its writer told of it: the tokens, block size and LoRA
+        /// adapter published (else `[]`, 0 and nil).
+        meta: Option<Arc<BlockMeta>>,
     },
     /// Blocks are gone (`BlockRemoved`).
     Removed {
@@ -72,7 +78,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: u32, out: &mut Vec<u8>
 fn encode_event(ev: &KvEvent, out: &mut Vec<u8>) {
     use rmp::encode::*;
     match ev {
-        KvEvent::Stored { hash, parent, medium } => {
+        KvEvent::Stored { hash, parent, medium, meta } => {
             let _ = write_map_len(out, 8);
             key_str(out, "type", "BlockStored");
             let _ = write_str(out, "block_hashes");
@@ -87,15 +93,29 @@ fn encode_event(ev: &KvEvent, out: &mut Vec<u8>) {
                     let _ = write_nil(out);
                 }
             }
-            // Tokens and the block size are the engine's to tell (not yet
-            // carried): an empty list and 0.
+            // Tokens, block size and adapter are the writer's to tell
+            // (META); without a record: an empty list, 0 and nil.
+            let meta = meta.as_deref();
+            let tokens = meta.map_or(&[][..], |m| &m.token_ids[..]);
             let _ = write_str(out, "token_ids");
-            let _ = write_array_len(out, 0);
+            let _ = write_array_len(out, tokens.len() as u32);
+            for &t in tokens {
+                let _ = write_uint(out, u64::from(t));
+            }
             let _ = write_str(out, "block_size");
-            let _ = write_uint(out, 0);
-            key_nil(out, "lora_id");
+            let _ = write_uint(out, meta.map_or(0, |m| u64::from(m.block_size)));
+            match meta.and_then(|m| m.lora_id) {
+                Some(id) => {
+                    let _ = write_str(out, "lora_id");
+                    let _ = write_uint(out, u64::from(id));
+                }
+                None => key_nil(out, "lora_id"),
+            }
             key_str(out, "medium", medium);
-            key_nil(out, "lora_name");
+            match meta.and_then(|m| m.lora_name.as_deref()) {
+                Some(name) => key_str(out, "lora_name", name),
+                None => key_nil(out, "lora_name"),
+            }
         }
         KvEvent::Removed { hashes, medium } => {
             let _ = write_map_len(out, 3);
@@ -146,6 +166,8 @@ pub struct DecodedEvent {
     pub parent: Option<u64>,
     /// `medium`, if given.
     pub medium: Option<String>,
+    /// How many `token_ids` it carries.
+    pub tokens: usize,
 }
 
 /// Reads a `KVEventBatch` (this daemon's or a vLLM engine's): the array
@@ -173,7 +195,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<DecodedBatch, String> {
 }
 
 fn decode_event(v: &Value) -> Result<DecodedEvent, String> {
-    let mut ev = DecodedEvent { kind: String::new(), hashes: Vec::new(), parent: None, medium: None };
+    let mut ev = DecodedEvent { kind: String::new(), hashes: Vec::new(), parent: None, medium: None, tokens: 0 };
     let hashes = |v: &Value| match v {
         Value::Array(a) => a.iter().filter_map(Value::as_u64).collect(),
         _ => Vec::new(),
@@ -186,6 +208,7 @@ fn decode_event(v: &Value) -> Result<DecodedEvent, String> {
                     (Value::Str(k), v) if k == "block_hashes" => ev.hashes = hashes(v),
                     (Value::Str(k), v) if k == "parent_block_hash" => ev.parent = v.as_u64(),
                     (Value::Str(k), Value::Str(m)) if k == "medium" => ev.medium = Some(m.clone()),
+                    (Value::Str(k), Value::Array(t)) if k == "token_ids" => ev.tokens = t.len(),
                     _ => {}
                 }
             }
@@ -344,7 +367,7 @@ mod tests {
         let mut out = Vec::new();
         let events = [
             KvEvent::Cleared,
-            KvEvent::Stored { hash: 7, parent: None, medium: MEDIUM_CPU },
+            KvEvent::Stored { hash: 7, parent: None, medium: MEDIUM_CPU, meta: None },
             KvEvent::Removed { hashes: vec![7, u64::MAX], medium: MEDIUM_CPU },
         ];
         encode_batch(1.5, &events, 0, &mut out);
@@ -352,10 +375,47 @@ mod tests {
         assert_eq!(hex, VLLM_BYTES.replace(char::is_whitespace, ""));
     }
 
+    /// msgspec 0.23's encoding of vLLM 0.32.0's `KVEventBatch(ts=1.5,
+    /// events=[BlockStored(block_hashes=[2**64 - 2], parent_block_hash=5,
+    /// token_ids=[1, 70000, 3], block_size=16, lora_id=7, medium="CPU",
+    /// lora_name="ad")], data_parallel_rank=0)`, made with vLLM's own classes.
+    const VLLM_BYTES_WITH_META: &str = "93cb3ff80000000000009188a474797065ab426c6f636b53746f726564ac626c6f636b5f68\
+        617368657391cffffffffffffffffeb1706172656e745f626c6f636b5f6861736805a9746f6b656e5f6964739301ce0001117003aa\
+        626c6f636b5f73697a6510a76c6f72615f696407a66d656469756da3435055a96c6f72615f6e616d65a2616400";
+
+    #[test]
+    fn a_block_with_its_writers_record_is_byte_for_byte_what_vllm_encodes() {
+        let meta = BlockMeta {
+            block_hash: u64::MAX - 1,
+            parent_hash: Some(5),
+            block_size: 16,
+            token_ids: vec![1, 70000, 3],
+            lora_id: Some(7),
+            lora_name: Some("ad".into()),
+        };
+        // The publisher takes hash and parent from the record.
+        let ev =
+            KvEvent::Stored { hash: u64::MAX - 1, parent: Some(5), medium: MEDIUM_CPU, meta: Some(Arc::new(meta)) };
+        let mut out = Vec::new();
+        encode_batch(1.5, &[ev], 0, &mut out);
+        let hex: String = out.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, VLLM_BYTES_WITH_META.replace(char::is_whitespace, ""));
+        let b = decode_batch(&out).unwrap();
+        assert_eq!(
+            (b.events[0].hashes.as_slice(), b.events[0].parent, b.events[0].tokens),
+            (&[u64::MAX - 1][..], Some(5), 3)
+        );
+    }
+
     #[test]
     fn a_parent_is_a_uint_not_nil() {
         let mut out = Vec::new();
-        encode_batch(0.0, &[KvEvent::Stored { hash: 1, parent: Some(300), medium: MEDIUM_CPU }], 0, &mut out);
+        encode_batch(
+            0.0,
+            &[KvEvent::Stored { hash: 1, parent: Some(300), medium: MEDIUM_CPU, meta: None }],
+            0,
+            &mut out,
+        );
         // "parent_block_hash" then uint16 300.
         let at = out.windows(17).position(|w| w == b"parent_block_hash").expect("field") + 17;
         assert_eq!(&out[at..at + 3], &[0xcd, 0x01, 0x2c]);
@@ -371,7 +431,7 @@ mod tests {
     fn decode_reads_back_what_encode_wrote_and_refuses_cut_or_deep_bytes() {
         let events = [
             KvEvent::Cleared,
-            KvEvent::Stored { hash: u64::MAX, parent: Some(3), medium: MEDIUM_CPU },
+            KvEvent::Stored { hash: u64::MAX, parent: Some(3), medium: MEDIUM_CPU, meta: None },
             KvEvent::Removed { hashes: vec![1, 2], medium: MEDIUM_CPU },
         ];
         let mut out = Vec::new();

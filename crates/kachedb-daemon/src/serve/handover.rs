@@ -7,105 +7,16 @@
 use super::session::{unpark_fetch, Session};
 use super::Serve;
 use crate::metrics::Health;
-use crate::store::{SessionId, Store};
+use crate::store::SessionId;
+use crate::takeover::state::{ChannelState, ParkedWait, RegionLayout, ServeCounters, ServeState, TierWrite};
 use crate::tier::PendingWrite;
 use crate::waits::Waiter;
-use kachedb_shm::control::ServeStats;
-use kachedb_shm::{Layout, TensorBlockDescriptor};
-use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, HashSet};
+use kachedb_shm::TensorBlockDescriptor;
+use std::collections::HashMap;
 use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// One channel's session as the serve loop holds it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct ChannelState {
-    pub channel: u32,
-    pub session: SessionId,
-    pub pid: i32,
-    pub uid: u32,
-    /// Completions not yet pushed (64-byte frames).
-    pub backlog: Vec<Vec<u8>>,
-    /// Request frames popped behind a parked WAIT.
-    pub held: Vec<Vec<u8>>,
-    pub waiting: bool,
-    pub kicked: bool,
-    /// Keys already asked of a tier for the held frames.
-    pub tier_asked: HashSet<u128>,
-}
-
-/// A parked WAIT.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct ParkedWait {
-    pub channel: u32,
-    pub key: u128,
-    pub request_id: u32,
-    /// Milliseconds left before it times out; `None`: never.
-    pub left_ms: Option<u64>,
-}
-
-/// The serve loop's part of the takeover state (written with `S = &Store`,
-/// read with `S = Store`), encoded by `crate::takeover::encode`: a change to
-/// it changes `crate::takeover::STATE_VERSION`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct ServeState<S = Store> {
-    pub region_generation: u64,
-    /// The region's geometry as the old daemon serves it: the new daemon
-    /// compares it with the region header, which any client can write.
-    pub layout: RegionLayout,
-    pub store: S,
-    pub channels: Vec<ChannelState>,
-    pub waits: Vec<ParkedWait>,
-    pub counters: ServeStats,
-    pub uptime_ms: u64,
-    /// The tiers' writes taken and not finished: the new daemon offers them
-    /// to its tiers again (their blocks are in the store handed over).
-    pub tier_writes: Vec<PendingWrite>,
-    /// Keys whose older copy a tier could not remove: the new daemon's
-    /// tiers remove them.
-    pub tier_unremoved: Vec<u128>,
-    /// The descriptors the stopped tiers hand over, in the order they come
-    /// after the offer's own: each tier's name and how many.
-    pub tier_fds: Vec<(String, u32)>,
-}
-
-/// A region's geometry ([`Layout`]), as the takeover state carries it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct RegionLayout {
-    pub channel_count: u32,
-    pub ring_capacity: u32,
-    pub channel_offset: u64,
-    pub channel_stride: u64,
-    pub slab_offset: u64,
-    pub slab_len: u64,
-    pub region_len: u64,
-}
-
-impl From<&Layout> for RegionLayout {
-    fn from(l: &Layout) -> RegionLayout {
-        RegionLayout {
-            channel_count: l.channel_count,
-            ring_capacity: l.ring_capacity,
-            channel_offset: l.channel_offset,
-            channel_stride: l.channel_stride,
-            slab_offset: l.slab_offset,
-            slab_len: l.slab_len,
-            region_len: l.region_len,
-        }
-    }
-}
-
-impl std::fmt::Display for RegionLayout {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} channels x {} slots, channel stride {} B, megaslab {} B at {}",
-            self.channel_count, self.ring_capacity, self.channel_stride, self.slab_len, self.slab_offset
-        )
-    }
-}
 
 impl Serve {
     /// Takes up the sessions, parked WAITs and counters of the daemon taken
@@ -115,7 +26,7 @@ impl Serve {
         mut self,
         channels: Vec<ChannelState>,
         waits: Vec<ParkedWait>,
-        counters: ServeStats,
+        counters: ServeCounters,
         streams: &HashMap<u32, Arc<UnixStream>>,
     ) -> Serve {
         let frames = |v: Vec<Vec<u8>>| -> Vec<TensorBlockDescriptor> {
@@ -123,19 +34,20 @@ impl Serve {
                 .filter_map(|b| <&[u8; 64]>::try_from(b.as_slice()).ok().map(TensorBlockDescriptor::from_bytes))
                 .collect()
         };
-        self.counters = counters;
+        self.counters = counters.to_stats();
         for c in channels {
+            let session = SessionId::from_u64(c.session);
             let (Some(slot), Some(stream), Some((sub, comp))) = (
                 self.sessions.get_mut(c.channel as usize),
                 streams.get(&c.channel),
                 self.region.daemon_channel(c.channel),
             ) else {
-                self.store.close_session(c.session);
+                self.store.close_session(session);
                 continue;
             };
-            self.store.set_session_uid(c.session, c.uid);
+            self.store.set_session_uid(session, c.uid);
             *slot = Some(Session {
-                session: c.session,
+                session,
                 sub,
                 comp,
                 stream: stream.clone(),
@@ -146,7 +58,7 @@ impl Serve {
                 waiting: c.waiting,
                 held: frames(c.held),
                 fetch: None,
-                tier_asked: c.tier_asked,
+                tier_asked: c.tier_asked.into_iter().collect(),
                 stuck_since: None,
                 held_answers: Vec::new(),
             });
@@ -186,10 +98,10 @@ impl Serve {
             }
         }
         let mut st = self.state();
-        st.tier_writes = stopped.pending.clone();
+        st.tier_writes = stopped.pending.iter().map(|w| TierWrite { key: w.key, parent: w.parent }).collect();
         st.tier_unremoved = stopped.unremoved.clone();
         st.tier_fds = tier_fds;
-        let bytes = crate::takeover::encode(&st);
+        let bytes = crate::takeover::state::encode(&st);
         let ok = bytes.is_ok();
         let _ = state.send(bytes.map(|b| (b, fds)));
         if ok && outcome.recv().unwrap_or(false) {
@@ -218,14 +130,14 @@ impl Serve {
         self
     }
 
-    /// The serve loop's state for a takeover.
-    fn state(&self) -> ServeState<&Store> {
+    /// The serve loop's state for a takeover (the tiers' work added by the caller).
+    fn state(&self) -> ServeState {
         let frames = |v: &[TensorBlockDescriptor]| v.iter().map(|d| d.as_bytes().to_vec()).collect();
         let now = Instant::now();
         ServeState {
             region_generation: self.region.generation(),
             layout: RegionLayout::from(self.region.layout()),
-            store: &self.store,
+            store: self.store.to_state(),
             channels: self
                 .sessions
                 .iter()
@@ -234,14 +146,14 @@ impl Serve {
                     let s = s.as_ref()?;
                     Some(ChannelState {
                         channel: ch as u32,
-                        session: s.session,
+                        session: s.session.as_u64(),
                         pid: s.pid,
                         uid: s.uid,
                         backlog: frames(&s.backlog),
                         held: frames(&s.held),
                         waiting: s.waiting,
                         kicked: s.kicked,
-                        tier_asked: s.tier_asked.clone(),
+                        tier_asked: s.tier_asked.iter().copied().collect(),
                     })
                 })
                 .collect(),
@@ -255,7 +167,7 @@ impl Serve {
                     left_ms: w.deadline.map(|d| d.saturating_duration_since(now).as_millis() as u64),
                 })
                 .collect(),
-            counters: self.counters.clone(),
+            counters: ServeCounters::of(&self.counters),
             uptime_ms: self.started.elapsed().as_millis() as u64,
             tier_writes: Vec::new(),
             tier_unremoved: Vec::new(),

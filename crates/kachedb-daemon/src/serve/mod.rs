@@ -25,8 +25,6 @@ mod handover;
 mod session;
 mod tiers;
 
-pub(crate) use handover::{ChannelState, ParkedWait, RegionLayout, ServeState};
-
 use crate::channels::Channels;
 use crate::events::Event;
 use crate::metrics::{Health, Metrics, MetricsWriter};
@@ -394,6 +392,7 @@ impl Serve {
 
     fn serve_all(&mut self) -> bool {
         session::serve_all(
+            &self.region,
             &mut self.store,
             &mut self.sessions,
             &mut self.req,

@@ -10,8 +10,8 @@ use crate::store::{SessionId, Store};
 use crate::waits::{Waiter, Waits};
 use kachedb_shm::control::{ServeStats, DEFAULT_TENANT};
 use kachedb_shm::{
-    continues_unit, unit_len, Completion, Consumer, Op, Producer, Request, RingError, Status, TensorBlockDescriptor,
-    WAIT_FOREVER,
+    continues_unit, unit_len, Completion, Consumer, Op, Producer, Region, Request, RingError, Status,
+    TensorBlockDescriptor, WAIT_FOREVER,
 };
 use std::collections::HashSet;
 use std::os::unix::net::UnixStream;
@@ -110,6 +110,7 @@ impl Session {
 /// One pass over every live channel; whether any frame was served.
 #[allow(clippy::too_many_arguments)] // the serve loop's parts
 pub(super) fn serve_all(
+    region: &Region,
     store: &mut Store,
     sessions: &mut [Option<Session>],
     req: &mut Vec<TensorBlockDescriptor>,
@@ -126,7 +127,8 @@ pub(super) fn serve_all(
         if s.kicked {
             continue;
         }
-        let served = serve_channel(store, s, ch as u32, req, out, counters, metrics, waits, tiers, &mut committed);
+        let served =
+            serve_channel(region, store, s, ch as u32, req, out, counters, metrics, waits, tiers, &mut committed);
         if !committed.is_empty() {
             wake_waits(store, sessions, waits, &mut committed, counters);
         }
@@ -250,6 +252,7 @@ pub(super) fn answer_wait(s: &mut Session, c: Completion, counters: &mut ServeSt
 /// tiers for its key (a fill then answers it).
 #[allow(clippy::too_many_arguments)] // the serve loop's parts
 pub(super) fn serve_channel(
+    region: &Region,
     store: &mut Store,
     s: &mut Session,
     channel: u32,
@@ -376,9 +379,12 @@ pub(super) fn serve_channel(
                         }
                     }
                 }
-                if let Some(id) =
-                    tiers.start_fetch(channel, store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT), keys.clone())
-                {
+                if let Some(id) = tiers.start_fetch(
+                    store,
+                    channel,
+                    store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT),
+                    keys.clone(),
+                ) {
                     s.fetch = Some(PendingFetch { id, keys, started: Instant::now() });
                     s.waiting = true;
                     s.held.splice(0..0, req[i..n].iter().copied());
@@ -408,6 +414,7 @@ pub(super) fn serve_channel(
                         // waits on the WAIT, not on the fetch.
                         if !tiers.is_empty() && !s.tier_asked.contains(&key) {
                             tiers.start_fetch(
+                                store,
                                 channel,
                                 store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT),
                                 vec![key],
@@ -421,6 +428,9 @@ pub(super) fn serve_channel(
                 } else {
                     c
                 }
+            }
+            Ok(r @ Request::Meta { .. }) => {
+                store.handle_meta(s.session, frame.request_id, &r, |offset, len| region.copy_from_slab(offset, len))
             }
             Ok(r) => store.handle(s.session, frame.request_id, &r),
             Err(e) => {
@@ -444,7 +454,7 @@ pub(super) fn serve_channel(
             if let Ok(Request::Get { key } | Request::Lookup { key } | Request::Wait { key, .. }) =
                 Request::decode(frame)
             {
-                tiers.requested(store, key);
+                tiers.requested(store, key, s.session);
             }
         }
         match removals {

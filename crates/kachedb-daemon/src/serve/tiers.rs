@@ -15,12 +15,26 @@
 //! bound, then answers `NOT_DURABLE`).
 //! A tier with [`Admission::Second`] is offered a block only once it is
 //! requested again after its commit ([`Candidates`]).
+//!
+//! **Read-ahead** ([`Ahead`]): a client's local miss of a key, and its first
+//! request of a block read ahead, ask the first tier for the blocks after
+//! that key in its chain ([`Tier::chain_after`]); each one not in the
+//! megaslab, not being read and not read ahead already gets a fetch of its
+//! own ([`FetchJob::ahead`]) that no channel waits for. Its reservation takes
+//! free megaslab space only (`Store::set_fill_no_evict`: a guess never
+//! evicts a resident block), and its block is committed cold
+//! (`Store::make_cold`): eviction takes it before any block a client used,
+//! until a client uses it. A client's miss of a key being read ahead waits
+//! for that fetch instead of reading it again. A read-ahead's block is
+//! committed only once the fill of its parent asked for before it is over
+//! (fetches end in any order), so that it links to its parent.
 
 use crate::store::{SessionId, Store};
 use crate::tier::{
     Admission, FetchJob, FillSpec, Handover, Offer, PendingWrite, Removal, Reserved, StoppedTier, Tier, TierEvent,
     TierId, WriteJob,
 };
+use kachedb_shm::control::DEFAULT_TENANT;
 use kachedb_shm::{Request, Status};
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
@@ -33,6 +47,12 @@ pub(super) const TIER_SLICE: usize = 8;
 /// Most keys a tier with [`Admission::Second`] remembers as committed once
 /// and not requested since (oldest forgotten first): about 50 bytes each.
 const ADMIT_CANDIDATES: usize = 1 << 18;
+
+/// Most read-ahead fetches open at once (a tier that stalls holds no more).
+const AHEAD_OPEN: usize = 256;
+/// Most keys remembered as read ahead and not requested since (oldest
+/// forgotten first).
+const AHEAD_TRIED: usize = 1 << 16;
 
 /// The daemon's tiers, in order (the first is asked for local misses).
 #[derive(Default)]
@@ -50,6 +70,26 @@ pub(super) struct Tiers {
     deleted: HashMap<u128, u64>,
     /// Removals a client's answer waits for.
     removals: HashMap<(TierId, u64), Waiting>,
+    /// The first tier's read-ahead.
+    ahead: Ahead,
+}
+
+/// The read-ahead's state (see the module docs).
+#[derive(Default)]
+struct Ahead {
+    /// The read-ahead fetches open: id -> key.
+    fetches: HashMap<u64, u128>,
+    /// The keys they read: key -> id.
+    reading: HashMap<u128, u64>,
+    /// Keys read ahead (filled or not: no free room) and not requested by a
+    /// client since: not read ahead again; a client's first request of one
+    /// moves the window on.
+    tried: Candidates,
+    /// Read-ahead commits held until the fill of their block's parent, asked
+    /// for earlier, is over (so that the block links to it: fills of one
+    /// chain on several threads end in any order), with that parent and
+    /// the read-ahead's fetch id.
+    held: Vec<(u128, u64, FillWork)>,
 }
 
 /// A removal a client's answer waits for ([`Removal::Pending`]).
@@ -100,6 +140,20 @@ impl Candidates {
 
     fn take(&mut self, key: u128) -> Option<Option<u128>> {
         self.parents.remove(&key)
+    }
+
+    fn insert_bounded(&mut self, key: u128, bound: usize) {
+        if self.parents.insert(key, None).is_none() {
+            self.order.push_back(key);
+        }
+        while self.parents.len() > bound {
+            let Some(old) = self.order.pop_front() else { break };
+            self.parents.remove(&old);
+        }
+        if self.order.len() > 2 * bound.max(self.parents.len()) {
+            let parents = &self.parents;
+            self.order.retain(|k| parents.contains_key(k));
+        }
     }
 }
 
@@ -238,17 +292,46 @@ impl Tiers {
 
     /// Whether a tier wants to hear of requests that hit ([`requested`](Self::requested)).
     pub(super) fn wants_requests(&self) -> bool {
-        self.sides.iter().any(|t| t.candidates.as_ref().is_some_and(|c| !c.parents.is_empty()))
+        !self.ahead.tried.parents.is_empty()
+            || self.sides.iter().any(|t| t.candidates.as_ref().is_some_and(|c| !c.parents.is_empty()))
     }
 
     /// A client's GET, LOOKUP or WAIT found `key` in the megaslab: a tier
     /// with [`Admission::Second`] that was not offered the block yet is
-    /// offered it now.
-    pub(super) fn requested(&mut self, store: &mut Store, key: u128) {
+    /// offered it now; a block read ahead moves the read-ahead on (for the
+    /// tenant of the client's `session`).
+    pub(super) fn requested(&mut self, store: &mut Store, key: u128, session: SessionId) {
         for t in &mut self.sides {
             if let Some(parent) = t.candidates.as_mut().and_then(|c| c.take(key)) {
                 t.write_behind(store, key, parent);
             }
+        }
+        if self.ahead.tried.take(key).is_some() {
+            let tenant = store.session_tenant(session).unwrap_or(DEFAULT_TENANT).to_owned();
+            self.read_ahead(store, key, &tenant);
+        }
+    }
+
+    /// Asks the first tier for the blocks after `key` in its chain and
+    /// starts a read-ahead fetch of each that is not local, not being read
+    /// and not read ahead already (see the module docs).
+    fn read_ahead(&mut self, store: &Store, key: u128, tenant: &str) {
+        let Some(t) = self.sides.first() else { return };
+        for k in t.tier.chain_after(key) {
+            if self.ahead.fetches.len() >= AHEAD_OPEN {
+                break;
+            }
+            let a = &mut self.ahead;
+            if store.peek(k).is_some() || a.reading.contains_key(&k) || a.tried.parents.contains_key(&k) {
+                continue;
+            }
+            self.next_fetch += 1;
+            let id = self.next_fetch;
+            self.open.insert(id);
+            a.fetches.insert(id, k);
+            a.reading.insert(k, id);
+            a.tried.insert_bounded(k, AHEAD_TRIED);
+            t.tier.fetch(FetchJob { id, tenant: tenant.to_owned(), keys: vec![k], ahead: true });
         }
     }
 
@@ -318,14 +401,34 @@ impl Tiers {
 
     /// Asks the first tier to fill `keys` for `channel`, whose client is
     /// counted as `tenant`; the fetch's id, or `None` without a tier.
-    pub(super) fn start_fetch(&mut self, channel: u32, tenant: &str, keys: Vec<u128>) -> Option<u64> {
+    /// A single key being read ahead is waited for there (no second read);
+    /// then the tier reads ahead after the last key.
+    pub(super) fn start_fetch(&mut self, store: &Store, channel: u32, tenant: &str, keys: Vec<u128>) -> Option<u64> {
         let t = self.sides.first_mut()?;
-        self.next_fetch += 1;
-        let id = self.next_fetch;
-        self.open.insert(id);
+        let last = *keys.last()?;
+        for k in &keys {
+            self.ahead.tried.take(*k);
+        }
         let deadline = Instant::now() + t.tier.fetch_bound();
-        t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys: keys.clone() });
-        t.tier.fetch(FetchJob { id, tenant: tenant.to_owned(), keys });
+        let reading = match keys[..] {
+            [k] => self.ahead.reading.get(&k).copied().filter(|id| !t.pending.contains_key(id)),
+            _ => None,
+        };
+        let id = match reading {
+            Some(id) => {
+                t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys });
+                id
+            }
+            None => {
+                self.next_fetch += 1;
+                let id = self.next_fetch;
+                self.open.insert(id);
+                t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys: keys.clone() });
+                t.tier.fetch(FetchJob { id, tenant: tenant.to_owned(), keys, ahead: false });
+                id
+            }
+        };
+        self.read_ahead(store, last, tenant);
         Some(id)
     }
 
@@ -430,9 +533,27 @@ impl Tiers {
         // Fetches over at one tier with keys left for the next: (tier index, id, the fetch).
         let mut forward: Vec<(usize, u64, Pending)> = Vec::new();
         let n_sides = self.sides.len();
-        let Tiers { sides, open, deleted, .. } = self;
+        let Tiers { sides, open, deleted, ahead, .. } = self;
         // Whether a fill of `key` by fetch `fetch` lost to a client's DELETE.
         let lost = |deleted: &HashMap<u128, u64>, key: u128, fetch: u64| deleted.get(&key).is_some_and(|&f| fetch <= f);
+        // Whether a fill of `key` asked for before fetch `fetch` is still open
+        // at the first tier (a read-ahead's, or a client's).
+        let filling = |ahead: &Ahead, pending: &HashMap<u64, Pending>, key: u128, fetch: u64| {
+            ahead.reading.get(&key).is_some_and(|&id| id < fetch)
+                || pending.iter().any(|(&id, p)| id < fetch && p.keys.contains(&key))
+        };
+        // Held read-ahead commits whose parent's fill is over go on.
+        if let Some(r) = sides.first_mut() {
+            let mut i = 0;
+            while i < ahead.held.len() {
+                let (parent, fetch, _) = ahead.held[i];
+                if filling(ahead, &r.pending, parent, fetch) {
+                    i += 1;
+                } else {
+                    r.work.push_back(ahead.held.swap_remove(i).2);
+                }
+            }
+        }
         for (i, r) in sides.iter_mut().enumerate() {
             while budget > 0 {
                 let Some(work) = r.work.pop_front() else { break };
@@ -448,8 +569,12 @@ impl Tiers {
                             let answer = if store.peek(b.key).is_some() || lost(deleted, b.key, fetch) {
                                 None
                             } else {
-                                // Counted for the block's tenant, within its limit.
+                                // Counted for the block's tenant, within its limit;
+                                // a read-ahead into free space only.
                                 store.set_fill_tenant(r.session, b.tenant.as_deref());
+                                // (A read-ahead a client waits for by now is no guess.)
+                                let guess = ahead.fetches.contains_key(&fetch) && !r.pending.contains_key(&fetch);
+                                store.set_fill_no_evict(r.session, guess);
                                 let c = store.handle_internal(
                                     r.session,
                                     &Request::Reserve {
@@ -479,6 +604,17 @@ impl Tiers {
                         }
                     }
                     FillWork::Commit { fetch, filled, mut next, mut committed } => {
+                        // A read-ahead's block waits for its parent's fill to end.
+                        let parent = filled.first().and_then(|(h, _)| r.fills.get(h)).and_then(|&(_, p)| p);
+                        if let Some(p) = parent.filter(|&p| {
+                            next == 0
+                                && ahead.fetches.contains_key(&fetch)
+                                && store.peek(p).is_none()
+                                && filling(ahead, &r.pending, p, fetch)
+                        }) {
+                            ahead.held.push((p, fetch, FillWork::Commit { fetch, filled, next, committed }));
+                            continue;
+                        }
                         let to = filled.len().min(next + budget);
                         budget -= to - next;
                         for &(handle, len) in &filled[next..to] {
@@ -503,6 +639,10 @@ impl Tiers {
                                 == Status::Ok
                             {
                                 r.tier.landed(len);
+                                if let Some(k) = key.filter(|_| ahead.fetches.contains_key(&fetch)) {
+                                    // A guess: evicted first until a client uses it.
+                                    store.make_cold(k);
+                                }
                                 committed.extend(key);
                             }
                         }
@@ -520,12 +660,22 @@ impl Tiers {
                             }
                             f != fetch
                         });
-                        // Keys still missing go to the next tier, if any; a fetch
-                        // no longer waited for (expired) still wakes WAITs on its keys.
+                        // Keys still missing go to the next tier, if any (or, for a
+                        // read-ahead that found no free room and that a client
+                        // waits for by now, to this tier again, as the client's
+                        // fetch); a fetch no longer waited for (expired) still
+                        // wakes WAITs on its keys.
+                        let was_ahead = ahead.fetches.remove(&fetch).inspect(|k| {
+                            ahead.reading.remove(k);
+                        });
                         let mut channel = None;
                         let mut forwarded = false;
                         if let Some(p) = r.pending.remove(&fetch) {
-                            if i + 1 < n_sides && p.keys.iter().any(|&k| store.peek(k).is_none()) {
+                            let missing = p.keys.iter().any(|&k| store.peek(k).is_none());
+                            if missing && was_ahead.is_some() {
+                                forward.push((i, fetch, p));
+                                forwarded = true;
+                            } else if missing && i + 1 < n_sides {
                                 forward.push((i + 1, fetch, p));
                                 forwarded = true;
                             } else {
@@ -553,7 +703,7 @@ impl Tiers {
             };
             p.keys.retain(|&k| store.peek(k).is_none());
             p.deadline = Instant::now() + t.tier.fetch_bound();
-            let job = FetchJob { id: fetch, tenant: p.tenant.clone(), keys: p.keys.clone() };
+            let job = FetchJob { id: fetch, tenant: p.tenant.clone(), keys: p.keys.clone(), ahead: false };
             t.pending.insert(fetch, p);
             t.tier.fetch(job);
         }
@@ -568,6 +718,7 @@ impl Tiers {
     pub(super) fn stop(&mut self, store: &mut Store) -> (Stopped, Vec<Resolved>) {
         self.open.clear();
         self.deleted.clear();
+        self.ahead = Ahead::default();
         let mut stopped = Stopped::default();
         let mut resolved = Vec::new();
         for t in self.sides.drain(..) {
@@ -673,7 +824,7 @@ mod tests {
         let (first, second) = (Recording::default(), Recording::default());
         let (asked_first, asked_second) = (first.0.clone(), second.0.clone());
         let mut tiers = Tiers::new(vec![Box::new(first), Box::new(second)], &mut store);
-        let fetch = tiers.start_fetch(3, "team-a", vec![5, 6]).unwrap();
+        let fetch = tiers.start_fetch(&store, 3, "team-a", vec![5, 6]).unwrap();
         let jobs = asked_first.lock().unwrap().clone();
         assert_eq!(jobs.len(), 1);
         assert_eq!((jobs[0].id, jobs[0].tenant.as_str(), jobs[0].keys.clone()), (fetch, "team-a", vec![5, 6]));
@@ -683,6 +834,118 @@ mod tests {
         let jobs = asked_second.lock().unwrap().clone();
         assert_eq!(jobs.len(), 1);
         assert_eq!((jobs[0].id, jobs[0].tenant.as_str(), jobs[0].keys.clone()), (fetch, "team-a", vec![5, 6]));
+    }
+
+    /// A tier that records its fetches and names `next` as the blocks
+    /// after any key (its read-ahead).
+    #[derive(Debug, Default)]
+    struct Chained {
+        jobs: std::sync::Arc<std::sync::Mutex<Vec<FetchJob>>>,
+        next: Vec<u128>,
+    }
+
+    impl Tier for Chained {
+        fn write_behind(&self, _offer: Offer<'_>, _pinned: &mut dyn FnMut() -> Option<WriteJob>) {}
+        fn fetch(&self, job: FetchJob) {
+            self.jobs.lock().unwrap().push(job);
+        }
+        fn chain_after(&self, _key: u128) -> Vec<u128> {
+            self.next.clone()
+        }
+        fn fetch_bound(&self) -> Duration {
+            Duration::from_secs(60)
+        }
+        fn landed(&self, _len: u64) {}
+        fn filled_after(&self, _us: u64) {}
+        fn remove(&self, _key: u128) -> Removal {
+            Removal::Done
+        }
+        fn stop(self: Box<Self>) -> (Box<dyn StoppedTier>, Handover) {
+            unreachable!("not stopped in these tests")
+        }
+    }
+
+    fn spec_of(key: u128, len: u64) -> FillSpec {
+        FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(len).unwrap(), len, parent: None, tenant: None }
+    }
+
+    /// Read-ahead: a miss of key 1 starts a read-ahead fetch of key 2; with
+    /// the megaslab full of a client's blocks it gets no room (nothing
+    /// evicted for a guess). A client's miss of key 2 then waits for that
+    /// fetch, and when it ends without the block the client gets a fill of
+    /// its own (which may evict), not a miss. With room, a read-ahead's block
+    /// is committed cold: evicted before the client's blocks.
+    #[test]
+    fn a_read_ahead_takes_free_room_only_and_a_client_waiting_on_one_gets_its_block() {
+        let mut store = Store::new(0, 4 * 4096);
+        let tier = Chained { next: vec![2], ..Chained::default() };
+        let jobs = tier.jobs.clone();
+        let mut tiers = Tiers::new(vec![Box::new(tier)], &mut store);
+        let client = store.open_session();
+        for k in 10..14u128 {
+            let c = store.handle_internal(client, &reserve(k, 4096));
+            store.handle_internal(client, &Request::Commit { handle: c.handle, parent: None });
+        }
+        assert_eq!(store.stats().bytes_free, 0);
+        tiers.start_fetch(&store, 0, "default", vec![1]).unwrap();
+        let ahead = {
+            let j = jobs.lock().unwrap();
+            assert_eq!(
+                j.iter().map(|j| (j.keys.clone(), j.ahead)).collect::<Vec<_>>(),
+                [(vec![1], false), (vec![2], true)]
+            );
+            j[1].id
+        };
+        let (tx, mut rx) = crate::tier::reply::channel();
+        tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: ahead, blocks: vec![spec_of(2, 4096)], reply: tx });
+        drain(&mut tiers, &mut store);
+        assert!(rx.try_recv().unwrap().unwrap()[0].is_none(), "a guess got room");
+        assert_eq!(store.stats().evictions, 0, "a guess evicted a block");
+        // The client's miss of key 2 waits for the read-ahead (no second read)...
+        assert_eq!(tiers.start_fetch(&store, 1, "default", vec![2]), Some(ahead));
+        assert_eq!(jobs.lock().unwrap().len(), 2);
+        // ...which ends without it: the key is read again, for the client.
+        tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: ahead, filled: vec![] });
+        assert!(drain(&mut tiers, &mut store).is_empty(), "the client was answered a miss");
+        let job = jobs.lock().unwrap()[2].clone();
+        assert_eq!((job.id, job.keys, job.ahead), (ahead, vec![2], false));
+        let (tx, mut rx) = crate::tier::reply::channel();
+        tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: ahead, blocks: vec![spec_of(2, 4096)], reply: tx });
+        drain(&mut tiers, &mut store);
+        let r = rx.try_recv().unwrap().unwrap()[0].expect("room for the client's fill");
+        tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: ahead, filled: vec![(r.handle, 4096)] });
+        let done = drain(&mut tiers, &mut store);
+        assert_eq!((done.len(), done[0].channel, done[0].committed.clone()), (1, Some(1), vec![2]));
+        assert_eq!(store.stats().evictions, 1);
+
+        // With room (a block deleted): a read-ahead of key 3 is committed
+        // cold, and the next eviction takes it before the client's blocks.
+        let victim = (10..14u128).find(|&k| store.peek(k).is_some()).unwrap();
+        store.handle_internal(client, &Request::Delete { key: victim });
+        let mut tiers_b = {
+            let tier = Chained { next: vec![3], ..Chained::default() };
+            let jobs = tier.jobs.clone();
+            let t = Tiers::new(vec![Box::new(tier)], &mut store);
+            (t, jobs)
+        };
+        tiers_b.0.start_fetch(&store, 0, "default", vec![4]).unwrap();
+        let ahead = tiers_b.1.lock().unwrap()[1].id;
+        let (tx, mut rx) = crate::tier::reply::channel();
+        tiers_b.0.on_event(
+            &mut store,
+            0,
+            TierEvent::Reserve { fetch: ahead, blocks: vec![spec_of(3, 4096)], reply: tx },
+        );
+        drain(&mut tiers_b.0, &mut store);
+        let r = rx.try_recv().unwrap().unwrap()[0].expect("free room for the read-ahead");
+        tiers_b.0.on_event(&mut store, 0, TierEvent::Filled { fetch: ahead, filled: vec![(r.handle, 4096)] });
+        assert_eq!(drain(&mut tiers_b.0, &mut store)[0].committed, vec![3]);
+        let c = store.handle_internal(client, &reserve(20, 4096));
+        assert_eq!(c.status, Status::Ok);
+        assert!(store.peek(3).is_none(), "the guess was not the first evicted");
+        assert_eq!((10..14u128).filter(|&k| store.peek(k).is_some()).count(), 2);
+        assert!(store.peek(2).is_some());
+        store.check_invariants().unwrap();
     }
 
     fn reserve(key: u128, len: u64) -> Request {
@@ -715,7 +978,7 @@ mod tests {
         );
 
         // The fetch asks for room for K, which is missing.
-        let fetch = tiers.start_fetch(0, "default", vec![key]).unwrap();
+        let fetch = tiers.start_fetch(&store, 0, "default", vec![key]).unwrap();
         let (tx, mut rx) = crate::tier::reply::channel();
         let spec = FillSpec {
             key,
@@ -773,8 +1036,8 @@ mod tests {
         let (a, b) = (1u128, 2u128);
         let client = store.open_session();
         // A: deleted before the reservation; B: after it.
-        let fa = tiers.start_fetch(0, "default", vec![a]).unwrap();
-        let fb = tiers.start_fetch(1, "default", vec![b]).unwrap();
+        let fa = tiers.start_fetch(&store, 0, "default", vec![a]).unwrap();
+        let fb = tiers.start_fetch(&store, 1, "default", vec![b]).unwrap();
         tiers.remove(0, client, a);
         let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fa, blocks: vec![spec(a)], reply: tx });
@@ -793,7 +1056,7 @@ mod tests {
         assert_eq!(store.stats().reserved, 0);
         // Every fetch of then is over: the DELETEs are forgotten, and a new fetch fills B.
         assert!(tiers.open.is_empty() && tiers.deleted.is_empty());
-        let fc = tiers.start_fetch(0, "default", vec![b]).unwrap();
+        let fc = tiers.start_fetch(&store, 0, "default", vec![b]).unwrap();
         let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fc, blocks: vec![spec(b)], reply: tx });
         drain(&mut tiers, &mut store);

@@ -37,9 +37,15 @@ impl Store {
             return Err(Status::OutOfMemory);
         }
         self.within_limit(s, need_len)?;
-        let (tenant, limit_applies) =
-            self.sessions.get(&s).map_or((0, true), |x| (x.tenant, !x.internal || x.fills_for_tenant));
-        let extent = self.alloc_evicting(need_len, tenant, limit_applies)?;
+        let (tenant, limit_applies, no_evict) = self
+            .sessions
+            .get(&s)
+            .map_or((0, true, false), |x| (x.tenant, !x.internal || x.fills_for_tenant, x.internal && x.no_evict));
+        let extent = if no_evict {
+            self.alloc_free_only(need_len, tenant, limit_applies)?
+        } else {
+            self.alloc_evicting(need_len, tenant, limit_applies)?
+        };
         let tensor = Tensor { key, dtype, shape, len, data_offset: extent.offset + page_offset, extent, tenant };
         let fresh = self.free_slots.is_empty();
         let Some(index) = self.take_slot(SlotState::Reserved { owner: s, tensor }) else {
@@ -107,7 +113,15 @@ impl Store {
             Some(SlotState::Block { parent: Some(p), .. }) => self.key_of(*p),
             _ => None,
         };
-        self.changes.push(IndexChange::Stored { key: tensor.key, parent: linked_parent, replaced: replaced.is_some() });
+        if self.changes.is_on() {
+            let meta = self.metas.get(&index).cloned();
+            self.changes.push(IndexChange::Stored {
+                key: tensor.key,
+                parent: linked_parent,
+                replaced: replaced.is_some(),
+                meta,
+            });
+        }
         self.linked_now(index, parent.is_none())?;
         self.lru_touch(index)?;
         Ok(Reply::default())

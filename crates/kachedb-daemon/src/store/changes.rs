@@ -12,9 +12,11 @@
 
 use super::slots::SlotState;
 use super::Store;
+use kachedb_shm::BlockMeta;
+use std::sync::Arc;
 
 /// One change of the index (the set of linked keys).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum IndexChange {
     /// `key` has a (new) linked block; `parent` is the key of the block it
     /// is linked under in its chain, if any; `replaced`: the key had a
@@ -26,6 +28,8 @@ pub enum IndexChange {
         parent: Option<u128>,
         /// Whether an older block of the key was replaced.
         replaced: bool,
+        /// What its writer told of it (META), if anything.
+        meta: Option<Arc<BlockMeta>>,
     },
     /// `key` has no block any more (DELETE or eviction).
     Removed {
@@ -44,6 +48,12 @@ pub(super) struct ChangeLog {
 }
 
 impl ChangeLog {
+    /// Whether changes are logged.
+    #[inline]
+    pub(super) fn is_on(&self) -> bool {
+        self.on
+    }
+
     #[inline]
     pub(super) fn push(&mut self, change: IndexChange) {
         if self.on {
@@ -94,7 +104,8 @@ impl Store {
                 continue;
             };
             let parent = parent.and_then(|p| self.key_of(p));
-            out.push(IndexChange::Stored { key: tensor.key, parent, replaced: false });
+            let meta = self.metas.get(&index).cloned();
+            out.push(IndexChange::Stored { key: tensor.key, parent, replaced: false, meta });
             stack.extend(self.links.range((index, 0)..=(index, u32::MAX)).map(|&(_, c)| c));
         }
         out

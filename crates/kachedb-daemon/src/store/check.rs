@@ -5,7 +5,7 @@
 use super::slots::{is_lent, SlotState};
 use super::{EvictionPolicy, Store};
 use crate::alloc::{round_up_to_pages, Extent, PAGE_LEN};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 impl Store {
     /// The tenant figures the tables give (`tenants.rs`): each row's bytes,
@@ -151,19 +151,44 @@ impl Store {
             return Err("an undo journal is open between requests".into());
         }
 
-        let free_slots: BTreeSet<u32> = self.free_slots.iter().copied().collect();
-        if free_slots.len() != self.free_slots.len() {
-            return Err("a slot is twice on the free list".into());
+        // Tables by slot index rather than maps: one pass each, no lookups
+        // in a tree (the check runs on every takeover, over every block).
+        let n = self.slots.len();
+        let mut free_slots = vec![false; n];
+        for &i in &self.free_slots {
+            let seen = free_slots.get_mut(i as usize).ok_or("free list names a slot that does not exist")?;
+            if std::mem::replace(seen, true) {
+                return Err("a slot is twice on the free list".into());
+            }
         }
-        let mut extents: BTreeMap<u64, u64> = BTreeMap::new();
+        for &i in self.metas.keys() {
+            if !matches!(
+                self.slots.get(i as usize).map(|slot| &slot.state),
+                Some(SlotState::Reserved { .. } | SlotState::Block { .. })
+            ) {
+                return Err(format!("slot {i} keeps a block metadata record but holds no reservation or block"));
+            }
+        }
+        // Children and holding children of each slot, from the links.
+        let mut links_out = vec![0u32; n];
+        let mut holding_out = vec![0u32; n];
+        for &(p, c) in &self.links {
+            let out = links_out.get_mut(p as usize).ok_or_else(|| format!("link ({p}, {c}) names no block"))?;
+            *out += 1;
+            if self.holds(p, c).map_err(|_| format!("link ({p}, {c}) names no block"))? {
+                holding_out[p as usize] += 1;
+            }
+        }
+        let mut parents_named = 0usize;
+        let mut extents: Vec<(u64, u64)> = Vec::with_capacity(n);
         let mut linked_count = 0usize;
         let mut lru_count = 0usize;
         let mut evictable = 0u64;
-        let mut block_pins: BTreeMap<u32, u64> = BTreeMap::new();
-        let mut block_foreign_pins: BTreeMap<u32, u64> = BTreeMap::new();
+        // Pins each block counts (`None`: not a block), all and foreign.
+        let mut block_pins: Vec<Option<(u64, u64)>> = vec![None; n];
         for (i, slot) in self.slots.iter().enumerate() {
             let index = u32::try_from(i).map_err(|_| "slot index past u32".to_string())?;
-            let on_free_list = free_slots.contains(&index);
+            let on_free_list = free_slots[i];
             let tensor = match &slot.state {
                 SlotState::Free => {
                     if !on_free_list {
@@ -192,10 +217,8 @@ impl Store {
                     ..
                 } => {
                     if *linked {
+                        // That it is the block of its key: from `keys`' side, below.
                         linked_count += 1;
-                        if self.keys.get(&tensor.key) != Some(&index) {
-                            return Err(format!("linked block {index} is not the block of its key"));
-                        }
                     } else if *pins == 0 {
                         return Err(format!("unlinked block {index} is unpinned but not freed"));
                     } else if parent.is_some() || *children != 0 {
@@ -230,9 +253,9 @@ impl Store {
                         }
                     }
                     if let Some(p) = parent {
-                        if !self.links.contains(&(*p, index)) {
-                            return Err(format!("block {index} names parent {p} without a link"));
-                        }
+                        // Each link names its child's parent (`check_chains`),
+                        // so as many parents as links means one link each.
+                        parents_named += 1;
                         let parent_linked = matches!(
                             self.slots.get(*p as usize).map(|slot| &slot.state),
                             Some(SlotState::Block { linked: true, .. })
@@ -241,23 +264,19 @@ impl Store {
                             return Err(format!("block {index}: parent {p} is not a linked block"));
                         }
                     }
-                    let links_out = self.links.range((index, 0)..=(index, u32::MAX)).count();
-                    if links_out != *children as usize {
-                        return Err(format!("block {index} counts {children} children, {links_out} links name it"));
+                    if links_out[i] != *children {
+                        return Err(format!(
+                            "block {index} counts {children} children, {} links name it",
+                            links_out[i]
+                        ));
                     }
-                    let mut holding = 0u32;
-                    for &(_, c) in self.links.range((index, 0)..=(index, u32::MAX)) {
-                        if self.holds(index, c).map_err(|_| format!("link ({index}, {c}) names no block"))? {
-                            holding += 1;
-                        }
-                    }
+                    let holding = holding_out[i];
                     if holding != *holding_children {
                         return Err(format!(
                             "block {index} counts {holding_children} holding children, {holding} of its children hold it"
                         ));
                     }
-                    block_pins.insert(index, *pins);
-                    block_foreign_pins.insert(index, *foreign_pins);
+                    block_pins[i] = Some((*pins, *foreign_pins));
                     tensor
                 }
             };
@@ -282,18 +301,33 @@ impl Store {
                     t.extent.len, t.len
                 ));
             }
-            if extents.insert(t.extent.offset, t.extent.len).is_some() {
-                return Err(format!("extent at {} is held by two slots", t.extent.offset));
-            }
+            extents.push((t.extent.offset, t.extent.len));
         }
-        if free_slots.iter().any(|&i| i as usize >= self.slots.len()) {
-            return Err("free list names a slot that does not exist".into());
+        if parents_named != self.links.len() {
+            return Err(format!("{parents_named} blocks name a parent, {} chain links", self.links.len()));
         }
-        if !extents.iter().map(|(&o, &l)| Extent { offset: o, len: l }).eq(self.alloc.allocated_extents()) {
+        extents.sort_unstable();
+        if let Some(w) = extents.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(format!("extent at {} is held by two slots", w[0].0));
+        }
+        if !extents.iter().map(|&(o, l)| Extent { offset: o, len: l }).eq(self.alloc.allocated_extents()) {
             return Err("allocated extents differ from the extents of live slots".into());
         }
         if linked_count != self.keys.len() {
             return Err(format!("{} keys but {linked_count} linked blocks", self.keys.len()));
+        }
+        // Each key names a linked block of that key: distinct keys name
+        // distinct blocks, and as many as there are, so every linked block
+        // is the block of its key. (The map in its own order, one look at a
+        // slot each, rather than a lookup in the map per block.)
+        for (&key, &index) in &self.keys {
+            let ok = matches!(
+                self.slots.get(index as usize).map(|slot| &slot.state),
+                Some(SlotState::Block { linked: true, tensor, .. }) if tensor.key == key
+            );
+            if !ok {
+                return Err(format!("key {key:#x} names slot {index}, not a linked block of that key"));
+            }
         }
         let lists_len = self.lru.len() + self.tenants.rows.iter().map(|r| r.list.len()).sum::<usize>();
         if lru_count != lists_len {
@@ -309,19 +343,22 @@ impl Store {
         self.check_tenants()?;
 
         // Pins: records agree with sessions and with block counts.
-        let free_pins: BTreeSet<u32> = self.free_pin_slots.iter().copied().collect();
-        if free_pins.len() != self.free_pin_slots.len() {
-            return Err("a pin slot is twice on the free list".into());
+        let mut free_pins = vec![false; self.pin_slots.len()];
+        for &i in &self.free_pin_slots {
+            let seen = free_pins.get_mut(i as usize).ok_or("pin free list names a slot that does not exist")?;
+            if std::mem::replace(seen, true) {
+                return Err("a pin slot is twice on the free list".into());
+            }
         }
-        let mut pin_sums: BTreeMap<u32, u64> = BTreeMap::new();
-        let mut foreign_sums: BTreeMap<u32, u64> = BTreeMap::new();
+        // Pins the records hold of each block slot, all and foreign.
+        let mut pin_sums = vec![(0u64, 0u64); n];
         for (i, ps) in self.pin_slots.iter().enumerate() {
             let index = u32::try_from(i).map_err(|_| "pin index past u32".to_string())?;
             match ps.pin {
-                None if free_pins.contains(&index) => {}
+                None if free_pins[i] => {}
                 None => return Err(format!("empty pin slot {index} is not on the free list")),
                 Some(pin) => {
-                    if free_pins.contains(&index) {
+                    if free_pins[i] {
                         return Err(format!("live pin slot {index} is on the free list"));
                     }
                     if pin.count == 0 {
@@ -331,35 +368,31 @@ impl Store {
                     if listed != Some(&index) {
                         return Err(format!("pin slot {index} is not listed by its session"));
                     }
-                    *pin_sums.entry(pin.block_index).or_default() += pin.count;
+                    let sum = pin_sums
+                        .get_mut(pin.block_index as usize)
+                        .ok_or_else(|| format!("pin slot {index} names slot {}, not a block", pin.block_index))?;
+                    sum.0 += pin.count;
                     if pin.foreign {
-                        *foreign_sums.entry(pin.block_index).or_default() += pin.count;
+                        sum.1 += pin.count;
                     }
                 }
             }
         }
-        if free_pins.iter().any(|&i| i as usize >= self.pin_slots.len()) {
-            return Err("pin free list names a slot that does not exist".into());
-        }
-        for (&block, &sum) in &pin_sums {
-            if block_pins.get(&block) != Some(&sum) {
-                return Err(format!(
-                    "block {block}: pin records sum to {sum}, block says {:?}",
-                    block_pins.get(&block)
-                ));
-            }
-        }
-        for (&block, &pins) in &block_pins {
-            if pins != pin_sums.get(&block).copied().unwrap_or(0) {
-                return Err(format!("block {block} counts {pins} pins that no record holds"));
-            }
-        }
-        for (&block, &foreign) in &block_foreign_pins {
-            if foreign != foreign_sums.get(&block).copied().unwrap_or(0) {
-                return Err(format!(
-                    "block {block} counts {foreign} pins of other tenants' clients, the records hold {:?}",
-                    foreign_sums.get(&block)
-                ));
+        for (block, (&(sum, foreign_sum), &counted)) in pin_sums.iter().zip(&block_pins).enumerate() {
+            match counted {
+                None if sum > 0 => {
+                    return Err(format!("block {block}: pin records sum to {sum}, but it is not a block"));
+                }
+                None => {}
+                Some((pins, _)) if pins != sum => {
+                    return Err(format!("block {block}: pin records sum to {sum}, block says {pins}"));
+                }
+                Some((_, foreign)) if foreign != foreign_sum => {
+                    return Err(format!(
+                        "block {block} counts {foreign} pins of other tenants' clients, the records hold {foreign_sum}"
+                    ));
+                }
+                Some(_) => {}
             }
         }
         for (&id, session) in &self.sessions {
@@ -405,7 +438,7 @@ impl Store {
 
         // The O(1) gauges and stats agree with what the tables hold.
         let g = self.gauges();
-        let pins: u64 = pin_sums.values().sum();
+        let pins: u64 = pin_sums.iter().map(|&(all, _)| all).sum();
         let reserved = self.slots.iter().filter(|slot| matches!(slot.state, SlotState::Reserved { .. })).count() as u64;
         if (g.pins, g.reservations) != (pins, reserved) {
             return Err(format!(
@@ -424,7 +457,7 @@ impl Store {
 
     /// Chain links: each names a child whose parent is its parent, and
     /// following parents from any block ends (no cycle), at a linked root.
-    /// Each block is walked once (`depth` memoises), so `O(n log n)`.
+    /// Each block is walked once (`depth` memoises), so `O(n)`.
     fn check_chains(&self) -> Result<(), String> {
         let parent_of = |i: u32| match self.slots.get(i as usize).map(|slot| &slot.state) {
             Some(SlotState::Block { parent, .. }) => Ok(*parent),
@@ -435,14 +468,23 @@ impl Store {
                 return Err(format!("link ({p}, {c}) but block {c} names another parent"));
             }
         }
-        let mut depth: BTreeMap<u32, usize> = BTreeMap::new();
+        // Depth of each slot's chain, 0 while not walked.
+        let mut depth = vec![0usize; self.slots.len()];
         let linked = self.keys.len();
-        for &start in self.keys.values() {
-            let mut path = Vec::new();
+        let mut path = Vec::new();
+        // The linked blocks in slot order: walks that touch memory in order.
+        let starts = self.slots.iter().enumerate().filter_map(|(i, slot)| match slot.state {
+            SlotState::Block { linked: true, .. } => Some(i as u32),
+            _ => None,
+        });
+        for start in starts {
+            path.clear();
             let mut at = start;
             let base = loop {
-                if let Some(&d) = depth.get(&at) {
-                    break d;
+                match depth.get(at as usize) {
+                    Some(&d) if d > 0 => break d,
+                    Some(_) => {}
+                    None => return Err(format!("chain link names slot {at}, not a block")),
                 }
                 path.push(at);
                 if path.len() > linked {
@@ -454,7 +496,7 @@ impl Store {
                 }
             };
             for (i, &b) in path.iter().rev().enumerate() {
-                depth.insert(b, base + i + 1);
+                depth[b as usize] = base + i + 1;
             }
         }
         let cut = (self.counters.links_cut_by_eviction(), self.counters.unheld_links_cut_by_eviction());

@@ -12,7 +12,8 @@ const _: () = assert!(
 );
 
 /// Counters of a [`Store`](super::Store), indexed by wire code.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub(super) struct Counters {
     /// Requests by op code, any outcome.
     requests: [u64; CODES],
@@ -37,7 +38,6 @@ pub(super) struct Counters {
     /// OUT_OF_MEMORY answers because of the per-client limit.
     client_limit_hits: u64,
     /// OUT_OF_MEMORY answers because of the tenant limit.
-    #[serde(default)]
     tenant_limit_hits: u64,
     /// COMMITs whose parent was not linked.
     parents_missing: u64,
@@ -48,7 +48,6 @@ pub(super) struct Counters {
     /// Of those, links whose child did not hold its parent (another
     /// tenant's child, or one pinned only by other tenants' clients): the
     /// only links eviction cuts under the chain policy.
-    #[serde(default)]
     unheld_links_cut_by_eviction: u64,
 }
 
@@ -259,5 +258,58 @@ impl Counters {
         st.too_large = err(Status::TooLarge);
         st.denied = err(Status::Denied);
         st.internal = err(Status::Internal);
+    }
+}
+
+impl Counters {
+    /// As the takeover state carries them.
+    pub(super) fn to_state(&self) -> crate::takeover::state::StoreCounters {
+        crate::takeover::state::StoreCounters {
+            requests: self.requests.to_vec(),
+            ok: self.ok.to_vec(),
+            errors: self.errors.to_vec(),
+            hit_bytes: self.hit_bytes.to_vec(),
+            figures: [
+                self.evictions,
+                self.evicted_bytes,
+                self.replaced,
+                self.pins_held,
+                self.reservations_live,
+                self.stored_bytes,
+                self.client_limit_hits,
+                self.tenant_limit_hits,
+                self.parents_missing,
+                self.links_cut,
+                self.links_cut_by_eviction,
+                self.unheld_links_cut_by_eviction,
+            ],
+        }
+    }
+
+    /// What [`to_state`](Self::to_state) gave; `Err` on tables of another length.
+    pub(super) fn from_state(c: &crate::takeover::state::StoreCounters) -> Result<Counters, String> {
+        let table = |v: &[u64], what: &str| -> Result<[u64; CODES], String> {
+            <[u64; CODES]>::try_from(v).map_err(|_| format!("{} counters of {what}, this build has {CODES}", v.len()))
+        };
+        let [evictions, evicted_bytes, replaced, pins_held, reservations_live, stored_bytes, client_limit_hits, tenant_limit_hits, parents_missing, links_cut, links_cut_by_eviction, unheld_links_cut_by_eviction] =
+            c.figures;
+        Ok(Counters {
+            requests: table(&c.requests, "requests")?,
+            ok: table(&c.ok, "answers")?,
+            errors: table(&c.errors, "errors")?,
+            hit_bytes: table(&c.hit_bytes, "hit bytes")?,
+            evictions,
+            evicted_bytes,
+            replaced,
+            pins_held,
+            reservations_live,
+            stored_bytes,
+            client_limit_hits,
+            tenant_limit_hits,
+            parents_missing,
+            links_cut,
+            links_cut_by_eviction,
+            unheld_links_cut_by_eviction,
+        })
     }
 }

@@ -10,7 +10,8 @@ use crate::alloc::Extent;
 use kachedb_shm::Status;
 
 /// Which linked unpinned blocks eviction may take (`kachedb serve --eviction`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub enum EvictionPolicy {
     /// Leaves first: only blocks that no linked block names as parent are on
     /// the eviction list, least recently used first; evicting a leaf may make
@@ -40,7 +41,39 @@ pub(super) enum Unlink {
     Evicted,
 }
 
+/// Ticks below this are cold: a block made cold ([`Store::make_cold`]) is
+/// listed under its slot index (`< 2^32`, unique among the blocks), below
+/// every tick a use hands out, so eviction takes it before any block a
+/// client used (first among the cold ones: the lowest slot).
+pub(super) const COLD_TICKS: u64 = 1 << 32;
+
 impl Store {
+    /// Marks the block of `key` as never used: eviction takes it before any
+    /// block a client used, until a client uses it (GET, LOOKUP, its last
+    /// pin released: a fresh tick as usual). A tier's read-ahead commits its
+    /// guesses so. Whether it was made cold (not a block, or a store handed
+    /// over whose ticks could collide: left as it is).
+    pub fn make_cold(&mut self, key: u128) -> bool {
+        let Some(&index) = self.keys.get(&key) else { return false };
+        if self.cold_ok.is_none() {
+            // Once per store handed over: a tick below `COLD_TICKS` that is
+            // not its block's own slot index could equal a cold one.
+            let ok = self.slots.iter().enumerate().all(|(i, slot)| match &slot.state {
+                SlotState::Block { last_use, .. } => *last_use >= COLD_TICKS || *last_use == i as u64,
+                _ => true,
+            });
+            self.cold_ok = Some(ok);
+        }
+        if self.cold_ok != Some(true) {
+            return false;
+        }
+        match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
+            Some(SlotState::Block { last_use, linked: true, .. }) => *last_use = u64::from(index),
+            _ => return false,
+        }
+        self.resync(index).is_ok()
+    }
+
     /// Makes room for `need_len` more bytes within tenant `t`'s limit, if it
     /// has one: evicts from `t`'s own list until its charged bytes plus
     /// `need_len` fit, or, if even that could not make them fit (a dry run in
@@ -65,6 +98,21 @@ impl Store {
             self.evict(index, tick)?;
         }
         Ok(())
+    }
+
+    /// An extent of `need_len` bytes (a page multiple) for tenant `t` from
+    /// free space only, within its limit when `limit_applies`; evicts nothing.
+    pub(super) fn alloc_free_only(
+        &mut self,
+        need_len: u64,
+        t: TenantId,
+        limit_applies: bool,
+    ) -> Result<Extent, Status> {
+        let limit = if limit_applies { self.tenants.get(t).limit } else { None };
+        if limit.is_some_and(|l| self.charged_bytes(t).saturating_add(need_len) > l) {
+            return Err(Status::OutOfMemory);
+        }
+        self.alloc.alloc(need_len).ok_or(Status::OutOfMemory)
     }
 
     /// An extent of `need_len` bytes (a page multiple) for tenant `t`,
@@ -112,7 +160,8 @@ impl Store {
                 if self.journal.is_open() {
                     let children = self.links.range((index, 0)..=(index, u32::MAX)).map(|&(_, c)| c).collect();
                     let (generation, state) = (slot.generation, slot.state.clone());
-                    self.journal.note(Undo::Evicted { index, generation, state, children });
+                    let meta = self.metas.get(&index).cloned();
+                    self.journal.note(Undo::Evicted { index, generation, state, children, meta });
                 }
                 (tensor.extent.len, tensor.tenant)
             }
@@ -133,7 +182,7 @@ impl Store {
     /// Marks block `index` as just used (a fresh tick); if eviction may take
     /// it, it moves to the most-recent end of the list.
     pub(super) fn lru_touch(&mut self, index: u32) -> Result<(), Status> {
-        self.tick = self.tick.wrapping_add(1);
+        self.tick = self.tick.max(COLD_TICKS).wrapping_add(1);
         let tick = self.tick;
         match self.slots.get_mut(index as usize).map(|slot| &mut slot.state) {
             Some(SlotState::Block { last_use, linked: true, .. }) => *last_use = tick,
@@ -342,8 +391,12 @@ impl Store {
         Ok(())
     }
 
-    /// Sets the eviction policy and rebuilds the eviction list for it.
+    /// Sets the eviction policy and rebuilds the eviction list for it (the
+    /// list already is the policy's when it does not change).
     pub fn set_eviction_policy(&mut self, policy: EvictionPolicy) {
+        if policy == self.policy {
+            return;
+        }
         self.policy = policy;
         for index in 0..self.slots.len() {
             let is_block = self.slots.get(index).is_some_and(|slot| matches!(slot.state, SlotState::Block { .. }));

@@ -95,8 +95,9 @@
 //! the log of the index's changes that the KV event publisher reads.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
-use kachedb_shm::{Completion, DType, Op, OutOfMemoryCause, Request, Shape, Status};
+use kachedb_shm::{BlockMeta, Completion, DType, Op, OutOfMemoryCause, Request, Shape, Status};
 
 use crate::alloc::{Extent, ExtentAllocator};
 
@@ -109,6 +110,7 @@ mod counters;
 mod evict;
 mod gauges;
 mod handles;
+mod meta;
 #[cfg(test)]
 mod model_tests;
 #[cfg(test)]
@@ -137,13 +139,19 @@ use slots::{PinSlot, Slot, SlotState};
 
 /// Identifies a client session (one per control-socket connection). Ids are
 /// never reused within one [`Store`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub struct SessionId(u64);
 
 impl SessionId {
-    /// The id as a number (for logs and stats).
+    /// The id as a number (for logs, stats and the takeover state).
     pub fn as_u64(self) -> u64 {
         self.0
+    }
+
+    /// The id `id` names (a session handed over by a takeover).
+    pub(crate) fn from_u64(id: u64) -> SessionId {
+        SessionId(id)
     }
 }
 
@@ -167,12 +175,13 @@ pub struct BlockInfo {
 }
 
 /// What a reservation or block holds.
-#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(test, derive(serde::Serialize))]
 struct Tensor {
     key: u128,
-    #[serde(with = "state::dtype_code")]
+    #[cfg_attr(test, serde(serialize_with = "state::dtype_code"))]
     dtype: DType,
-    #[serde(with = "state::shape_dims")]
+    #[cfg_attr(test, serde(serialize_with = "state::shape_dims"))]
     shape: Shape,
     /// Tensor bytes.
     len: u64,
@@ -181,7 +190,6 @@ struct Tensor {
     data_offset: u64,
     extent: Extent,
     /// The tenant it belongs to: the reserving session's.
-    #[serde(default)]
     tenant: TenantId,
 }
 
@@ -194,7 +202,8 @@ struct Reply {
 }
 
 /// The block store. See the [module docs](self) for the semantics.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub struct Store {
     alloc: ExtentAllocator,
     /// Megaslab bytes as given to `new` (before rounding to pages).
@@ -215,8 +224,15 @@ pub struct Store {
     /// Chain links between linked blocks: (parent, child) slot indexes.
     links: BTreeSet<(u32, u32)>,
     policy: EvictionPolicy,
-    /// Last tick handed out; each use takes a fresh one.
+    /// Last tick handed out; each use takes a fresh one, at least
+    /// [`COLD_TICKS`] (the ticks below are the cold blocks': `evict.rs`).
     tick: u64,
+    /// Whether every block's last use is a use's tick or its own cold tick,
+    /// so that [`make_cold`](Store::make_cold) cannot collide with one:
+    /// `Some(true)` for a new store; checked once (`None`) in a store handed
+    /// over by a daemon that may have given out ticks below [`COLD_TICKS`].
+    #[cfg_attr(test, serde(skip))]
+    cold_ok: Option<bool>,
     /// Sum of the extent lengths of the linked unpinned blocks, bytes (under
     /// the chain policy more than the list holds: parents join it as their
     /// children go).
@@ -229,17 +245,17 @@ pub struct Store {
     max_session_bytes: Option<u64>,
     /// Most extent bytes the sessions of one uid may hold together (`None`:
     /// no limit). Set from the command line, also after a takeover.
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     max_uid_bytes: Option<u64>,
     /// Extent bytes held by the sessions of each uid (entries above 0 only);
     /// the sum of their `held_bytes`. Rebuilt by `set_session_uid`.
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     uid_held: BTreeMap<u32, u64>,
     /// Set when the request being handled was refused by that limit: its
     /// OUT_OF_MEMORY answer then carries the limit in `offset`.
     limit_hit: Option<u64>,
     /// `limit_hit` is the tenant's limit (`tenants.rs`).
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     tenant_limit_hit: bool,
     /// The tenant table, their limits and eviction lists (`tenants.rs`).
     tenants: tenants::Tenants,
@@ -249,12 +265,17 @@ pub struct Store {
     orphaned_bytes: u64,
     /// While a request or reservation unit is being served: what it changed,
     /// to undo if it is refused (`unit.rs`). Closed and empty between requests.
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     journal: unit::Journal,
     /// The index's changes for the KV event publisher (`changes.rs`); off
     /// unless [`log_changes`](Store::log_changes) turned it on.
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     changes: changes::ChangeLog,
+    /// The block metadata records (META) of reservations and blocks, by
+    /// slot index: an entry lives exactly as long as its slot is not free
+    /// (`meta.rs`). Not handed over at a takeover.
+    #[cfg_attr(test, serde(skip))]
+    metas: HashMap<u32, Arc<BlockMeta>>,
 }
 
 impl Store {
@@ -273,7 +294,8 @@ impl Store {
             lru: BTreeMap::new(),
             links: BTreeSet::new(),
             policy: EvictionPolicy::default(),
-            tick: 0,
+            tick: evict::COLD_TICKS,
+            cold_ok: Some(true),
             evictable_bytes: 0,
             sessions: BTreeMap::new(),
             next_session: 1,
@@ -288,6 +310,7 @@ impl Store {
             orphaned_bytes: 0,
             journal: unit::Journal::default(),
             changes: changes::ChangeLog::default(),
+            metas: HashMap::new(),
         }
     }
 
@@ -312,6 +335,9 @@ impl Store {
                 Request::CommitPin { handle, parent } => self.commit_pin(s, handle, parent),
                 Request::CommitAs { handle, key, pin } => self.commit_as(s, handle, key, pin),
                 Request::Abort { handle } => self.abort(s, handle),
+                // The record is in shared memory, which the store does not
+                // map: the serve loop answers META with `handle_meta`.
+                Request::Meta { .. } => Err(Status::Invalid),
                 // A WAIT is a GET here; the serve loop parks it while NOT_FOUND.
                 Request::Get { key } => {
                     let r = self.atomically(|st| st.get(s, key));

@@ -144,9 +144,7 @@ fn binding_pins_a_row_and_survives_a_handover_by_being_set_again() {
     ok(&mut st, a, Request::Commit { handle: h, parent: None });
     // Carried through the serialized form (which has no marker), then bound
     // again from the new daemon's command line, as `Daemon::take_over` does.
-    let bytes = crate::takeover::encode(&st).unwrap();
-    let back: Store = postcard::from_bytes(&bytes).unwrap();
-    let mut back = back.restore_checked(SLAB_OFFSET, 16 * PAGE_LEN).unwrap();
+    let mut back = st.carried(SLAB_OFFSET, 16 * PAGE_LEN).unwrap();
     assert_eq!(back.session_tenant(a), Some("a"), "the session keeps its tenant");
     assert_eq!(back.session_tenant(b), Some("b"));
     back.set_tenant_limits(None, &[], true);

@@ -9,7 +9,8 @@ use kachedb_shm::Status;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What one session holds.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub(super) struct Session {
     /// block slot index -> pin slot index.
     pub(super) pins: BTreeMap<u32, u32>,
@@ -22,22 +23,26 @@ pub(super) struct Session {
     /// The uid of the client (`SO_PEERCRED`), whose sessions together
     /// `--max-uid-bytes` limits; `None` for the daemon's own sessions. Not in
     /// the handed-over state: the serve loop sets it again from its channels.
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     pub(super) uid: Option<u32>,
     /// A session of the daemon's own (the remote tier's write-behind pins
     /// and fill reservations): `--max-client-bytes` does not limit it; the
     /// tier bounds what it holds itself (`--remote-queue-bytes`, the fills of
     /// a fetch). Not in the handed-over state: the tier's session is closed
     /// before a handover and opened anew after it.
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     pub(super) internal: bool,
     /// Its tenant's row (`tenants.rs`).
-    #[serde(default)]
     pub(super) tenant: super::TenantId,
     /// A session of the daemon's own whose reservations are fills of a
     /// tenant's blocks (`Store::set_fill_tenant`): its tenant's limit applies.
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     pub(super) fills_for_tenant: bool,
+    /// A session of the daemon's own whose reservations take free megaslab
+    /// space only, evicting nothing (`Store::set_fill_no_evict`: a tier's
+    /// read-ahead).
+    #[cfg_attr(test, serde(skip))]
+    pub(super) no_evict: bool,
 }
 
 impl Store {

@@ -10,7 +10,8 @@ use kachedb_shm::Status;
 /// Slot indexes are `u32`; at most this many slots of each table.
 pub(super) const MAX_SLOTS: usize = u32::MAX as usize;
 
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub(super) enum SlotState {
     Free,
     Reserved {
@@ -27,7 +28,6 @@ pub(super) enum SlotState {
         /// (not by the daemon's own sessions). When they are all its pins the
         /// block is **lent** ([`is_lent`]): charged to those tenants' limits
         /// instead of its own, and it holds no parent.
-        #[serde(default)]
         foreign_pins: u64,
         /// Its key on its eviction list (its `last_use`); `Some` exactly when
         /// eviction may take it now ([`Store::resync`]).
@@ -45,25 +45,25 @@ pub(super) enum SlotState {
         /// [`EvictionPolicy::Chain`](super::EvictionPolicy::Chain): the ones
         /// of its own tenant that are not lent. Another tenant's child, or one
         /// pinned only by other tenants' clients, does not keep it cached.
-        #[serde(default)]
         holding_children: u32,
         /// Linked, and its chain back to its root is whole: it was committed
         /// naming no parent, or linked to a rooted parent, and no link above
         /// it has been cut since (false when unlinked). A rooted block's
         /// parent is rooted.
-        #[serde(default)]
         rooted: bool,
     },
 }
 
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub(super) struct Slot {
     /// Bumped each time the slot is freed.
     pub(super) generation: u32,
     pub(super) state: SlotState,
 }
 
-#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub(super) struct Pin {
     pub(super) session: SessionId,
     pub(super) block_index: u32,
@@ -72,7 +72,6 @@ pub(super) struct Pin {
     /// The session is a client of another tenant than the block's (the
     /// daemon's own sessions never are): the pin counts in the block's
     /// `foreign_pins`, and the block's extent in that tenant's borrowed bytes.
-    #[serde(default)]
     pub(super) foreign: bool,
 }
 
@@ -82,7 +81,8 @@ pub(super) fn is_lent(pins: u64, foreign_pins: u64) -> bool {
     pins > 0 && foreign_pins == pins
 }
 
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub(super) struct PinSlot {
     /// Bumped each time the slot is freed.
     pub(super) generation: u32,
@@ -114,6 +114,9 @@ impl Store {
         let slot = self.slots.get_mut(index as usize).ok_or(Status::Internal)?;
         slot.state = SlotState::Free;
         slot.generation = next_generation(slot.generation);
+        if !self.metas.is_empty() {
+            self.metas.remove(&index);
+        }
         self.free_slots.push(index);
         Ok(())
     }

@@ -418,9 +418,7 @@ fn tenants_survive_a_handover() {
     for k in 0..6 {
         put(&mut st, a, k, (k > 0).then(|| k - 1));
     }
-    let bytes = crate::takeover::encode(&st).unwrap();
-    let mut back: Store = postcard::from_bytes(&bytes).unwrap();
-    back = back.restore_checked(SLAB_OFFSET, 16 * PAGE_LEN).unwrap();
+    let mut back = st.carried(SLAB_OFFSET, 16 * PAGE_LEN).unwrap();
     assert_eq!(back.tenant_stats(), st.tenant_stats());
     back.set_tenant_limits(Some(2 * PAGE_LEN), &[], true);
     back.check_invariants().unwrap();

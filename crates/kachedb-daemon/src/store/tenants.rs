@@ -99,7 +99,8 @@ fn mix(key: u128) -> u64 {
 }
 
 /// One tenant's figures (see [`TenantStats`] for each).
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub struct TenantFigures {
     /// Extent bytes of its reservations and blocks (linked or not).
     pub bytes: u64,
@@ -128,7 +129,8 @@ pub struct TenantFigures {
 }
 
 /// One row of the tenant table.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub(super) struct Tenant {
     /// Its name; empty for a row not in use.
     pub(super) name: String,
@@ -141,7 +143,7 @@ pub(super) struct Tenant {
     /// sessions and the daemon's replace or delete its blocks
     /// ([`Store::set_bound_tenants`]). Set from the command line, also after
     /// a takeover (not in the handed-over state).
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     pub(super) bound: bool,
     /// Sessions of this tenant open now.
     pub(super) sessions: u64,
@@ -153,18 +155,17 @@ pub(super) struct Tenant {
     pub(super) evictable_bytes: u64,
     /// Extent bytes of its blocks that are lent: pinned, and only by other
     /// tenants' clients. Not charged to its limit ([`Store::charged_bytes`]).
-    #[serde(default)]
     pub(super) lent_bytes: u64,
     /// Extent bytes of other tenants' blocks that its clients pin, each block
     /// once per client session that pins it. Charged to its limit.
-    #[serde(default)]
     pub(super) borrowed_bytes: u64,
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     window: Window<TenantSketch>,
 }
 
 /// The tenant table and the store-wide request window.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug)]
+#[cfg_attr(test, derive(serde::Serialize))]
 pub(super) struct Tenants {
     pub(super) rows: Vec<Tenant>,
     /// Name -> row, for the rows in use.
@@ -178,9 +179,9 @@ pub(super) struct Tenants {
     /// Sum of the rows' `evictable_bytes` over the rows with a limit.
     pub(super) limited_evictable_bytes: u64,
     /// Rows whose figures changed since [`Store::take_dirty_tenants`].
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     dirty: u64,
-    #[serde(skip)]
+    #[cfg_attr(test, serde(skip))]
     window: Window<TotalSketch>,
 }
 
@@ -268,15 +269,7 @@ impl Store {
     /// for good. Call before serving, or on a restored store before it
     /// serves (every block moves to the list its tenant's limit now says).
     pub fn set_tenant_limits(&mut self, default: Option<u64>, named: &[(String, u64)], accounting: bool) {
-        // Off every list first: which list a block is on follows its tenant's limit.
-        let blocks: Vec<u32> = (0..self.slots.len() as u32)
-            .filter(|&i| matches!(self.slots.get(i as usize).map(|s| &s.state), Some(SlotState::Block { .. })))
-            .collect();
-        for &i in &blocks {
-            if self.unlist(i).is_err() {
-                self.counters.internal_error();
-            }
-        }
+        let before: Vec<Option<u64>> = self.tenants.rows.iter().map(|r| r.limit).collect();
         let tenants = &mut self.tenants;
         tenants.accounting = accounting;
         tenants.default_limit = default;
@@ -291,6 +284,27 @@ impl Store {
             let row = tenants.row(t);
             row.limit = Some(*limit);
             row.pinned_row = true;
+        }
+        // Which list a block is on follows only whether its tenant has a
+        // limit: when no row changed that, every block is where it belongs.
+        let after: Vec<Option<u64>> = self.tenants.rows.iter().map(|r| r.limit).collect();
+        if before.iter().map(Option::is_some).eq(after.iter().map(Option::is_some)) {
+            return;
+        }
+        // Off every list under the limits it was listed by, then on again.
+        for (row, limit) in self.tenants.rows.iter_mut().zip(&before) {
+            row.limit = *limit;
+        }
+        let blocks: Vec<u32> = (0..self.slots.len() as u32)
+            .filter(|&i| matches!(self.slots.get(i as usize).map(|s| &s.state), Some(SlotState::Block { .. })))
+            .collect();
+        for &i in &blocks {
+            if self.unlist(i).is_err() {
+                self.counters.internal_error();
+            }
+        }
+        for (row, limit) in self.tenants.rows.iter_mut().zip(after) {
+            row.limit = limit;
         }
         for &i in &blocks {
             if self.resync(i).is_err() {
@@ -381,6 +395,17 @@ impl Store {
         if let Some(session) = self.sessions.get_mut(&s).filter(|x| x.internal) {
             session.tenant = t;
             session.fills_for_tenant = name.is_some() && self.tenants.accounting;
+        }
+    }
+
+    /// Says whether session `s` (one of the daemon's own: a tier's) takes
+    /// only free megaslab space for its next reservations: on, a reservation
+    /// that does not fit in a free extent (or within its tenant's limit)
+    /// is refused `OUT_OF_MEMORY` and evicts nothing (a tier's read-ahead:
+    /// never a resident block for a guess).
+    pub fn set_fill_no_evict(&mut self, s: SessionId, on: bool) {
+        if let Some(session) = self.sessions.get_mut(&s).filter(|x| x.internal) {
+            session.no_evict = on;
         }
     }
 
@@ -535,6 +560,116 @@ impl Store {
             }
         }
         true
+    }
+}
+
+impl TenantFigures {
+    /// In the order of [`TenantRow::figures`](crate::takeover::state::TenantRow).
+    fn to_array(&self) -> [u64; 12] {
+        [
+            self.bytes,
+            self.blocks,
+            self.reachable_bytes,
+            self.orphaned_bytes,
+            self.get_hits,
+            self.get_misses,
+            self.lookup_hits,
+            self.lookup_misses,
+            self.evictions,
+            self.evicted_bytes,
+            self.stored_bytes,
+            self.limit_refusals,
+        ]
+    }
+
+    fn from_array(f: [u64; 12]) -> TenantFigures {
+        let [bytes, blocks, reachable_bytes, orphaned_bytes, get_hits, get_misses, lookup_hits, lookup_misses, evictions, evicted_bytes, stored_bytes, limit_refusals] =
+            f;
+        TenantFigures {
+            bytes,
+            blocks,
+            reachable_bytes,
+            orphaned_bytes,
+            get_hits,
+            get_misses,
+            lookup_hits,
+            lookup_misses,
+            evictions,
+            evicted_bytes,
+            stored_bytes,
+            limit_refusals,
+        }
+    }
+}
+
+impl Tenants {
+    /// The rows as the takeover state carries them (their eviction lists
+    /// are in the slot records).
+    pub(super) fn to_rows(&self) -> Vec<crate::takeover::state::TenantRow> {
+        self.rows
+            .iter()
+            .map(|r| crate::takeover::state::TenantRow {
+                name: r.name.clone(),
+                limit: r.limit,
+                pinned_row: r.pinned_row,
+                sessions: r.sessions,
+                figures: r.figures.to_array(),
+                evictable_bytes: r.evictable_bytes,
+                lent_bytes: r.lent_bytes,
+                borrowed_bytes: r.borrowed_bytes,
+            })
+            .collect()
+    }
+
+    /// The table of `rows` (exactly [`MAX_TENANTS`]), with the eviction
+    /// lists `lists` (by row); names index the rows that have one.
+    pub(super) fn from_rows(
+        rows: &[crate::takeover::state::TenantRow],
+        lists: Vec<BTreeMap<u64, u32>>,
+        accounting: bool,
+        default_limit: Option<u64>,
+        limited_evictable_bytes: u64,
+    ) -> Result<Tenants, String> {
+        if rows.len() != MAX_TENANTS {
+            return Err(format!("{} tenant rows, this build has {MAX_TENANTS}", rows.len()));
+        }
+        let mut by_name = BTreeMap::new();
+        for (i, r) in rows.iter().enumerate() {
+            if !r.name.is_empty() && by_name.insert(r.name.clone(), i as TenantId).is_some() {
+                return Err(format!("tenant {:?} has two rows", r.name));
+            }
+        }
+        let rows = rows
+            .iter()
+            .zip(lists)
+            .map(|(r, list)| Tenant {
+                name: r.name.clone(),
+                limit: r.limit,
+                pinned_row: r.pinned_row,
+                bound: false,
+                sessions: r.sessions,
+                figures: TenantFigures::from_array(r.figures),
+                list,
+                evictable_bytes: r.evictable_bytes,
+                lent_bytes: r.lent_bytes,
+                borrowed_bytes: r.borrowed_bytes,
+                window: Window::default(),
+            })
+            .collect();
+        Ok(Tenants {
+            rows,
+            by_name,
+            accounting,
+            default_limit,
+            limited_evictable_bytes,
+            dirty: 0,
+            window: Window::default(),
+        })
+    }
+
+    /// `accounting`, `default_limit` and `limited_evictable_bytes`.
+    pub(super) fn settings(&self) -> (bool, Option<u64>, u64) {
+        (self.accounting, self.default_limit, self.limited_evictable_bytes)
     }
 }
 

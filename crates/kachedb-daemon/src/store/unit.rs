@@ -28,7 +28,9 @@
 
 use super::slots::{Slot, SlotState};
 use super::{SessionId, Store};
+use kachedb_shm::BlockMeta;
 use kachedb_shm::{Completion, Op, Request, Status};
+use std::sync::Arc;
 
 /// One change a request made, as the journal records it to undo it.
 #[derive(Clone, Debug)]
@@ -39,7 +41,7 @@ pub(super) enum Undo {
     Reserved { session: SessionId, index: u32, fresh: bool, generation: u32 },
     /// Block `index` was evicted: its slot's generation and state before,
     /// and the children whose links its eviction cut, in that order.
-    Evicted { index: u32, generation: u32, state: SlotState, children: Vec<u32> },
+    Evicted { index: u32, generation: u32, state: SlotState, children: Vec<u32>, meta: Option<Arc<BlockMeta>> },
     /// Block `index` stopped being rooted (a link above it was cut).
     Orphaned { index: u32 },
 }
@@ -165,8 +167,12 @@ impl Store {
                 Undo::Reserved { session, index, fresh, generation } => {
                     self.unreserve(session, index, fresh, generation)
                 }
-                Undo::Evicted { index, generation, state, children } => {
-                    self.unevict(index, generation, state, &children)
+                Undo::Evicted { index, generation, state, children, meta } => {
+                    let r = self.unevict(index, generation, state, &children);
+                    if let (Ok(()), Some(meta)) = (&r, meta) {
+                        self.metas.insert(index, meta);
+                    }
+                    r
                 }
                 Undo::Orphaned { index } => self.unorphan(index),
             };

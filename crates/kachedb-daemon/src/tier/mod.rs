@@ -110,6 +110,10 @@ pub struct FetchJob {
     pub tenant: String,
     /// Keys, in chain order.
     pub keys: Vec<u128>,
+    /// A read-ahead ([`Tier::chain_after`]): nobody waits for it, its
+    /// reservations take free megaslab space only, and a tier runs it after
+    /// the fetches clients wait for.
+    pub ahead: bool,
 }
 
 /// A block a fill found: what the serve loop needs to reserve room for it.
@@ -244,6 +248,16 @@ pub trait Tier: Send + std::fmt::Debug {
     /// reservations ([`TierEvent::Reserve`]), copies the blocks it has into
     /// them, and always ends with [`TierEvent::Filled`].
     fn fetch(&self, job: FetchJob);
+
+    /// The blocks a client walking a chain asks for after `key` (which it
+    /// just asked for), in order, that this tier holds: what the serve loop
+    /// reads ahead, with fetches of their own ([`FetchJob::ahead`]), into free
+    /// megaslab space only, committed as the first blocks eviction takes
+    /// until a client uses them. Within the tier's bound on read-ahead;
+    /// empty when it has none or cannot tell now (it must not block).
+    fn chain_after(&self, _key: u128) -> Vec<u128> {
+        Vec::new()
+    }
 
     /// The longest a fetch can take before the serve loop stops waiting for it.
     fn fetch_bound(&self) -> Duration;

@@ -14,7 +14,10 @@ the stock connector lacks (vLLM 0.32):
   namespace covers the model's config, dtype, load format and hash algorithm,
   and knows which tensor-parallel ranks hold the same KV (MLA);
 * its KV events (``--kv-events-config``: the blocks this engine can load from
-  KacheDB, manager.py) name their medium ``KACHEDB`` (``MEDIUM``), not ``CPU``.
+  KacheDB, manager.py) name their medium ``KACHEDB`` (``MEDIUM``), not ``CPU``;
+* its stores carry each block's hash, parent, tokens and block size (the
+  scheduler's request, found by its id: ``manager.request_of``), which the
+  daemon publishes in its own KV events (docs/events.md, "Block metadata").
 """
 
 from __future__ import annotations
@@ -39,6 +42,18 @@ class KacheDBConnector(OffloadingConnector):
         finally:
             _spec._building.vllm_config = None
             _spec._building.kv_cache_config = None
+        scheduler = self.connector_scheduler
+        manager = getattr(scheduler, "manager", None)
+        if manager is not None and hasattr(manager, "request_of"):
+            # The manager's stores name each block's tokens and hashes (for the
+            # daemon's KV events): it finds them in the scheduler's request.
+            states = getattr(scheduler, "_req_status", None)
+
+            def request_of(req_id: str) -> Any:
+                st = states.get(req_id) if states is not None else None
+                return getattr(st, "req", None)
+
+            manager.request_of = request_of
 
     def _kachedb_worker(self) -> Any:
         cw = self.connector_worker

@@ -9,13 +9,21 @@ With tensor parallelism each block has one key per group of ranks holding the
 same KV (every rank, or one for all ranks of an MLA model): ``lookup`` hits
 and ``prepare_store`` skips a block only when every one of those keys is in
 the daemon, so a copy one rank lost is stored again, never missed for ever.
+
+A store's spec carries what only the scheduler knows of each block — the
+engine's block hash and its parent's, the block's tokens, the LoRA adapter
+(``kachedb.BlockMeta``, ``_block_metas``) — for the worker to attach to the
+reservations, so the daemon's KV events name the block as this engine's own
+events do (docs/events.md, "Block metadata").
 """
 
 from __future__ import annotations
 
 import collections
 import sys
-from typing import Any, Collection, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Set
+
+from kachedb._meta import BlockMeta, int_hash
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -26,6 +34,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
+    get_offload_block_hash,
     ReqContext,
     RequestOffloadingContext,
 )
@@ -39,14 +48,22 @@ class KacheDBLoadStoreSpec(LoadStoreSpec):
     """The vLLM offload keys (block hash + group index) of a load or store, in the
     order of the GPU blocks of the matching ``GPULoadStoreSpec``; for a store,
     ``parent``: the offload key of the block before the first one in its
-    request's chain (already in the daemon), if any, and ``background``: whether
+    request's chain (already in the daemon), if any, ``background``: whether
     the engine keeps stepping until the store is reported (``engine_keeps_stepping``),
-    so that the worker may finish it off the step. Picklable."""
+    so that the worker may finish it off the step, and ``metas``: each key's
+    ``kachedb.BlockMeta`` (or ``None``), or ``None`` for none. Picklable."""
 
-    def __init__(self, keys: List[bytes], parent: Optional[bytes] = None, background: bool = False) -> None:
+    def __init__(
+        self,
+        keys: List[bytes],
+        parent: Optional[bytes] = None,
+        background: bool = False,
+        metas: Optional[List[Optional[BlockMeta]]] = None,
+    ) -> None:
         self.keys = [bytes(k) for k in keys]
         self.parent = None if parent is None else bytes(parent)
         self.background = bool(background)
+        self.metas = metas
 
     def __repr__(self) -> str:
         return f"KacheDBLoadStoreSpec({len(self.keys)} keys)"
@@ -185,7 +202,47 @@ class KacheDBOffloadingManager(OffloadingManager):
         on = events is not None and events.enable_kv_cache_events
         bound = getattr(spec, "kv_events_max_blocks", DEFAULT_KV_EVENTS_MAX_BLOCKS)
         self._reported: Optional[_Reported] = _Reported(bound) if on else None
+        #: The scheduler's request of a request id (``KacheDBConnector`` sets
+        #: it): the tokens and block hashes of the blocks a store names.
+        self.request_of: Optional[Callable[[str], Any]] = None
         self.link.client()  # connect (or warn once) at engine start
+
+    def _block_metas(self, keys: List[bytes], req_context: ReqContext) -> Optional[List[Optional[BlockMeta]]]:
+        """Each key's ``BlockMeta`` as the engine's own KV events tell the block
+        (``block_pool``: its hash and its parent's as 64-bit ints, its tokens,
+        the block size, the LoRA adapter); ``None`` for a key whose request or
+        position the scheduler does not know, or whose block hash is not the
+        request's hash at that position (a chunk of several hash blocks)."""
+        request_of = self.request_of
+        req = request_of(req_context.req_id) if request_of is not None else None
+        position = getattr(req_context, "get_offload_key_position", None)
+        if req is None or position is None:
+            return None
+        hashes = list(getattr(req, "block_hashes", ()) or ())
+        tokens = req.all_token_ids
+        lora = getattr(req, "lora_request", None)
+        out: List[Optional[BlockMeta]] = []
+        per_group = tuple(getattr(self.spec, "tokens_per_block", ()) or ())
+        for key in keys:
+            end = position(key)
+            group = int.from_bytes(key[-4:], "big")
+            size = int(per_group[group]) if group < len(per_group) else 0
+            index = end // size - 1 if end and size else -1
+            block_hash = get_offload_block_hash(OffloadKey(key))
+            if index < 0 or index >= len(hashes) or bytes(hashes[index]) != block_hash:
+                out.append(None)
+                continue
+            out.append(
+                BlockMeta(
+                    block_hash=int_hash(block_hash),
+                    parent_hash=int_hash(hashes[index - 1]) if index > 0 else None,
+                    token_ids=tuple(tokens[end - size : end]),
+                    block_size=size,
+                    lora_id=lora.adapter_id if lora is not None else None,
+                    lora_name=lora.name if lora is not None else None,
+                )
+            )
+        return out
 
     def _link_failed(self, e: BaseException) -> None:
         self.link.failed(e)
@@ -272,8 +329,16 @@ class KacheDBOffloadingManager(OffloadingManager):
         _set_chain_tail(req_context, keys[-1])
         if self._background is None:
             self._background = engine_keeps_stepping()
+        try:
+            metas = self._block_metas(todo, req_context)
+        except Exception as e:  # never fail a store for its events' sake: reported by key
+            COUNTERS["store_meta_errors"] += 1
+            _log_meta_error(e)
+            metas = None
         return PrepareStoreOutput(
-            keys_to_store=todo, store_spec=KacheDBLoadStoreSpec(todo, parent, self._background), evicted_keys=[]
+            keys_to_store=todo,
+            store_spec=KacheDBLoadStoreSpec(todo, parent, self._background, metas),
+            evicted_keys=[],
         )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -311,6 +376,16 @@ class KacheDBOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.link.close()
+
+
+def _log_meta_error(e: BaseException) -> None:
+    """Warns once per process that a store goes without block metadata."""
+    if COUNTERS["store_meta_errors"] == 1:
+        import logging
+
+        logging.getLogger("kachedb.vllm").warning(
+            "KacheDB: no block metadata for a store (%r): its blocks are reported by key", e
+        )
 
 
 def _is_kachedb_error(e: BaseException) -> bool:

@@ -345,13 +345,20 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         # each group's run starts without a parent).
         first = getattr(dst_spec, "parent", None)
         first = self.spec.daemon_key(first) if first is not None and len(self.groups) == 1 else None
+        # What the scheduler knows of each block (manager._block_metas), for the
+        # daemon's KV events: attached by the first rank of the namespaces only,
+        # so a block stored once per rank is one block to a router.
+        metas = getattr(dst_spec, "metas", None)
+        store_ranks = list(getattr(self.spec, "store_ranks", [0]) or [0])
+        meta_of = dict(zip(keys, metas)) if metas and getattr(self.spec, "rank", 0) == store_ranks[0] else {}
         try:
             for group, ids, okeys in self._split(src_spec, keys):
                 if not ids:
                     continue
                 dkeys = [self.spec.daemon_key(k) for k in okeys]
                 parents = [first] + dkeys[:-1]  # consecutive blocks of one request chain
-                held = self._store_blocks(kc, group, ids, dkeys, parents, first, copy_threads)
+                gmetas = [meta_of.get(bytes(k)) for k in okeys] if meta_of else None
+                held = self._store_blocks(kc, group, ids, dkeys, parents, first, copy_threads, gmetas)
                 nbytes += len(ids) * group.num_layers * group.page
                 STORED_KEYS.extend(k.hex() for k in dkeys)
                 if self.asynchronous:
@@ -375,6 +382,26 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         COUNTERS["store_seconds"] += time.perf_counter() - started
         return nbytes, async_hold, async_blocks
 
+    @staticmethod
+    def _attach_metas(held: List[Any], metas: List[Any]) -> None:
+        """Attaches the blocks' metadata to their reservations (one native call
+        for a batch); a refusal leaves the blocks to be reported by key."""
+        import kachedb
+
+        try:
+            if len(held) == 1 and isinstance(held[0], kachedb.Reservations):
+                held[0].attach_meta(metas)
+            else:
+                for r, m in zip(held, metas):
+                    if m is not None:
+                        r.attach_meta(m)
+            COUNTERS["store_meta_blocks"] += sum(m is not None for m in metas)
+        except kachedb.Disconnected:
+            raise
+        except kachedb.KacheDBError as e:
+            COUNTERS["store_meta_errors"] += 1
+            _log_once("store_meta", "KacheDB refused block metadata (%s): the blocks are reported by key", e)
+
     def _store_blocks(
         self,
         kc: Any,
@@ -384,6 +411,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         parents: List[Optional[bytes]],
         first: Optional[bytes],
         copy_threads: Optional[int] = None,
+        metas: Optional[List[Any]] = None,
     ) -> List[Any]:
         """Reserves the blocks of one group and copies them out of the KV cache
         into the reservations; returns the reservations, not committed yet (the
@@ -395,7 +423,8 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         the KV cache is written by one native call (``write_ranges``: streaming
         stores, GIL released once, no tensor made, on ``copy_threads``
         threads) instead of a torch copy per block, whose OpenMP team would
-        take every core from the engine's step."""
+        take every core from the engine's step. ``metas``: each block's
+        ``kachedb.BlockMeta`` (or ``None``), attached to its reservation."""
         ranges = None
         if self.spec.store_mode == "reserve":
             held = [kc.reserve(k, group.shape, torch.uint8, parent=p) for k, p in zip(dkeys, parents)]
@@ -404,6 +433,8 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             held = [kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True)]
             ranges = None if self.asynchronous else group.ranges(ids)
             outs = [] if ranges is not None else list(held[0].out)
+        if metas and any(m is not None for m in metas):
+            self._attach_metas(held, metas)
         try:
             if ranges is not None:
                 held[0].write_ranges(*ranges, threads=copy_threads)

@@ -36,6 +36,9 @@
 //! one stops before `Ready` is asked for and resumes only if `Ready` never
 //! came, and the new one serves only after `TakeoverDone` or the old one's death.
 
+pub(crate) mod state;
+mod v5;
+
 use kachedb_shm::control::{
     self, ControlRequest, LineBuffer, Reply, TakeoverDone, TakeoverOffer, TakeoverPrepare, TakeoverVerdict,
     TAKEOVER_FDS_PER_BATCH,
@@ -47,18 +50,19 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-/// The state format this build writes: the serde data model of
-/// `crate::serve::ServeState` and [`ControlState`] (the store's tables
-/// included), encoded by [`encode`] (`docs/takeover.md`, "The state
-/// format"). Any change to a serialized type, or to the encoding, must bump
-/// it, keep a decoder of the format before it in [`STATE_VERSIONS_READ`], and
-/// re-point `tests/upgrade/PREVIOUS` at a commit that writes that format;
-/// the committed state of `crate::state_format`'s test fails until then.
-pub const STATE_VERSION: u32 = 5;
+/// The state format this build writes: the serve loop's part as
+/// [`state::ServeState`] ([`state::encode`]: a header, then the store's
+/// fixed-size slot and pin records), the control thread's as
+/// [`ControlState`] ([`encode`]); `docs/takeover.md`, "The state format".
+/// Any change to either, or to their encoding, must bump it, keep a decoder
+/// of the format before it in [`STATE_VERSIONS_READ`], and re-point
+/// `tests/upgrade/PREVIOUS` at a commit that writes that format; the
+/// committed states of `crate::state_format`'s tests fail until then.
+pub const STATE_VERSION: u32 = 6;
 
 /// The state formats this build reads, oldest first: a daemon writing one of
 /// them can be taken over by this build. Ends with [`STATE_VERSION`].
-pub const STATE_VERSIONS_READ: &[u32] = &[5];
+pub const STATE_VERSIONS_READ: &[u32] = &[5, 6];
 
 /// The version line of `kachedb --version`: the crate version, the state
 /// format written and read, and the client wire (region layout and control
@@ -77,8 +81,8 @@ pub fn version_line() -> String {
     )
 }
 
-/// Encodes a state: postcard (serde's data model as varints, no field
-/// names), which halved the handover of a 100 000-block store against JSON.
+/// Encodes the control thread's state ([`ControlState`]): postcard
+/// (serde's data model as varints, no field names).
 pub(crate) fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, String> {
     postcard::to_stdvec(v).map_err(|e| e.to_string())
 }
@@ -290,6 +294,7 @@ impl<'a> FdReader<'a> {
 
     /// The next `n` bytes.
     fn exact(&mut self, n: usize) -> Result<Vec<u8>, String> {
+        self.buf.reserve(n.saturating_sub(self.buf.len()));
         while self.buf.len() < n {
             self.fill()?;
         }
@@ -384,7 +389,7 @@ pub(crate) struct Taken {
     pub tier_fds: Vec<OwnedFd>,
     /// The format the old daemon wrote its state in (one of [`STATE_VERSIONS_READ`]).
     pub state_version: u32,
-    /// The serve loop's state, as encoded (`crate::serve::ServeState`).
+    /// The serve loop's state, as encoded ([`state::ServeState`] of `state_version`).
     pub serve: Vec<u8>,
     pub control: ControlState,
     /// In the order of `control.conns`.
@@ -542,27 +547,27 @@ pub(crate) fn unread_of(lines: &LineBuffer) -> Vec<u8> {
 }
 // The decoders of every state format this build reads (`STATE_VERSIONS_READ`),
 // each into the state the serve loop and the control thread take up; the
-// committed state of format 5 is checked in `state_format.rs`.
+// committed states of formats 5 and 6 are checked in `state_format.rs`.
 
 /// Why a version is not read.
 fn unread(version: u32) -> String {
     format!("state format {version} is not one this build reads ({STATE_VERSIONS_READ:?})")
 }
 
-/// The serve loop's state (`crate::serve::ServeState`, named by the caller:
-/// the serve loop encodes through this module, which does not name its
-/// types) of format `version`, as the current types hold it.
-pub(crate) fn decode_serve<S: serde::de::DeserializeOwned>(version: u32, bytes: &[u8]) -> Result<S, String> {
+/// The serve loop's state of format `version`, in the current types.
+pub(crate) fn decode_serve(version: u32, bytes: &[u8]) -> Result<state::ServeState, String> {
     match version {
-        5 => decode(bytes),
+        5 => v5::decode_serve(bytes),
+        6 => state::decode(bytes),
         v => Err(unread(v)),
     }
 }
 
-/// The control thread's state of format `version`, as the current types hold it.
+/// The control thread's state of format `version` (the same in formats 5
+/// and 6), as the current types hold it.
 pub(crate) fn decode_control(version: u32, bytes: &[u8]) -> Result<ControlState, String> {
     match version {
-        5 => decode(bytes),
+        5 | 6 => decode(bytes),
         v => Err(unread(v)),
     }
 }

@@ -1,0 +1,169 @@
+"""Block metadata in the daemon's KV events (docs/events.md, "Block metadata"),
+against the real daemon binary and real ZMQ subscribers decoding with vLLM's
+msgspec schema: a writer that attaches what the engine knows of each block
+(``kachedb.BlockMeta``: its hash, its parent's, its tokens, the block size,
+the LoRA adapter) sees those published in ``BlockStored`` — on the stream, and
+in the snapshot a late joiner gets — and its removal under the same hash; a
+block stored without a record is published by key; a record out of bounds is
+refused before anything is sent and leaves the block to be published by key."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("zmq", reason="pyzmq is not installed (make python installs it)")
+pytest.importorskip("msgspec", reason="msgspec is not installed (make python installs it)")
+
+import kachedb  # noqa: E402
+from harness.daemon import Daemon, built_binary  # noqa: E402
+from kv_events_support import Subscriber, free_port, settle  # noqa: E402
+
+BLOCK = 16
+# Engine hashes far from the keys' own (the keys are small ints, their own hashes).
+H = [0xF000_0000_0000_0001 + i for i in range(4)]
+
+
+class Recorder:
+    """The last ``BlockStored`` seen per hash, and every removed hash."""
+
+    def __init__(self) -> None:
+        self.stored: dict = {}
+        self.removed: list = []
+        self.lock = threading.Lock()
+
+    def __call__(self, ev) -> None:
+        with self.lock:
+            name = type(ev).__name__
+            if name == "BlockStored":
+                for h in ev.block_hashes:
+                    self.stored[h] = ev
+            elif name == "BlockRemoved":
+                self.removed.extend(ev.block_hashes)
+
+
+def tokens(i: int) -> list:
+    return [1000 * i + t for t in range(BLOCK)]
+
+
+def metas() -> list:
+    return [
+        kachedb.BlockMeta(
+            block_hash=H[i],
+            parent_hash=H[i - 1] if i else None,
+            token_ids=tokens(i),
+            block_size=BLOCK,
+            lora_id=3 if i == 2 else None,
+            lora_name="adapter" if i == 2 else None,
+        )
+        for i in range(3)
+    ]
+
+
+def test_a_writers_block_metadata_is_published_with_its_blocks_and_in_snapshots():
+    pub, replay = free_port(), free_port()
+    pub_ep, replay_ep = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    extra = ["--events-endpoint", pub_ep, "--events-replay-endpoint", replay_ep, "--events-replay-batches", "4"]
+    rec = Recorder()
+    value = b"\0" * 4096
+    with Daemon(size="16MiB", extra=extra, binary=built_binary()) as d:
+        sub = Subscriber(pub_ep, replay_ep, on_event=rec).start()
+        try:
+            kc = d.connect()
+            next_key = settle(kc, [sub], value, 10**9, set())
+            # Three chained blocks with their records, in one batch.
+            res = kc.reserve_many([1, 2, 3], (4096,), "uint8", chain=True)
+            res.attach_meta(metas())
+            res.commit()
+            # One without a record: published by key.
+            kc.put(4, value, parent=3)
+            for h in H[:3] + [4]:
+                assert sub.saw(h, 30), f"hash {h:#x} not published"
+            for i in range(3):
+                ev = rec.stored[H[i]]
+                assert ev.block_hashes == [H[i]] and ev.medium == "CPU"
+                assert ev.parent_block_hash == (H[i - 1] if i else None)
+                assert list(ev.token_ids) == tokens(i) and ev.block_size == BLOCK
+                assert (ev.lora_id, ev.lora_name) == ((3, "adapter") if i == 2 else (None, None))
+            plain = rec.stored[4]
+            # Its parent is block 3, as the stream named it: the engine's hash.
+            assert (plain.token_ids, plain.block_size, plain.parent_block_hash) == ([], 0, H[2])
+            # The blocks' keys are not published: the engine's hashes are.
+            assert not {1, 2, 3} & set(rec.stored)
+
+            # A late joiner's snapshot (replay from 0, older than the buffer)
+            # carries the same records.
+            for k in range(next_key, next_key + 8):
+                kc.put(k, value)  # push the first batches out of the replay buffer
+            late_rec = Recorder()
+            late = Subscriber(pub_ep, replay_ep, on_event=late_rec).start()
+            try:
+                settle(kc, [sub, late], value, next_key + 8, set())
+                assert late.snapshots >= 1
+                for i in range(3):
+                    ev = late_rec.stored[H[i]]
+                    assert list(ev.token_ids) == tokens(i) and ev.block_size == BLOCK
+                    assert ev.parent_block_hash == (H[i - 1] if i else None)
+                assert late_rec.stored[4].parent_block_hash == H[2]
+            finally:
+                late.close()
+
+            # Removed under the hash it was stored under.
+            kc.delete(2)
+            kc.delete(4)
+            settle(kc, [sub], value, next_key + 200, set())
+            assert H[1] in rec.removed and 4 in rec.removed and 2 not in rec.removed
+            assert H[1] not in sub.index and H[0] in sub.index
+            kc.close()
+        finally:
+            sub.close()
+
+
+def test_block_metadata_out_of_bounds_is_refused_and_the_block_is_published_by_key():
+    pub, replay = free_port(), free_port()
+    pub_ep, replay_ep = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    rec = Recorder()
+    value = b"\0" * 4096
+    with Daemon(size="16MiB", extra=["--events-endpoint", pub_ep, "--events-replay-endpoint", replay_ep],
+                binary=built_binary()) as d:  # fmt: skip
+        sub = Subscriber(pub_ep, replay_ep, on_event=rec).start()
+        try:
+            kc = d.connect()
+            settle(kc, [sub], value, 10**9, set())
+            res = kc.reserve_many([7, 8], (4096,), "uint8")
+            bad = [
+                kachedb.BlockMeta(block_hash=H[0], token_ids=tokens(0), block_size=BLOCK - 1),  # more tokens than the block
+                kachedb.BlockMeta(block_hash=-1, token_ids=tokens(0)),  # not a u64
+                kachedb.BlockMeta(block_hash=H[0], token_ids=[1] * 5000, block_size=8192),  # past MAX_META_TOKENS
+                kachedb.BlockMeta(block_hash=H[0], token_ids=tokens(0), lora_name="x" * 300),  # name too long
+            ]
+            for m in bad:
+                with pytest.raises(kachedb.InvalidArgument):
+                    res.attach_meta([m, None])
+            with pytest.raises(kachedb.InvalidArgument, match="per reservation|one .* per"):
+                res.attach_meta([None])  # one record per block
+            with pytest.raises(kachedb.InvalidArgument):
+                res.attach_meta(["not a record", None])
+            good = kachedb.BlockMeta(block_hash=H[1], token_ids=tokens(1))
+            res.attach_meta([None, good])
+            res.commit()
+            assert sub.saw(7, 30) and sub.saw(H[1], 30)
+            assert (rec.stored[7].token_ids, rec.stored[7].block_size) == ([], 0)
+            assert H[0] not in rec.stored and 8 not in rec.stored
+            assert rec.stored[H[1]].block_size == BLOCK  # defaults to the tokens' count
+            # After the commit nothing can be attached.
+            with pytest.raises(kachedb.InvalidArgument):
+                res.attach_meta([good, good])
+            # One reservation; a second record replaces the first.
+            kc.put(9, value)
+            r = kc.reserve(10, (4096,), "uint8")
+            r.attach_meta(kachedb.BlockMeta(block_hash=H[2], token_ids=tokens(2)))
+            r.attach_meta(kachedb.BlockMeta(block_hash=H[3], token_ids=tokens(3), parent_hash=H[1]))
+            r.commit()
+            assert sub.saw(H[3], 30) and sub.saw(9, 30)
+            assert H[2] not in rec.stored and 10 not in rec.stored
+            assert (list(rec.stored[H[3]].token_ids), rec.stored[H[3]].parent_block_hash) == (tokens(3), H[1])
+            kc.close()
+        finally:
+            sub.close()
