@@ -87,7 +87,8 @@ def free_port() -> int:
 class Subscriber:
     """Subscribes to ``pub`` (and replays from ``replay``) on a thread of its
     own once ``start()`` is called. ``index`` is the set of block hashes held
-    as of sequence number ``last_seq``. ``paused`` (an Event): while set, the
+    in the megaslab (medium ``CPU``) as of sequence number ``last_seq``,
+    ``disk`` those the disk tier holds (medium ``DISK``). ``paused`` (an Event): while set, the
     thread does not read (a slow subscriber; its socket's buffers fill).
     ``on_event``: called with each decoded event, in order."""
 
@@ -114,6 +115,7 @@ class Subscriber:
         self.decoder = msgspec.msgpack.Decoder(BATCH_TYPE)
         self.on_event = on_event
         self.index: Set[int] = set()
+        self.disk: Set[int] = set()
         self.last_seq: Optional[int] = None
         self.batches = 0
         self.gaps = 0
@@ -146,14 +148,18 @@ class Subscriber:
             name = type(ev).__name__
             if name == "AllBlocksCleared":
                 self.index.clear()
+                self.disk.clear()
             elif name == "BlockStored":
-                assert ev.medium == "CPU", ev
-                self.index.update(ev.block_hashes)
+                self._medium(ev).update(ev.block_hashes)
             elif name == "BlockRemoved":
-                self.index.difference_update(ev.block_hashes)
+                self._medium(ev).difference_update(ev.block_hashes)
             else:  # pragma: no cover
                 raise AssertionError(f"unknown event {ev!r}")
         self.batches += 1
+
+    def _medium(self, ev: Any) -> Set[int]:
+        assert ev.medium in ("CPU", "DISK"), ev
+        return self.index if ev.medium == "CPU" else self.disk
 
     def _replay(self, start: int) -> None:
         """Asks for every batch from ``start`` on; applies the answer in order

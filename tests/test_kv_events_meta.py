@@ -5,11 +5,15 @@ msgspec schema: a writer that attaches what the engine knows of each block
 the LoRA adapter) sees those published in ``BlockStored`` — on the stream, and
 in the snapshot a late joiner gets — and its removal under the same hash; a
 block stored without a record is published by key; a record out of bounds is
-refused before anything is sent and leaves the block to be published by key."""
+refused before anything is sent and leaves the block to be published by key.
+The disk tier's blocks are published too (medium ``DISK``), with the records
+written into their files: after a ``kill -9`` and a restart the stream holds
+what the disk kept, under the engine's hashes."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -26,10 +30,12 @@ H = [0xF000_0000_0000_0001 + i for i in range(4)]
 
 
 class Recorder:
-    """The last ``BlockStored`` seen per hash, and every removed hash."""
+    """The last ``BlockStored`` seen per hash (``stored``: in the megaslab,
+    ``disk``: on the disk tier), and every removed hash."""
 
     def __init__(self) -> None:
         self.stored: dict = {}
+        self.disk: dict = {}
         self.removed: list = []
         self.lock = threading.Lock()
 
@@ -38,7 +44,7 @@ class Recorder:
             name = type(ev).__name__
             if name == "BlockStored":
                 for h in ev.block_hashes:
-                    self.stored[h] = ev
+                    (self.disk if ev.medium == "DISK" else self.stored)[h] = ev
             elif name == "BlockRemoved":
                 self.removed.extend(ev.block_hashes)
 
@@ -167,3 +173,72 @@ def test_block_metadata_out_of_bounds_is_refused_and_the_block_is_published_by_k
             kc.close()
         finally:
             sub.close()
+
+
+def until(what, cond, timeout_s: float = 60.0) -> None:
+    """Waits for ``cond()`` (a liveness bound, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def test_the_disk_tiers_blocks_are_published_with_their_records_and_what_it_kept_after_kill_9(tmp_path):
+    """Each block written to the disk tier is published with medium ``DISK``
+    and its writer's record (kept in the file's header area); a block deleted
+    is removed from both media; after ``kill -9`` and a restart the node's
+    stream (a gap, a replay, a snapshot) holds exactly what the disk kept —
+    under the engine's hashes — and nothing in the megaslab; a block filled
+    back from disk is published in the megaslab with its record again."""
+    pub, replay = free_port(), free_port()
+    pub_ep, replay_ep = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    extra = ["--events-endpoint", pub_ep, "--events-replay-endpoint", replay_ep,
+             "--disk", str(tmp_path / "disk"), "--disk-size", "64MiB"]  # fmt: skip
+    rec = Recorder()
+    value = b"\0" * 4096
+    d = Daemon(size="16MiB", extra=extra, binary=built_binary()).start()
+    sub = Subscriber(pub_ep, replay_ep, on_event=rec).start()
+    try:
+        kc = d.connect()
+        plain: set = set()
+        settle(kc, [sub], value, 10**9, plain)
+        res = kc.reserve_many([1, 2, 3], (4096,), "uint8", chain=True)
+        res.attach_meta(metas())
+        res.commit()
+        kc.put(4, value, parent=3)
+        on_disk = {H[0], H[1], H[2], 4} | plain
+        until("every block published on the disk tier", lambda: on_disk <= sub.disk)
+        assert sub.disk == on_disk and sub.index == on_disk
+        for i in range(3):
+            ev = rec.disk[H[i]]
+            assert list(ev.token_ids) == tokens(i) and ev.block_size == BLOCK
+            assert ev.parent_block_hash == (H[i - 1] if i else None)
+        assert rec.disk[4].parent_block_hash == H[2] and rec.disk[4].token_ids == []
+        # A DELETE removes the block from both media.
+        kc.delete(2)
+        until("block 2 removed from both media", lambda: H[1] not in sub.disk and H[1] not in sub.index)
+        on_disk.discard(H[1])
+        assert d.stats()["disk_blocks"] == len(on_disk)
+        kc.close()
+
+        d.kill()
+        rec.disk.clear()
+        rec.stored.clear()
+        d.start()  # the same socket, disk directory and endpoints
+        kc = d.connect()
+        # The subscriber learns of the restart from the sequence's gap (an
+        # empty batch follows its reconnection), replays, and gets a snapshot:
+        # the megaslab empty, the disk's blocks as the index rebuild found them.
+        until("the restarted node's disk published", lambda: sub.disk == on_disk and not sub.index)
+        assert d.stats()["disk_blocks"] == len(on_disk)
+        assert list(rec.disk[H[2]].token_ids) == tokens(2) and rec.disk[H[2]].parent_block_hash == H[1]
+        assert (rec.disk[H[2]].lora_id, rec.disk[H[2]].lora_name) == (3, "adapter")
+        # Filled back from disk: in the megaslab again, with its record.
+        assert kc.lookup([1]) == 1
+        until("block 1 published in the megaslab again", lambda: H[0] in sub.index)
+        assert list(rec.stored[H[0]].token_ids) == tokens(0) and rec.stored[H[0]].medium == "CPU"
+        kc.close()
+        d.stop(check=True)
+    finally:
+        sub.close()
+        d.stop()

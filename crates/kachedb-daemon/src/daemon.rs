@@ -664,6 +664,21 @@ impl Parts {
         for kind in crate::tiers::TIERS {
             kind.register(&metrics);
         }
+        // After a takeover the old daemon holds the addresses until it
+        // exits: the thread binds as soon as they are free. Started before the
+        // tiers: the disk tier publishes its index from its start.
+        let kv_events = match &cfg.events {
+            Some(ec) => Some(
+                crate::kv_events::start(
+                    ec,
+                    &mut store,
+                    metrics.tier::<crate::kv_events::EventCells>(),
+                    restored.is_some(),
+                )
+                .map_err(ServeError::Events)?,
+            ),
+            None => None,
+        };
         let mut tiers: Vec<Box<dyn Tier>> = Vec::new();
         for setup in &cfg.tiers {
             // Taking over: the tier waits (touching nothing) until this
@@ -680,23 +695,10 @@ impl Parts {
                 metrics: metrics.clone(),
                 adopt,
                 held: restored.is_some(),
+                kv_events: kv_events.as_ref().map(|(sink, _)| sink.tier_sink()),
             };
             tiers.push(setup.start(at).map_err(ServeError::Tier)?);
         }
-        // After a takeover the old daemon holds the addresses until it
-        // exits: the thread binds as soon as they are free.
-        let kv_events = match &cfg.events {
-            Some(ec) => Some(
-                crate::kv_events::start(
-                    ec,
-                    &mut store,
-                    metrics.tier::<crate::kv_events::EventCells>(),
-                    restored.is_some(),
-                )
-                .map_err(ServeError::Events)?,
-            ),
-            None => None,
-        };
         let mut go = Vec::new();
         let (control_go, control_start) = mpsc::channel();
         go.push(control_go);

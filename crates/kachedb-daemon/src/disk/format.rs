@@ -36,6 +36,27 @@
 //! 176 80 zero bytes
 //! ```
 //!
+//! # The block's metadata record (optional, in the header area)
+//!
+//! Where the block's writer attached a metadata record (META, docs/events.md,
+//! `kachedb_shm::block_meta`) and the daemon publishes KV events, the record
+//! follows the header, at [`RECORD_AT`] (256):
+//!
+//! ```text
+//! 256 magic b"KDBM"
+//! 260 u32 record length, bytes (1..=RECORD_MAX)
+//! 264 u64 xxh3-64 of the record bytes
+//! 272 the record (`BlockMeta::encode`), then zeros to the payload
+//! ```
+//!
+//! It is written only where it fits the header area ([`RECORD_MAX`] bytes:
+//! ~950 tokens); a longer one is left out and the block is published by key.
+//! It is outside the header checksum, so a reader that does not know it (an
+//! older daemon of format version 2) reads the block as before; a record
+//! that does not verify is ignored (the block stays, published by key): it
+//! tells a router what a block holds, and the block's bytes are checked by
+//! their own checksum.
+//!
 //! Version 1 (written before tenants reached the disk) is read too: its
 //! header is 128 bytes, bytes 0..96 as above (version 1, length 128), the
 //! xxh3-64 of bytes 0..96 at 96, then 24 zero bytes; it names no tenant, so
@@ -49,7 +70,7 @@
 //! bytes do not hash to the header's checksum.
 
 use kachedb_shm::control::{check_tenant_name, DEFAULT_TENANT, MAX_TENANT_NAME_LEN, OTHER_TENANT};
-use kachedb_shm::{DType, Shape};
+use kachedb_shm::{BlockMeta, DType, Shape};
 use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -72,6 +93,13 @@ const CHECKSUM_AT: usize = TENANT_AT + MAX_TENANT_NAME_LEN;
 const _: () = assert!(CHECKSUM_AT + 8 <= HEADER_LEN && MAX_TENANT_NAME_LEN <= u8::MAX as usize);
 /// Bytes before the payload (the header, then zeros).
 pub const HEADER_AREA: u64 = 4096;
+/// Where a block's metadata record starts in the header area, and its magic.
+pub const RECORD_AT: usize = HEADER_LEN;
+const RECORD_MAGIC: [u8; 4] = *b"KDBM";
+/// Bytes before the record itself: magic, length, checksum.
+const RECORD_HEAD: usize = 16;
+/// Longest record the header area holds, bytes.
+pub const RECORD_MAX: usize = HEADER_AREA as usize - RECORD_AT - RECORD_HEAD;
 /// Most dims a shape has.
 const MAX_DIMS: usize = 6;
 /// Suffix of a block file.
@@ -192,6 +220,22 @@ impl Header {
         b
     }
 
+    /// The header area with `meta` after the header where it fits
+    /// ([`RECORD_MAX`]); whether it was put in.
+    pub fn encode_with(&self, meta: Option<&BlockMeta>) -> (Vec<u8>, bool) {
+        let mut b = self.encode();
+        let mut rec = Vec::new();
+        let fits = meta.is_some_and(|m| m.encode(&mut rec).is_ok() && !rec.is_empty() && rec.len() <= RECORD_MAX);
+        if fits {
+            let at = RECORD_AT;
+            b[at..at + 4].copy_from_slice(&RECORD_MAGIC);
+            b[at + 4..at + 8].copy_from_slice(&(rec.len() as u32).to_le_bytes());
+            b[at + 8..at + 16].copy_from_slice(&xxh3_64(&rec).to_le_bytes());
+            b[at + RECORD_HEAD..at + RECORD_HEAD + rec.len()].copy_from_slice(&rec);
+        }
+        (b, fits)
+    }
+
     /// Decodes and checks the header at the start of the file of `key`.
     pub fn decode(bytes: &[u8], key: u128) -> Result<Header, FormatError> {
         if bytes.len() < HEADER_LEN_V1 {
@@ -257,6 +301,25 @@ impl Header {
             _ => return Err(FormatError::Inconsistent("flags")),
         };
         Ok(Header { tenant, key, parent, dtype, shape, len, written_ms: u64_at(80), checksum: u64_at(88) })
+    }
+
+    /// The metadata record in header area `area` (its first bytes, as read:
+    /// a record beyond them is not there): `None` without one, `Some(Err)`
+    /// for one that does not verify.
+    pub fn record(area: &[u8]) -> Option<Result<BlockMeta, String>> {
+        let head = area.get(RECORD_AT..RECORD_AT + RECORD_HEAD)?;
+        if head[..4] != RECORD_MAGIC {
+            return None;
+        }
+        let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+        let sum = u64::from_le_bytes(head[8..16].try_into().unwrap_or([0; 8]));
+        let Some(rec) = (1..=RECORD_MAX).contains(&len).then(|| area.get(RECORD_AT + RECORD_HEAD..RECORD_AT + RECORD_HEAD + len)).flatten() else {
+            return Some(Err(format!("record length {len} out of bounds")));
+        };
+        if xxh3_64(rec) != sum {
+            return Some(Err("record checksum mismatch".into()));
+        }
+        Some(BlockMeta::decode(rec).map_err(|e| e.to_string()))
     }
 
     /// Checks that a file of `got` bytes holds this header's block whole.
@@ -341,6 +404,50 @@ mod tests {
         let mut v3 = h.encode();
         v3[4] = 3;
         assert_eq!(Header::decode(&v3, h.key), Err(FormatError::Version(3)));
+    }
+
+    fn meta(tokens: usize) -> BlockMeta {
+        BlockMeta {
+            block_hash: 0xdead_beef,
+            parent_hash: Some(7),
+            block_size: tokens as u32,
+            token_ids: (0..tokens as u32).collect(),
+            lora_id: None,
+            lora_name: Some("adapter".into()),
+        }
+    }
+
+    #[test]
+    fn a_record_rides_in_the_header_area_where_it_fits_and_is_checked() {
+        let h = header();
+        let m = meta(16);
+        let (b, fits) = h.encode_with(Some(&m));
+        assert!(fits);
+        // The header reads as before (an older reader sees the same block)...
+        assert_eq!(Header::decode(&b, h.key), Ok(h.clone()));
+        // ...and the record comes back, from the whole area or the bytes it spans.
+        assert_eq!(Header::record(&b), Some(Ok(m.clone())));
+        let end = RECORD_AT + RECORD_HEAD + m.encoded_len();
+        assert_eq!(Header::record(&b[..end]), Some(Ok(m.clone())));
+        assert_eq!(Header::record(&b[..end - 1]), Some(Err(format!("record length {} out of bounds", m.encoded_len()))));
+        // Without one, none.
+        assert_eq!(Header::record(&h.encode()), None);
+        assert_eq!(h.encode_with(None), (h.encode(), false));
+        // Any flipped bit of the record is refused, none of the header.
+        for i in RECORD_AT + 4..end {
+            let mut bad = b.clone();
+            bad[i] ^= 0x04;
+            assert!(matches!(Header::record(&bad), Some(Err(_))), "byte {i} flipped was accepted");
+            assert_eq!(Header::decode(&bad, h.key), Ok(h.clone()));
+        }
+        // A record too long for the area is left out: the header alone.
+        let long = meta(1000);
+        assert!(long.encoded_len() > RECORD_MAX);
+        assert_eq!(h.encode_with(Some(&long)), (h.encode(), false));
+        let most = meta((RECORD_MAX - 32 - "adapter".len()) / 4);
+        let (b, fits) = h.encode_with(Some(&most));
+        assert!(fits && b.len() as u64 == HEADER_AREA);
+        assert_eq!(Header::record(&b), Some(Ok(most)));
     }
 
     #[test]

@@ -466,6 +466,18 @@ impl Index {
         Entry { parent, bytes: u64::from(s.pages) * PAGE, tenant: s.tenant }
     }
 
+    /// Every block's key and the parent its client named (for the KV
+    /// events' snapshot of the tier); `O(slots)`.
+    pub fn entries(&self) -> Vec<(u128, Option<u128>)> {
+        let mut out = Vec::with_capacity(self.present as usize);
+        for (i, s) in self.slots.iter().enumerate() {
+            if s.state == State::Present {
+                out.push((s.key, self.entry_of(i as SlotIndex).parent));
+            }
+        }
+        out
+    }
+
     /// The entry of `key`.
     pub fn get(&self, key: u128) -> Option<Entry> {
         self.find_present(key).map(|i| self.entry_of(i))

@@ -67,6 +67,7 @@
 
 pub mod cells;
 mod dir;
+mod events;
 pub mod format;
 pub mod index;
 pub mod setup;
@@ -84,7 +85,8 @@ use cells::DiskCells;
 use dir::TierDir;
 use format::Header;
 use index::Index;
-use kachedb_shm::Region;
+use crate::kv_events::TierSink;
+use kachedb_shm::{BlockMeta, Region};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
 use std::os::fd::OwnedFd;
@@ -441,6 +443,8 @@ struct Shared {
     /// The tier's counters (`Metrics::tier`).
     cells: Arc<DiskCells>,
     index: Mutex<Index>,
+    /// The index's changes for the KV events (lock order: after `index`).
+    log: Mutex<events::DiskLog>,
     /// Writes and removals in the order the serve loop asked for them.
     order: Mutex<Order>,
     /// Held by a thread across the last check of [`Order`] (and of the run)
@@ -490,11 +494,25 @@ impl Shared {
     /// Publishes the index's block and byte counts, in total and per
     /// tenant (together, under the tenants' mutex, so that a reader holding
     /// it sees rows that add up to the totals).
+    /// Shows the index's figures (`ix`, held) in the metrics and hands its
+    /// logged changes to the KV event publisher.
     fn publish(&self, ix: &Index) {
         let mut tenants = lock(&self.cells().tenants);
         *tenants = ix.tenants();
         self.cells().blocks.store(ix.blocks(), Relaxed);
         self.cells().bytes.store(ix.used(), Relaxed);
+        drop(tenants);
+        lock(&self.log).flush(ix);
+    }
+
+    /// Logs the removal of the `victims` taken out of the index (held).
+    fn log_removed<'a>(&self, keys: impl IntoIterator<Item = &'a u128>) {
+        let mut log = lock(&self.log);
+        if log.is_on() {
+            for &key in keys {
+                log.removed(key);
+            }
+        }
     }
 
     /// Waits until the tier is released (see `released`); `false` if the
@@ -655,7 +673,12 @@ impl DiskTier {
         metrics: Arc<Metrics>,
         adopt: Option<Adopted>,
         held: bool,
+        kv_events: Option<TierSink>,
     ) -> Result<DiskTier, DiskError> {
+        let mut log = events::DiskLog::default();
+        if let Some(sink) = kv_events {
+            log.attach(sink);
+        }
         if cfg.size_bytes < format::HEADER_AREA * 2 {
             return Err(DiskError::Config(format!("--disk-size {} is too small", cfg.size_bytes)));
         }
@@ -690,6 +713,7 @@ impl DiskTier {
         }
         let shared = Arc::new(Shared {
             index: Mutex::new(Index::new(cfg.size_bytes, &cfg.tenant_limits)),
+            log: Mutex::new(log),
             order: Mutex::new(Order::default()),
             commit: Mutex::new(()),
             removing: Mutex::new(()),
@@ -990,8 +1014,23 @@ fn discard_torn(s: &Shared, key: u128, why: &dyn std::fmt::Display) {
         let _ = s.dir.remove_block(key);
     }
     let mut ix = lock(&s.index);
-    ix.remove(key);
+    if ix.remove(key).is_some() {
+        s.log_removed([&key]);
+    }
     s.publish(&ix);
+}
+
+/// The metadata record in the header area `area` of block `key`, if it has
+/// one that verifies (one that does not is logged and left out: the block
+/// is published by key).
+fn record_of(key: u128, area: &[u8]) -> Option<Arc<BlockMeta>> {
+    match Header::record(area)? {
+        Ok(m) => Some(Arc::new(m)),
+        Err(why) => {
+            tracing::debug!(key = %format_args!("{key:032x}"), "disk tier: the block's metadata record is ignored: {why}");
+            None
+        }
+    }
 }
 
 /// Empties `tmp/` and rebuilds the index from the headers under `blocks/`;
@@ -1035,16 +1074,21 @@ fn rebuild_index(s: &Shared, run: u64) {
     for chunk in found.chunks(INDEX_CHUNK) {
         let mut ix = lock(&s.index);
         let order = lock(&s.order);
-        for (_, key, parent, b, tenant) in chunk {
+        let mut log = lock(&s.log);
+        for (_, key, parent, b, tenant, meta) in chunk {
             // Removed (deleted or replaced) while the rebuild ran.
             if order.tombs.contains_key(key) {
                 continue;
             }
             let t = ix.tenant(tenant.as_deref().unwrap_or(kachedb_shm::control::DEFAULT_TENANT));
             ix.insert(*key, *parent, *b, t);
+            log.stored(*key, *parent, meta.clone());
             recovered += 1;
             bytes += b;
         }
+        // The chunk's blocks in the figures and on the KV event stream.
+        drop((log, order));
+        s.publish(&ix);
     }
     drop(found);
     drop(keys);
@@ -1055,6 +1099,8 @@ fn rebuild_index(s: &Shared, run: u64) {
     let victims = {
         let mut ix = lock(&s.index);
         let v = ix.shrink_to_fit();
+        s.log_removed(v.iter().map(|(k, _)| k));
+        lock(&s.log).resync();
         let mut order = lock(&s.order);
         for (key, _) in &v {
             count_in(&mut order.evicting, *key);
@@ -1096,8 +1142,9 @@ fn rebuild_index(s: &Shared, run: u64) {
 }
 
 /// A block file that verified at start: when written, key, parent, bytes on
-/// disk, tenant (`None`: a version 1 file, the default tenant's).
-type Found = (SystemTime, u128, Option<u128>, u64, Option<Arc<str>>);
+/// disk, tenant (`None`: a version 1 file, the default tenant's), its
+/// metadata record (`format`, "The block's metadata record").
+type Found = (SystemTime, u128, Option<u128>, u64, Option<Arc<str>>, Option<Arc<BlockMeta>>);
 
 /// When a file was last written, by its status.
 fn mtime(st: &rustix::fs::Stat) -> SystemTime {
@@ -1172,8 +1219,10 @@ fn index_some(
             if !s.live(run) {
                 break;
             }
+            let mut read = 0;
             let checked = (|| -> Result<(SystemTime, Header, u64), String> {
                 let (n, st) = s.dir.read_header(key, &mut page, direct).map_err(|e| e.to_string())?;
+                read = n;
                 if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
                     return Err("not a regular file".into());
                 }
@@ -1194,7 +1243,8 @@ fn index_some(
                             n
                         }
                     });
-                    found.push((mtime, key, h.parent, index::disk_bytes(len), tenant));
+                    let meta = record_of(key, &page.0[..read]);
+                    found.push((mtime, key, h.parent, index::disk_bytes(len), tenant, meta));
                 }
                 Err(why) => {
                     torn += 1;
@@ -1302,6 +1352,7 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
             let tenant = ix.tenant(&job.tenant);
             let v = ix.make_room(bytes, job.parent, tenant);
             if let Ok(v) = &v {
+                s.log_removed(v.iter().map(|(k, _)| k));
                 let mut order = lock(&s.order);
                 for (key, _) in v {
                     count_in(&mut order.evicting, *key);
@@ -1364,6 +1415,7 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
         match out[st.at] {
             Ok(true) if !superseded(s, w.job.key, w.seq) => {
                 ix.insert(w.job.key, w.job.parent, st.bytes, st.tenant);
+                lock(&s.log).stored(w.job.key, w.job.parent, w.job.meta.clone());
             }
             Ok(true) => out[st.at] = Ok(false),
             _ => s.dir.remove_tmp(&st.tmp),
@@ -1421,7 +1473,8 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Resul
             written_ms,
             checksum: format::checksum(data),
         };
-        f.write_all_at(&header.encode(), 0)?;
+        // The block's metadata record rides in the header area, where it fits.
+        f.write_all_at(&header.encode_with(job.meta.as_deref()).0, 0)?;
         start_writeback(&f, 0, format::HEADER_AREA);
         let mut at = 0u64;
         for piece in data.chunks(WRITE_PIECE_BYTES as usize) {
@@ -1465,8 +1518,18 @@ fn remove_loop(s: &Shared, run: u64) {
     let mut retry: Vec<RemoveJob> = Vec::new();
     let mut retry_at = Instant::now();
     loop {
-        let wait = (!retry.is_empty()).then(|| retry_at.saturating_duration_since(Instant::now()));
+        let mut wait = (!retry.is_empty()).then(|| retry_at.saturating_duration_since(Instant::now()));
+        // The KV event publisher is owed the whole index: retried until it
+        // has room, even while the tier is quiet.
+        let owed = lock(&s.log).snapshot_due();
+        if owed {
+            wait = Some(wait.map_or(events::RETRY, |w| w.min(events::RETRY)));
+        }
         let Some(mut batch) = s.removals.pop_all(&alive, wait) else { return };
+        if owed {
+            let ix = lock(&s.index);
+            s.publish(&ix);
+        }
         let retrying = !retry.is_empty() && Instant::now() >= retry_at;
         if retrying {
             batch.append(&mut retry);
@@ -1540,7 +1603,10 @@ fn remove_now(s: &Shared, jobs: &[RemoveJob], run: Option<u64>) -> Vec<Result<()
                     // Out of the index now, under the commit lock: a newer
                     // write renamed in after this is indexed after it.
                     let mut ix = lock(&s.index);
-                    ix.remove(j.key);
+                    if ix.remove(j.key).is_some() {
+                        s.log_removed([&j.key]);
+                        s.publish(&ix);
+                    }
                     unlinked += u64::from(removed);
                     needs_sync |= removed || evicting;
                     done.push((j.key, tomb.seq));
@@ -1635,9 +1701,12 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
             }
         }
     }
-    let mut found: Vec<(Header, File)> = Vec::new();
+    let mut found: Vec<(Header, File, Option<Arc<BlockMeta>>)> = Vec::new();
+    // The whole header area while the KV events are published: the block's
+    // metadata record goes with it into the megaslab.
+    let records = lock(&s.log).is_on();
+    let mut b = vec![0u8; if records { format::HEADER_AREA as usize } else { format::HEADER_LEN }];
     for (key, f) in opened {
-        let mut b = [0u8; format::HEADER_LEN];
         let checked = f
             .read_exact_at(&mut b, 0)
             .map_err(|e| e.to_string())
@@ -1648,7 +1717,10 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
                 Ok(h)
             });
         match checked {
-            Ok(h) => found.push((h, f)),
+            Ok(h) => {
+                let meta = if records { record_of(key, &b) } else { None };
+                found.push((h, f, meta))
+            }
             Err(why) => discard_torn(s, key, &why),
         }
     }
@@ -1657,13 +1729,14 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     }
     let specs = found
         .iter()
-        .map(|(h, _)| FillSpec {
+        .map(|(h, _, meta)| FillSpec {
             key: h.key,
             dtype: h.dtype,
             shape: h.shape,
             len: h.len,
             parent: h.parent,
             tenant: h.tenant.clone(),
+            meta: meta.clone(),
         })
         .collect();
     let (tx, rx) = crate::tier::reply::channel();
@@ -1675,7 +1748,7 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     // Read-ahead blocks without free megaslab room: read into the page cache
     // (kept), for a client's miss of them to copy instead of wait.
     let mut cached: Vec<usize> = Vec::new();
-    for (at, ((h, f), r)) in found.iter().zip(reserved).enumerate() {
+    for (at, ((h, f, _), r)) in found.iter().zip(reserved).enumerate() {
         let Some(r) = r else {
             if job.ahead {
                 let _ = rustix::fs::fadvise(f, 0, None, rustix::fs::Advice::WillNeed);
@@ -1718,7 +1791,7 @@ fn fetch(s: &Shared, job: &FetchJob) -> Vec<(u64, u64)> {
     }
     // What a WILLNEED brought in and no fill read (no room, a stop) goes too,
     // but for the read-ahead kept in the page cache.
-    for (at, (_, f)) in found.iter().enumerate() {
+    for (at, (_, f, _)) in found.iter().enumerate() {
         if !cached.contains(&at) {
             drop_cache(f);
         }

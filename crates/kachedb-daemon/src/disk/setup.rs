@@ -194,7 +194,7 @@ impl TierSetup for DiskConfig {
             Ok([dir, lock]) => Some(Adopted { dir, lock }),
             Err(_) => None,
         };
-        Ok(Box::new(DiskTier::start(self.clone(), at.region, at.events, at.metrics, adopt, at.held)?))
+        Ok(Box::new(DiskTier::start(self.clone(), at.region, at.events, at.metrics, adopt, at.held, at.kv_events)?))
     }
 }
 

@@ -96,12 +96,77 @@ pub fn normalize_endpoint(endpoint: &str) -> Result<String, String> {
     }
 }
 
-/// What the serve loop queues for the publisher.
+/// What the serve loop and the tiers queue for the publisher.
 pub(crate) enum Msg {
     /// The changes of one pass, in order.
     Changes(Vec<IndexChange>),
     /// The whole index (after a loss, and at start).
     Snapshot(Vec<IndexChange>),
+    /// Changes of the disk tier's index (medium `DISK`), in its order.
+    Disk(Vec<IndexChange>),
+    /// The disk tier's whole index (after a loss, and when it attaches).
+    DiskSnapshot(Vec<IndexChange>),
+}
+
+/// The disk tier's end of the publisher's queue: its index's changes,
+/// sent from the tier's own threads (in the order its index applied them:
+/// the sender holds the index's lock), never waiting. Bounded by the same
+/// count of changes in flight as the serve loop's; changes that do not fit
+/// are lost (`kachedb_events_dropped_total`) and the tier sends its whole
+/// index instead, as the serve loop does.
+#[derive(Clone)]
+pub struct TierSink {
+    tx: mpsc::Sender<Msg>,
+    in_flight: Arc<AtomicUsize>,
+    limit: usize,
+    cells: Arc<EventCells>,
+}
+
+impl std::fmt::Debug for TierSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierSink").finish_non_exhaustive()
+    }
+}
+
+impl TierSink {
+    /// Queues `changes`; `false` if they did not fit (lost and counted: the
+    /// tier owes the publisher its whole index, [`send_all`](Self::send_all)).
+    pub fn send(&self, changes: Vec<IndexChange>) -> bool {
+        let n = changes.len();
+        if n == 0 {
+            return true;
+        }
+        if self.in_flight.load(Relaxed) + n > self.limit {
+            self.cells.dropped.fetch_add(n as u64, Relaxed);
+            return false;
+        }
+        self.in_flight.fetch_add(n, Relaxed);
+        if self.tx.try_send(Msg::Disk(changes)).is_err() {
+            self.in_flight.fetch_sub(n, Relaxed);
+            self.cells.dropped.fetch_add(n as u64, Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Queues the tier's whole index (it replaces what the publisher held
+    /// of it); `false` if there is no room yet (try again later).
+    pub fn send_all(&self, all: Vec<IndexChange>) -> bool {
+        if self.in_flight.load(Relaxed) >= self.limit {
+            return false;
+        }
+        self.in_flight.fetch_add(1, Relaxed);
+        if self.tx.try_send(Msg::DiskSnapshot(all)).is_err() {
+            self.in_flight.fetch_sub(1, Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Whether the publisher is gone (the tier stops logging).
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
 }
 
 /// The serve loop's end of the queue.
@@ -186,6 +251,11 @@ impl EventSink {
     pub(crate) fn snapshot_due(&self) -> bool {
         self.snapshot_due
     }
+
+    /// An end of the queue for a tier's own index (the disk tier's).
+    pub(crate) fn tier_sink(&self) -> TierSink {
+        TierSink { tx: self.tx.clone(), in_flight: self.in_flight.clone(), limit: self.limit, cells: self.cells.clone() }
+    }
 }
 
 /// Starts the publisher thread for `store` (its change log turned on);
@@ -252,8 +322,8 @@ mod tests {
     fn take(sink: &EventSink, rx: &mut mpsc::Receiver<Msg>) -> Msg {
         let m = rx.try_recv().expect("a message");
         let n = match &m {
-            Msg::Changes(c) => c.len(),
-            Msg::Snapshot(_) => 1,
+            Msg::Changes(c) | Msg::Disk(c) => c.len(),
+            Msg::Snapshot(_) | Msg::DiskSnapshot(_) => 1,
         };
         sink.in_flight.fetch_sub(n, Relaxed);
         m

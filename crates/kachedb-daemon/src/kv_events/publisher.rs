@@ -45,7 +45,7 @@
 //! all the queued changes at once); the serve loop never waits.
 
 use super::cells::EventCells;
-use super::wire::{block_hash, encode_batch, KvEvent, MEDIUM_CPU};
+use super::wire::{block_hash, encode_batch, KvEvent, MEDIUM_CPU, MEDIUM_DISK};
 use super::{EventsConfig, Msg};
 use crate::store::IndexChange;
 use bytes::Bytes;
@@ -99,6 +99,8 @@ struct State {
     buffer: VecDeque<(u64, Bytes)>,
     /// The index as of the last batch sent: key -> what was published of it.
     index: HashMap<u128, Entry>,
+    /// The same of the disk tier's index (medium `DISK`).
+    disk: HashMap<u128, Entry>,
     /// Events taken, not yet sent.
     pending: Vec<KvEvent>,
     /// The last batch sent was not taken by every subscriber in time: an
@@ -106,13 +108,38 @@ struct State {
     gap_notice_due: bool,
 }
 
+/// Which copy of the index a change or an entry is of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Medium {
+    /// The megaslab's (the store's index).
+    Ram,
+    /// The disk tier's.
+    Disk,
+}
+
+impl Medium {
+    fn name(self) -> &'static str {
+        match self {
+            Medium::Ram => MEDIUM_CPU,
+            Medium::Disk => MEDIUM_DISK,
+        }
+    }
+}
+
 impl State {
+    fn map(&mut self, medium: Medium) -> &mut HashMap<u128, Entry> {
+        match medium {
+            Medium::Ram => &mut self.index,
+            Medium::Disk => &mut self.disk,
+        }
+    }
+
     fn take(&mut self, msg: Msg) {
         match msg {
             Msg::Changes(changes) => {
                 self.in_flight.fetch_sub(changes.len(), Relaxed);
                 for c in changes {
-                    self.apply(c);
+                    self.apply(Medium::Ram, c);
                 }
             }
             Msg::Snapshot(all) => {
@@ -120,48 +147,64 @@ impl State {
                 self.index.clear();
                 self.pending.push(KvEvent::Cleared);
                 for c in all {
-                    self.apply(c);
+                    self.apply(Medium::Ram, c);
+                }
+                // `AllBlocksCleared` voids the disk tier's blocks too: told again.
+                let disk = ordered(&self.disk, MEDIUM_DISK);
+                self.pending.extend(disk);
+                self.cells.resyncs.fetch_add(1, Relaxed);
+            }
+            Msg::Disk(changes) => {
+                self.in_flight.fetch_sub(changes.len(), Relaxed);
+                for c in changes {
+                    self.apply(Medium::Disk, c);
+                }
+            }
+            Msg::DiskSnapshot(all) => {
+                self.in_flight.fetch_sub(1, Relaxed);
+                // What the stream told of the disk goes, the tier's index comes.
+                let old: Vec<u64> = self.disk.drain().map(|(_, e)| e.hash).collect();
+                for hash in old {
+                    self.removed(Medium::Disk, hash);
+                }
+                for c in parents_first(all) {
+                    self.apply(Medium::Disk, c);
                 }
                 self.cells.resyncs.fetch_add(1, Relaxed);
             }
         }
     }
 
-    fn apply(&mut self, change: IndexChange) {
+    fn apply(&mut self, medium: Medium, change: IndexChange) {
         match change {
             IndexChange::Stored { key, parent, replaced, meta } => {
-                if replaced {
-                    let old = self.index.remove(&key).map_or(block_hash(key), |e| e.hash);
-                    self.removed(old);
+                let old = self.map(medium).remove(&key);
+                if replaced || old.is_some() {
+                    self.removed(medium, old.map_or(block_hash(key), |e| e.hash));
                 }
                 let hash = meta.as_ref().map_or(block_hash(key), |m| m.block_hash);
                 // The writer's word on the parent, when it gave a record;
-                // else the store's chain link, as that block was published.
+                // else the chain link, as that block was published.
                 let parent_hash = match &meta {
                     Some(m) => m.parent_hash,
-                    None => parent.map(|p| self.index.get(&p).map_or(block_hash(p), |e| e.hash)),
+                    None => parent.map(|p| self.map(medium).get(&p).map_or(block_hash(p), |e| e.hash)),
                 };
-                self.pending.push(KvEvent::Stored {
-                    hash,
-                    parent: parent_hash,
-                    medium: MEDIUM_CPU,
-                    meta: meta.clone(),
-                });
-                self.index.insert(key, Entry { hash, parent_key: parent, parent_hash, meta });
+                self.pending.push(KvEvent::Stored { hash, parent: parent_hash, medium: medium.name(), meta: meta.clone() });
+                self.map(medium).insert(key, Entry { hash, parent_key: parent, parent_hash, meta });
             }
             IndexChange::Removed { key } => {
-                let hash = self.index.remove(&key).map_or(block_hash(key), |e| e.hash);
-                self.removed(hash);
+                let hash = self.map(medium).remove(&key).map_or(block_hash(key), |e| e.hash);
+                self.removed(medium, hash);
             }
         }
     }
 
-    /// A removal, merged into the previous event if that is one too.
-    fn removed(&mut self, hash: u64) {
-        if let Some(KvEvent::Removed { hashes, .. }) = self.pending.last_mut() {
-            hashes.push(hash);
-        } else {
-            self.pending.push(KvEvent::Removed { hashes: vec![hash], medium: MEDIUM_CPU });
+    /// A removal, merged into the previous event if that is one too, of
+    /// the same medium.
+    fn removed(&mut self, medium: Medium, hash: u64) {
+        match self.pending.last_mut() {
+            Some(KvEvent::Removed { hashes, medium: m }) if *m == medium.name() => hashes.push(hash),
+            _ => self.pending.push(KvEvent::Removed { hashes: vec![hash], medium: medium.name() }),
         }
     }
 
@@ -238,40 +281,78 @@ impl State {
         let _ = sock.send(frames(vec![id.clone(), empty.clone(), Bytes::from_static(&END_SEQ), empty])).await;
     }
 
-    /// `AllBlocksCleared`, then every block of the index, parents before
-    /// their children.
+    /// `AllBlocksCleared`, then every block of the index and of the disk
+    /// tier's, parents before their children.
     fn snapshot(&self) -> Vec<KvEvent> {
-        let mut out = Vec::with_capacity(self.index.len() + 1);
+        let mut out = Vec::with_capacity(self.index.len() + self.disk.len() + 1);
         out.push(KvEvent::Cleared);
-        let mut sent: std::collections::HashSet<u128> = std::collections::HashSet::with_capacity(self.index.len());
-        let mut chain = Vec::new();
-        for &key in self.index.keys() {
-            // Walk up to the first ancestor sent (or absent), then send
-            // downwards.
-            let mut k = key;
-            while !sent.contains(&k) {
-                let Some(e) = self.index.get(&k) else { break };
-                chain.push((k, e));
-                match e.parent_key {
-                    // Longer than the index: a cycle (cannot happen: the
-                    // store's links form a forest).
-                    Some(p) if chain.len() <= self.index.len() => k = p,
-                    _ => break,
-                }
-            }
-            while let Some((k, e)) = chain.pop() {
-                if sent.insert(k) {
-                    out.push(KvEvent::Stored {
-                        hash: e.hash,
-                        parent: e.parent_hash,
-                        medium: MEDIUM_CPU,
-                        meta: e.meta.clone(),
-                    });
-                }
-            }
-        }
+        out.extend(ordered(&self.index, MEDIUM_CPU));
+        out.extend(ordered(&self.disk, MEDIUM_DISK));
         out
     }
+}
+
+/// `changes` (a tier's whole index: all `Stored`), parents before their
+/// children (the tier's own order is its slots'); a cycle (the disk's links
+/// come from file headers) is cut where the walk meets a block already taken.
+fn parents_first(changes: Vec<IndexChange>) -> Vec<IndexChange> {
+    let mut by_key: HashMap<u128, IndexChange> = HashMap::with_capacity(changes.len());
+    let mut keys = Vec::with_capacity(changes.len());
+    for c in changes {
+        if let IndexChange::Stored { key, .. } = c {
+            keys.push(key);
+            by_key.insert(key, c);
+        }
+    }
+    let mut out = Vec::with_capacity(keys.len());
+    let mut chain = Vec::new();
+    for key in keys {
+        // Walk up through the ancestors not yet taken, then take them downwards.
+        let mut k = key;
+        while let Some(c) = by_key.remove(&k) {
+            let parent = match &c {
+                IndexChange::Stored { parent, .. } => *parent,
+                IndexChange::Removed { .. } => None,
+            };
+            chain.push(c);
+            match parent {
+                Some(p) => k = p,
+                None => break,
+            }
+        }
+        out.extend(chain.drain(..).rev());
+    }
+    out
+}
+
+/// A `BlockStored` of `medium` for every entry of `map`, parents before
+/// their children.
+fn ordered(map: &HashMap<u128, Entry>, medium: &'static str) -> Vec<KvEvent> {
+    let mut out = Vec::with_capacity(map.len());
+    let mut sent: std::collections::HashSet<u128> = std::collections::HashSet::with_capacity(map.len());
+    let mut chain = Vec::new();
+    for &key in map.keys() {
+        // Walk up to the first ancestor sent (or absent), then send
+        // downwards.
+        let mut k = key;
+        while !sent.contains(&k) {
+            let Some(e) = map.get(&k) else { break };
+            chain.push((k, e));
+            match e.parent_key {
+                // Longer than the map: a cycle (the store's links form a
+                // forest; the disk's come from file headers, and are
+                // bounded here all the same).
+                Some(p) if chain.len() <= map.len() => k = p,
+                _ => break,
+            }
+        }
+        while let Some((k, e)) = chain.pop() {
+            if sent.insert(k) {
+                out.push(KvEvent::Stored { hash: e.hash, parent: e.parent_hash, medium, meta: e.meta.clone() });
+            }
+        }
+    }
+    out
 }
 
 fn batch_payload(events: &[KvEvent]) -> Bytes {
@@ -349,6 +430,7 @@ pub(super) fn run(
             next_seq: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64),
             buffer: VecDeque::new(),
             index: HashMap::new(),
+            disk: HashMap::new(),
             pending: Vec::new(),
             gap_notice_due: false,
         };
@@ -394,4 +476,76 @@ pub(super) fn run(
         cells.enabled.store(0, Relaxed);
         cells.subscribers.store(0, Relaxed);
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> State {
+        State {
+            cfg: EventsConfig::new("tcp://127.0.0.1:5557").expect("an endpoint"),
+            cells: Arc::new(EventCells::default()),
+            // (Each message taken is subtracted: start high.)
+            in_flight: Arc::new(AtomicUsize::new(1 << 20)),
+            topic: Bytes::new(),
+            next_seq: 1,
+            buffer: VecDeque::new(),
+            index: HashMap::new(),
+            disk: HashMap::new(),
+            pending: Vec::new(),
+            gap_notice_due: false,
+        }
+    }
+
+    fn stored(key: u128, parent: Option<u128>, meta: Option<Arc<BlockMeta>>) -> IndexChange {
+        IndexChange::Stored { key, parent, replaced: false, meta }
+    }
+
+    /// (hash, medium) of each `BlockStored`, and the removals, in order.
+    fn told(events: &[KvEvent]) -> Vec<String> {
+        events
+            .iter()
+            .map(|e| match e {
+                KvEvent::Stored { hash, parent, medium, .. } => format!("+{hash}<{parent:?}@{medium}"),
+                KvEvent::Removed { hashes, medium } => format!("-{hashes:?}@{medium}"),
+                KvEvent::Cleared => "clear".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_disk_tiers_index_is_published_beside_the_megaslabs_and_survives_its_snapshots() {
+        let mut st = state();
+        let meta = Arc::new(BlockMeta { block_hash: 100, parent_hash: None, block_size: 16, ..BlockMeta::default() });
+        st.take(Msg::Changes(vec![stored(1, None, None)]));
+        st.take(Msg::Disk(vec![stored(1, None, Some(meta.clone())), stored(2, Some(1), None)]));
+        // A disk block's parent by key is published under the hash its
+        // parent has on disk (the record's).
+        assert_eq!(told(&st.pending), ["+1<None@CPU", "+100<None@DISK", "+2<Some(100)@DISK"]);
+        st.pending.clear();
+        // Removals merge per medium only.
+        st.take(Msg::Changes(vec![IndexChange::Removed { key: 1 }]));
+        st.take(Msg::Disk(vec![IndexChange::Removed { key: 2 }]));
+        assert_eq!(told(&st.pending), ["-[1]@CPU", "-[2]@DISK"]);
+        st.pending.clear();
+        // A disk block written again (the tier replaced it) is removed, then stored.
+        st.take(Msg::Disk(vec![stored(1, None, None)]));
+        assert_eq!(told(&st.pending), ["-[100]@DISK", "+1<None@DISK"]);
+        st.pending.clear();
+        st.take(Msg::Disk(vec![stored(1, None, Some(meta)), stored(3, Some(1), None)]));
+        st.pending.clear();
+        // The megaslab's snapshot clears everything: the disk's blocks are told again, parents first.
+        st.take(Msg::Snapshot(vec![stored(5, None, None)]));
+        assert_eq!(told(&st.pending), ["clear", "+5<None@CPU", "+100<None@DISK", "+3<Some(100)@DISK"]);
+        st.pending.clear();
+        // The disk's own snapshot replaces what was told of the disk, and only that.
+        st.take(Msg::DiskSnapshot(vec![stored(4, Some(3), None), stored(3, None, None)]));
+        let t = told(&st.pending);
+        assert!(["-[100, 3]@DISK", "-[3, 100]@DISK"].contains(&t[0].as_str()), "{t:?}");
+        assert_eq!(t[1..], ["+3<None@DISK", "+4<Some(3)@DISK"]);
+        // A late joiner's snapshot: both media.
+        assert_eq!(told(&st.snapshot()), ["clear", "+5<None@CPU", "+3<None@DISK", "+4<Some(3)@DISK"]);
+        assert_eq!((st.index.len(), st.disk.len()), (1, 2));
+    }
 }

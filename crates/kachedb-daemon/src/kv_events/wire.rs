@@ -20,7 +20,8 @@
 //! * A block hash is an unsigned int: the low 64 bits of the daemon's 128-bit
 //!   key (the descriptor's `key_lo`; an int key below 2^64 is itself). vLLM's
 //!   decoder takes bytes or int; Dynamo's takes only a 64-bit int.
-//! * The medium of the megaslab is vLLM's `MEDIUM_CPU`, `"CPU"`.
+//! * The medium of the megaslab is vLLM's `MEDIUM_CPU`, `"CPU"`; the disk
+//!   tier's is `"DISK"`.
 //!
 //! The ZMQ framing (topic, sequence, payload; the replay socket's frames) is
 //! in `publisher.rs`.
@@ -30,6 +31,9 @@ use std::sync::Arc;
 
 /// vLLM's medium of host-memory blocks (`MEDIUM_CPU`): the megaslab's.
 pub const MEDIUM_CPU: &str = "CPU";
+/// The medium of the disk tier's blocks: `"DISK"`, the name Dynamo's KV
+/// router reads as its disk tier (vLLM names no disk medium).
+pub const MEDIUM_DISK: &str = "DISK";
 
 /// The event's block hash of a daemon key: its low 64 bits.
 pub fn block_hash(key: u128) -> u64 {
@@ -45,7 +49,7 @@ pub enum KvEvent {
         hash: u64,
         /// Its chain parent's hash, if it is linked to one.
         parent: Option<u64>,
-        /// Where it is (`MEDIUM_CPU`).
+        /// Where it is (`MEDIUM_CPU`, `MEDIUM_DISK`).
         medium: &'static str,
         /// What its writer told of it: the tokens, block size and LoRA
         /// adapter published (else `[]`, 0 and nil).

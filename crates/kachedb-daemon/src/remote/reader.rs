@@ -142,6 +142,8 @@ async fn land_all(ctx: &Ctx, job: &FetchJob, blocks: &[Verified], filled: &mut V
             // fleet's): a block filled from it counts for the tenant whose
             // miss asked for it, within that tenant's limit.
             tenant: Some(job.tenant.clone()),
+            // The remote format carries no metadata record: published by key.
+            meta: None,
         })
         .collect();
     ctx.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });

@@ -246,7 +246,7 @@ impl TierSide {
         self.tier.write_behind(offer, &mut || {
             let tenant = tenant.clone();
             let c = store.handle_internal(session, &Request::Get { key });
-            (c.status == Status::Ok).then_some(WriteJob {
+            (c.status == Status::Ok).then(|| WriteJob {
                 tenant,
                 key,
                 parent,
@@ -255,6 +255,7 @@ impl TierSide {
                 len: b.len,
                 dtype: b.dtype,
                 shape: b.shape,
+                meta: store.block_meta(key),
             })
         });
     }
@@ -586,6 +587,10 @@ impl Tiers {
                                     },
                                 );
                                 (c.status == Status::Ok).then(|| {
+                                    if let Some(m) = &b.meta {
+                                        // Published with the block once committed.
+                                        store.attach_internal_meta(r.session, c.handle, m.clone());
+                                    }
                                     r.fills.insert(c.handle, (fetch, b.parent));
                                     Reserved { handle: c.handle, data_offset: c.offset }
                                 })
@@ -866,7 +871,7 @@ mod tests {
     }
 
     fn spec_of(key: u128, len: u64) -> FillSpec {
-        FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(len).unwrap(), len, parent: None, tenant: None }
+        FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(len).unwrap(), len, parent: None, tenant: None, meta: None }
     }
 
     /// Read-ahead: a miss of key 1 starts a read-ahead fetch of key 2; with
@@ -987,6 +992,7 @@ mod tests {
             len: 300,
             parent: None,
             tenant: None,
+            meta: None,
         };
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch, blocks: vec![spec], reply: tx });
         drain(&mut tiers, &mut store);
@@ -1032,6 +1038,7 @@ mod tests {
             len: 300,
             parent: None,
             tenant: None,
+            meta: None,
         };
         let (a, b) = (1u128, 2u128);
         let client = store.open_session();

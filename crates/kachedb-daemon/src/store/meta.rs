@@ -79,6 +79,26 @@ impl Store {
         Ok(())
     }
 
+    /// The record of `key`'s block, if it has one (kept only while the
+    /// index's changes are logged): the disk tier writes it with the block.
+    pub fn block_meta(&self, key: u128) -> Option<Arc<BlockMeta>> {
+        let &index = self.keys.get(&key)?;
+        self.metas.get(&index).cloned()
+    }
+
+    /// Attaches `meta` to the open reservation `handle` of internal session
+    /// `s` (a tier's fill of a block whose record the tier kept), as a META
+    /// does; nothing if the index's changes are not logged or the handle is
+    /// not such a reservation.
+    pub fn attach_internal_meta(&mut self, s: SessionId, handle: u64, meta: Arc<BlockMeta>) {
+        if !self.changes.is_on() {
+            return;
+        }
+        if let Ok(index) = self.own_reservation(s, handle) {
+            self.metas.insert(index, meta);
+        }
+    }
+
     /// Records kept (one per block or reservation that has one).
     pub fn metas_held(&self) -> usize {
         self.metas.len()

@@ -18,7 +18,7 @@ pub mod reply;
 pub mod threads;
 pub mod view;
 
-use kachedb_shm::{DType, Shape};
+use kachedb_shm::{BlockMeta, DType, Shape};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -96,6 +96,9 @@ pub struct WriteJob {
     pub dtype: DType,
     /// Dims.
     pub shape: Shape,
+    /// Its metadata record (META), if its writer attached one and the
+    /// daemon publishes KV events: the disk tier keeps it with the block.
+    pub meta: Option<Arc<BlockMeta>>,
 }
 
 /// Keys missing locally, to fill: the local-miss tail of one batch.
@@ -132,7 +135,9 @@ pub struct FillSpec {
     pub len: u64,
     /// The parent the block was committed with, if the tier keeps it: the
     /// fill commits the block naming it (linked if the parent is local).
-    pub parent: Option<u128>,
+    pub parent: Option<u128>,    /// The block's metadata record (META), if the tier kept it: the filled
+    /// block is published with it (docs/events.md).
+    pub meta: Option<Arc<BlockMeta>>,
 }
 
 /// A reservation the serve loop made for a fill.
