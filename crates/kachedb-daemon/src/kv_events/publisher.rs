@@ -134,6 +134,16 @@ impl State {
         }
     }
 
+    /// The hash block `key` was published under, on `medium` or else on the
+    /// other; its own if neither has it.
+    fn published_hash(&self, medium: Medium, key: u128) -> u64 {
+        let (this, other) = match medium {
+            Medium::Ram => (&self.index, &self.disk),
+            Medium::Disk => (&self.disk, &self.index),
+        };
+        this.get(&key).or_else(|| other.get(&key)).map_or(block_hash(key), |e| e.hash)
+    }
+
     fn take(&mut self, msg: Msg) {
         match msg {
             Msg::Changes(changes) => {
@@ -184,10 +194,12 @@ impl State {
                 }
                 let hash = meta.as_ref().map_or(block_hash(key), |m| m.block_hash);
                 // The writer's word on the parent, when it gave a record;
-                // else the chain link, as that block was published.
+                // else the chain link, as that block was published (on this
+                // medium, else on the other: the disk tier's two writers can
+                // index a child before its parent).
                 let parent_hash = match &meta {
                     Some(m) => m.parent_hash,
-                    None => parent.map(|p| self.map(medium).get(&p).map_or(block_hash(p), |e| e.hash)),
+                    None => parent.map(|p| self.published_hash(medium, p)),
                 };
                 self.pending.push(KvEvent::Stored { hash, parent: parent_hash, medium: medium.name(), meta: meta.clone() });
                 self.map(medium).insert(key, Entry { hash, parent_key: parent, parent_hash, meta });
@@ -544,6 +556,15 @@ mod tests {
         let t = told(&st.pending);
         assert!(["-[100, 3]@DISK", "-[3, 100]@DISK"].contains(&t[0].as_str()), "{t:?}");
         assert_eq!(t[1..], ["+3<None@DISK", "+4<Some(3)@DISK"]);
+        // A disk child indexed before its parent: named by the parent's hash in the megaslab.
+        st.pending.clear();
+        let m9 = Arc::new(BlockMeta { block_hash: 900, parent_hash: None, block_size: 16, ..BlockMeta::default() });
+        st.take(Msg::Changes(vec![stored(9, None, Some(m9))]));
+        st.take(Msg::Disk(vec![stored(10, Some(9), None)]));
+        assert_eq!(told(&st.pending), ["+900<None@CPU", "+10<Some(900)@DISK"]);
+        st.take(Msg::Changes(vec![IndexChange::Removed { key: 9 }]));
+        st.take(Msg::Disk(vec![IndexChange::Removed { key: 10 }]));
+        st.pending.clear();
         // A late joiner's snapshot: both media.
         assert_eq!(told(&st.snapshot()), ["clear", "+5<None@CPU", "+3<None@DISK", "+4<Some(3)@DISK"]);
         assert_eq!((st.index.len(), st.disk.len()), (1, 2));
