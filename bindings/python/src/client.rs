@@ -175,30 +175,91 @@ impl ViewFactory {
         if views.len() <= 1 {
             return views.into_iter().map(|v| self.view(py, v)).collect();
         }
-        let mut exports = Vec::with_capacity(views.len());
-        for v in &views {
+        let group = Arc::new(PinGroup(views));
+        if let Some(out) = self.evenly_spaced_views(py, &group)? {
+            return Ok(out);
+        }
+        let mut out = Vec::with_capacity(group.0.len());
+        for v in &group.0 {
             let dims: Vec<u64> = v.shape().dims().iter().map(|&d| u64::from(d)).collect();
             let ptr = NonNull::new(v.as_ptr() as *mut u8).ok_or_else(|| KacheDBError::new_err("null view"))?;
-            exports.push((ptr, v.len(), v.dtype(), dims));
-        }
-        let group = Arc::new(PinGroup(views));
-        let mut out = Vec::with_capacity(exports.len());
-        for (ptr, len, dtype, dims) in exports {
             let owner = DlOwner::Rust(Box::new(Arc::clone(&group)));
-            let dt = DlDtype::of(dtype, Reader::Torch);
+            let dt = DlDtype::of(v.dtype(), Reader::Torch);
             // SAFETY: the block is pinned (never evicted, moved or reused) and
             // its mapping kept alive while `group` lives, which the capsule's
             // owner (a reference to it) keeps alive. Consumers may write through
             // the tensor: readers must not (blocks are immutable by contract).
-            let cap = unsafe { tensor_capsule(py, ptr, len, dt, &dims, owner, DlpackFormat::Legacy)? };
+            let cap = unsafe { tensor_capsule(py, ptr, v.len(), dt, &dims, owner, DlpackFormat::Legacy)? };
             let mut t = self.from_dlpack.bind(py).call1((cap,))?;
-            let code = dtype as u8;
+            let code = v.dtype() as u8;
             if !self.direct.get(usize::from(code)).copied().unwrap_or(false) {
                 t = self.convert.bind(py).call1((t, code))?;
             }
             out.push(self.retype(py, t)?);
         }
         Ok(out)
+    }
+
+    /// `shared_views` of blocks laid out evenly — one dtype torch imports as
+    /// its own, one shape, addresses a fixed stride apart in the call's order
+    /// (as the blocks of one `put_many` or reservation lie) — made from one
+    /// export of their span: `as_strided` to `(n, *shape)`, then `unbind(0)`,
+    /// so torch makes the n views in one call. They share the span's storage,
+    /// whose owner holds `group`. `None` where the blocks are not so laid out.
+    fn evenly_spaced_views<'py>(
+        &self,
+        py: Python<'py>,
+        group: &Arc<PinGroup>,
+    ) -> PyResult<Option<Vec<Bound<'py, PyAny>>>> {
+        let blocks = &group.0;
+        let (first, n) = (&blocks[0], blocks.len());
+        let (dtype, len) = (first.dtype(), first.len());
+        let item = dtype.itemsize() as usize;
+        if !self.direct.get(usize::from(dtype as u8)).copied().unwrap_or(false) || len == 0 || len % item != 0 {
+            return Ok(None);
+        }
+        let base = first.as_ptr() as usize;
+        // A stride of at least a block: the views do not overlap.
+        let stride = (blocks[1].as_ptr() as usize).wrapping_sub(base);
+        if stride < len || stride % item != 0 || stride > isize::MAX as usize / n {
+            return Ok(None);
+        }
+        let even = blocks.iter().enumerate().all(|(i, v)| {
+            v.dtype() == dtype && v.len() == len && v.shape() == first.shape() && v.as_ptr() as usize == base + i * stride
+        });
+        if !even {
+            return Ok(None);
+        }
+        let span = (n - 1) * stride + len;
+        let ptr = NonNull::new(base as *mut u8).ok_or_else(|| KacheDBError::new_err("null view"))?;
+        let owner = DlOwner::Rust(Box::new(Arc::clone(group)));
+        let dt = DlDtype::of(dtype, Reader::Torch);
+        // SAFETY: the span runs from the first block to the end of the last,
+        // inside this client's mapping of the region, which `group` (the
+        // capsule's owner) keeps mapped along with the blocks' pins. The
+        // views made from it cover only the pinned blocks; the bytes between
+        // them are part of the storage, not of any view.
+        let cap = unsafe { tensor_capsule(py, ptr, span, dt, &[(span / item) as u64], owner, DlpackFormat::Legacy)? };
+        let whole = self.from_dlpack.bind(py).call1((cap,))?;
+        let dims: Vec<u64> = first.shape().dims().iter().map(|&d| u64::from(d)).collect();
+        let mut size = Vec::with_capacity(dims.len() + 1);
+        size.push(n as u64);
+        size.extend_from_slice(&dims);
+        // Row-major strides of one block, in elements, after the stride between blocks.
+        let mut strides = vec![0u64; dims.len() + 1];
+        strides[0] = (stride / item) as u64;
+        let mut s = 1u64;
+        for (i, &d) in dims.iter().enumerate().rev() {
+            strides[i + 1] = s;
+            s = s.saturating_mul(d.max(1));
+        }
+        let stacked = whole.call_method1(pyo3::intern!(py, "as_strided"), (size, strides))?;
+        let parts = stacked.call_method1(pyo3::intern!(py, "unbind"), (0,))?;
+        let mut out = Vec::with_capacity(n);
+        for t in parts.try_iter()? {
+            out.push(self.retype(py, t?)?);
+        }
+        Ok(Some(out))
     }
 
     /// The pinned block `v` as a `KVView` (as `kachedb._views.block_tensor`

@@ -94,6 +94,46 @@ def test_views_hold_their_pins_until_the_last_derived_tensor_goes(kc):
     assert kc.delete_many([f"nv/p{i}" for i in range(3)]) == 3
 
 
+def test_a_prefix_of_evenly_laid_out_blocks_is_one_export_and_still_each_blocks_own_view(kc):
+    """Blocks stored by one ``put_many`` lie a fixed stride apart: ``get_prefix`` makes
+    their views from one export of the span (one ``as_strided`` and ``unbind`` in torch).
+    Each view is still its own block — its address, dtype, shape and bytes — a
+    ``KVView``; the call's pins go with the last of the views and of the tensors derived
+    from them. Blocks laid out otherwise (another shape in the batch) take the view-per-
+    block path, with the same result."""
+    keys = [f"nv/even{i}" for i in range(6)]
+    vals = [torch.full((8, 2048), float(i), dtype=torch.float16) for i in range(6)]
+    kc.put_many(keys, vals)
+    own = [kc.get(k) for k in keys]
+    addrs = [t.data_ptr() for t in own]
+    steps = {b - a for a, b in zip(addrs, addrs[1:])}
+    del own
+    assert collected_pins(kc) == 0
+    views = kc.get_prefix(keys)
+    assert [v.data_ptr() for v in views] == addrs
+    assert all(type(v).__name__ == "KVView" and v.shape == (8, 2048) and v.dtype == torch.float16 for v in views)
+    assert all(torch.equal(v, x) for v, x in zip(views, vals))
+    # Laid out evenly (equal blocks of one put_many): one storage, the span of the six.
+    assert len(steps) == 1, steps
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    assert views[0].untyped_storage().nbytes() >= 6 * vals[0].nbytes
+    assert collected_pins(kc) == 6
+    derived = views[4][3:5].view(torch.int16)
+    del views
+    assert collected_pins(kc) == 6 and int(derived[0, 0]) == int(vals[4].view(torch.int16)[0, 0])
+    del derived
+    assert collected_pins(kc) == 0
+    # Another shape in the batch: one export per block.
+    kc.put("nv/even-other", torch.zeros(4, 4, dtype=torch.float16))
+    mixed = kc.get_prefix([keys[0], "nv/even-other", keys[1]])
+    assert [tuple(v.shape) for v in mixed] == [(8, 2048), (4, 4), (8, 2048)]
+    assert [v.data_ptr() for v in (mixed[0], mixed[2])] == addrs[:2]
+    assert len({v.untyped_storage().data_ptr() for v in mixed}) == 3
+    del mixed
+    assert collected_pins(kc) == 0
+    assert kc.delete_many([*keys, "nv/even-other"]) == 7
+
+
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8 dtypes")
 def test_get_view_of_a_float8_block_views_it_as_its_dtype(kc):
     src = torch.linspace(-2, 2, 32).to(torch.float8_e4m3fn).reshape(4, 8)
