@@ -23,6 +23,17 @@
 //!   with the stream from `S + 1`. (vLLM answers such a request with what it
 //!   still has, leaving the subscriber's view incomplete.)
 //!
+//! # Gathering
+//!
+//! The first message that wakes the thread starts a [`GATHER`] interval;
+//! at its end the thread takes everything queued and publishes it. While
+//! changes come, the thread wakes once per interval, not once per serve-loop
+//! pass, and the serve loop's sends wake nobody (the queue is not awaited
+//! meanwhile): on a node whose cores the serve loop and its clients keep
+//! busy, the publisher takes a time slice a millisecond rather than one per
+//! request. A replay request answered meanwhile publishes what was taken
+//! first.
+//!
 //! # Its copy of the index
 //!
 //! The thread applies every change it publishes to a map hash -> parent, so
@@ -60,7 +71,13 @@ use zeromq::{PubSocket, RouterSocket, Socket, SocketEvent, SocketRecv, SocketSen
 /// Most events in one batch (a snapshot of a large index is many batches).
 const EVENTS_PER_BATCH: usize = 4096;
 /// Most queued messages the thread takes before it publishes.
-const MESSAGES_PER_ROUND: usize = 256;
+const MESSAGES_PER_ROUND: usize = 4096;
+/// How long the thread lets changes gather after the first that wakes it,
+/// before it takes the queue's messages and publishes them: at most one wake
+/// of this thread (and one batch on the wire, the stream busy) per interval,
+/// not one per serve-loop pass, and the serve loop's sends meanwhile wake
+/// nobody. It adds up to this much to the lag.
+const GATHER: Duration = Duration::from_millis(1);
 /// How long a bind of an address in use is retried after a takeover (the
 /// old daemon holds it until it exits).
 const BIND_RETRY: Duration = Duration::from_secs(15);
@@ -447,24 +464,43 @@ pub(super) fn run(
             gap_notice_due: false,
         };
         let mut monitor_open = true;
+        // Set while changes gather (see GATHER): the queue is not awaited, so
+        // the serve loop's sends wake nobody.
+        let mut gather_until: Option<tokio::time::Instant> = None;
         loop {
             tokio::select! {
-                m = rx.recv() => {
+                m = rx.recv(), if gather_until.is_none() => {
                     let Some(m) = m else { break };
                     st.take(m);
-                    for _ in 1..MESSAGES_PER_ROUND {
+                    gather_until = Some(tokio::time::Instant::now() + GATHER);
+                }
+                _ = tokio::time::sleep_until(gather_until.unwrap_or_else(tokio::time::Instant::now)), if gather_until.is_some() => {
+                    gather_until = None;
+                    let mut closed = false;
+                    for _ in 0..MESSAGES_PER_ROUND {
                         match rx.try_recv() {
                             Ok(m) => st.take(m),
-                            Err(_) => break,
+                            Err(mpsc::error::TryRecvError::Empty) => break,
+                            Err(mpsc::error::TryRecvError::Disconnected) => {
+                                closed = true;
+                                break;
+                            }
                         }
                     }
                     st.publish(&mut pub_sock, false).await;
+                    if closed {
+                        break;
+                    }
                 }
                 _ = tokio::time::sleep(GAP_NOTICE_AFTER), if st.gap_notice_due => {
                     st.publish(&mut pub_sock, true).await;
                 }
                 req = async { router.as_mut().expect("guarded").recv().await }, if router.is_some() => {
                     if let (Ok(req), Some(r)) = (req, router.as_mut()) {
+                        // What was taken goes out first: a snapshot is as of the last batch sent.
+                        if !st.pending.is_empty() {
+                            st.publish(&mut pub_sock, false).await;
+                        }
                         st.replay(r, req).await;
                     }
                 }
