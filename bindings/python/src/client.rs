@@ -225,7 +225,10 @@ impl ViewFactory {
             return Ok(None);
         }
         let even = blocks.iter().enumerate().all(|(i, v)| {
-            v.dtype() == dtype && v.len() == len && v.shape() == first.shape() && v.as_ptr() as usize == base + i * stride
+            v.dtype() == dtype
+                && v.len() == len
+                && v.shape() == first.shape()
+                && v.as_ptr() as usize == base + i * stride
         });
         if !even {
             return Ok(None);

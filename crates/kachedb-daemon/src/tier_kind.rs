@@ -40,7 +40,8 @@ pub struct Start {
     pub adopt: Vec<OwnedFd>,
     /// Taking over: the tier touches its storage only once
     /// [`Tier::release`]d.
-    pub held: bool,    /// The KV event publisher's queue, while the daemon publishes: a tier
+    pub held: bool,
+    /// The KV event publisher's queue, while the daemon publishes: a tier
     /// with an index of its own (the disk tier's) publishes it there
     /// (medium `DISK`, docs/events.md).
     pub kv_events: Option<crate::kv_events::TierSink>,

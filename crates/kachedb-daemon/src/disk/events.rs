@@ -106,7 +106,12 @@ impl DiskLog {
             let all = ix
                 .entries()
                 .into_iter()
-                .map(|(key, parent)| IndexChange::Stored { key, parent, replaced: false, meta: self.metas.get(&key).cloned() })
+                .map(|(key, parent)| IndexChange::Stored {
+                    key,
+                    parent,
+                    replaced: false,
+                    meta: self.metas.get(&key).cloned(),
+                })
                 .collect();
             if sink.send_all(all) {
                 self.snapshot_due = false;

@@ -313,7 +313,11 @@ impl Header {
         }
         let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
         let sum = u64::from_le_bytes(head[8..16].try_into().unwrap_or([0; 8]));
-        let Some(rec) = (1..=RECORD_MAX).contains(&len).then(|| area.get(RECORD_AT + RECORD_HEAD..RECORD_AT + RECORD_HEAD + len)).flatten() else {
+        let Some(rec) = (1..=RECORD_MAX)
+            .contains(&len)
+            .then(|| area.get(RECORD_AT + RECORD_HEAD..RECORD_AT + RECORD_HEAD + len))
+            .flatten()
+        else {
             return Some(Err(format!("record length {len} out of bounds")));
         };
         if xxh3_64(rec) != sum {
@@ -429,7 +433,10 @@ mod tests {
         assert_eq!(Header::record(&b), Some(Ok(m.clone())));
         let end = RECORD_AT + RECORD_HEAD + m.encoded_len();
         assert_eq!(Header::record(&b[..end]), Some(Ok(m.clone())));
-        assert_eq!(Header::record(&b[..end - 1]), Some(Err(format!("record length {} out of bounds", m.encoded_len()))));
+        assert_eq!(
+            Header::record(&b[..end - 1]),
+            Some(Err(format!("record length {} out of bounds", m.encoded_len())))
+        );
         // Without one, none.
         assert_eq!(Header::record(&h.encode()), None);
         assert_eq!(h.encode_with(None), (h.encode(), false));

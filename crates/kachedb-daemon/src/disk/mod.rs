@@ -73,6 +73,7 @@ pub mod index;
 pub mod setup;
 mod view;
 
+use crate::kv_events::TierSink;
 use crate::metrics::Metrics;
 use crate::tier::gate::{Refused, SlabGate};
 use crate::tier::metrics::add;
@@ -85,7 +86,6 @@ use cells::DiskCells;
 use dir::TierDir;
 use format::Header;
 use index::Index;
-use crate::kv_events::TierSink;
 use kachedb_shm::{BlockMeta, Region};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;

@@ -254,7 +254,12 @@ impl EventSink {
 
     /// An end of the queue for a tier's own index (the disk tier's).
     pub(crate) fn tier_sink(&self) -> TierSink {
-        TierSink { tx: self.tx.clone(), in_flight: self.in_flight.clone(), limit: self.limit, cells: self.cells.clone() }
+        TierSink {
+            tx: self.tx.clone(),
+            in_flight: self.in_flight.clone(),
+            limit: self.limit,
+            cells: self.cells.clone(),
+        }
     }
 }
 

@@ -218,7 +218,12 @@ impl State {
                     Some(m) => m.parent_hash,
                     None => parent.map(|p| self.published_hash(medium, p)),
                 };
-                self.pending.push(KvEvent::Stored { hash, parent: parent_hash, medium: medium.name(), meta: meta.clone() });
+                self.pending.push(KvEvent::Stored {
+                    hash,
+                    parent: parent_hash,
+                    medium: medium.name(),
+                    meta: meta.clone(),
+                });
                 self.map(medium).insert(key, Entry { hash, parent_key: parent, parent_hash, meta });
             }
             IndexChange::Removed { key } => {

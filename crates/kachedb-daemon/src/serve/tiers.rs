@@ -871,7 +871,15 @@ mod tests {
     }
 
     fn spec_of(key: u128, len: u64) -> FillSpec {
-        FillSpec { key, dtype: DType::U8, shape: Shape::for_bytes(len).unwrap(), len, parent: None, tenant: None, meta: None }
+        FillSpec {
+            key,
+            dtype: DType::U8,
+            shape: Shape::for_bytes(len).unwrap(),
+            len,
+            parent: None,
+            tenant: None,
+            meta: None,
+        }
     }
 
     /// Read-ahead: a miss of key 1 starts a read-ahead fetch of key 2; with

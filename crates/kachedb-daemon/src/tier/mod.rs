@@ -135,7 +135,8 @@ pub struct FillSpec {
     pub len: u64,
     /// The parent the block was committed with, if the tier keeps it: the
     /// fill commits the block naming it (linked if the parent is local).
-    pub parent: Option<u128>,    /// The block's metadata record (META), if the tier kept it: the filled
+    pub parent: Option<u128>,
+    /// The block's metadata record (META), if the tier kept it: the filled
     /// block is published with it (docs/events.md).
     pub meta: Option<Arc<BlockMeta>>,
 }
