@@ -126,3 +126,70 @@ impl DiskLog {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::disk::index::Limits;
+    use crate::kv_events::Msg;
+    use std::sync::atomic::Ordering::Relaxed;
+
+    fn keys(changes: &[IndexChange]) -> Vec<String> {
+        changes
+            .iter()
+            .map(|c| match c {
+                IndexChange::Stored { key, parent, meta, .. } => {
+                    format!("+{key}<{parent:?}{}", if meta.is_some() { "m" } else { "" })
+                }
+                IndexChange::Removed { key } => format!("-{key}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_whole_index_first_then_each_change_in_order_and_the_whole_index_after_a_loss() {
+        let mut ix = Index::new(1 << 30, &Limits::default());
+        let t = ix.tenant("default");
+        ix.insert(1, None, 4096, t);
+        let (sink, mut rx, in_flight) = TierSink::for_tests(3, 16);
+        let mut log = DiskLog::default();
+        // Off: nothing logged, nothing sent.
+        log.stored(9, None, None);
+        log.flush(&ix);
+        assert!(rx.try_recv().is_err() && !log.snapshot_due());
+        log.attach(sink);
+        log.flush(&ix);
+        let Ok(Msg::DiskSnapshot(all)) = rx.try_recv() else { panic!("the whole index first") };
+        assert_eq!(keys(&all), ["+1<None"]);
+        in_flight.fetch_sub(1, Relaxed);
+        // Changes, with their records, in the order they were logged.
+        let meta = Arc::new(BlockMeta { block_hash: 7, block_size: 16, ..BlockMeta::default() });
+        ix.insert(2, Some(1), 4096, t);
+        log.stored(2, Some(1), Some(meta));
+        ix.remove(1);
+        log.removed(1);
+        log.flush(&ix);
+        let Ok(Msg::Disk(changes)) = rx.try_recv() else { panic!("the changes") };
+        assert_eq!(keys(&changes), ["+2<Some(1)m", "-1"]);
+        in_flight.fetch_sub(2, Relaxed);
+        // Four changes do not fit a queue of three: lost (counted), the whole index owed.
+        for k in 3..7 {
+            ix.insert(k, None, 4096, t);
+            log.stored(k, None, None);
+        }
+        log.flush(&ix);
+        assert!(rx.try_recv().is_err() && log.snapshot_due());
+        // The next flush sends it, records kept: blocks 2..7.
+        log.flush(&ix);
+        let Ok(Msg::DiskSnapshot(all)) = rx.try_recv() else { panic!("the whole index after the loss") };
+        let mut got = keys(&all);
+        got.sort();
+        assert_eq!(got, ["+2<Some(1)m", "+3<None", "+4<None", "+5<None", "+6<None"]);
+        assert!(!log.snapshot_due());
+        // The publisher gone: the log turns itself off.
+        drop(rx);
+        log.stored(8, None, None);
+        log.flush(&ix);
+        assert!(!log.is_on());
+    }
+}

@@ -129,6 +129,16 @@ impl std::fmt::Debug for TierSink {
 }
 
 impl TierSink {
+    /// A sink whose queue holds `limit` changes (and `messages` messages),
+    /// with the publisher's end of it and the count in flight.
+    #[cfg(test)]
+    pub(crate) fn for_tests(limit: usize, messages: usize) -> (TierSink, mpsc::Receiver<Msg>, Arc<AtomicUsize>) {
+        let (tx, rx) = mpsc::channel(messages);
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let sink = TierSink { tx, in_flight: in_flight.clone(), limit, cells: Arc::new(EventCells::default()) };
+        (sink, rx, in_flight)
+    }
+
     /// Queues `changes`; `false` if they did not fit (lost and counted: the
     /// tier owes the publisher its whole index, [`send_all`](Self::send_all)).
     pub fn send(&self, changes: Vec<IndexChange>) -> bool {
