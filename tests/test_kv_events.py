@@ -236,6 +236,8 @@ def test_every_subscribers_disk_index_equals_the_disk_tiers_after_mixed_operatio
                         f"(e.g. {sorted(disk - want)[:5]})"
                     )
                     assert len(index) == st["blocks"] and index <= touched, (phase, name, len(index), st["blocks"])
+                metrics = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read().decode()
+                assert metric(metrics, "kachedb_events_disk_blocks") == len(want)
                 text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read().decode()
                 print(
                     f"{phase}: {len(want)} blocks on disk, {st['blocks']} in the megaslab; changes dropped "

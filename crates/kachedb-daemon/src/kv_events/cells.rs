@@ -16,8 +16,8 @@ pub struct EventCells {
     pub events: AtomicU64,
     /// Payload bytes of those batches.
     pub bytes: AtomicU64,
-    /// Index changes the serve loop could not queue (the queue was full);
-    /// each such loss is followed by a snapshot on the stream.
+    /// Index changes the serve loop (or the disk tier) could not queue (the
+    /// queue was full); each such loss is followed by a snapshot on the stream.
     pub dropped: AtomicU64,
     /// Snapshots published on the stream after a loss (or at start).
     pub resyncs: AtomicU64,
@@ -34,15 +34,17 @@ pub struct EventCells {
     pub sequence: AtomicU64,
     /// Blocks in the publisher's index (what a snapshot sends).
     pub blocks: AtomicU64,
+    /// Blocks in its copy of the disk tier's index (medium `DISK`).
+    pub disk_blocks: AtomicU64,
 }
 
-const ROWS: [Row<EventCells>; 11] = [
+const ROWS: [Row<EventCells>; 12] = [
     ("events_batches", "KV event batches published on the PUB socket.", Kind::Counter, |c| &c.batches),
     ("events_published", "KV events published (stored, removed, cleared).", Kind::Counter, |c| &c.events),
     ("events_bytes", "Payload bytes of the KV event batches published.", Kind::Counter, |c| &c.bytes),
     (
         "events_dropped",
-        "Index changes the serve loop could not queue for the publisher (queue full); a snapshot follows each loss.",
+        "Index changes the serve loop or the disk tier could not queue for the publisher (queue full); a snapshot follows each loss.",
         Kind::Counter,
         |c| &c.dropped,
     ),
@@ -63,6 +65,12 @@ const ROWS: [Row<EventCells>; 11] = [
     ("events_subscribers", "Subscribers connected to the PUB socket.", Kind::Gauge, |c| &c.subscribers),
     ("events_sequence", "The last sequence number published.", Kind::Gauge, |c| &c.sequence),
     ("events_blocks", "Blocks in the publisher's index (what a snapshot sends).", Kind::Gauge, |c| &c.blocks),
+    (
+        "events_disk_blocks",
+        "Blocks in the publisher's copy of the disk tier's index (medium DISK).",
+        Kind::Gauge,
+        |c| &c.disk_blocks,
+    ),
 ];
 
 impl TierMetrics for EventCells {

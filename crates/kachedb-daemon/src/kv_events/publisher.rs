@@ -275,6 +275,7 @@ impl State {
             }
         }
         self.cells.blocks.store(self.index.len() as u64, Relaxed);
+        self.cells.disk_blocks.store(self.disk.len() as u64, Relaxed);
         // Keeps the vector's capacity for the next round.
         self.pending = pending;
         self.pending.clear();
