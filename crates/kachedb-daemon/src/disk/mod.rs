@@ -491,11 +491,10 @@ impl Shared {
         self.run.load(Acquire) == run
     }
 
-    /// Publishes the index's block and byte counts, in total and per
-    /// tenant (together, under the tenants' mutex, so that a reader holding
-    /// it sees rows that add up to the totals).
-    /// Shows the index's figures (`ix`, held) in the metrics and hands its
-    /// logged changes to the KV event publisher.
+    /// Publishes the index's (`ix`, held) block and byte counts, in total
+    /// and per tenant (together, under the tenants' mutex, so that a reader
+    /// holding it sees rows that add up to the totals), and hands its logged
+    /// changes to the KV event publisher.
     fn publish(&self, ix: &Index) {
         let mut tenants = lock(&self.cells().tenants);
         *tenants = ix.tenants();
@@ -505,7 +504,7 @@ impl Shared {
         lock(&self.log).flush(ix);
     }
 
-    /// Logs the removal of the `victims` taken out of the index (held).
+    /// Logs the removal of `keys`, just taken out of the index (held).
     fn log_removed<'a>(&self, keys: impl IntoIterator<Item = &'a u128>) {
         let mut log = lock(&self.log);
         if log.is_on() {
