@@ -586,35 +586,44 @@ def run(args: argparse.Namespace) -> int:
                          f"(one copy_ of all the bytes {one * 1e3:.2f} ms: {over_one_us:+.2f} us per block; "
                          f"{placed.placement})")
                 del dsts, whole_src, whole_dst
-                # get_prefix of 128 blocks against torch making 128 views of one tensor.
-                prefix = skeys[:128]
+                # get_prefix of 128 blocks against torch making 128 views of one tensor: the
+                # blocks put from separate tensors (each at its own offset in a page, as the
+                # block then is: one DLPack export per view), then from the rows of one
+                # tensor (the blocks a fixed stride apart: the views from one export).
                 base = torch.zeros(128, blk // 2, dtype=torch.float16)
+                rows = torch.stack(srcs[:128])
+                ekeys = [f"bench/py/even/{i}" for i in range(128)]
+                kc.put_many(ekeys, list(rows))
                 rounds = 100 if quick else 500
-                pre_s, torch_s = [], []
-                with _SeparateCores(daemon_pid) as placed:
-                    for _ in range(reps + 1):
-                        t0 = time.perf_counter_ns()
-                        for _ in range(rounds):
-                            views = kc.get_prefix(prefix)
-                            del views
-                        t1 = time.perf_counter_ns()
-                        for _ in range(rounds):
-                            views = [base[i] for i in range(128)]
-                            del views
-                        t2 = time.perf_counter_ns()
-                        pre_s.append((t1 - t0) / rounds / 1e3)
-                        torch_s.append((t2 - t1) / rounds / 1e3)
-                pre, tv = _median(pre_s[1:]), _median(torch_s[1:])
-                got = kc.get_prefix(prefix)
-                if len(got) != 128 or not torch.equal(got[5], srcs[5]):
-                    raise RuntimeError("get_prefix returned other blocks than were put")
-                del got, srcs
-                out.emit({"bench": "py_get_prefix", "blocks": 128, "us": pre, "torch_views_us": tv, "ratio": pre / tv,
-                          "target_ratio": TARGET_PREFIX_RATIO, "placement": placed.placement},
-                         f"get_prefix of 128 blocks (incl. release) {pre:7.1f} us vs torch making 128 views {tv:6.1f} us "
-                         f"= {pre / tv:.2f}x   target <= {TARGET_PREFIX_RATIO}x: {_met(pre / tv <= TARGET_PREFIX_RATIO)} "
-                         f"({placed.placement})")
-                kc.delete_many(skeys)
+                for layout, prefix, want in (("", skeys[:128], srcs[5]), (" (one stride)", ekeys, rows[5])):
+                    pre_s, torch_s = [], []
+                    with _SeparateCores(daemon_pid) as placed:
+                        for _ in range(reps + 1):
+                            t0 = time.perf_counter_ns()
+                            for _ in range(rounds):
+                                views = kc.get_prefix(prefix)
+                                del views
+                            t1 = time.perf_counter_ns()
+                            for _ in range(rounds):
+                                views = [base[i] for i in range(128)]
+                                del views
+                            t2 = time.perf_counter_ns()
+                            pre_s.append((t1 - t0) / rounds / 1e3)
+                            torch_s.append((t2 - t1) / rounds / 1e3)
+                    pre, tv = _median(pre_s[1:]), _median(torch_s[1:])
+                    got = kc.get_prefix(prefix)
+                    if len(got) != 128 or not torch.equal(got[5], want):
+                        raise RuntimeError("get_prefix returned other blocks than were put")
+                    exports = len({v.untyped_storage().data_ptr() for v in got})
+                    del got
+                    out.emit({"bench": "py_get_prefix" + ("_strided" if layout else ""), "blocks": 128, "us": pre,
+                              "torch_views_us": tv, "ratio": pre / tv, "exports": exports,
+                              "target_ratio": TARGET_PREFIX_RATIO, "placement": placed.placement},
+                             f"get_prefix of 128 blocks{layout} (incl. release) {pre:7.1f} us vs torch making 128 views "
+                             f"{tv:6.1f} us = {pre / tv:.2f}x   target <= {TARGET_PREFIX_RATIO}x: "
+                             f"{_met(pre / tv <= TARGET_PREFIX_RATIO)} ({exports} exports; {placed.placement})")
+                del srcs, rows
+                kc.delete_many(skeys + ekeys)
 
         kc.close()
         del kc

@@ -66,6 +66,11 @@ def test_bench_quick_json_smoke():
     assert 0 <= idle["daemon_idle_cpu_pct"] < 100  # the daemon started for the run is this user's: visible
     (prefix,) = by["py_get_prefix"]
     assert prefix["us"] > 0 and prefix["ratio"] == pytest.approx(prefix["us"] / prefix["torch_views_us"])
+    # The same from the rows of one tensor (how many exports the views took depends on where
+    # the daemon put the blocks: one where they lie a fixed stride apart).
+    (strided,) = by["py_get_prefix_strided"]
+    assert 1 <= strided["exports"] <= 128 and 1 <= prefix["exports"] <= 128
+    assert strided["ratio"] == pytest.approx(strided["us"] / strided["torch_views_us"])
     (small,) = by["py_put_many_small"]
     assert small["blocks"] == 200 and small["block_bytes"] == 64 << 10
     assert small["ratio"] == pytest.approx(small["put_many_s"] / small["torch_copy_loop_s"])
@@ -81,7 +86,7 @@ def test_small_section_alone_puts_a_thousand_blocks():
     out = run_bench("--json", "--only", "small")
     assert out.returncode == 0, out.stderr[-3000:]
     recs = {r["bench"]: r for r in map(json.loads, filter(str.strip, out.stdout.splitlines()))}
-    assert sorted(recs) == ["py_get_prefix", "py_put_many_small"]
+    assert sorted(recs) == ["py_get_prefix", "py_get_prefix_strided", "py_put_many_small"]
     assert recs["py_put_many_small"]["blocks"] == 1000  # the daemon it starts holds two generations of them
 
 

@@ -202,7 +202,9 @@ impl ViewFactory {
 
     /// `shared_views` of blocks laid out evenly — one dtype torch imports as
     /// its own, one shape, addresses a fixed stride apart in the call's order
-    /// (as the blocks of one `put_many` or reservation lie) — made from one
+    /// (the rows of one tensor put by one `put_many`, a reservation's blocks
+    /// written in place; a block takes its source's offset in a page, so the
+    /// blocks of separate tensors lie unevenly) — made from one
     /// export of their span: `as_strided` to `(n, *shape)`, then `unbind(0)`,
     /// so torch makes the n views in one call. They share the span's storage,
     /// whose owner holds `group`. `None` where the blocks are not so laid out.

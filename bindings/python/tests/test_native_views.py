@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kachedb
-from kdb_support import poll_until
+from kdb_support import Daemon, poll_until
 
 DAEMON_SIZE = "32MiB"
 
@@ -94,15 +94,30 @@ def test_views_hold_their_pins_until_the_last_derived_tensor_goes(kc):
     assert kc.delete_many([f"nv/p{i}" for i in range(3)]) == 3
 
 
-def test_a_prefix_of_evenly_laid_out_blocks_is_one_export_and_still_each_blocks_own_view(kc):
-    """Blocks stored by one ``put_many`` lie a fixed stride apart: ``get_prefix`` makes
+def test_a_prefix_of_evenly_laid_out_blocks_is_one_export_and_still_each_blocks_own_view():
+    """Equal blocks stored by one ``put_many`` from equally aligned sources lie a fixed
+    stride apart: ``get_prefix`` makes
     their views from one export of the span (one ``as_strided`` and ``unbind`` in torch).
     Each view is still its own block — its address, dtype, shape and bytes — a
     ``KVView``; the call's pins go with the last of the views and of the tensors derived
     from them. Blocks laid out otherwise (another shape in the batch) take the view-per-
-    block path, with the same result."""
+    block path, with the same result. (A daemon of its own: the megaslab empty, the
+    put_many's blocks lie one after another.)"""
+    d = Daemon(DAEMON_SIZE)
+    try:
+        kc = d.connect()
+        _evenly_laid_out(kc)
+        kc.close()
+    finally:
+        d.stop()
+
+
+def _evenly_laid_out(kc) -> None:
     keys = [f"nv/even{i}" for i in range(6)]
-    vals = [torch.full((8, 2048), float(i), dtype=torch.float16) for i in range(6)]
+    # Rows of one tensor: the same offset in a page each (a block's place in its page
+    # follows its source's), so the blocks lie a fixed stride apart.
+    whole = torch.empty(6, 8, 2048, dtype=torch.float16)
+    vals = [whole[i].fill_(float(i)) for i in range(6)]
     kc.put_many(keys, vals)
     own = [kc.get(k) for k in keys]
     addrs = [t.data_ptr() for t in own]
@@ -114,7 +129,7 @@ def test_a_prefix_of_evenly_laid_out_blocks_is_one_export_and_still_each_blocks_
     assert all(type(v).__name__ == "KVView" and v.shape == (8, 2048) and v.dtype == torch.float16 for v in views)
     assert all(torch.equal(v, x) for v, x in zip(views, vals))
     # Laid out evenly (equal blocks of one put_many): one storage, the span of the six.
-    assert len(steps) == 1, steps
+    assert len(steps) == 1, (steps, [a - addrs[0] for a in addrs])
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1
     assert views[0].untyped_storage().nbytes() >= 6 * vals[0].nbytes
     assert collected_pins(kc) == 6
