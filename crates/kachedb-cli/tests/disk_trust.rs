@@ -246,7 +246,9 @@ fn a_delete_and_a_replacement_during_the_index_rebuild_survive_kill_9() {
     drop(c);
     kill9(d, None);
 
-    // The restart's rebuild stalls on its header reads.
+    // The restart's rebuild stalls on its header reads (the catalog gone, it
+    // reads each file's).
+    forget_catalog(&disk);
     uncache_blocks(&disk);
     throttle.limit(64 << 10);
     // Time for the removals, whose reads wait behind the headers'.
@@ -281,6 +283,164 @@ fn a_delete_and_a_replacement_during_the_index_rebuild_survive_kill_9() {
     drop(d);
     drop(throttle);
     drop(mnt);
+}
+
+/// The catalog (docs/disk.md, "The catalog") indexes a restart after
+/// `kill -9` without reading a header, replacements and DELETEs included,
+/// and cannot make the tier serve what a file no longer holds: files
+/// changed in place behind its back (same inode, so the catalog still
+/// matches them) — another key's block, a truncated one, a flipped payload
+/// byte, an older version of the key of another length — are refused or
+/// served as their own headers say; a damaged or foreign catalog is read up
+/// to the damage or not at all, and the headers of the rest are read.
+#[test]
+fn the_catalog_indexes_a_restart_and_never_serves_what_a_file_no_longer_holds() {
+    let tmp = TempDir::new("trust-catalog");
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let normal = ["--disk-worker-class", "normal"];
+    let keys: Vec<Key> = (0..40).map(|j| tkey(71, j)).collect();
+    // The replaced key whose versions differ in length.
+    let moved = *keys[..5].iter().find(|&&k| versioned(k, 1).len() != versioned(k, 2).len()).expect("lengths differ");
+    let start = || {
+        let d = disk_daemon(&tmp, "16MiB", &disk, "64MiB", &normal);
+        let s = indexed(&socket);
+        (d, s)
+    };
+    let (d, _) = start();
+    let c = Client::connect(&d.opts()).expect("connect");
+    for &k in &keys {
+        c.put(k, &versioned(k, 1)).expect("put v1");
+    }
+    assert_eq!(num(&drained(&socket), "disk_writes"), 40);
+    let moved_v1 = std::fs::read(block_file(&disk, moved)).expect("the file of v1");
+    for &k in &keys[..5] {
+        c.put(k, &versioned(k, 2)).expect("put v2");
+    }
+    for &k in &keys[5..10] {
+        assert!(c.delete(k).expect("delete"));
+    }
+    drained(&socket);
+    drop(c);
+    kill9(d, None);
+
+    // What the tier serves: v2 of the replaced, nothing of the deleted, v1
+    // of the rest (`except` aside).
+    let check = |c: &Client, except: &[Key], s: &Value| {
+        for (j, &k) in keys.iter().enumerate() {
+            if except.contains(&k) {
+                continue;
+            }
+            let got = served(c, k);
+            match j {
+                0..5 => assert!(got.is_some_and(|b| is_version(&b, k, 2)), "key {j}: not v2 after the restart: {s}"),
+                5..10 => assert!(got.is_none(), "key {j}: deleted, and served after the restart: {s}"),
+                _ => assert!(got.is_some_and(|b| is_version(&b, k, 1)), "key {j}: not v1 after the restart: {s}"),
+            }
+        }
+    };
+    let (d, s) = start();
+    assert_eq!(
+        (num(&s, "disk_recovered"), num(&s, "disk_catalogued"), num(&s, "disk_torn")),
+        (35, 35, 0),
+        "the restart did not index from the catalog: {s}"
+    );
+    check(&Client::connect(&d.opts()).expect("connect"), &[], &s);
+    kill9(d, None);
+
+    // Files changed in place, behind the catalog's back.
+    let write_in_place = |k: Key, bytes: &[u8]| {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).truncate(true).open(block_file(&disk, k)).unwrap();
+        f.write_all(bytes).unwrap();
+    };
+    let (other_key, short, flipped) = (keys[10], keys[12], keys[13]);
+    write_in_place(other_key, &std::fs::read(block_file(&disk, keys[11])).unwrap());
+    let f = std::fs::OpenOptions::new().write(true).open(block_file(&disk, short)).unwrap();
+    f.set_len(f.metadata().unwrap().len() - 10).unwrap();
+    drop(f);
+    let mut b = std::fs::read(block_file(&disk, flipped)).unwrap();
+    let last = b.len() - 1;
+    b[last] ^= 0x5a;
+    write_in_place(flipped, &b);
+    write_in_place(moved, &moved_v1);
+    let (d, s) = start();
+    assert_eq!((num(&s, "disk_recovered"), num(&s, "disk_catalogued")), (35, 35), "{s}");
+    let c = Client::connect(&d.opts()).expect("connect");
+    for k in [other_key, short, flipped] {
+        assert!(served(&c, k).is_none(), "a file changed behind the catalog was served: {s}");
+    }
+    let got = served(&c, moved).expect("the older version in place of the newer one is a whole block");
+    assert!(is_version(&got, moved, 1), "not the bytes (and length) the file's own header gives");
+    let s = stats_fast(&socket);
+    assert_eq!(num(&s, "disk_torn"), 3, "{s}");
+    assert!(invariants_ok(&s), "{s}");
+    check(&c, &[other_key, short, flipped, moved], &s);
+    drop(c);
+    kill9(d, None);
+
+    // A damaged catalog: read up to the damage, the rest's headers read.
+    let cat = catalog_file(&disk);
+    let mut b = std::fs::read(&cat).unwrap();
+    let mid = b.len() / 2;
+    b[mid] ^= 0xff;
+    std::fs::write(&cat, &b).unwrap();
+    let (d, s) = start();
+    let (recovered, catalogued) = (num(&s, "disk_recovered"), num(&s, "disk_catalogued"));
+    assert!(recovered == 32 && catalogued > 0 && catalogued < 32, "{s}");
+    check(&Client::connect(&d.opts()).expect("connect"), &[other_key, short, flipped, moved], &s);
+    kill9(d, None);
+    // The headers read then were added: all from the catalog again.
+    let (d, s) = start();
+    assert_eq!((num(&s, "disk_recovered"), num(&s, "disk_catalogued")), (32, 32), "{s}");
+    kill9(d, None);
+    // Not a catalog at all: every header read, and a new one written.
+    std::fs::write(&cat, b"not a catalog").unwrap();
+    let (d, s) = start();
+    assert_eq!((num(&s, "disk_recovered"), num(&s, "disk_catalogued")), (32, 0), "{s}");
+    check(&Client::connect(&d.opts()).expect("connect"), &[other_key, short, flipped, moved], &s);
+    kill9(d, None);
+    let (_d, s) = start();
+    assert_eq!((num(&s, "disk_recovered"), num(&s, "disk_catalogued")), (32, 32), "{s}");
+}
+
+/// The catalog grows by an entry a write (a replaced key's older entries
+/// stay until it is written anew); a writer writes it anew once it holds more
+/// than twice as many entries as blocks on disk plus `--disk-catalog-slack`,
+/// so 160 writes of 8 keys leave it at most 32 entries long, and a restart
+/// after `kill -9` still indexes every block from it and serves its last
+/// version.
+#[test]
+fn a_catalog_grown_by_replacements_is_written_anew_and_still_indexes_the_restart() {
+    let tmp = TempDir::new("trust-catalog-anew");
+    let disk = tmp.0.join("disk");
+    let socket = tmp.socket();
+    let args = ["--disk-worker-class", "normal", "--disk-catalog-slack", "16"];
+    let d = disk_daemon(&tmp, "16MiB", &disk, "64MiB", &args);
+    indexed(&socket);
+    let c = Client::connect(&d.opts()).expect("connect");
+    let keys: Vec<Key> = (0..8).map(|j| tkey(81, j)).collect();
+    for v in 1..=20 {
+        for &k in &keys {
+            c.put(k, &versioned(k, v)).expect("put");
+        }
+        drained(&socket);
+    }
+    assert_eq!(num(&stats_fast(&socket), "disk_writes"), 160);
+    // An entry: 72 bytes and the tenant's name (`default`); the file's header: 16.
+    let len = std::fs::metadata(catalog_file(&disk)).expect("the catalog").len();
+    assert!(len <= 16 + 32 * 79, "the catalog was not written anew: {len} bytes for 8 blocks after 160 writes");
+    assert!(d.log().contains("the catalog written anew"), "{}", d.log());
+    drop(c);
+    kill9(d, None);
+    let d = disk_daemon(&tmp, "16MiB", &disk, "64MiB", &args);
+    let s = indexed(&socket);
+    assert_eq!((num(&s, "disk_recovered"), num(&s, "disk_catalogued")), (8, 8), "{s}");
+    let c = Client::connect(&d.opts()).expect("connect");
+    for &k in &keys {
+        let b = served(&c, k).expect("the block came back");
+        assert!(is_version(&b, k, 20), "not the last version");
+    }
 }
 
 /// A process that asks the daemon to take over, speaking the protocol of
@@ -679,9 +839,13 @@ fn crash_consistency_of_puts_re_puts_and_deletes_against_a_model() {
     let mut next_version = 1u64;
     let (mut ops_total, mut checked, mut served_total, mut acked_total) = (0u64, 0u64, 0u64, 0u64);
     let (mut deletes, mut re_puts) = (0u64, 0u64);
+    // Blocks found at the restarts, and of those through the catalog.
+    let (mut recovered, mut catalogued) = (0u64, 0u64);
     for round in 0..=kills {
         let d = disk_daemon(&tmp, "16MiB", &disk, "256MiB", &["--disk-worker-class", "normal"]);
-        indexed(&socket);
+        let s = indexed(&socket);
+        recovered += num(&s, "disk_recovered");
+        catalogued += num(&s, "disk_catalogued");
         let c = Client::connect(&d.opts()).expect("connect");
         {
             let mut m = model.lock().unwrap();
@@ -776,9 +940,11 @@ fn crash_consistency_of_puts_re_puts_and_deletes_against_a_model() {
     say(
         "crash-model",
         format!(
-            "{kills} kills; {ops_total} requests acknowledged ({re_puts} re-puts, {deletes} deletes); {checked} keys checked after restarts: 0 stale or deleted blocks served, 0 wrong bytes; {served_total} of {acked_total} acknowledged puts still served after the restart ({:.1} %)",
+            "{kills} kills; {ops_total} requests acknowledged ({re_puts} re-puts, {deletes} deletes); {checked} keys checked after restarts: 0 stale or deleted blocks served, 0 wrong bytes; {served_total} of {acked_total} acknowledged puts still served after the restart ({:.1} %); {catalogued} of the {recovered} blocks found at the restarts indexed from the catalog",
             100.0 * served_total as f64 / acked_total.max(1) as f64
         ),
     );
     assert!(deletes > kills && re_puts > kills, "too few deletes ({deletes}) or re-puts ({re_puts}) to mean anything");
+    // The restarts went through the catalog (what this test checks of it).
+    assert!(catalogued * 2 > recovered, "{catalogued} of {recovered} blocks from the catalog");
 }

@@ -43,6 +43,28 @@ pub fn files_in(dir: &Path) -> usize {
     std::fs::read_dir(dir).map(|rd| rd.count()).unwrap_or(0)
 }
 
+/// The disk tier's catalog (docs/disk.md, "The catalog").
+pub fn catalog_file(disk: &Path) -> PathBuf {
+    disk.join("tmp").join("catalog")
+}
+
+/// Deletes the catalog: the next start reads every block file's header (as
+/// on a directory a build before the catalog wrote).
+pub fn forget_catalog(disk: &Path) {
+    match std::fs::remove_file(catalog_file(disk)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => panic!("removing the catalog: {e}"),
+    }
+}
+
+/// Files under `DIR/tmp` that are unfinished writes (the catalog is not one).
+pub fn unfinished_writes(disk: &Path) -> usize {
+    std::fs::read_dir(disk.join("tmp"))
+        .map(|rd| rd.filter_map(Result::ok).filter(|e| e.file_name() != "catalog").count())
+        .unwrap_or(0)
+}
+
 pub fn block_file(disk: &Path, key: Key) -> PathBuf {
     disk.join("blocks").join(format!("{:032x}.kdb", key.0))
 }

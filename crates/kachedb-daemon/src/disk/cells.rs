@@ -49,6 +49,8 @@ pub struct DiskCells {
     pub torn: AtomicU64,
     /// Blocks found whole at start.
     pub recovered: AtomicU64,
+    /// Of those, blocks the catalog knew (no header read at start).
+    pub catalogued: AtomicU64,
     /// Blocks deleted by a client's DELETE.
     pub deletes: AtomicU64,
     /// Fetches the serve loop stopped waiting for (past `--disk-timeout-ms`).
@@ -74,7 +76,7 @@ pub struct DiskCells {
     pub fill: FillLatency,
 }
 
-const ROWS: [Row<DiskCells>; 24] = [
+const ROWS: [Row<DiskCells>; 25] = [
     ("disk_blocks", "Blocks on the disk tier.", Kind::Gauge, |c| &c.blocks),
     ("disk_bytes", "File-system bytes the disk tier's blocks take.", Kind::Gauge, |c| &c.bytes),
     ("disk_capacity_bytes", "The bound on the disk tier's bytes (--disk-size).", Kind::Gauge, |c| &c.capacity_bytes),
@@ -106,6 +108,12 @@ const ROWS: [Row<DiskCells>; 24] = [
         |c| &c.torn,
     ),
     ("disk_recovered", "Blocks found whole on disk at start.", Kind::Counter, |c| &c.recovered),
+    (
+        "disk_catalogued",
+        "Blocks found at start through the disk tier's catalog (no header read).",
+        Kind::Counter,
+        |c| &c.catalogued,
+    ),
     ("disk_deletes", "Blocks deleted from disk because a client deleted their key.", Kind::Counter, |c| &c.deletes),
     (
         "disk_fetches_timed_out",
@@ -233,6 +241,7 @@ impl DiskCells {
             disk_errors: self.errors.load(Relaxed),
             disk_torn: self.torn.load(Relaxed),
             disk_recovered: self.recovered.load(Relaxed),
+            disk_catalogued: self.catalogued.load(Relaxed),
             disk_deletes: self.deletes.load(Relaxed),
             disk_fetches_timed_out: self.fetches_timed_out.load(Relaxed),
             disk_read_ahead: self.read_ahead.load(Relaxed),
@@ -320,6 +329,8 @@ pub struct DiskStats {
     pub disk_torn: u64,
     /// Blocks found whole at start.
     pub disk_recovered: u64,
+    /// Of those, blocks found through the catalog (no header read at start).
+    pub disk_catalogued: u64,
     /// Blocks deleted from disk because a client deleted their key
     /// (DELETE goes through to the disk).
     pub disk_deletes: u64,

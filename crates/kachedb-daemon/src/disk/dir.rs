@@ -24,8 +24,8 @@
 //! to the new daemon ([`TierDir::adopt`]): the `flock` is on the open file
 //! both hold, so the lock is never let go between the two daemons.
 
-use super::format;
 use super::DiskError;
+use super::{catalog, format};
 use rustix::fs::{AtFlags, FlockOperation, Mode, OFlags};
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -293,31 +293,93 @@ impl TierDir {
         Ok(rustix::fs::fsync(&self.blocks)?)
     }
 
-    /// The block files under `blocks/`: each one's key (other names are left alone).
-    pub(super) fn list_blocks(&self) -> std::io::Result<Vec<u128>> {
+    /// The block files under `blocks/`: each one's key and inode, as the
+    /// directory's entries give them (other names are left alone).
+    pub(super) fn list_blocks(&self) -> std::io::Result<Vec<(u128, u64)>> {
         let mut out = Vec::new();
         let mut dir = rustix::fs::Dir::read_from(&self.blocks)?;
         while let Some(entry) = dir.read() {
             let entry = entry?;
             if let Some(key) = entry.file_name().to_str().ok().and_then(format::key_of_name) {
-                out.push(key);
+                out.push((key, entry.ino()));
             }
         }
         Ok(out)
     }
 
-    /// Empties `tmp/` (writes a crash cut short); how many entries went.
-    /// `unlinkat` removes a link itself, never what it points to.
+    /// Empties `tmp/` (writes a crash cut short) but for the catalog
+    /// ([`catalog::FILE`]); how many entries went. `unlinkat` removes a link
+    /// itself, never what it points to.
     pub(super) fn clear_tmp(&self) -> u64 {
         let Ok(mut dir) = rustix::fs::Dir::read_from(&self.tmp) else { return 0 };
         let mut names = Vec::new();
         while let Some(Ok(entry)) = dir.read() {
             let name = entry.file_name().to_bytes();
-            if name != b"." && name != b".." && entry.file_type() != rustix::fs::FileType::Directory {
+            if name != b"."
+                && name != b".."
+                && name != catalog::FILE.as_bytes()
+                && entry.file_type() != rustix::fs::FileType::Directory
+            {
                 names.push(entry.file_name().to_owned());
             }
         }
         names.iter().filter(|n| rustix::fs::unlinkat(&self.tmp, n.as_c_str(), AtFlags::empty()).is_ok()).count() as u64
+    }
+
+    /// The catalog, opened for reading; `Ok(None)` if there is none.
+    pub(super) fn open_catalog(&self) -> std::io::Result<Option<File>> {
+        match rustix::fs::openat(
+            &self.tmp,
+            catalog::FILE,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => Ok(Some(File::from(fd))),
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes a whole new catalog by `write` (under another name, synced,
+    /// then renamed over the old one and `tmp/` synced); `write` returns how
+    /// many entries it wrote, and so does this.
+    pub(super) fn replace_catalog(
+        &self,
+        write: impl FnOnce(&mut std::io::BufWriter<&File>) -> std::io::Result<u64>,
+    ) -> std::io::Result<u64> {
+        let _ = rustix::fs::unlinkat(&self.tmp, catalog::NEW_FILE, AtFlags::empty());
+        let f = self.create_tmp(catalog::NEW_FILE)?;
+        let n = {
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, &f);
+            let n = write(&mut w)?;
+            w.into_inner().map_err(|e| e.into_error())?;
+            n
+        };
+        f.sync_data()?;
+        drop(f);
+        rustix::fs::renameat(&self.tmp, catalog::NEW_FILE, &self.tmp, catalog::FILE)?;
+        rustix::fs::fsync(&self.tmp)?;
+        Ok(n)
+    }
+
+    /// The catalog, opened for appending (for one batch).
+    pub(super) fn append_catalog(&self) -> std::io::Result<File> {
+        let fd = rustix::fs::openat(
+            &self.tmp,
+            catalog::FILE,
+            OFlags::WRONLY | OFlags::APPEND | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(File::from(fd))
+    }
+
+    /// Deletes the catalog, durably (`tmp/` synced after).
+    pub(super) fn remove_catalog(&self) -> std::io::Result<()> {
+        match rustix::fs::unlinkat(&self.tmp, catalog::FILE, AtFlags::empty()) {
+            Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(rustix::fs::fsync(&self.tmp)?)
     }
 }
 

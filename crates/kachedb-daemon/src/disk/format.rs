@@ -185,6 +185,13 @@ pub fn key_of_name(name: &str) -> Option<u128> {
     u128::from_str_radix(hex, 16).ok()
 }
 
+/// The record `meta` as the header area holds it: encoded, if it encodes
+/// and fits ([`RECORD_MAX`]); `None` otherwise (the block goes by key).
+pub fn record_bytes(meta: Option<&BlockMeta>) -> Option<Vec<u8>> {
+    let mut rec = Vec::new();
+    meta.is_some_and(|m| m.encode(&mut rec).is_ok() && !rec.is_empty() && rec.len() <= RECORD_MAX).then_some(rec)
+}
+
 /// The bytes a block file of `len` tensor bytes has.
 pub fn file_len(len: u64) -> u64 {
     HEADER_AREA.saturating_add(len)
@@ -224,9 +231,9 @@ impl Header {
     /// ([`RECORD_MAX`]); whether it was put in.
     pub fn encode_with(&self, meta: Option<&BlockMeta>) -> (Vec<u8>, bool) {
         let mut b = self.encode();
-        let mut rec = Vec::new();
-        let fits = meta.is_some_and(|m| m.encode(&mut rec).is_ok() && !rec.is_empty() && rec.len() <= RECORD_MAX);
-        if fits {
+        let rec = record_bytes(meta);
+        let fits = rec.is_some();
+        if let Some(rec) = rec {
             let at = RECORD_AT;
             b[at..at + 4].copy_from_slice(&RECORD_MAGIC);
             b[at + 4..at + 8].copy_from_slice(&(rec.len() as u32).to_le_bytes());

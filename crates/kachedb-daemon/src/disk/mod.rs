@@ -44,11 +44,13 @@
 //!   does the client get its answer ([`TierEvent::Removed`]). Removals have
 //!   a thread and a queue of their own, so they never wait behind writes.
 //! * **Start**: the directory is opened and checked, and locked
-//!   ([`dir`]), `DIR/tmp` (unfinished writes) is emptied and the index is
-//!   rebuilt from the headers of `DIR/blocks` on a thread of its own (one
-//!   open, `fstat` and header-page read per file, `O_DIRECT`, by many
-//!   threads at once: [`index_files`]; payloads are checked at fill time);
-//!   writes wait for it, fills and removals do not.
+//!   ([`dir`]), `DIR/tmp` (unfinished writes) is emptied but for the
+//!   catalog ([`catalog`]) and the index is rebuilt on a thread of its own
+//!   ([`rebuild`]): the files the catalog knows (key and inode) from it, the
+//!   others from their headers (one open, `fstat` and header-page read per
+//!   file, `O_DIRECT`, by many threads at once; payloads are checked at fill
+//!   time); writes wait for it, fills and removals do not. A writer appends
+//!   its batch's catalog entries and syncs them before its renames.
 //!
 //! The megaslab is touched only under the read side of a gate
 //! (`Shared::running`); stopping takes the write side, so once
@@ -65,11 +67,13 @@
 //! file, read `O_DIRECT` straight into an aligned buffer, so no page is
 //! cached and none needs dropping.
 
+mod catalog;
 pub mod cells;
 mod dir;
 mod events;
 pub mod format;
 pub mod index;
+mod rebuild;
 pub mod setup;
 mod view;
 
@@ -133,6 +137,9 @@ const INDEX_THREADS: usize = 64;
 const INDEX_BATCH: usize = 256;
 /// Block files the index rebuild indexes per hold of the index's mutex.
 const INDEX_CHUNK: usize = 4096;
+/// Entries the catalog may hold beyond twice the blocks on disk before it
+/// is written anew (at start, or by a writer), by default.
+pub const DEFAULT_CATALOG_SLACK: u64 = 65_536;
 /// Block files up to this size are asked for ahead, whole
 /// (`POSIX_FADV_WILLNEED`), when a fetch starts.
 const WILLNEED_MAX_BYTES: u64 = 8 << 20;
@@ -170,6 +177,9 @@ pub struct DiskConfig {
     pub tenant_limits: index::Limits,
     /// Blocks read ahead along a chain (`--disk-read-ahead`; 0: none).
     pub read_ahead: usize,
+    /// Entries the catalog may hold beyond twice the blocks on disk before it
+    /// is written anew (`--disk-catalog-slack`).
+    pub catalog_slack: u64,
 }
 
 /// The scheduling class the tier's threads run in.
@@ -470,6 +480,12 @@ struct Shared {
     /// The directory is no longer the one the tier opened: it stopped.
     lost: AtomicBool,
     backlog: Mutex<Backlog>,
+    /// The catalog, open for appending (`None`: there is none until the
+    /// next start, which reads headers). Lock order: before `index`.
+    catalog: Mutex<Option<catalog::Appender>>,
+    /// The catalog failed and could not be deleted: no block is renamed
+    /// into place until it is (writes fail, counted).
+    catalog_stuck: AtomicBool,
     /// Numbers temporary files.
     tmp_seq: AtomicU64,
     /// Numbers removal tokens.
@@ -730,6 +746,8 @@ impl DiskTier {
             released: (Mutex::new(!held), Condvar::new()),
             lost: AtomicBool::new(false),
             backlog: Mutex::new(Backlog::default()),
+            catalog: Mutex::new(None),
+            catalog_stuck: AtomicBool::new(false),
             tmp_seq: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
         });
@@ -762,7 +780,7 @@ fn spawn_threads(shared: &Arc<Shared>) -> std::io::Result<()> {
         })
     };
     if !shared.indexed.load(Acquire) {
-        spawn(rebuild_index, true)?;
+        spawn(rebuild::rebuild_index, true)?;
     }
     for _ in 0..WRITERS {
         spawn(write_loop, true)?;
@@ -1032,233 +1050,6 @@ fn record_of(key: u128, area: &[u8]) -> Option<Arc<BlockMeta>> {
     }
 }
 
-/// Empties `tmp/` and rebuilds the index from the headers under `blocks/`;
-/// then lets the writers go.
-/// Gives the allocator's free memory back to the kernel, every arena's.
-fn trim_heap() {
-    // SAFETY: `malloc_trim` takes no pointer and only returns free memory to
-    // the kernel; glibc's allocator is thread-safe.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-fn rebuild_index(s: &Shared, run: u64) {
-    let t0 = Instant::now();
-    let mut torn = s.dir.clear_tmp();
-    // The block files' names, then their headers read by many threads at
-    // once (a cold disk answers many reads in flight faster than one).
-    let keys = match s.dir.list_blocks() {
-        Ok(k) => k,
-        Err(e) => {
-            add(&s.cells().errors, 1);
-            tracing::warn!("disk tier: reading {}/blocks: {e}", s.cfg.dir.display());
-            Vec::new()
-        }
-    };
-    let listed = t0.elapsed();
-    let (mut found, t) = index_files(s, &keys, run);
-    if !s.live(run) {
-        return;
-    }
-    torn += t;
-    let read = t0.elapsed();
-    // Least recently written first: the LRU order the index starts with.
-    found.sort_by_key(|f| f.0);
-    let mut recovered = 0u64;
-    let mut bytes = 0u64;
-    lock(&s.index).reserve(found.len());
-    // A chunk at a time, letting go of the mutexes in between: the serve
-    // loop takes `order`'s at every COMMIT.
-    for chunk in found.chunks(INDEX_CHUNK) {
-        let mut ix = lock(&s.index);
-        let order = lock(&s.order);
-        let mut log = lock(&s.log);
-        for (_, key, parent, b, tenant, meta) in chunk {
-            // Removed (deleted or replaced) while the rebuild ran.
-            if order.tombs.contains_key(key) {
-                continue;
-            }
-            let t = ix.tenant(tenant.as_deref().unwrap_or(kachedb_shm::control::DEFAULT_TENANT));
-            ix.insert(*key, *parent, *b, t);
-            log.stored(*key, *parent, meta.clone());
-            recovered += 1;
-            bytes += b;
-        }
-        // The chunk's blocks in the figures and on the KV event stream.
-        drop((log, order));
-        s.publish(&ix);
-    }
-    drop(found);
-    drop(keys);
-    // The names and headers read (~100 bytes a block, in the reader threads'
-    // arenas too) are free now; the daemon's trim threshold (`mallopt` in
-    // `kachedb serve`) would keep them as resident memory for good.
-    trim_heap();
-    let victims = {
-        let mut ix = lock(&s.index);
-        let v = ix.shrink_to_fit();
-        s.log_removed(v.iter().map(|(k, _)| k));
-        lock(&s.log).resync();
-        let mut order = lock(&s.order);
-        for (key, _) in &v {
-            count_in(&mut order.evicting, *key);
-        }
-        drop(order);
-        s.publish(&ix);
-        v
-    };
-    delete_victims(s, &victims);
-    if !victims.is_empty() {
-        let _ = s.dir.sync_blocks();
-    }
-    evicted(s, &victims.iter().map(|(k, _)| *k).collect::<Vec<_>>());
-    let took = t0.elapsed();
-    let cells = s.cells();
-    cells.recovered.store(recovered, Relaxed);
-    add(&cells.torn, torn);
-    cells.index_us.store(took.as_micros().max(1) as u64, Relaxed);
-    cells.indexed.store(true, Relaxed);
-    tracing::info!(
-        event = "disk_indexed",
-        dir = %s.cfg.dir.display(),
-        recovered,
-        torn,
-        evicted = victims.len(),
-        "disk tier {}: {recovered} blocks recovered ({} MiB), {torn} torn skipped, {} evicted to fit, in {:.3} s \
-         (names listed {:.3} s, headers read {:.3} s, indexed {:.3} s)",
-        s.cfg.dir.display(),
-        bytes >> 20,
-        victims.len(),
-        took.as_secs_f64(),
-        listed.as_secs_f64(),
-        (read - listed).as_secs_f64(),
-        (took - read).as_secs_f64()
-    );
-    let _g = lock(&s.indexed_wait.0);
-    s.indexed.store(true, Release);
-    s.indexed_wait.1.notify_all();
-}
-
-/// A block file that verified at start: when written, key, parent, bytes on
-/// disk, tenant (`None`: a version 1 file, the default tenant's), its
-/// metadata record (`format`, "The block's metadata record").
-type Found = (SystemTime, u128, Option<u128>, u64, Option<Arc<str>>, Option<Arc<BlockMeta>>);
-
-/// When a file was last written, by its status.
-fn mtime(st: &rustix::fs::Stat) -> SystemTime {
-    let since = Duration::new(u64::try_from(st.st_mtime).unwrap_or(0), st.st_mtime_nsec as u32);
-    UNIX_EPOCH.checked_add(since).unwrap_or(UNIX_EPOCH)
-}
-
-/// Checks the headers of the block files of `keys`, [`INDEX_THREADS`]
-/// threads taking up to [`INDEX_BATCH`] keys at a time: those that verify (when
-/// written, key, parent, bytes on disk), and how many did not (deleted).
-///
-/// The threads send their findings a batch at a time and this thread keeps
-/// them, in a vector it allocates: what outlives the threads is not left in
-/// their allocator arenas, which `malloc_trim` cannot empty while pieces of
-/// them are in use (with each thread's own growing vector, 100 000 blocks
-/// left a daemon with 19–23 MB of `RssAnon` after the rebuild, 6.7 MB with
-/// one arena).
-fn index_files(s: &Shared, keys: &[u128], run: u64) -> (Vec<Found>, u64) {
-    let next = &AtomicUsize::new(0);
-    // `O_DIRECT` until the file system refuses it (see `TierDir::read_header`).
-    let direct = &AtomicBool::new(true);
-    let batch = (keys.len() / (INDEX_THREADS * 4)).clamp(1, INDEX_BATCH);
-    let threads = INDEX_THREADS.min(keys.len().div_ceil(batch)).max(1);
-    let mut found = Vec::with_capacity(keys.len());
-    let (tx, rx) = std::sync::mpsc::channel::<Vec<Found>>();
-    let torn = std::thread::scope(|sc| {
-        let handles: Vec<_> = (0..threads)
-            .filter_map(|_| {
-                let tx = tx.clone();
-                std::thread::Builder::new()
-                    .name(THREAD_NAME.into())
-                    .spawn_scoped(sc, move || index_some(s, keys, batch, next, direct, run, &tx))
-                    .ok()
-            })
-            .collect();
-        // If no thread could be started, this one reads them all.
-        let mut torn = if handles.is_empty() { index_some(s, keys, batch, next, direct, run, &tx) } else { 0 };
-        drop(tx);
-        for batch in rx {
-            found.extend(batch);
-        }
-        torn += handles.into_iter().filter_map(|h| h.join().ok()).sum::<u64>();
-        torn
-    });
-    (found, torn)
-}
-
-/// One thread of [`index_files`]: takes the next `batch` keys of `keys`
-/// (by `next`) until none are left, reading each one's header, and
-/// sends each batch's blocks that verify to `out`; how many did not.
-fn index_some(
-    s: &Shared,
-    keys: &[u128],
-    batch: usize,
-    next: &AtomicUsize,
-    direct: &AtomicBool,
-    run: u64,
-    out: &std::sync::mpsc::Sender<Vec<Found>>,
-) -> u64 {
-    let mut torn = 0;
-    let mut page = dir::HeaderPage::new();
-    // The tenant names met, each kept once (a name per block would be a
-    // heap string per block).
-    let mut names: Vec<Arc<str>> = Vec::new();
-    loop {
-        let from = next.fetch_add(batch, Relaxed);
-        if from >= keys.len() || !s.live(run) {
-            return torn;
-        }
-        let mut found = Vec::with_capacity(batch);
-        for &key in &keys[from..(from + batch).min(keys.len())] {
-            if !s.live(run) {
-                break;
-            }
-            let mut read = 0;
-            let checked = (|| -> Result<(SystemTime, Header, u64), String> {
-                let (n, st) = s.dir.read_header(key, &mut page, direct).map_err(|e| e.to_string())?;
-                read = n;
-                if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-                    return Err("not a regular file".into());
-                }
-                let h = Header::decode(&page.0[..n], key).map_err(|e| e.to_string())?;
-                let len = st.st_size as u64;
-                h.check_file_len(len).map_err(|e| e.to_string())?;
-                Ok((mtime(&st), h, len))
-            })();
-            match checked {
-                Ok((mtime, h, len)) => {
-                    let tenant = h.tenant.map(|t| match names.iter().find(|n| ***n == *t) {
-                        Some(n) => n.clone(),
-                        None => {
-                            let n: Arc<str> = t.into();
-                            if names.len() < kachedb_shm::control::MAX_TENANTS {
-                                names.push(n.clone());
-                            }
-                            n
-                        }
-                    });
-                    let meta = record_of(key, &page.0[..read]);
-                    found.push((mtime, key, h.parent, index::disk_bytes(len), tenant, meta));
-                }
-                Err(why) => {
-                    torn += 1;
-                    tracing::warn!(key = %format_args!("{key:032x}"), "disk tier: block file refused at start and deleted: {why}");
-                    let _c = lock(&s.commit);
-                    if s.live(run) {
-                        let _ = s.dir.remove_block(key);
-                    }
-                }
-            }
-        }
-        let _ = out.send(found);
-    }
-}
-
 /// A writer thread: waits for the index, then writes queued blocks, those
 /// queued one behind the other in batches ([`write_batch`]).
 fn write_loop(s: &Shared, run: u64) {
@@ -1325,6 +1116,8 @@ struct Staged {
     tmp: String,
     /// Open while its data is being synced.
     file: Option<File>,
+    /// Its catalog entry (`None`: no file, or no inode).
+    entry: Option<catalog::Entry>,
 }
 
 /// Writes the blocks `batch`; each one's outcome: `Ok(true)` written,
@@ -1365,11 +1158,42 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
         evictions.extend(victims.iter().map(|(k, _)| *k));
         let tmp = format!("{:032x}.{}.tmp", job.key, s.tmp_seq.fetch_add(1, Relaxed));
         match write_file(s, job, &tmp, run) {
-            Ok(file) => staged.push(Staged { at, bytes, tenant, tmp, file }),
+            Ok(Some((file, written_ms))) => {
+                let entry = file.metadata().ok().map(|m| catalog::Entry {
+                    key: job.key,
+                    parent: job.parent,
+                    ino: std::os::unix::fs::MetadataExt::ino(&m),
+                    file_len: format::file_len(job.len),
+                    written_ms,
+                    tenant: job.tenant.as_str().into(),
+                    record: format::record_bytes(job.meta.as_deref()).map(Vec::into_boxed_slice),
+                });
+                staged.push(Staged { at, bytes, tenant, tmp, file: Some(file), entry })
+            }
+            Ok(None) => staged.push(Staged { at, bytes, tenant, tmp, file: None, entry: None }),
             Err(e) => {
                 out[at] = Err(e);
-                staged.push(Staged { at, bytes, tenant, tmp, file: None });
+                staged.push(Staged { at, bytes, tenant, tmp, file: None, entry: None });
             }
+        }
+    }
+    // The catalog's entries, written now and synced before any rename
+    // (`catalog`, "The contract").
+    let mut catalog = lock(&s.catalog);
+    // Stuck (its removal failed): tried again, the renames go on once it is gone.
+    if s.catalog_stuck.load(Relaxed) && s.dir.remove_catalog().is_ok() {
+        tracing::info!("disk tier: the failed catalog is deleted now: blocks are written to disk again");
+        s.catalog_stuck.store(false, Relaxed);
+    }
+    let mut catalog_ok = true;
+    let mut catalog_file = None;
+    // (A writer of a run that is over renames nothing: it appends nothing either,
+    // so a stalled one cannot write into the catalog of the tier's next owner.)
+    if let Some(c) = catalog.as_mut().filter(|_| s.live(run) && staged.iter().any(|st| st.entry.is_some())) {
+        let entries = staged.iter().filter_map(|st| st.entry.as_ref());
+        match s.dir.append_catalog().and_then(|f| c.append(&f, entries).map(|_| f)) {
+            Ok(f) => catalog_file = Some(f),
+            Err(e) => catalog_ok = drop_catalog(s, &mut catalog, &e),
         }
     }
     // Data: synced file by file (the first sync waits for the device; the
@@ -1382,6 +1206,20 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
                     out[st.at] = Ok(s.live(run));
                 }
                 Err(e) => out[st.at] = Err(e),
+            }
+        }
+    }
+    if let Some(f) = catalog_file.take() {
+        if let Err(e) = f.sync_data() {
+            catalog_ok &= drop_catalog(s, &mut catalog, &e);
+        }
+    }
+    drop(catalog);
+    if !catalog_ok || s.catalog_stuck.load(Relaxed) {
+        // Neither entries nor the catalog's removal durable: no rename.
+        for st in &staged {
+            if matches!(out[st.at], Ok(true)) {
+                out[st.at] = Err(std::io::Error::other("the disk tier's catalog failed"));
             }
         }
     }
@@ -1421,7 +1259,76 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
         }
     }
     s.publish(&ix);
+    drop((ix, _commit));
+    compact_catalog(s, run);
     out
+}
+
+/// Deletes the catalog after it failed (`e`): a block renamed without its
+/// entry must not meet an older entry of its key at the next start.
+/// Whether it is gone (durably); if not, no block is renamed into place
+/// until it is ([`Shared::catalog_stuck`]: writes fail, fills and removals
+/// go on; each batch tries the removal again).
+fn drop_catalog(s: &Shared, catalog: &mut Option<catalog::Appender>, e: &std::io::Error) -> bool {
+    *catalog = None;
+    add(&s.cells().errors, 1);
+    match s.dir.remove_catalog() {
+        Ok(()) => {
+            tracing::warn!("disk tier: the catalog failed ({e}) and is deleted: the next start reads every header");
+            true
+        }
+        Err(e2) => {
+            tracing::error!(
+                "disk tier: the catalog failed ({e}) and could not be deleted ({e2}): no block is written to disk until it is"
+            );
+            s.catalog_stuck.store(true, Relaxed);
+            false
+        }
+    }
+}
+
+/// Writes the catalog anew when it holds more than twice as many entries
+/// as blocks on disk (and `--disk-catalog-slack` more): its latest entry of each
+/// block still on disk. Writers wait meanwhile (a pass over the file).
+fn compact_catalog(s: &Shared, run: u64) {
+    let mut catalog = lock(&s.catalog);
+    let Some(c) = catalog.as_ref() else { return };
+    let blocks = lock(&s.index).blocks();
+    if c.entries <= 2 * blocks + s.cfg.catalog_slack || !s.live(run) {
+        return;
+    }
+    let t = Instant::now();
+    let before = c.entries;
+    let done = match s.dir.open_catalog() {
+        Ok(Some(f)) => catalog::load(std::io::BufReader::with_capacity(1 << 20, f)).map_err(|e| e.to_string()),
+        Ok(None) => Err("it is gone".into()),
+        Err(e) => Err(e.to_string()),
+    }
+    .and_then(|mut l| {
+        for chunk in l.entries.chunks_mut(INDEX_CHUNK) {
+            let ix = lock(&s.index);
+            for e in chunk {
+                if !ix.contains(e.key) {
+                    e.key = 0;
+                    e.ino = 0;
+                }
+            }
+        }
+        let keep = l.entries.iter().filter(|e| e.ino != 0);
+        s.dir.replace_catalog(|w| catalog::write_all(w, keep)).map_err(|e| e.to_string())
+    });
+    match done {
+        Ok(n) => {
+            *catalog = Some(catalog::Appender::new(n));
+            tracing::info!(
+                "disk tier: the catalog written anew: {before} entries to {n}, in {:.3} s",
+                t.elapsed().as_secs_f64()
+            );
+        }
+        Err(e) => {
+            drop_catalog(s, &mut catalog, &std::io::Error::other(e));
+        }
+    }
 }
 
 /// Renames the written file `tmp` of `job` (numbered `seq`) into place,
@@ -1446,12 +1353,13 @@ fn rename_into_place(s: &Shared, job: &WriteJob, seq: u64, tmp: &str, run: u64) 
 }
 
 /// Writes `job`'s block to the new temporary file `tmp` and hands its pages
-/// to the disk (not yet synced); `None`: the tier stopped.
-fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Result<Option<File>> {
+/// to the disk (not yet synced); the file and the header's time, or `None`:
+/// the tier stopped.
+fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Result<Option<(File, u64)>> {
     let f = s.dir.create_tmp(tmp)?;
-    let wrote = s.slab.with(job.data_offset, job.len, |ptr| -> std::io::Result<bool> {
+    let wrote = s.slab.with(job.data_offset, job.len, |ptr| -> std::io::Result<Option<u64>> {
         if !s.live(run) {
-            return Ok(false);
+            return Ok(None);
         }
         // SAFETY: `job.pin` pins this committed block for the tier's session
         // until the writer sends `Written`, after this returns: the extent is
@@ -1481,11 +1389,11 @@ fn write_file(s: &Shared, job: &WriteJob, tmp: &str, run: u64) -> std::io::Resul
             start_writeback(&f, format::HEADER_AREA + at, piece.len() as u64);
             at += piece.len() as u64;
         }
-        Ok(true)
+        Ok(Some(written_ms))
     });
     match wrote {
-        Ok(Ok(true)) => Ok(s.live(run).then_some(f)),
-        Ok(Ok(false)) | Err(Refused::Closed) => Ok(None),
+        Ok(Ok(Some(ms))) => Ok(s.live(run).then_some((f, ms))),
+        Ok(Ok(None)) | Err(Refused::Closed) => Ok(None),
         Ok(Err(e)) => Err(e),
         Err(Refused::Outside) => Err(std::io::Error::other("block outside the megaslab")),
     }

@@ -63,6 +63,14 @@ pub struct DiskArgs {
     /// takes until a client uses them. 0: off (docs/disk.md, "Read-ahead").
     #[arg(long, default_value_t = super::DEFAULT_READ_AHEAD, value_name = "BLOCKS")]
     pub disk_read_ahead: usize,
+    /// Entries the disk tier's catalog (DIR/tmp/catalog: what a restart
+    /// indexes the disk from without reading each block's header) may hold
+    /// beyond twice the blocks on disk before a writer writes it anew (the
+    /// writers wait meanwhile: one pass over the file, about a second at a
+    /// million blocks). Larger: fewer rewrites, a longer file to read at start
+    /// (docs/disk.md, "The catalog").
+    #[arg(long, default_value_t = super::DEFAULT_CATALOG_SLACK, value_name = "ENTRIES")]
+    pub disk_catalog_slack: u64,
     /// Most disk-tier bytes tenant NAME's blocks may take (file-system bytes,
     /// as --disk-size counts them), e.g. `team-a=100GiB` (repeatable; needs
     /// --disk). A tenant at its disk limit evicts its own blocks on disk
@@ -174,6 +182,7 @@ impl TierFlags for DiskArgs {
             },
             tenant_limits: self.tenant_limits(serve, size_bytes),
             read_ahead: self.disk_read_ahead,
+            catalog_slack: self.disk_catalog_slack,
         })))
     }
 }
