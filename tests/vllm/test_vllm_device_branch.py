@@ -241,7 +241,7 @@ def test_a_failed_store_batch_waits_for_its_copies_then_aborts(daemon, monkeypat
     before = daemon.stats()
     with pytest.raises(RuntimeError):
         w._store_blocks(w._client(), w.groups[0], list(range(n)), [spec.daemon_key(k) for k in keys(n, 400)],
-                        [None] * n, None)
+                        [None] * n)
     # The queued copies ran (abandon) before the reservations were aborted.
     assert dev.events and dev.events[-1].completed and dev.events[-1].ran == 2
     assert daemon.stats()["reserved"] == before["reserved"]

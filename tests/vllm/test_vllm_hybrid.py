@@ -423,3 +423,89 @@ def test_nemotron_h_periodic_states_let_a_shorter_shared_prefix_hit(nemotron_per
     assert_close(out["logprobs"], nemotron_periodic["ref"]["logprobs"])
     st = nemotron_periodic["daemon"]
     assert st["pins"] == 0 and st["reserved"] == 0, st
+
+
+# -- 5. a boundary is one unit under eviction ------------------------------------
+
+
+def _present(kc, keys):
+    """Which of ``keys`` the daemon holds (a LOOKUP each: it counts as a use)."""
+    return [kc.lookup([k]) == 1 for k in keys]
+
+
+_FILLERS = iter(range(1 << 40))
+
+
+def _fill(kc, n, filler=4096):
+    """Puts ``n`` unchained filler blocks of ``filler`` bytes (the megaslab's
+    least recently used leaves make room for them)."""
+    for at in range(0, n, 256):  # a batch is reserved whole before its commits: 256 at a time
+        m = min(256, n - at)
+        kc.put_many([(0xF111 << 64 | next(_FILLERS)).to_bytes(16, "big") for _ in range(m)], [bytes(filler)] * m)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "nemotron_h"])
+def evicted_chain(workdir, request):
+    """A (retention interval 256: boundaries at 256, 512 and 576) stores P into a
+    32 MiB daemon; then filler blocks fill the free room and push a quarter of
+    A's bytes out, three times, the presence of each of A's blocks (in the order
+    A stored them: its chain order) read after each step."""
+    kind = request.param
+    model = make_hybrid(str(workdir / f"{kind}-evict-tiny"), kind)
+    d = Daemon(str(workdir / f"{kind}-evict.sock"), size="32MiB").start()
+    try:
+        kw = {"prefix_cache_retention_interval": INTERVAL, **(MAMBA if kind == "nemotron_h" else {})}
+        a = run_engine(workdir, f"{kind}-evict-A", spec(model, d.socket, [{"prompts": [P], "max_tokens": 1}], **kw))
+        chain = [bytes.fromhex(k) for k in dict.fromkeys(a["stored_keys"])]
+        st = d.stats()
+        steps, info = [], []
+        with d.connect() as kc:
+            assert all(_present(kc, chain)), f"A's blocks are not all there before the fillers: {st}"
+            # What a filler takes of the megaslab (256 of them, measured).
+            _fill(kc, 256)
+            footprint = (st["bytes_free"] - kc.stats()["bytes_free"]) // 256
+            # Each step puts as many fillers as fill the free room (the first)
+            # or replace those there (older than A's blocks, which the last
+            # step's LOOKUPs used), then a quarter of A's bytes more: what goes
+            # is A's least recently used leaves.
+            fillers = 256
+            flush = kc.stats()["bytes_free"] // footprint
+            for _ in range(3):
+                more = max(1, st["bytes_used"] // 4 // footprint)
+                _fill(kc, flush + more)
+                fillers = flush = fillers + more if steps else fillers + flush + more
+                steps.append(_present(kc, chain))
+                info.append({k: kc.stats()[k] for k in ("bytes_free", "evictions", "blocks", "free_extents")})
+        yield {"kind": kind, "A": a, "chain": chain, "steps": steps, "info": (footprint, st, info), "daemon": d.stats()}
+    finally:
+        d.stop()
+
+
+def test_eviction_drops_a_hybrid_chain_from_its_last_boundary_back(evicted_chain):
+    """A request's blocks of every KV-cache group form one chain, ordered by the
+    token position each block ends at: the blocks a prefix boundary needs (every
+    group's up to it) are a prefix of it, and chain-aware eviction takes a chain's
+    tail first — so after every eviction step what is left of A's blocks is a
+    prefix of its chain, never an earlier boundary's window or state without the
+    attention blocks after it still held (before: one chain per group, evicted side
+    by side, so the window or state of the 256 boundary went while attention blocks
+    past 512 stayed)."""
+    a, chain, steps = evicted_chain["A"], evicted_chain["chain"], evicted_chain["steps"]
+    groups = groups_of(a)
+    assert len(groups) >= 2, kinds(groups)
+    # Every group's blocks are in it, and the order is by position: the groups'
+    # blocks interleave (a group's blocks are not one run).
+    assert len({group_of(k.hex()) for k in chain}) == len(groups)
+    runs = sum(1 for i, k in enumerate(chain) if i == 0 or group_of(k.hex()) != group_of(chain[i - 1].hex()))
+    assert runs > len(groups), f"{runs} runs: the groups' blocks do not interleave"
+    held = []
+    for present in steps:
+        n = sum(present)
+        assert present == [True] * n + [False] * (len(chain) - n), (
+            f"{evicted_chain['kind']}: not a prefix of the chain: {''.join('x' if p else '.' for p in present)}")
+        held.append(n)
+    # Gone a quarter of the bytes at a time, the tail first.
+    print(f"{evicted_chain['kind']}: {len(chain)} blocks in {runs} runs, held after each step: {held}")
+    assert len(chain) > held[0] > held[1] > held[2] > 0, (held, len(chain), evicted_chain["info"])
+    st = evicted_chain["daemon"]
+    assert st["pins"] == 0 and st["reserved"] == 0, st

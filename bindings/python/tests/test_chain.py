@@ -112,3 +112,28 @@ def test_parent_rules_through_the_python_api(make_daemon):
         assert d.stats()["chained_blocks"] == 4
         with pytest.raises(TypeError):
             kc.put("bad", b"v", parent=1.5)
+
+
+def test_reserve_many_parents_name_each_blocks_own_parent(make_daemon):
+    """``reserve_many(parents=...)``: each block names its own parent (a branch:
+    two children of one block, one block without), linked at the batch's COMMITs
+    in order; a parent committed in an earlier batch links too."""
+    d = make_daemon("4MiB")
+    with d.connect() as kc:
+        with kc.reserve_many(["root", "left", "right", "alone"], (BLOCK,), torch.uint8,
+                             parents=[None, "root", "root", None]) as outs:
+            for i, out in enumerate(outs):
+                out.fill_(i)
+        outs = out = None
+        st = d.stats()
+        assert (st["chained_blocks"], st["parents_missing"]) == (2, 0), st
+        with kc.reserve_many(["next"], (BLOCK,), torch.uint8, parents=["left"]) as outs:
+            outs[0].fill_(9)
+        outs = None
+        st = d.stats()
+        assert (st["chained_blocks"], st["parents_missing"]) == (3, 0), st
+        with pytest.raises(kachedb.InvalidArgument):
+            kc.reserve_many(["x", "y"], (BLOCK,), torch.uint8, parents=[None])
+        with pytest.raises(kachedb.InvalidArgument):
+            kc.reserve_many(["x"], (BLOCK,), torch.uint8, parents=[None], chain=True)
+        assert d.stats()["reserved"] == 0

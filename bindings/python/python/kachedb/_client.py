@@ -575,6 +575,7 @@ class Client:
         *,
         parent: Optional[KeyLike] = None,
         chain: bool = False,
+        parents: Optional[Sequence[Optional[KeyLike]]] = None,
     ) -> Reservations:
         """Reserves one block of ``shape`` and ``dtype`` (a torch dtype or a
         name) per key in one batch: ``with kc.reserve_many(keys, shape,
@@ -582,9 +583,17 @@ class Client:
         committed together (one batch, in order) on normal exit, all aborted if
         the block raises. All or nothing: if one reservation fails
         (``OutOfMemory``…), none is kept. ``parent`` and ``chain`` as for
-        ``put_many``."""
+        ``put_many``; or ``parents``: each block's own (a key or ``None``),
+        named at its COMMIT (a parent links only if the daemon holds it then)."""
         native = self._check()
-        keys, parents = _parents(keys, parent, chain)
+        if parents is not None:
+            if parent is not None or chain:
+                raise InvalidArgument("give parents, or parent and chain, not both")
+            keys, parents = list(keys), list(parents)
+            if len(parents) != len(keys):
+                raise InvalidArgument(f"{len(parents)} parents for {len(keys)} keys")
+        else:
+            keys, parents = _parents(keys, parent, chain)
         dims = check_shape(shape)
         if not is_torch_dtype(dtype) and not isinstance(dtype, str):
             raise TypeError(

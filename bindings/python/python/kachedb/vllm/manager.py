@@ -59,11 +59,15 @@ class KacheDBLoadStoreSpec(LoadStoreSpec):
         parent: Optional[bytes] = None,
         background: bool = False,
         metas: Optional[List[Optional[BlockMeta]]] = None,
+        chain: Optional[List[bytes]] = None,
     ) -> None:
         self.keys = [bytes(k) for k in keys]
         self.parent = None if parent is None else bytes(parent)
         self.background = bool(background)
         self.metas = metas
+        #: A store's keys in chain order (several KV-cache groups: by the token
+        #: position each block ends at, then by group; ``None``: ``keys``' order).
+        self.chain = None if chain is None else [bytes(k) for k in chain]
 
     def __repr__(self) -> str:
         return f"KacheDBLoadStoreSpec({len(self.keys)} keys)"
@@ -244,6 +248,25 @@ class KacheDBOffloadingManager(OffloadingManager):
             )
         return out
 
+    @staticmethod
+    def _chain_order(keys: List[bytes], req_context: ReqContext) -> List[bytes]:
+        """``keys`` in chain order: with blocks of several KV-cache groups, by the
+        token position each ends at, then by group (stable); one group's, or keys
+        whose positions the request does not know, as they come."""
+        if len({k[-4:] for k in keys}) < 2:
+            return keys
+        position = getattr(req_context, "get_offload_key_position", None)
+        if position is None:
+            return keys
+        try:
+            ends = [position(k) for k in keys]
+        except Exception:  # a vLLM that does not know one of them: as they come
+            return keys
+        if any(not isinstance(e, int) or e <= 0 for e in ends):
+            return keys
+        order = sorted(range(len(keys)), key=lambda i: (ends[i], int.from_bytes(keys[i][-4:], "big")))
+        return [keys[i] for i in order]
+
     def _link_failed(self, e: BaseException) -> None:
         self.link.failed(e)
         if self._reported is not None:
@@ -309,24 +332,34 @@ class KacheDBOffloadingManager(OffloadingManager):
             if kc is None and keys:
                 COUNTERS["store_skipped_off_blocks"] += len(keys)
             return PrepareStoreOutput(keys_to_store=[], store_spec=KacheDBLoadStoreSpec([]), evicted_keys=[])
+        # One chain per request across its KV-cache groups: the blocks in the
+        # order of the token position each ends at (then by group), so that the
+        # blocks a prefix boundary needs — every group's up to it — are a prefix
+        # of the chain, and chain-aware eviction, which takes a chain's tail
+        # first, drops a later boundary's blocks before an earlier one's
+        # (docs/vllm.md, "Hybrid models").
+        chain = self._chain_order(keys, req_context)
         try:
-            # Keys come in prefix order: the leading run the daemon holds for every
-            # rank needs no store. A block missing for one rank (evicted) is stored
-            # again by all: lookups need every rank's copy.
-            present = self._present(kc, keys)
+            # In chain order: the leading run the daemon holds for every rank needs
+            # no store. A block missing for one rank (evicted) is stored again by
+            # all: lookups need every rank's copy.
+            present = self._present(kc, chain)
         except Exception as e:
             if _is_disconnected(e):
                 self._link_failed(e)
             elif not _is_kachedb_error(e):
                 raise
             return PrepareStoreOutput(keys_to_store=[], store_spec=KacheDBLoadStoreSpec([]), evicted_keys=[])
-        todo = keys[present:]
+        todo_chain = chain[present:]
+        todo_set = set(todo_chain)
+        # vLLM's order (group by group), which the GPU blocks of the store follow.
+        todo = [k for k in keys if k in todo_set]
         COUNTERS["store_already_present_blocks"] += present
         self._storing.update(todo)
         # The stored blocks chain on from the last one the daemon has, else from
         # the last one this request stored before (docs/eviction.md).
-        parent = keys[present - 1] if present else _chain_tail(req_context)
-        _set_chain_tail(req_context, keys[-1])
+        parent = chain[present - 1] if present else _chain_tail(req_context)
+        _set_chain_tail(req_context, chain[-1])
         if self._background is None:
             self._background = engine_keeps_stepping()
         try:
@@ -337,7 +370,9 @@ class KacheDBOffloadingManager(OffloadingManager):
             metas = None
         return PrepareStoreOutput(
             keys_to_store=todo,
-            store_spec=KacheDBLoadStoreSpec(todo, parent, self._background, metas),
+            store_spec=KacheDBLoadStoreSpec(
+                todo, parent, self._background, metas, todo_chain if todo_chain != todo else None
+            ),
             evicted_keys=[],
         )
 

@@ -341,10 +341,10 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         if kc is None:
             COUNTERS["store_skipped_off_blocks"] += len(keys)
             return 0, [], 0
-        # The block before the first one stored (one KV-cache group: with several,
-        # each group's run starts without a parent).
+        # The block before the first one stored (with several KV-cache groups,
+        # the one before the first in the store's chain order).
         first = getattr(dst_spec, "parent", None)
-        first = self.spec.daemon_key(first) if first is not None and len(self.groups) == 1 else None
+        first = self.spec.daemon_key(first) if first is not None else None
         # What the scheduler knows of each block (manager._block_metas), for the
         # daemon's KV events: attached by the first rank of the namespaces only,
         # so a block stored once per rank is one block to a router.
@@ -352,13 +352,16 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         store_ranks = list(getattr(self.spec, "store_ranks", [0]) or [0])
         meta_of = dict(zip(keys, metas)) if metas and getattr(self.spec, "rank", 0) == store_ranks[0] else {}
         try:
-            for group, ids, okeys in self._split(src_spec, keys):
+            prev = first
+            for group, ids, okeys in self._runs(src_spec, keys, getattr(dst_spec, "chain", None)):
                 if not ids:
                     continue
                 dkeys = [self.spec.daemon_key(k) for k in okeys]
-                parents = [first] + dkeys[:-1]  # consecutive blocks of one request chain
+                # consecutive blocks of one request chain, runs committed in its order
+                parents = [prev] + dkeys[:-1]
+                prev = dkeys[-1]
                 gmetas = [meta_of.get(bytes(k)) for k in okeys] if meta_of else None
-                held = self._store_blocks(kc, group, ids, dkeys, parents, first, copy_threads, gmetas)
+                held = self._store_blocks(kc, group, ids, dkeys, parents, copy_threads, gmetas)
                 nbytes += len(ids) * group.num_layers * group.page
                 STORED_KEYS.extend(k.hex() for k in dkeys)
                 if self.asynchronous:
@@ -402,6 +405,30 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             COUNTERS["store_meta_errors"] += 1
             _log_once("store_meta", "KacheDB refused block metadata (%s): the blocks are reported by key", e)
 
+    def _runs(
+        self, spec: GPULoadStoreSpec, keys: Sequence[bytes], chain: Optional[Sequence[bytes]]
+    ) -> List[Tuple[_Group, List[int], List[bytes]]]:
+        """The store's blocks as runs of one group each, in the order they are
+        chained and committed: ``chain`` (the manager's chain order across
+        groups) cut where the group changes; without it, group by group."""
+        parts = self._split(spec, keys)
+        if not chain or len(parts) < 2:
+            return parts
+        where = {bytes(k): (gi, i) for gi, (_, _, okeys) in enumerate(parts) for i, k in enumerate(okeys)}
+        if len(where) != len(keys) or set(where) != {bytes(k) for k in chain} or len(chain) != len(keys):
+            return parts  # not the same blocks: group by group
+        runs: List[Tuple[_Group, List[int], List[bytes]]] = []
+        last = -1
+        for k in chain:
+            gi, i = where[bytes(k)]
+            group, ids, okeys = parts[gi]
+            if gi != last:
+                runs.append((group, [], []))
+                last = gi
+            runs[-1][1].append(ids[i])
+            runs[-1][2].append(okeys[i])
+        return runs
+
     def _store_blocks(
         self,
         kc: Any,
@@ -409,7 +436,6 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         ids: List[int],
         dkeys: List[bytes],
         parents: List[Optional[bytes]],
-        first: Optional[bytes],
         copy_threads: Optional[int] = None,
         metas: Optional[List[Any]] = None,
     ) -> List[Any]:
@@ -430,7 +456,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             held = [kc.reserve(k, group.shape, torch.uint8, parent=p) for k, p in zip(dkeys, parents)]
             outs = [r.out for r in held]
         else:
-            held = [kc.reserve_many(dkeys, group.shape, torch.uint8, parent=first, chain=True)]
+            held = [kc.reserve_many(dkeys, group.shape, torch.uint8, parents=parents)]
             ranges = None if self.asynchronous else group.ranges(ids)
             outs = [] if ranges is not None else list(held[0].out)
         if metas and any(m is not None for m in metas):
