@@ -242,3 +242,67 @@ def test_the_disk_tiers_blocks_are_published_with_their_records_and_what_it_kept
     finally:
         sub.close()
         d.stop()
+
+
+def test_a_block_filled_from_the_remote_tier_is_published_with_its_writers_record():
+    """Node A stores blocks with their records; its remote tier writes each
+    record beside the block in the Redis Cluster (docs/remote.md, "A block's
+    metadata record"). Node B, publishing KV events, fills them on a miss and
+    publishes them in its megaslab with A's records — the engine's hashes,
+    tokens and parents — as A's own stream did; a block stored without one,
+    and one whose record was forged in Redis, are filled with their bytes
+    and published by key."""
+    import sys
+    import uuid
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bindings" / "python" / "tests"))
+    from redis_cluster import RedisCluster
+
+    cluster = RedisCluster(3)
+    ns = f"meta-{uuid.uuid4().hex[:8]}"
+    remote = ["--remote", cluster.url, "--remote-namespace", ns]
+    value = b"\x07" * 4096
+    a_pub = f"tcp://127.0.0.1:{free_port()}"
+    pub, replay = free_port(), free_port()
+    pub_ep, replay_ep = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    a = Daemon(size="16MiB", extra=remote + ["--events-endpoint", a_pub], binary=built_binary()).start()
+    b = Daemon(size="16MiB", extra=remote + ["--events-endpoint", pub_ep, "--events-replay-endpoint", replay_ep],
+               binary=built_binary()).start()  # fmt: skip
+    rec = Recorder()
+    sub = Subscriber(pub_ep, replay_ep, on_event=rec).start()
+    try:
+        with a.connect() as kc:
+            res = kc.reserve_many([1, 2, 3], (4096,), "uint8", chain=True)
+            for out in res.out:
+                out.fill_(7)
+            res.attach_meta(metas())
+            res.commit()
+            kc.put(4, value, parent=3)
+        until("A's four blocks written to the cluster", lambda: a.stats()["remote_writes"] >= 4)
+        rc = cluster.client()
+        assert rc.exists(f"{ns}:{{{kachedb.key_of(1):032x}}}:m") and not rc.exists(f"{ns}:{{{kachedb.key_of(4):032x}}}:m")
+        # Block 3's record forged: another block's record under its key.
+        rc.set(f"{ns}:{{{kachedb.key_of(3):032x}}}:m", rc.get(f"{ns}:{{{kachedb.key_of(2):032x}}}:m"))
+        with b.connect() as kc:
+            plain: set = set()
+            settle(kc, [sub], value, 10**9, plain)
+            for k in (1, 2, 3, 4):
+                assert kc.lookup([k]) == 1, f"block {k} not filled from the cluster"
+                got = kc.get_numpy(k)
+                assert got.tobytes() == value, f"block {k}: not A's bytes"
+                del got
+            until("B's fills published", lambda: {H[0], H[1], 3, 4} <= sub.index)
+        for i in range(2):
+            ev = rec.stored[H[i]]
+            assert ev.medium == "CPU" and list(ev.token_ids) == tokens(i) and ev.block_size == BLOCK
+            assert ev.parent_block_hash == (H[i - 1] if i else None)
+        assert H[2] not in sub.index, "a forged record was published"
+        assert rec.stored[3].token_ids == [] and rec.stored[4].token_ids == []
+        b.stop(check=True)
+        a.stop(check=True)
+    finally:
+        sub.close()
+        b.stop()
+        a.stop()
+        cluster.stop()

@@ -36,6 +36,26 @@ from kv_events_support import free_port
 MODEL = "kachedb-test"
 
 
+def events_node(socket: Path, size: str) -> Tuple[Any, str, str, int]:
+    """The real daemon on ``socket`` publishing its KV events (PUB and replay endpoints on free
+    loopback ports) and its metrics (a free port), started: (daemon, PUB, replay, metrics port)."""
+    from engine_support import daemon_bin
+    from harness.daemon import Daemon
+
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    http = free_port()
+    extra = ["--events-endpoint", pub, "--events-replay-endpoint", rep, "--metrics-addr", f"127.0.0.1:{http}"]
+    return Daemon(str(socket), size=size, extra=extra, binary=daemon_bin()).start(), pub, rep, http
+
+
+def wait_subscribers(http: int, n: int, indexer: "Indexer") -> None:
+    """Waits until the node on metrics port ``http`` has ``n`` subscribers (a liveness bound)."""
+    deadline = time.monotonic() + 60
+    while metric(http, "kachedb_events_subscribers") < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(http, "kachedb_events_subscribers") >= n, indexer.log()
+
+
 def dynamo_python() -> Optional[str]:
     """The python of the Dynamo environment (``$KACHEDB_DYNAMO_PY``), or None."""
     py = os.environ.get("KACHEDB_DYNAMO_PY")

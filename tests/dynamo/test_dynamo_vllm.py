@@ -10,18 +10,16 @@ read from a subscriber of the same stream (``dynamo_support.evict_from_the_tail`
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
-from engine_support import daemon_bin, engine_installed  # noqa: E402
+from engine_support import engine_installed  # noqa: E402
 
 if not engine_installed("vllm"):  # tests/vllm is a namespace package named vllm: not the engine
     pytest.skip("vLLM is not installed (make test-dynamo runs this in .venv-vllm)", allow_module_level=True)
 
-from dynamo_support import Indexer, evict_from_the_tail, metric, percentile  # noqa: E402
-from harness.daemon import Daemon  # noqa: E402
-from kv_events_support import Subscriber, free_port  # noqa: E402
+from dynamo_support import Indexer, events_node, evict_from_the_tail, percentile, wait_subscribers  # noqa: E402
+from kv_events_support import Subscriber  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -60,19 +58,13 @@ def test_an_engines_prompt_is_scored_on_the_node_and_the_score_follows_evictions
 
     prompt = _prompt(42, 20 * BLOCK + 5)
     blocks = len(prompt) // BLOCK
-    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    http = free_port()
-    extra = ["--events-endpoint", pub, "--events-replay-endpoint", rep, "--metrics-addr", f"127.0.0.1:{http}"]
-    d = Daemon(str(workdir / "dyn.sock"), size="32MiB", extra=extra, binary=daemon_bin()).start()
+    d, pub, rep, http = events_node(workdir / "dyn.sock", "32MiB")
     ix = Indexer(workdir / "indexer.log").start()
     sub = None
     try:
         ix.register(WORKER, pub, rep, BLOCK, model="tiny")
         sub = ChainSubscriber(pub, rep).start()
-        deadline = time.monotonic() + 60
-        while metric(http, "kachedb_events_subscribers") < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert metric(http, "kachedb_events_subscribers") >= 2, ix.log()
+        wait_subscribers(http, 2, ix)
         assert ix.matched(prompt, WORKER, model="tiny")["longest_matched"] == 0
 
         a = run_engine(workdir, "A", dict(model=model_dir, socket=d.socket, block_size=BLOCK,

@@ -8,6 +8,7 @@ scheduler (none of which run here), so its functions are bound to an object
 that carries only the attributes they read; the functions themselves, the
 operations, the pools and the daemon are SGLang's and KacheDB's real ones."""
 
+import time
 import types
 
 import pytest
@@ -75,3 +76,55 @@ def test_backup_then_prefetch_through_the_controller(daemon, kv, layout, interfa
     assert daemon.stats()["pins"] == 0
     ctl1.storage_backend.close()
     ctl2.storage_backend.close()
+
+
+def test_pages_backed_up_by_the_controller_are_published_with_their_tokens(workdir, kv):
+    """The backend watches the controller's backup (``_page_backup``, SGLang's
+    own code): each page it stores carries its record — the first 64 bits of
+    its page hash, its parent page's, its tokens, the page size — and the
+    daemon's KV events publish it so, for a router that matches by tokens
+    (docs/sglang.md, "KV events"); a page stored outside a backup is published
+    by key."""
+    from sglang.srt.managers.cache_controller import StorageOperation
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from engine_support import Daemon
+    from kv_events_support import Subscriber, free_port
+
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    d = Daemon(str(workdir / "sglang-events.sock"),
+               extra=["--events-endpoint", pub, "--events-replay-endpoint", replay]).start()  # fmt: skip
+    stored = {}
+    sub = Subscriber(pub, replay, on_event=lambda ev: stored.update(
+        {h: ev for h in getattr(ev, "block_hashes", ())} if type(ev).__name__ == "BlockStored" else {})).start()
+    try:
+        ps = pools.PAGE_SIZE
+        tokens = list(range(700, 700 + PAGES * ps))
+        hashes = pools.page_hashes(tokens)
+        host = pools.host_pool(kv, "page_first")
+        src = host.alloc(PAGES * ps)
+        pools.fill_random(host, src, seed=5)
+        backend = pools.backend(d.socket, host, interface_v1=True)
+        ctl = controller_for(backend, host)
+        # the first two pages stored before, by a backup whose operation named them
+        ctl._page_backup(StorageOperation(src[: 2 * ps], tokens[: 2 * ps], hash_value=hashes[:2]))
+        ctl._page_backup(StorageOperation(src[2 * ps :], tokens[2 * ps :], hash_value=hashes[2:],
+                                          prefix_keys=hashes[:2]))  # fmt: skip
+        want = [int(h[:16], 16) for h in hashes]
+        deadline = time.monotonic() + 30
+        while not set(want) <= set(stored):
+            assert time.monotonic() < deadline, f"published: {sorted(stored)}"
+            time.sleep(0.05)
+        for i, h in enumerate(want):
+            ev = stored[h]
+            assert list(ev.token_ids) == tokens[i * ps : (i + 1) * ps] and ev.block_size == ps
+            assert ev.parent_block_hash == (want[i - 1] if i else None), i
+        # outside a backup: by key
+        other = host.alloc(ps)
+        key = pools.page_hashes(list(range(50_000, 50_000 + ps)))[0]
+        assert backend.batch_set_v1([key], other, HiCacheStorageExtraInfo(prefix_keys=None)) == [True]
+        assert backend.records
+        backend.close()
+    finally:
+        sub.close()
+        d.stop()

@@ -42,6 +42,33 @@
 //!     (u32 length, then its bytes) and header bytes 0..88, first 8 bytes
 //! ```
 //!
+//! # A block's metadata record
+//!
+//! Where a block's writer attached a metadata record (META, docs/events.md,
+//! `kachedb_shm::block_meta`) and the node publishes KV events, the record
+//! is stored under `ns:{<key hex>}:m` (the block's hash tag: its shard),
+//! set before chunk 0, with the chunks' TTL; a reader that publishes KV
+//! events reads it beside chunk 0 and lands the block with it. Its value,
+//! little-endian:
+//!
+//! ```text
+//! 0   magic b"KDBM"
+//! 4   u16 format version: FORMAT_PLAIN (1) or FORMAT_KEYED (4), as the block's
+//! 6   u16 zero
+//! 8   u32 record length (1..=RECORD_MAX)
+//! 12  u32 zero
+//! 16  u128 block key
+//! 32  [u8; 16] format 1: xxh3-64 of bytes 0..32 and the record, then 8 zero
+//!     bytes; format 4: keyed BLAKE3 (header subkey) of the namespace (u32
+//!     length, then its bytes), bytes 0..32 and the record, first 16 bytes
+//! 48  the record (`BlockMeta::encode`)
+//! ```
+//!
+//! It tells a router what a block holds; the block's bytes are proved by
+//! their own tags. A record that does not verify is ignored (the block is
+//! filled and published by key). Nothing else reads it: a daemon before it
+//! never asks for the key.
+//!
 //! # What a value is
 //!
 //! A value's identity is its namespace, its block key, its dtype, shape,
@@ -353,6 +380,97 @@ pub fn chunk_read_end(start: u64, want: u64) -> u64 {
 /// The Redis key of chunk `index` of block `key` in `namespace`.
 pub fn chunk_key(namespace: &str, key: u128, index: u32) -> String {
     format!("{namespace}:{{{key:032x}}}:{index}")
+}
+
+/// First bytes of a metadata record's value.
+const RECORD_MAGIC: [u8; 4] = *b"KDBM";
+/// A record value's bytes before the record.
+pub const RECORD_HEAD: usize = 48;
+/// Longest record stored, bytes (~16 000 tokens).
+pub const RECORD_MAX: usize = 64 << 10;
+
+/// Why a stored metadata record is ignored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// Not a record of this format, or of another block or length.
+    #[error("not a record of this block ({0})")]
+    Malformed(&'static str),
+    /// Its checksum or tag does not verify.
+    #[error("its checksum or tag does not verify")]
+    Seal,
+}
+
+impl Scope {
+    /// The Redis key of block `key`'s metadata record ("A block's metadata
+    /// record").
+    pub fn record_key(&self, key: u128) -> String {
+        format!("{}:{{{key:032x}}}:m", self.namespace)
+    }
+
+    /// The seal of a record value's bytes 0..32 `head` and record `rec`.
+    fn record_seal(&self, head: &[u8], rec: &[u8]) -> [u8; 16] {
+        let mut t = [0u8; 16];
+        match &self.fleet {
+            Some(k) => {
+                let mut h = blake3::Hasher::new_keyed(&k.header);
+                h.update(&namespace_prefix(&self.namespace));
+                h.update(self.namespace.as_bytes());
+                h.update(head);
+                h.update(rec);
+                t.copy_from_slice(&h.finalize().as_bytes()[..16]);
+            }
+            None => {
+                let mut h = Xxh3::new();
+                h.update(head);
+                h.update(rec);
+                t[..8].copy_from_slice(&h.digest().to_le_bytes());
+            }
+        }
+        t
+    }
+
+    /// The value storing record `rec` of block `key`; `None` if it is empty
+    /// or longer than [`RECORD_MAX`].
+    pub fn seal_record(&self, key: u128, rec: &[u8]) -> Option<Vec<u8>> {
+        if rec.is_empty() || rec.len() > RECORD_MAX {
+            return None;
+        }
+        let mut v = Vec::with_capacity(RECORD_HEAD + rec.len());
+        v.extend_from_slice(&RECORD_MAGIC);
+        v.extend_from_slice(&(if self.fleet.is_some() { FORMAT_KEYED } else { FORMAT_PLAIN }).to_le_bytes());
+        v.extend_from_slice(&[0, 0]);
+        v.extend_from_slice(&(rec.len() as u32).to_le_bytes());
+        v.extend_from_slice(&[0; 4]);
+        v.extend_from_slice(&key.to_le_bytes());
+        let seal = self.record_seal(&v[..32], rec);
+        v.extend_from_slice(&seal);
+        v.extend_from_slice(rec);
+        Some(v)
+    }
+
+    /// The record a value read under block `key`'s record key holds, checked.
+    pub fn open_record<'a>(&self, key: u128, v: &'a [u8]) -> Result<&'a [u8], RecordError> {
+        let head = v.get(..RECORD_HEAD).ok_or(RecordError::Malformed("short"))?;
+        let want = if self.fleet.is_some() { FORMAT_KEYED } else { FORMAT_PLAIN };
+        if head[..4] != RECORD_MAGIC || u16::from_le_bytes([head[4], head[5]]) != want {
+            return Err(RecordError::Malformed("magic or format"));
+        }
+        let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
+        if head[6..8] != [0, 0] || head[12..16] != [0; 4] || !(1..=RECORD_MAX).contains(&len) {
+            return Err(RecordError::Malformed("length"));
+        }
+        if v.len() != RECORD_HEAD + len {
+            return Err(RecordError::Malformed("length"));
+        }
+        if u128::from_le_bytes(head[16..32].try_into().unwrap_or([0; 16])) != key {
+            return Err(RecordError::Malformed("another block's"));
+        }
+        let rec = &v[RECORD_HEAD..];
+        if head[32..48] != self.record_seal(&head[..32], rec) {
+            return Err(RecordError::Seal);
+        }
+        Ok(rec)
+    }
 }
 
 /// Why a namespace is refused, or `None` if it is fine: 1–64 printable ASCII
@@ -899,5 +1017,33 @@ mod tests {
         assert!(Header::new(1, DType::U8, Shape::new(&[1]).unwrap(), 1, MIN_CHUNK_BYTES - 1).is_none());
         assert!(Header::new(1, DType::U8, Shape::new(&[1]).unwrap(), 1, MAX_CHUNK_BYTES + 1).is_none());
         assert!(chunk_bytes_ok(u64::from(DEFAULT_CHUNK_BYTES)));
+    }
+    #[test]
+    fn a_record_opens_in_its_own_scope_only_and_any_flipped_byte_is_refused() {
+        let rec: Vec<u8> = (0..300u32).map(|i| (i * 7) as u8).collect();
+        let key = 0x1234_5678_9abc_def0_0fed_cba9_8765_4321u128;
+        let plain = Scope::new("ns-a", None);
+        let keyed = Scope::new("ns-a", Some(FleetKey::new(&[7u8; 32])));
+        for s in [&plain, &keyed] {
+            let v = s.seal_record(key, &rec).unwrap();
+            assert_eq!(s.open_record(key, &v), Ok(&rec[..]));
+            assert!(s.open_record(key + 1, &v).is_err(), "another block's record");
+            for i in 0..v.len() {
+                let mut bad = v.clone();
+                bad[i] ^= 0x10;
+                assert!(s.open_record(key, &bad).is_err(), "byte {i} flipped was accepted");
+            }
+            assert!(s.open_record(key, &v[..v.len() - 1]).is_err());
+            assert_eq!(s.record_key(key), format!("ns-a:{{{key:032x}}}:m"));
+        }
+        // Not across formats, namespaces or fleet keys.
+        assert!(keyed.open_record(key, &plain.seal_record(key, &rec).unwrap()).is_err());
+        assert!(plain.open_record(key, &keyed.seal_record(key, &rec).unwrap()).is_err());
+        let other_ns = Scope::new("ns-b", Some(FleetKey::new(&[7u8; 32])));
+        assert_eq!(other_ns.open_record(key, &keyed.seal_record(key, &rec).unwrap()), Err(RecordError::Seal));
+        let other_key = Scope::new("ns-a", Some(FleetKey::new(&[8u8; 32])));
+        assert_eq!(other_key.open_record(key, &keyed.seal_record(key, &rec).unwrap()), Err(RecordError::Seal));
+        assert!(plain.seal_record(key, &[]).is_none());
+        assert!(plain.seal_record(key, &vec![1u8; RECORD_MAX + 1]).is_none());
     }
 }

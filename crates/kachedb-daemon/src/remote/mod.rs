@@ -115,6 +115,9 @@ pub struct RemoteConfig {
     /// tags and only values with valid tags are read. `None`: every writer
     /// to the namespace is trusted.
     pub key: Option<format::FleetKey>,
+    /// Whether blocks' metadata records are read with the blocks (the daemon
+    /// publishes KV events; set when the tier starts).
+    pub records: bool,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -516,6 +519,7 @@ mod tests {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             worker_nice,
             key: None,
+            records: false,
         }
     }
 
@@ -566,6 +570,7 @@ mod tests {
             rest: (1..header.chunk_count)
                 .map(|i| data[header.piece(i).start as usize..header.piece(i).end as usize].to_vec())
                 .collect(),
+            meta: None,
         };
         let offset = region.layout().slab_offset;
         assert_ne!(slab_bytes(&region, offset, len), data);

@@ -30,6 +30,7 @@ use super::format::{self, Header};
 use super::{Ctx, FetchJob, FillSpec, TierEvent, CHUNK_WINDOW, FILL_BUDGET_BYTES, FIRST_READ_BYTES, MAX_FETCHES};
 use crate::tier::metrics::add;
 use futures_util::StreamExt;
+use kachedb_shm::BlockMeta;
 use std::sync::Arc;
 use tokio::time::{timeout_at, Instant};
 
@@ -41,7 +42,14 @@ pub(super) struct Verified {
     pub(super) chunk0: Vec<u8>,
     /// Chunks 1.., in order.
     pub(super) rest: Vec<Vec<u8>>,
+    /// Its metadata record, if it has one that verifies and the node
+    /// publishes KV events (`format`, "A block's metadata record").
+    pub(super) meta: Option<Arc<BlockMeta>>,
 }
+
+/// A block whose header verified, the bytes of chunk 0 read and its
+/// metadata record, waiting for the rest of its chunks.
+type Head = (Header, Vec<u8>, Option<Arc<BlockMeta>>);
 
 /// The fetch ran past its deadline.
 struct Cancelled;
@@ -89,7 +97,7 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
     }
     drop(whole);
     for group in budget_groups(heads) {
-        let kib: u64 = group.iter().map(|(h, _)| h.len).sum::<u64>().div_ceil(1024);
+        let kib: u64 = group.iter().map(|(h, _, _)| h.len).sum::<u64>().div_ceil(1024);
         let kib = kib.min(FILL_BUDGET_BYTES >> 10) as u32;
         let _bytes = timeout_at(deadline, ctx.fill_budget.acquire_many(kib))
             .await
@@ -105,8 +113,8 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
 
 /// Splits the verified headers, in chain order, into groups whose blocks
 /// together fit in [`FILL_BUDGET_BYTES`] (a larger block is a group alone).
-fn budget_groups(heads: Vec<(Header, Vec<u8>)>) -> Vec<Vec<(Header, Vec<u8>)>> {
-    let mut groups: Vec<Vec<(Header, Vec<u8>)>> = Vec::new();
+fn budget_groups(heads: Vec<Head>) -> Vec<Vec<Head>> {
+    let mut groups: Vec<Vec<Head>> = Vec::new();
     let mut sum = 0u64;
     for h in heads {
         match groups.last_mut() {
@@ -142,8 +150,7 @@ async fn land_all(ctx: &Ctx, job: &FetchJob, blocks: &[Verified], filled: &mut V
             // fleet's): a block filled from it counts for the tenant whose
             // miss asked for it, within that tenant's limit.
             tenant: Some(job.tenant.clone()),
-            // The remote format carries no metadata record: published by key.
-            meta: None,
+            meta: b.meta.clone(),
         })
         .collect();
     ctx.send(TierEvent::Reserve { fetch: job.id, blocks: specs, reply: tx });
@@ -222,7 +229,7 @@ enum HeadRead {
     /// A value that does not verify.
     Refused(format::FormatError),
     /// A verified header; the rest of the block comes in round two.
-    Head(Header, Vec<u8>),
+    Head(Header, Vec<u8>, Option<Arc<BlockMeta>>),
     /// The whole block, verified.
     Whole(Verified),
 }
@@ -232,7 +239,17 @@ enum HeadRead {
 /// that fits in it is verified whole.
 async fn read_head(ctx: &Ctx, conn: &super::Conn, key: u128) -> HeadRead {
     let end = FIRST_READ_BYTES as u64 - 1;
-    let chunk0 = match get_range(ctx, conn, ctx.scope.chunk_key(key, 0), 0, end).await {
+    let (chunk0, meta) = if ctx.cfg.records {
+        let (c, m) = futures_util::future::join(
+            get_range(ctx, conn, ctx.scope.chunk_key(key, 0), 0, end),
+            read_record(ctx, conn, key),
+        )
+        .await;
+        (c, m)
+    } else {
+        (get_range(ctx, conn, ctx.scope.chunk_key(key, 0), 0, end).await, None)
+    };
+    let chunk0 = match chunk0 {
         Err(()) => return HeadRead::Error,
         // Absent (a real value is never empty: it starts with a header).
         Ok(v) if v.is_empty() => return HeadRead::Missing,
@@ -256,20 +273,39 @@ async fn read_head(ctx: &Ctx, conn: &super::Conn, key: u128) -> HeadRead {
             (verdict, chunk0)
         });
         return match hashed.await {
-            Ok((Ok(()), chunk0)) => HeadRead::Whole(Verified { header: h, chunk0, rest: Vec::new() }),
+            Ok((Ok(()), chunk0)) => HeadRead::Whole(Verified { header: h, chunk0, rest: Vec::new(), meta }),
             Ok((Err(e), _)) => HeadRead::Refused(e),
             // The runtime is shutting down (the tier is stopping).
             Err(_) => HeadRead::Error,
         };
     }
-    HeadRead::Head(h, chunk0)
+    HeadRead::Head(h, chunk0, meta)
+}
+
+/// Block `key`'s metadata record, if it has one that verifies (one that
+/// does not is logged and left out: the block is published by key).
+async fn read_record(ctx: &Ctx, conn: &super::Conn, key: u128) -> Option<Arc<BlockMeta>> {
+    let end = (format::RECORD_HEAD + format::RECORD_MAX) as u64;
+    let v = get_range(ctx, conn, ctx.scope.record_key(key), 0, end).await.ok().filter(|v| !v.is_empty())?;
+    match ctx
+        .scope
+        .open_record(key, &v)
+        .map_err(|e| e.to_string())
+        .and_then(|r| BlockMeta::decode(r).map_err(|e| e.to_string()))
+    {
+        Ok(m) => Some(Arc::new(m)),
+        Err(why) => {
+            tracing::debug!(key = %format_args!("{key:032x}"), "remote tier: the block's metadata record is ignored: {why}");
+            None
+        }
+    }
 }
 
 /// Round one: the start of chunk 0 of every key, all at once. The blocks
 /// it held whole, verified, and the verified headers of the others, with
 /// the bytes read. Absent keys are misses, the others that do not verify
 /// are counted.
-async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verified>, Vec<(Header, Vec<u8>)>) {
+async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verified>, Vec<Head>) {
     let cells = ctx.cells();
     let firsts = futures_util::future::join_all(keys.iter().map(|&k| read_head(ctx, conn, k))).await;
     let (mut whole, mut heads) = (Vec::new(), Vec::new());
@@ -278,7 +314,7 @@ async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verifi
             HeadRead::Error => add(&cells.errors, 1),
             HeadRead::Missing => add(&cells.misses, 1),
             HeadRead::Refused(e) => refuse(ctx, key, &e),
-            HeadRead::Head(h, chunk0) => heads.push((h, chunk0)),
+            HeadRead::Head(h, chunk0, meta) => heads.push((h, chunk0, meta)),
             HeadRead::Whole(v) => whole.push(v),
         }
     }
@@ -287,8 +323,8 @@ async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verifi
 
 /// Round two: the rest of every block of `group`, all at once; the blocks
 /// that verify.
-async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<(Header, Vec<u8>)>) -> Vec<Verified> {
-    let got = futures_util::future::join_all(group.into_iter().map(|(h, c0)| read_rest(ctx, conn, h, c0))).await;
+async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<Head>) -> Vec<Verified> {
+    let got = futures_util::future::join_all(group.into_iter().map(|(h, c0, m)| read_rest(ctx, conn, h, c0, m))).await;
     let mut out = Vec::new();
     for (key, r) in got {
         match r {
@@ -302,7 +338,13 @@ async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<(Header, Vec<u8>)>
 
 /// The rest of block `h` (the part of chunk 0 round one did not read, and
 /// chunks 1..), verified: its bytes are hashed in order as they arrive.
-async fn read_rest(ctx: &Ctx, conn: &super::Conn, h: Header, mut chunk0: Vec<u8>) -> (u128, Result<Verified, Refused>) {
+async fn read_rest(
+    ctx: &Ctx,
+    conn: &super::Conn,
+    h: Header,
+    mut chunk0: Vec<u8>,
+    meta: Option<Arc<BlockMeta>>,
+) -> (u128, Result<Verified, Refused>) {
     let want0 = h.chunk_value_len(0);
     let have0 = chunk0.len() as u64;
     if have0 < want0 && have0 < FIRST_READ_BYTES as u64 {
@@ -342,7 +384,7 @@ async fn read_rest(ctx: &Ctx, conn: &super::Conn, h: Header, mut chunk0: Vec<u8>
     drop(s);
     let verdict = format::verify_lengths(&h, &chunk0, &rest).and_then(|()| format::verify_seal(&h, &sealer));
     match verdict {
-        Ok(()) => (h.key, Ok(Verified { header: h, chunk0, rest })),
+        Ok(()) => (h.key, Ok(Verified { header: h, chunk0, rest, meta })),
         Err(e) => (h.key, Err(Refused::Bad(e))),
     }
 }

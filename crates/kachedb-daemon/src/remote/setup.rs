@@ -108,6 +108,7 @@ impl TierFlags for RemoteArgs {
             chunk_bytes,
             worker_nice: a.remote_worker_nice,
             key: a.remote_key_file.as_deref().map(read_key_file).transpose()?,
+            records: false,
         })))
     }
 }
@@ -127,7 +128,8 @@ impl TierSetup for RemoteConfig {
     }
 
     fn start(&self, at: Start) -> Result<Box<dyn Tier>, TierError> {
-        Ok(Box::new(RemoteTier::start(self.clone(), at.region, at.events, at.metrics)?))
+        let cfg = RemoteConfig { records: at.kv_events.is_some(), ..self.clone() };
+        Ok(Box::new(RemoteTier::start(cfg, at.region, at.events, at.metrics)?))
     }
 }
 

@@ -5,7 +5,9 @@
 //! reader meeting a block half-overwritten by another writer sees a checksum
 //! (or tag) mismatch: a miss, never wrong bytes. With a fleet key the block
 //! is sealed with keyed tags over the namespace (format 4), else with
-//! checksums (format 1). Each
+//! checksums (format 1). A block's metadata record (META), if it has one,
+//! goes under its own key just before chunk 0 (`format`, "A block's
+//! metadata record"). Each
 //! request waits at most the tier's timeout. Every read of the pinned block
 //! runs under the slab gate (hashing it, and copying each chunk into its
 //! request), never across a network wait. Whatever the outcome, the pin goes
@@ -106,5 +108,22 @@ async fn write_block(ctx: &Ctx, job: &WriteJob) -> Result<(), String> {
         .buffer_unordered(CHUNK_WINDOW)
         .try_collect::<Vec<()>>()
         .await?;
+    // The block's metadata record, before chunk 0 (a reader that finds the
+    // header finds it too); one that is not stored leaves the block to be
+    // published by key.
+    if let Some(value) = job.meta.as_deref().and_then(|m| {
+        let mut rec = Vec::new();
+        m.encode(&mut rec).ok()?;
+        scope.seal_record(job.key, &rec)
+    }) {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(scope.record_key(job.key)).arg(value);
+        if let Some(ttl) = ctx.cfg.ttl {
+            cmd.arg("PX").arg(ttl.as_millis().max(1) as u64);
+        }
+        if let Err(e) = send(Ok(cmd)).await {
+            tracing::debug!(key = %format_args!("{:032x}", job.key), "remote write of a block's metadata record failed: {e}");
+        }
+    }
     send(set_cmd(0)).await
 }

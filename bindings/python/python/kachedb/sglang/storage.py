@@ -58,6 +58,46 @@ import kachedb
 from .._link import DaemonLink, engine_tenant, resolve_socket
 from . import keys as _keys
 
+#: The backup SGLang's cache controller is running on this thread (its
+#: ``StorageOperation``: the pages' hashes and their tokens), while it runs.
+_BACKUP = threading.local()
+
+
+def _watch_backups() -> bool:
+    """Wraps SGLang's ``HiCacheController._page_backup`` (once per process) so
+    that the operation it backs up is known to ``batch_set_v1`` on its thread:
+    the storage interface passes a page's hash and host slots, not its tokens,
+    which a router needs (docs/events.md, "Block metadata"). Whether it is
+    wrapped (a SGLang without that function: pages are published by key)."""
+    try:
+        from sglang.srt.managers.cache_controller import HiCacheController
+    except Exception:  # no controller in this SGLang: nothing to watch
+        return False
+    backup = getattr(HiCacheController, "_page_backup", None)
+    if backup is None:
+        return False
+    if getattr(backup, "_kachedb_watched", False):
+        return True
+
+    def _page_backup(self: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_BACKUP, "op", None)
+        _BACKUP.op = operation
+        try:
+            return backup(self, operation, *args, **kwargs)
+        finally:
+            _BACKUP.op = outer
+
+    _page_backup._kachedb_watched = True  # type: ignore[attr-defined]
+    _page_backup.__doc__ = backup.__doc__
+    HiCacheController._page_backup = _page_backup
+    return True
+
+
+def _page_hash(key: str) -> int:
+    """A page's hash as the KV events carry it: the first 64 bits of its
+    SGLang page hash (64 hex digits)."""
+    return int(key[:16], 16)
+
 logger = logging.getLogger("kachedb.sglang")
 
 _DEFAULT_RETRY_S = 5.0
@@ -283,6 +323,8 @@ class KacheDBStorage(HiCacheStorage):
         self._link = DaemonLink(
             self.socket, logger=logger, label="SGLang", role="HiCache", retry_s=self.retry_s, tenant=self.tenant
         )
+        #: SGLang's backups are watched: stored pages carry their tokens.
+        self.records = _watch_backups()
         if self.refused is None:
             self._link.client()  # connect now (or warn now); every call retries if it failed
 
@@ -424,8 +466,26 @@ class KacheDBStorage(HiCacheStorage):
             present = int(kc.lookup(dkeys))  # a page hash names its whole prefix: stored once
             if present < n:
                 per = len(addrs) // n
-                # one RESERVE batch, one copy per range (host pool to shared memory), one COMMIT batch
-                kc.put_ranges(dkeys[present:], addrs[present * per :], lens[present * per :])
+                metas = self._metas(keys, extra_info)
+                # The pages chain on from the one before them (stored already, or
+                # the last of the prefix the controller names): the daemon's
+                # chain-aware eviction then takes a prompt's pages from its end.
+                before = dkeys[present - 1] if present else self._prefix_tail(extra_info)
+                if metas is None:
+                    # one RESERVE batch, one copy per range (host pool to shared memory), one COMMIT batch
+                    kc.put_ranges(
+                        dkeys[present:], addrs[present * per :], lens[present * per :], parent=before, chain=True
+                    )
+                else:
+                    # the same, each page's record attached before the COMMITs
+                    res = kc.reserve_many(dkeys[present:], (page_bytes,), torch.uint8, parent=before, chain=True)
+                    try:
+                        res.write_ranges(addrs[present * per :], lens[present * per :])
+                        res.attach_meta(metas[present:])
+                    except BaseException:
+                        res.abort()
+                        raise
+                    res.commit()
         except Exception as e:
             self._add(set_pages_failed=n)
             self._failed("store", e)
@@ -433,6 +493,43 @@ class KacheDBStorage(HiCacheStorage):
         self._add(set_pages_present=present, set_pages_stored=n - present)
         self._record(self._backup_pgs, self._backup_gbps, n - present, (n - present) * page_bytes, t0)
         return [True] * n
+
+    def _prefix_tail(self, extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[bytes]:
+        """The daemon key of the page before a batch, if the controller names
+        its prefix (``prefix_keys``)."""
+        prefix = list(getattr(extra_info, "prefix_keys", None) or [])
+        return self._dkeys(self.ns_v1, prefix[-1:])[0] if prefix else None
+
+    def _metas(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[List[Any]]:
+        """Each page's ``kachedb.BlockMeta`` (its hash, its parent's, its tokens,
+        the page size), from the backup SGLang's controller runs on this thread;
+        ``None`` when that is not known (another caller, another SGLang, pages
+        not found in the operation): the pages are published by key."""
+        op = getattr(_BACKUP, "op", None) if self.records else None
+        if op is None:
+            return None
+        hashes = list(getattr(op, "hash_value", None) or [])
+        tokens = list(getattr(op, "token_ids", None) or [])
+        ps = int(getattr(self.mem_pool_host, "page_size", 0) or 0)
+        try:
+            at = hashes.index(keys[0])
+        except ValueError:
+            return None
+        if ps <= 0 or hashes[at : at + len(keys)] != list(keys) or len(tokens) < (at + len(keys)) * ps:
+            return None
+        before = list(getattr(extra_info, "prefix_keys", None) or []) if at == 0 else [hashes[at - 1]]
+        out = []
+        for i, key in enumerate(keys):
+            parent = keys[i - 1] if i else (before[-1] if before else None)
+            out.append(
+                kachedb.BlockMeta(
+                    block_hash=_page_hash(key),
+                    parent_hash=_page_hash(parent) if parent else None,
+                    token_ids=tuple(tokens[(at + i) * ps : (at + i + 1) * ps]),
+                    block_size=ps,
+                )
+            )
+        return out
 
     def batch_get_v1(
         self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
