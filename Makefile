@@ -218,9 +218,11 @@ dynamo-env:
 	  $(VLLM_SSL) $(DYNAMO_VENV)/bin/uv pip install -q --python $(DYNAMO_PY) ai-dynamo-runtime==1.6.1; fi
 
 ## test-dynamo: the node's KV events in Dynamo's standalone indexer (tests/dynamo): the daemon's
-## own stream (main environment) and a vLLM CPU engine as the writer (run in .venv-vllm)
-test-dynamo: build dynamo-env vllm-env
+## own stream (main environment), a vLLM CPU engine as the writer (run in .venv-vllm) and SGLang's
+## cache controller as the writer (run in .venv-sglang)
+test-dynamo: build dynamo-env vllm-env sglang-env
 	KACHEDB_DYNAMO_PY=$(abspath $(DYNAMO_PY)) $(VLLM_PY) -m pytest -q -rs tests/dynamo
+	KACHEDB_DYNAMO_PY=$(abspath $(DYNAMO_PY)) $(SGLANG_RUN) $(SGLANG_PY) -m pytest -q -rs tests/dynamo/test_dynamo_sglang.py
 
 ## test-miri: the ring under Miri (needs `rustup +nightly component add miri`; not in CI)
 test-miri:
