@@ -506,6 +506,7 @@ def scenario_direct(spec: Dict[str, Any]) -> Dict[str, Any]:
     import torch
 
     import kachedb
+    from kachedb.lmcache import records
 
     engine = S.build_engine("direct", socket=spec["socket"], max_pinned_bytes=spec.get("max_pinned_bytes"))
     conn = S.kachedb_connector(engine)
@@ -535,6 +536,8 @@ def scenario_direct(spec: Dict[str, Any]) -> Dict[str, Any]:
     out["byte_equal"] = _bytes(got) == _bytes(kv)
     out["calls"] = [[name, "caller" if tid == me else "other"] for name, tid in calls]
     out["stats"] = kachedb.lmcache.stats()
+    # the chunks' hashes as the KV events carry them, for a test that subscribes
+    out["event_hashes"] = [records.event_hash(k.chunk_hash) for k in S.chunk_keys(engine, tokens)]
     S.clear_local(engine, tokens)
     _destroy("direct")
     observer.close()

@@ -57,8 +57,9 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from .._link import DaemonLink, engine_tenant
+from .._meta import MAX_META_TOKENS
 from ._stats import COUNTERS
-from . import direct
+from . import direct, records
 from .config import PLUGIN_TYPE, option_key, resolve_socket
 from .keys import chunk_key, namespace_digest, namespace_fields
 from .region import RegionAllocator
@@ -86,6 +87,11 @@ def _bytes_of(memory_obj: MemoryObj) -> Any:
         flat = raw.view(-1) if raw.dtype == torch.uint8 else raw.reshape(-1).view(torch.uint8)
         return flat[:n]
     return memoryview(memory_obj.byte_array)[:n]
+
+
+def _nbytes(value: Any) -> int:
+    """The byte count of a chunk's bytes (``_bytes_of``)."""
+    return int(value.numel()) if isinstance(value, torch.Tensor) else len(value)
 
 
 class KacheDBConnector(RemoteConnector):
@@ -149,6 +155,9 @@ class KacheDBConnector(RemoteConnector):
         # LMCache's remote backend calls this connector's gets and in-place
         # stores on the engine's thread, not through its event loop (direct.py).
         direct.install()
+        #: LMCache's token hashing is watched: stored chunks carry their tokens
+        #: and parents to the daemon's KV events (records.py).
+        self.records = records.watch()
         # Chunks LMCache stores are allocated in the daemon's region, so a
         # store commits them in place (region.py); on the same terms as views.
         self.region: Optional[RegionAllocator] = None
@@ -370,12 +379,12 @@ class KacheDBConnector(RemoteConnector):
                     getattr(obj.metadata, "shapes", None) or obj.get_shape(),
                 )
                 continue
-            items.append((self.daemon_key(k), obj, k))
+            items.append((self.daemon_key(k), obj, k, self._meta(k, obj)))
         if not items:
             return
         region = self.region
         in_place = [x for x in items if region is not None and region.owns_open(x[1])]
-        copied = [x[:2] for x in items if region is None or not region.owns_open(x[1])]
+        copied = [x for x in items if region is None or not region.owns_open(x[1])]
         try:
             if in_place:
                 self._commit_in_place(kc, in_place)
@@ -398,7 +407,9 @@ class KacheDBConnector(RemoteConnector):
         while they hold it): that costs no copy, where looking it up first
         would cost a round trip."""
         assert self.region is not None
-        ok = self.region.commit_objects(kc, [o for _, o, _ in items], [k for k, _, _ in items], [c for _, _, c in items])
+        ok = self.region.commit_objects(
+            kc, [x[1] for x in items], [x[0] for x in items], [x[2] for x in items], [x[3] for x in items]
+        )
         n = sum(ok)
         if n < len(ok):
             COUNTERS["store_skipped_full"] += len(ok) - n
@@ -407,7 +418,8 @@ class KacheDBConnector(RemoteConnector):
             COUNTERS["store_batches"] += 1
             COUNTERS["stored_chunks"] += n
             COUNTERS["stored_in_place"] += n
-            COUNTERS["stored_bytes"] += sum(o.get_size() for (_, o, _), good in zip(items, ok) if good)
+            COUNTERS["stored_bytes"] += sum(x[1].get_size() for x, good in zip(items, ok) if good)
+            COUNTERS["stored_with_records"] += sum(1 for x, good in zip(items, ok) if good and x[3] is not None)
         # The next store's chunks, reserved ahead on this thread while the
         # daemon is awake from the commit (one more warm round trip). Handing
         # this to LMCache's event loop made the store slower, not faster: the
@@ -422,20 +434,78 @@ class KacheDBConnector(RemoteConnector):
             _log_once("refill_error", "KacheDB reserve ahead failed (%s): the next store reserves on demand", e)
 
     def _put_copies(self, kc: Any, items: Sequence[Any]) -> None:
-        """Stores chunks in LMCache's own memory: one ``put_many`` (a copy each)."""
+        """Stores chunks in LMCache's own memory: one ``put_many`` (a copy
+        each); chunks with records (``_meta``) are reserved, copied, given their
+        records and committed in one batch instead."""
         # Chunks chain over the prompt: the head of the batch present in the
         # daemon (stored by this or another engine) is not copied again.
-        present = int(kc.lookup([k for k, _ in items]))
+        present = int(kc.lookup([x[0] for x in items]))
         if present:
             COUNTERS["store_skipped_present"] += present
             items = items[present:]
         if not items:
             return
-        values = [_bytes_of(obj) for _, obj in items]
-        kc.put_many([k for k, _ in items], values)
+        keys = [x[0] for x in items]
+        values = [_bytes_of(x[1]) for x in items]
+        metas = [x[3] for x in items]
+        if any(m is not None for m in metas):
+            ok = self._put_with_records(kc, keys, values, metas)
+        else:
+            kc.put_many(keys, values)
+            ok = [True] * len(values)
+        n = sum(ok)
+        if n < len(ok):
+            COUNTERS["store_skipped_full"] += len(ok) - n
         COUNTERS["store_batches"] += 1
-        COUNTERS["stored_chunks"] += len(values)
-        COUNTERS["stored_bytes"] += sum(len(v) for v in values)
+        COUNTERS["stored_chunks"] += n
+        COUNTERS["stored_bytes"] += sum(_nbytes(v) for v, good in zip(values, ok) if good)
+        COUNTERS["stored_with_records"] += sum(1 for m, good in zip(metas, ok) if good and m is not None)
+
+    def _put_with_records(self, kc: Any, keys: List[bytes], values: List[Any], metas: List[Any]) -> List[bool]:
+        """The chunks reserved (one batch per chunk size: a prompt's last chunk
+        may be short), copied, each given its record, and committed in one
+        batch; whether each was committed. All the reservations are given back
+        if one step fails before the commit."""
+        sources = [v if isinstance(v, torch.Tensor) else torch.frombuffer(v, dtype=torch.uint8) for v in values]
+        by_size: dict = {}
+        for i, src in enumerate(sources):
+            by_size.setdefault(src.numel(), []).append(i)
+        held: List[Any] = [None] * len(sources)
+        try:
+            for nbytes, at in by_size.items():
+                for i, r in zip(at, kc.reserve_each(len(at), (nbytes,), torch.uint8)):
+                    held[i] = r
+            for r, src, meta in zip(held, sources, metas):
+                r.out.copy_(src)
+                if meta is not None:
+                    r.attach_meta(meta)
+        except BaseException:
+            for r in held:
+                if r is not None:
+                    r.abort()
+            raise
+        return [bool(x) for x in kc.commit_as(held, keys)]
+
+    def _meta(self, key: CacheEngineKey, obj: MemoryObj) -> Optional[Any]:
+        """The chunk's ``kachedb.BlockMeta`` (its hash, its parent's, its
+        tokens, the chunk size) if this process hashed its tokens
+        (``records``); ``None`` otherwise: the chunk is published by key."""
+        if not self.records:
+            return None
+        got = records.record(getattr(key, "chunk_hash", None))
+        if got is None:
+            return None
+        tokens, parent = got
+        if len(tokens) * self.single_token_size != obj.get_size():
+            return None  # not this chunk's tokens (another layout's chunk of the same hash)
+        if len(tokens) > MAX_META_TOKENS:
+            return None  # more than a record carries
+        return kachedb.BlockMeta(
+            block_hash=records.event_hash(key.chunk_hash),
+            parent_hash=parent,
+            token_ids=tokens,
+            block_size=int(self.metadata.chunk_size),
+        )
 
     # -- called on the engine's thread (direct.py) ----------------------------
     def load_now(self, keys: Sequence[CacheEngineKey]) -> List[MemoryObj]:

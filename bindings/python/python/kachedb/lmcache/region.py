@@ -204,19 +204,29 @@ class RegionAllocator(MemoryAllocatorInterface):
         return entry is not None and not entry[0].finished
 
     def commit_objects(
-        self, kc: Any, objs: Sequence[MemoryObj], keys: Sequence[bytes], chunk_keys: Sequence[Any]
+        self,
+        kc: Any,
+        objs: Sequence[MemoryObj],
+        keys: Sequence[bytes],
+        chunk_keys: Sequence[Any],
+        metas: Optional[Sequence[Any]] = None,
     ) -> List[bool]:
         """Commits the open region objects ``objs`` under ``keys`` (one batch;
-        those of a client other than ``kc``, which is gone, are left open):
-        whether each is in the daemon now, pinned while LMCache holds it, and
-        droppable from LMCache's local tier (``chunk_keys``, its keys there)
-        to make room. Errors of the batch (``Disconnected``...) propagate."""
+        those of a client other than ``kc``, which is gone, are left open),
+        each with its record ``metas[i]`` (a ``kachedb.BlockMeta`` or ``None``)
+        attached first: whether each is in the daemon now, pinned while LMCache
+        holds it, and droppable from LMCache's local tier (``chunk_keys``, its
+        keys there) to make room. Errors of the batch (``Disconnected``...)
+        propagate."""
         with self._lock:
             entries = [self._live.get(id(o)) for o in objs]
         ok = [False] * len(objs)
         at = [i for i, e in enumerate(entries) if e is not None and e[1] is kc and not e[0].finished]
         if not at:
             return ok
+        for i in at:
+            if metas is not None and metas[i] is not None:
+                entries[i][0].attach_meta(metas[i])
         done = kc.commit_as([entries[i][0] for i in at], [keys[i] for i in at])
         for i, d in zip(at, done):
             ok[i] = bool(d)

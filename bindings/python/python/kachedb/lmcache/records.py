@@ -1,0 +1,107 @@
+"""The tokens and parent of an LMCache chunk, for the daemon's KV events.
+
+A router matches a request against the blocks a node holds by their tokens
+(docs/events.md, "Block metadata"). LMCache's storage interface hands a remote
+connector a chunk's ``CacheEngineKey`` and its bytes, not its tokens; the tokens
+are known where LMCache hashes them: its token database's ``_prefix_hash``,
+which turns a prompt's token chunks into the chunks' prefix hashes, in order
+(every store, lookup and retrieve of tokens goes through it).
+
+``watch()`` puts a wrapper in front of that method, once per process, which
+remembers each chunk's tokens and its parent's hash under the chunk's hash, the
+last ``MAX_CHUNKS`` of them. The connector looks a stored chunk up by its
+``CacheEngineKey.chunk_hash`` (``record``) and attaches what it finds to the
+block before its commit; a chunk not found (keyed by hashes that vLLM's adapter
+computed, an LMCache without that method, a chunk hashed more than
+``MAX_CHUNKS`` chunks ago) is published by key.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Iterable, Iterator, Optional, Tuple
+
+#: Chunks remembered (newest kept). A store follows its hashing by the time one
+#: request's chunks are copied; 4096 chunks of 256 tokens keep 8 MiB of token
+#: ids alive at most.
+MAX_CHUNKS = 4096
+
+_U64 = (1 << 64) - 1
+
+_LOCK = threading.Lock()
+#: chunk hash -> (the chunk's tokens, its parent's hash or ``None``)
+_SEEN: "OrderedDict[Any, Tuple[Any, Optional[Any]]]" = OrderedDict()
+
+#: ``ChunkedTokenDatabase`` attribute naming LMCache's own method.
+_ORIGINAL = "_kachedb_original_prefix_hash"
+
+
+def event_hash(chunk_hash: Any) -> int:
+    """A chunk hash as the KV events carry it, an unsigned 64-bit int: an int
+    (Python's ``hash``, possibly negative) modulo 2**64; bytes (vLLM's hash
+    functions) as vLLM publishes its own, the last 8 bytes big-endian."""
+    if isinstance(chunk_hash, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(chunk_hash)[-8:], "big")
+    return int(chunk_hash) & _U64
+
+
+def _remember(chunk_hash: Any, tokens: Any, parent: Optional[Any]) -> None:
+    with _LOCK:
+        _SEEN[chunk_hash] = (tokens, parent)
+        _SEEN.move_to_end(chunk_hash)
+        while len(_SEEN) > MAX_CHUNKS:
+            _SEEN.popitem(last=False)
+
+
+def record(chunk_hash: Any) -> Optional[Tuple[Tuple[int, ...], Optional[int]]]:
+    """The chunk's token ids and its parent's event hash (``None`` for a
+    prompt's first chunk), or ``None`` if this process has not hashed it."""
+    try:
+        with _LOCK:
+            got = _SEEN.get(chunk_hash)
+    except TypeError:  # an unhashable hash value: never remembered
+        return None
+    if got is None:
+        return None
+    tokens, parent = got
+    ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    return tuple(int(t) for t in ids), None if parent is None else event_hash(parent)
+
+
+def watch() -> bool:
+    """Wraps LMCache's ``ChunkedTokenDatabase._prefix_hash`` (once per process);
+    whether it is wrapped (an LMCache without it: chunks are published by
+    key)."""
+    try:
+        from lmcache.v1.token_database import ChunkedTokenDatabase
+    except Exception:  # no token database in this LMCache
+        return False
+    return wrap_prefix_hash(ChunkedTokenDatabase)
+
+
+def wrap_prefix_hash(cls: Any) -> bool:
+    """Puts the remembering wrapper in front of ``cls._prefix_hash`` (a
+    generator method: token chunks in, their prefix hashes out, in order),
+    once; whether ``cls`` has that method."""
+    original = cls.__dict__.get("_prefix_hash")
+    if original is None:
+        return False
+    if getattr(original, _ORIGINAL, None) is not None:
+        return True
+
+    def _prefix_hash(self: Any, token_chunks: Iterable[Any]) -> Iterator[Any]:
+        chunks = list(token_chunks)
+        parent = None
+        for chunk, chunk_hash in zip(chunks, original(self, iter(chunks))):
+            try:
+                _remember(chunk_hash, chunk, parent)
+            except TypeError:  # an unhashable hash value: not remembered
+                pass
+            parent = chunk_hash
+            yield chunk_hash
+
+    setattr(_prefix_hash, _ORIGINAL, original)
+    _prefix_hash.__doc__ = original.__doc__
+    cls._prefix_hash = _prefix_hash
+    return True

@@ -1,0 +1,51 @@
+"""``kachedb.lmcache.records``: an LMCache chunk's tokens and parent, remembered
+where LMCache hashes them, for the KV events (the end-to-end test with a real
+LMCache engine is tests/lmcache/test_lmcache_kv_events.py). A stand-in token
+database here: the wrapper's contract is LMCache's ``_prefix_hash`` signature."""
+
+import torch
+
+from kachedb.lmcache import records
+
+
+class _TokenDatabase:
+    """LMCache's ``ChunkedTokenDatabase._prefix_hash`` in miniature: each
+    chunk's hash chains over the one before."""
+
+    def _prefix_hash(self, token_chunks):
+        h = 0
+        for chunk in token_chunks:
+            h = hash((h, tuple(int(t) for t in chunk)))
+            yield h
+
+
+def test_chunks_hashed_are_remembered_with_their_tokens_and_parents():
+    assert records.wrap_prefix_hash(_TokenDatabase)
+    assert records.wrap_prefix_hash(_TokenDatabase)  # once: not wrapped twice
+    tokens = torch.arange(1000, 1040)
+    chunks = [tokens[i : i + 16] for i in range(0, 40, 16)]  # 16 + 16 + 8
+    hashes = list(_TokenDatabase()._prefix_hash(iter(chunks)))
+    assert len(hashes) == 3
+    for i, h in enumerate(hashes):
+        got = records.record(h)
+        assert got is not None
+        ids, parent = got
+        assert list(ids) == chunks[i].tolist()
+        assert parent == (records.event_hash(hashes[i - 1]) if i else None)
+    assert records.record(12345) is None
+    assert records.record([1, 2]) is None  # unhashable: never remembered, not an error
+
+
+def test_only_the_newest_chunks_are_kept():
+    db = _TokenDatabase()
+    first = list(db._prefix_hash(iter([[7, 7, 7]])))[0]
+    many = [[i, i + 1] for i in range(records.MAX_CHUNKS)]
+    list(db._prefix_hash(iter(many)))
+    assert records.record(first) is None
+
+
+def test_event_hashes_are_unsigned_64_bit():
+    assert records.event_hash(-1) == (1 << 64) - 1
+    assert records.event_hash(5) == 5
+    assert records.event_hash((1 << 70) + 3) == 3
+    assert records.event_hash(bytes(range(32))) == int.from_bytes(bytes(range(24, 32)), "big")

@@ -1,0 +1,70 @@
+"""LMCache chunks on the daemon's KV events with their tokens (issue 42).
+
+A router matches a request by its tokens; LMCache's storage interface passes a
+connector a chunk's key and bytes, not its tokens. The plugin watches LMCache's
+token hashing (``kachedb.lmcache.records``) and attaches each stored chunk's
+record — its hash, its parent's, its tokens, the chunk size — before the
+commit, so the daemon publishes it as vLLM's ``BlockStored`` with what a router
+needs (docs/lmcache.md, "KV events").
+
+A real LMCache engine (``engine_proc.py`` scenario ``direct``, its own process)
+stores a prompt into a daemon that publishes its KV events; a subscriber (ZMQ,
+vLLM's schema) sees every chunk once, chained in the prompt's order, its tokens
+the prompt's — for chunks committed in place in the daemon's region and for
+chunks copied from LMCache's own memory (``max_pinned_bytes`` 0)."""
+
+import time
+
+import pytest
+
+import lmcache_support as S
+from engine_support import Daemon
+from kv_events_support import Subscriber, free_port
+from test_lmcache_engine import assert_kachedb_serving, run_engine
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPT = (128, 41)
+CHUNKS = 8
+
+
+@pytest.mark.parametrize("pinned", [None, 0], ids=["in_place", "copies"])
+def test_stored_chunks_are_published_with_their_tokens_and_parents(workdir, pinned):
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    d = Daemon(str(workdir / f"lmcache-events-{pinned}.sock"), size="64MiB",
+               extra=["--events-endpoint", pub, "--events-replay-endpoint", replay]).start()  # fmt: skip
+    stored = {}
+    counts = {}
+
+    def on_event(ev):
+        if type(ev).__name__ == "BlockStored":
+            for h in ev.block_hashes:
+                stored[h] = ev
+                counts[h] = counts.get(h, 0) + 1
+
+    sub = Subscriber(pub, replay, on_event=on_event).start()
+    try:
+        spec = {"scenario": "direct", "socket": d.socket, "prompt": PROMPT}
+        if pinned is not None:
+            spec["max_pinned_bytes"] = pinned
+        r = run_engine(workdir, f"events-{pinned}", spec)
+        assert_kachedb_serving(r)
+        assert r["chunks"] == CHUNKS and r["landed"]["present"] == CHUNKS
+        assert r["stats"]["stored_with_records"] == CHUNKS, r["stats"]
+        want = r["event_hashes"]
+        assert len(set(want)) == CHUNKS
+        deadline = time.monotonic() + 30
+        while not set(want) <= set(stored):
+            assert time.monotonic() < deadline, f"published {sorted(stored)}, want {want}"
+            time.sleep(0.05)
+        tokens = S.prompt_tokens(*PROMPT)
+        per = len(tokens) // CHUNKS
+        for i, h in enumerate(want):
+            ev = stored[h]
+            assert list(ev.token_ids) == tokens[i * per : (i + 1) * per], i
+            assert ev.block_size == S.CHUNK_TOKENS == per
+            assert ev.parent_block_hash == (want[i - 1] if i else None), i
+            assert counts[h] == 1, f"chunk {i} published {counts[h]} times"
+    finally:
+        sub.close()
+        assert d.stop() == 0
