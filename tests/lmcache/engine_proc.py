@@ -538,6 +538,7 @@ def scenario_direct(spec: Dict[str, Any]) -> Dict[str, Any]:
     out["stats"] = kachedb.lmcache.stats()
     # the chunks' hashes as the KV events carry them, for a test that subscribes
     out["event_hashes"] = [records.event_hash(k.chunk_hash) for k in S.chunk_keys(engine, tokens)]
+    out["daemon"] = observer.stats()
     S.clear_local(engine, tokens)
     _destroy("direct")
     observer.close()

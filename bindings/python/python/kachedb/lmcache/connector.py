@@ -436,10 +436,11 @@ class KacheDBConnector(RemoteConnector):
     def _put_copies(self, kc: Any, items: Sequence[Any]) -> None:
         """Stores chunks in LMCache's own memory: one ``put_many`` (a copy
         each); chunks with records (``_meta``) are reserved, copied, given their
-        records and committed in one batch instead."""
+        records and committed chained instead (``_put_with_records``)."""
         # Chunks chain over the prompt: the head of the batch present in the
         # daemon (stored by this or another engine) is not copied again.
         present = int(kc.lookup([x[0] for x in items]))
+        before = items[present - 1] if present else None
         if present:
             COUNTERS["store_skipped_present"] += present
             items = items[present:]
@@ -449,7 +450,7 @@ class KacheDBConnector(RemoteConnector):
         values = [_bytes_of(x[1]) for x in items]
         metas = [x[3] for x in items]
         if any(m is not None for m in metas):
-            ok = self._put_with_records(kc, keys, values, metas)
+            ok = self._put_with_records(kc, keys, values, metas, before)
         else:
             kc.put_many(keys, values)
             ok = [True] * len(values)
@@ -461,30 +462,50 @@ class KacheDBConnector(RemoteConnector):
         COUNTERS["stored_bytes"] += sum(_nbytes(v) for v, good in zip(values, ok) if good)
         COUNTERS["stored_with_records"] += sum(1 for m, good in zip(metas, ok) if good and m is not None)
 
-    def _put_with_records(self, kc: Any, keys: List[bytes], values: List[Any], metas: List[Any]) -> List[bool]:
-        """The chunks reserved (one batch per chunk size: a prompt's last chunk
-        may be short), copied, each given its record, and committed in one
-        batch; whether each was committed. All the reservations are given back
-        if one step fails before the commit."""
+    def _put_with_records(
+        self, kc: Any, keys: List[bytes], values: List[Any], metas: List[Any], before: Optional[Any]
+    ) -> List[bool]:
+        """The chunks reserved, copied, given their records and committed, one
+        batch per run of chunks of one size (a prompt's last chunk may be
+        short), in order; whether each was committed. A chunk names as its
+        parent the chunk before it when its record says so (``before``: the
+        stored item ahead of the batch), so the daemon's chain-aware eviction
+        takes a prompt's chunks from its end. A run that does not fit is not
+        stored, nor are the runs after it (their parents would be missing)."""
         sources = [v if isinstance(v, torch.Tensor) else torch.frombuffer(v, dtype=torch.uint8) for v in values]
-        by_size: dict = {}
-        for i, src in enumerate(sources):
-            by_size.setdefault(src.numel(), []).append(i)
-        held: List[Any] = [None] * len(sources)
-        try:
-            for nbytes, at in by_size.items():
-                for i, r in zip(at, kc.reserve_each(len(at), (nbytes,), torch.uint8)):
-                    held[i] = r
-            for r, src, meta in zip(held, sources, metas):
-                r.out.copy_(src)
-                if meta is not None:
-                    r.attach_meta(meta)
-        except BaseException:
-            for r in held:
-                if r is not None:
-                    r.abort()
-            raise
-        return [bool(x) for x in kc.commit_as(held, keys)]
+        prev_key = before[0] if before is not None else None
+        prev_meta = before[3] if before is not None else None
+        parents: List[Optional[bytes]] = []
+        for key, meta in zip(keys, metas):
+            linked = meta is not None and prev_meta is not None and meta.parent_hash == prev_meta.block_hash
+            parents.append(prev_key if linked else None)
+            prev_key, prev_meta = key, meta
+        ok = [False] * len(keys)
+        start = 0
+        while start < len(keys):
+            end = start + 1
+            while end < len(keys) and sources[end].numel() == sources[start].numel():
+                end += 1
+            try:
+                res = kc.reserve_many(
+                    keys[start:end], (sources[start].numel(),), torch.uint8, parents=parents[start:end]
+                )
+            except (kachedb.OutOfMemory, kachedb.TooLarge):
+                if start == 0:
+                    raise
+                return ok
+            try:
+                for out, src in zip(res.out, sources[start:end]):
+                    out.copy_(src)
+                res.attach_meta(metas[start:end])
+            except BaseException:
+                res.abort()
+                raise
+            res.commit()
+            res = None
+            ok[start:end] = [True] * (end - start)
+            start = end
+        return ok
 
     def _meta(self, key: CacheEngineKey, obj: MemoryObj) -> Optional[Any]:
         """The chunk's ``kachedb.BlockMeta`` (its hash, its parent's, its
