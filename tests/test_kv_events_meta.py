@@ -126,6 +126,39 @@ def test_a_writers_block_metadata_is_published_with_its_blocks_and_in_snapshots(
             sub.close()
 
 
+def test_records_given_to_commit_as_are_published_with_blocks_reserved_without_a_key():
+    """``Client.commit_as(reservations, keys, metas)``: blocks reserved before
+    their keys were known (LMCache's chunks in the region) get their records in
+    the commit's batch; a ``None`` leaves its block to be published by key."""
+    pub, replay = free_port(), free_port()
+    pub_ep, replay_ep = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    rec = Recorder()
+    value = b"\0" * 4096
+    with Daemon(size="16MiB", extra=["--events-endpoint", pub_ep, "--events-replay-endpoint", replay_ep],
+                binary=built_binary()) as d:  # fmt: skip
+        sub = Subscriber(pub_ep, replay_ep, on_event=rec).start()
+        try:
+            kc = d.connect()
+            settle(kc, [sub], value, 10**9, set())
+            held = kc.reserve_each(3, (4096,), "uint8")
+            for i, r in enumerate(held):
+                r.out.fill_(i)
+            m = metas()
+            with pytest.raises(kachedb.InvalidArgument):
+                kc.commit_as(held, [21, 22, 23], [m[0]])  # one record for three: nothing committed
+            assert kc.commit_as(held, [21, 22, 23], [m[0], None, m[2]]) == [True, True, True]
+            held = r = None
+            for h in (H[0], 22, H[2]):
+                assert sub.saw(h, 30), f"hash {h:#x} not published"
+            assert list(rec.stored[H[0]].token_ids) == tokens(0)
+            assert list(rec.stored[H[2]].token_ids) == tokens(2) and rec.stored[H[2]].lora_name == "adapter"
+            assert rec.stored[22].token_ids == [] and not {21, 23} & set(rec.stored)
+            assert d.stats()["reserved"] == 0
+            kc.close()
+        finally:
+            sub.close()
+
+
 def test_block_metadata_out_of_bounds_is_refused_and_the_block_is_published_by_key():
     pub, replay = free_port(), free_port()
     pub_ep, replay_ep = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"

@@ -1171,7 +1171,7 @@ impl NativeReservations {
     }
 }
 
-/// commit_reservations(reservations, keys)
+/// commit_reservations(reservations, keys, metas=None)
 /// --
 ///
 /// Commits open reservations of one client (``NativeReservation``s, from
@@ -1184,17 +1184,32 @@ impl NativeReservations {
 /// ``Disconnected`` once every reservation is so if the daemon is gone.
 /// ``InvalidArgument`` (nothing sent) if one of them is not open, or the
 /// counts differ.
+///
+/// ``metas`` (optional): one block metadata record (a ``MetaTuple``) or
+/// ``None`` per reservation, attached before the commits in one batch (one
+/// scratch block, one batch of META frames); a record the daemon refuses
+/// leaves its block without one (published by key), the commit goes on.
 #[pyfunction]
+#[pyo3(signature = (reservations, keys, metas=None))]
 pub fn commit_reservations(
     py: Python<'_>,
     reservations: Vec<PyRef<'_, NativeReservation>>,
     keys: &Bound<'_, PyAny>,
+    metas: Option<Vec<Option<MetaTuple>>>,
 ) -> PyResult<Vec<bool>> {
     let keys = keys_of(keys)?;
     if keys.len() != reservations.len() {
         return Err(InvalidArgument::new_err(format!(
             "{} keys to commit {} reservations under",
             keys.len(),
+            reservations.len()
+        )));
+    }
+    let metas: Option<Vec<Option<BlockMeta>>> = metas.map(|ms| ms.into_iter().map(|m| m.map(meta_of_tuple)).collect());
+    if metas.as_ref().is_some_and(|ms| ms.len() != reservations.len()) {
+        return Err(InvalidArgument::new_err(format!(
+            "{} block metadata records for {} reservations",
+            metas.as_ref().map_or(0, Vec::len),
             reservations.len()
         )));
     }
@@ -1213,7 +1228,14 @@ pub fn commit_reservations(
         x.commit_as(Some(*k));
         batch.push(x);
     }
-    let (done, first_err) = py.allow_threads(|| Reservation::commit_each_pinned(batch));
+    let (done, first_err) = py.allow_threads(|| {
+        if let Some(ms) = &metas {
+            // Best effort: a refused record leaves its block published by key;
+            // a daemon that is gone fails the commits below as well.
+            let _ = Reservation::attach_meta_all(&batch, ms);
+        }
+        Reservation::commit_each_pinned(batch)
+    });
     let mut ok = Vec::with_capacity(done.len());
     for (r, d) in reservations.iter().zip(done) {
         let Ok(mut g) = r.extents.state.lock() else {

@@ -544,7 +544,12 @@ class Client:
         code = dtype_code(dtype)
         return [Reservation(r, code, dims, False, keyless=True) for r in native.reserve_each(count, code, list(dims))]
 
-    def commit_as(self, reservations: Sequence[Reservation], keys: Sequence[KeyLike]) -> List[bool]:
+    def commit_as(
+        self,
+        reservations: Sequence[Reservation],
+        keys: Sequence[KeyLike],
+        metas: Optional[Sequence[Optional["BlockMeta"]]] = None,
+    ) -> List[bool]:
         """Commits reservations of this client (from separate ``reserve``
         calls, ``key=None`` ones included) in one batch, each under its key in
         ``keys``, the key it was reserved with set aside; each is pinned while
@@ -552,7 +557,9 @@ class Client:
         reservation: committed, or refused by the daemon (it then stays
         reserved until its tensors go, and is aborted); ``Disconnected`` when
         the daemon is gone. ``InvalidArgument`` (nothing committed) if one is
-        not open or the counts differ."""
+        not open or the counts differ. ``metas``: each block's record
+        (``kachedb.BlockMeta`` or ``None``), attached in one batch before the
+        commits (a record the daemon refuses leaves its block without one)."""
         self._check()
         reservations = list(reservations)
         if any(not isinstance(r, Reservation) or r._done for r in reservations):
@@ -560,8 +567,14 @@ class Client:
         natives, keys = [r._native for r in reservations], list(keys)
         if len(keys) != len(natives):
             raise InvalidArgument(f"{len(keys)} keys to commit {len(natives)} reservations under")
+        records = None
+        if metas is not None:
+            metas = list(metas)
+            if len(metas) != len(natives):
+                raise InvalidArgument(f"{len(metas)} block metadata records for {len(natives)} reservations")
+            records = native_metas(metas) if any(m is not None for m in metas) else None
         try:
-            return _native.commit_reservations(natives, keys)
+            return _native.commit_reservations(natives, keys, records)
         finally:
             # Committed or handed to the native side (aborted with their tensors).
             for r in reservations:

@@ -200,7 +200,9 @@ class NativeReservations:
 def default_socket_path(instance: int = 0) -> str:
     """The default control socket path of ``instance`` (``$KACHEDB_SOCKET`` for 0)."""
 
-def commit_reservations(reservations: Sequence[NativeReservation], keys: Sequence[Any]) -> List[bool]:
+def commit_reservations(
+    reservations: Sequence[NativeReservation], keys: Sequence[Any], metas: Optional[Sequence[Optional[Any]]] = None
+) -> List[bool]:
     """Commits open reservations of one client in one batch, each under its key
     (COMMIT_PIN with COMMIT_NAMES_KEY; the pin goes with the last tensor):
     one bool per reservation, whether it was committed."""

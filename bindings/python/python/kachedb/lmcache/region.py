@@ -224,10 +224,9 @@ class RegionAllocator(MemoryAllocatorInterface):
         at = [i for i, e in enumerate(entries) if e is not None and e[1] is kc and not e[0].finished]
         if not at:
             return ok
-        for i in at:
-            if metas is not None and metas[i] is not None:
-                entries[i][0].attach_meta(metas[i])
-        done = kc.commit_as([entries[i][0] for i in at], [keys[i] for i in at])
+        done = kc.commit_as(
+            [entries[i][0] for i in at], [keys[i] for i in at], None if metas is None else [metas[i] for i in at]
+        )
         for i, d in zip(at, done):
             ok[i] = bool(d)
             if ok[i]:
