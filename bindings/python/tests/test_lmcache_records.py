@@ -32,6 +32,9 @@ def test_chunks_hashed_are_remembered_with_their_tokens_and_parents():
         ids, parent = got
         assert list(ids) == chunks[i].tolist()
         assert parent == (records.event_hash(hashes[i - 1]) if i else None)
+    # a chunk's own tokens are kept, not the prompt's whole tensor its slice views
+    kept = records._SEEN[hashes[0]][0]
+    assert kept.untyped_storage().nbytes() == 16 * tokens.element_size()
     assert records.record(12345) is None
     assert records.record([1, 2]) is None  # unhashable: never remembered, not an error
 

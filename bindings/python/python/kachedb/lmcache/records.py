@@ -47,6 +47,9 @@ def event_hash(chunk_hash: Any) -> int:
 
 
 def _remember(chunk_hash: Any, tokens: Any, parent: Optional[Any]) -> None:
+    # A copy of the chunk's own tokens: a slice would keep the whole prompt's
+    # tensor alive for as long as the chunk is remembered.
+    tokens = tokens.clone() if hasattr(tokens, "clone") else tuple(tokens)
     with _LOCK:
         _SEEN[chunk_hash] = (tokens, parent)
         _SEEN.move_to_end(chunk_hash)
