@@ -11,8 +11,8 @@ A real LMCache engine (``engine_proc.py`` scenario ``direct``, its own process)
 stores a prompt into a daemon that publishes its KV events; a subscriber (ZMQ,
 vLLM's schema) sees every chunk once, chained in the prompt's order, its tokens
 the prompt's — for chunks committed in place in the daemon's region and for
-chunks copied from LMCache's own memory (``max_pinned_bytes`` 0), which also chain
-in the daemon (each names the chunk before it)."""
+chunks copied from LMCache's own memory (``max_pinned_bytes`` 0); both chain in
+the daemon too (each names the chunk before it)."""
 
 import time
 
@@ -52,9 +52,9 @@ def test_stored_chunks_are_published_with_their_tokens_and_parents(workdir, pinn
         assert_kachedb_serving(r)
         assert r["chunks"] == CHUNKS and r["landed"]["present"] == CHUNKS
         assert r["stats"]["stored_with_records"] == CHUNKS, r["stats"]
-        if pinned == 0:
-            # copied chunks name the chunk before them: one chain in the daemon
-            assert r["daemon"]["chained_blocks"] == CHUNKS - 1, r["daemon"]
+        # each chunk names the chunk before it (copied: at its reservation;
+        # in place: in its COMMIT naming its key): one chain in the daemon
+        assert r["daemon"]["chained_blocks"] == CHUNKS - 1, r["daemon"]
         want = r["event_hashes"]
         assert len(set(want)) == CHUNKS
         deadline = time.monotonic() + 30

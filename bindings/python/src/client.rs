@@ -1171,7 +1171,7 @@ impl NativeReservations {
     }
 }
 
-/// commit_reservations(reservations, keys, metas=None)
+/// commit_reservations(reservations, keys, metas=None, parents=None)
 /// --
 ///
 /// Commits open reservations of one client (``NativeReservation``s, from
@@ -1189,19 +1189,33 @@ impl NativeReservations {
 /// ``None`` per reservation, attached before the commits in one batch (one
 /// scratch block, one batch of META frames); a record the daemon refuses
 /// leaves its block without one (published by key), the commit goes on.
+///
+/// ``parents`` (optional): the key of the block each one follows in a prefix
+/// chain, or ``None``, per reservation (the daemon's chain-aware eviction,
+/// docs/eviction.md); replaces a parent named at ``reserve``.
 #[pyfunction]
-#[pyo3(signature = (reservations, keys, metas=None))]
+#[pyo3(signature = (reservations, keys, metas=None, parents=None))]
 pub fn commit_reservations(
     py: Python<'_>,
     reservations: Vec<PyRef<'_, NativeReservation>>,
     keys: &Bound<'_, PyAny>,
     metas: Option<Vec<Option<MetaTuple>>>,
+    parents: Option<Vec<Bound<'_, PyAny>>>,
 ) -> PyResult<Vec<bool>> {
     let keys = keys_of(keys)?;
     if keys.len() != reservations.len() {
         return Err(InvalidArgument::new_err(format!(
             "{} keys to commit {} reservations under",
             keys.len(),
+            reservations.len()
+        )));
+    }
+    let parents: Option<Vec<Option<Key>>> =
+        parents.map(|ps| ps.iter().map(|p| opt_key_of(Some(p))).collect::<PyResult<_>>()).transpose()?;
+    if parents.as_ref().is_some_and(|ps| ps.len() != reservations.len()) {
+        return Err(InvalidArgument::new_err(format!(
+            "{} parents for {} reservations",
+            parents.as_ref().map_or(0, Vec::len),
             reservations.len()
         )));
     }
@@ -1220,12 +1234,15 @@ pub fn commit_reservations(
     }
     // The GIL is held from the check above to here: only this call finishes them.
     let mut batch = Vec::with_capacity(reservations.len());
-    for (r, k) in reservations.iter().zip(&keys) {
+    for (i, (r, k)) in reservations.iter().zip(&keys).enumerate() {
         let mut taken = r.extents.take("a reservation was")?;
         let Some(mut x) = taken.pop() else {
             return Err(KacheDBError::new_err("internal: an empty reservation"));
         };
         x.commit_as(Some(*k));
+        if let Some(ps) = &parents {
+            x.set_parent(ps[i]);
+        }
         batch.push(x);
     }
     let (done, first_err) = py.allow_threads(|| {

@@ -388,6 +388,28 @@ def test_key_of_wrong_type(kc, key):
         kc.put_many([key], [torch.zeros(1)])
 
 
+def test_commit_as_names_each_blocks_parent(kc):
+    """Blocks reserved before their keys were known (LMCache's chunks in the
+    region), committed in one batch under their keys, each naming the block
+    before it: the daemon chains them (docs/PROTOCOL.md, "COMMIT and the key")."""
+    keys = [f"commit-as-parent-{i}" for i in range(3)]
+    held = kc.reserve_each(3, (4096,), "uint8")
+    for i, r in enumerate(held):
+        r.out.fill_(i + 1)
+    before = kc.stats()["chained_blocks"]
+    with pytest.raises(kachedb.InvalidArgument):
+        kc.commit_as(held, keys, parents=[None])  # one parent for three: nothing committed
+    with pytest.raises(TypeError):
+        kc.commit_as(held, keys, parents=[None, 2.5, None])  # not a key: nothing committed
+    assert kc.stats()["reserved"] == 3
+    assert kc.commit_as(held, keys, parents=[None, keys[0], keys[1]]) == [True, True, True]
+    held = r = None
+    assert kc.stats()["chained_blocks"] == before + 2
+    for i, k in enumerate(keys):
+        with kc.get(k) as t:
+            assert t.unique().tolist() == [i + 1]
+
+
 @pytest.mark.parametrize("value", [[1, 2, 3], "text", 3, 2.0, None, {"a": 1}, torch.float32])
 def test_put_of_a_non_tensor(kc, value):
     with pytest.raises(TypeError, match="torch.Tensor"):

@@ -52,3 +52,15 @@ def test_event_hashes_are_unsigned_64_bit():
     assert records.event_hash(5) == 5
     assert records.event_hash((1 << 70) + 3) == 3
     assert records.event_hash(bytes(range(32))) == int.from_bytes(bytes(range(24, 32)), "big")
+
+
+def test_a_chunk_names_the_chunk_before_it_only_when_its_record_says_so():
+    from types import SimpleNamespace as M
+
+    a, b, c, d = (M(block_hash=h, parent_hash=p) for h, p in [(1, None), (2, 1), (3, 2), (9, 7)])
+    # In a batch: b follows a, c follows b; d's parent is not the chunk before it.
+    assert records.chain_parents(["ka", "kb", "kc", "kd"], [a, b, c, d]) == [None, "ka", "kb", None]
+    # A chunk without a record neither names nor is named.
+    assert records.chain_parents(["ka", "kb", "kc"], [a, None, c]) == [None, None, None]
+    # The first of a batch names the stored item ahead of it: (key, _, _, record).
+    assert records.chain_parents(["kb", "kc"], [b, c], before=("ka", None, None, a)) == ["ka", "kb"]

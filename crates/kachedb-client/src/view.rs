@@ -137,23 +137,59 @@ pub struct Reservation {
     len: u64,
     dtype: DType,
     shape: Shape,
-    /// What the COMMIT names besides the handle: a parent, or the key to
-    /// commit under (one key field on the wire: never both).
+    /// What the COMMIT names besides the handle: a parent, the key to
+    /// commit under, or both.
     names: CommitNames,
     done: bool,
 }
 
 /// What a reservation's COMMIT names (docs/PROTOCOL.md, "COMMIT and the
-/// parent", "COMMIT and the key").
+/// parent", "COMMIT and the key"): the key to commit under in place of the
+/// reserved one, the block this one follows in a prefix chain, both or
+/// neither. Keys as two `u64` words (8-byte aligned, not a `u128`'s 16): a
+/// [`Reservation`] stays small enough to move by value in a batch's results.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 enum CommitNames {
-    /// Nothing: committed under the reserved key, without a parent.
+    /// Committed under the reserved key, without a parent.
     #[default]
     Nothing,
-    /// The block this one follows in a prefix chain.
-    Parent(Key),
-    /// The key to commit under, in place of the reserved one.
-    Key(Key),
+    Parent([u64; 2]),
+    Key([u64; 2]),
+    /// The key, then the parent.
+    KeyAndParent([u64; 2], [u64; 2]),
+}
+
+impl CommitNames {
+    fn words(k: Key) -> [u64; 2] {
+        [k.0 as u64, (k.0 >> 64) as u64]
+    }
+
+    fn key_of(w: [u64; 2]) -> Key {
+        Key(u128::from(w[0]) | u128::from(w[1]) << 64)
+    }
+
+    fn new(key: Option<Key>, parent: Option<Key>) -> CommitNames {
+        match (key.map(Self::words), parent.map(Self::words)) {
+            (None, None) => CommitNames::Nothing,
+            (None, Some(p)) => CommitNames::Parent(p),
+            (Some(k), None) => CommitNames::Key(k),
+            (Some(k), Some(p)) => CommitNames::KeyAndParent(k, p),
+        }
+    }
+
+    fn key(self) -> Option<Key> {
+        match self {
+            CommitNames::Key(k) | CommitNames::KeyAndParent(k, _) => Some(Self::key_of(k)),
+            _ => None,
+        }
+    }
+
+    fn parent(self) -> Option<Key> {
+        match self {
+            CommitNames::Parent(p) | CommitNames::KeyAndParent(_, p) => Some(Self::key_of(p)),
+            _ => None,
+        }
+    }
 }
 
 // SAFETY: the reserved extent belongs to this reservation alone until commit or
@@ -186,7 +222,7 @@ impl Reservation {
             len,
             dtype,
             shape,
-            names: CommitNames::Nothing,
+            names: CommitNames::default(),
             done: false,
         })
     }
@@ -225,42 +261,33 @@ impl Reservation {
     /// Names the block this one follows in a prefix chain (the block of key
     /// `parent`, which must be committed before this one is; `None`: no
     /// parent). The daemon's chain-aware eviction keeps a block's ancestors
-    /// cached while it is (`docs/eviction.md`). Replaces a key named with
-    /// [`commit_as`](Self::commit_as) (a COMMIT names one or the other).
+    /// cached while it is (`docs/eviction.md`). Kept with a key named with
+    /// [`commit_as`](Self::commit_as).
     pub fn set_parent(&mut self, parent: Option<Key>) {
-        self.names = parent.map_or(CommitNames::Nothing, CommitNames::Parent);
+        self.names = CommitNames::new(self.names.key(), parent);
     }
     /// The parent named with [`set_parent`](Self::set_parent).
     pub fn parent(&self) -> Option<Key> {
-        match self.names {
-            CommitNames::Parent(k) => Some(k),
-            _ => None,
-        }
+        self.names.parent()
     }
     /// Commits the block under `key` rather than the key it was reserved
     /// with (COMMIT with `COMMIT_NAMES_KEY`): for a writer that places its
-    /// bytes before it knows their key (reserve with any key, e.g. 0). The
-    /// block has no parent. [`commit`](Self::commit) and the batch commits
-    /// then send it; `None` goes back to the reserved key.
+    /// bytes before it knows their key (reserve with any key, e.g. 0), with
+    /// the parent named by [`set_parent`](Self::set_parent) if any (carried
+    /// in the frame's shape words: a daemon that predates that commits it
+    /// without one). [`commit`](Self::commit) and the batch commits then send
+    /// it; `None` goes back to the reserved key.
     pub fn commit_as(&mut self, key: Option<Key>) {
-        self.names = key.map_or(CommitNames::Nothing, CommitNames::Key);
+        self.names = CommitNames::new(key, self.names.parent());
     }
     /// The COMMIT (`pin`: COMMIT_PIN) of this reservation, marking it finished.
     fn commit_request(&mut self, pin: bool) -> Request {
         let handle = self.take_handle();
-        match self.names {
-            CommitNames::Key(key) => Request::CommitAs { handle, key: key.0, pin },
-            names => {
-                let parent = match names {
-                    CommitNames::Parent(k) => Some(k.0),
-                    _ => None,
-                };
-                if pin {
-                    Request::CommitPin { handle, parent }
-                } else {
-                    Request::Commit { handle, parent }
-                }
-            }
+        let parent = self.names.parent().map(|k| k.0);
+        match self.names.key() {
+            Some(key) => Request::CommitAs { handle, key: key.0, parent, pin },
+            None if pin => Request::CommitPin { handle, parent },
+            None => Request::Commit { handle, parent },
         }
     }
     /// Makes the block visible under its key (linked to its parent, if any).
@@ -506,5 +533,20 @@ impl Drop for Reservation {
         if !self.done {
             let _ = self.finish(Request::Abort { handle: self.handle });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_names_keep_the_key_and_the_parent_apart() {
+        let (k, p) = (Key(u128::MAX - 7), Key(1 << 100 | 3));
+        for (key, parent) in [(None, None), (Some(k), None), (None, Some(p)), (Some(k), Some(p))] {
+            let n = CommitNames::new(key, parent);
+            assert_eq!((n.key(), n.parent()), (key, parent));
+        }
+        assert!(std::mem::size_of::<CommitNames>() <= 40);
     }
 }

@@ -56,8 +56,17 @@ pub const COMMIT_HAS_PARENT: u64 = 1;
 /// block is committed under, in place of the key it was reserved with
 /// (`docs/PROTOCOL.md`, "COMMIT and the key"): a writer that must place its
 /// bytes before it knows their key reserves with any key and names the real
-/// one here. Decoded as [`Request::CommitAs`]; such a block has no parent.
+/// one here. Decoded as [`Request::CommitAs`]. Its parent, if it has one,
+/// rides in the shape words ([`COMMIT_AS_PARENT_NDIM`]).
 pub const COMMIT_NAMES_KEY: u64 = 2;
+
+/// The `ndim` of a COMMIT with [`COMMIT_NAMES_KEY`] whose shape words carry
+/// the block's parent: `shape[0]`, `shape[1]` its key's low 64 bits and
+/// `shape[2]`, `shape[3]` its high 64 bits, low word first. `ndim` 0 (every
+/// shape word 0): no parent; any other `ndim`, or a word past the parent
+/// that is not 0, makes the frame invalid. A daemon that predates the parent
+/// here reads no shape word of a COMMIT and commits such a block without one.
+pub const COMMIT_AS_PARENT_NDIM: u8 = 4;
 
 /// RESERVE flag (the frame's `handle` field, unused by RESERVE otherwise):
 /// the next RESERVE on this ring belongs to the same **reservation unit**
@@ -452,6 +461,10 @@ pub enum DecodeError {
     /// [`COMMIT_NAMES_KEY`].
     #[error("COMMIT flags {0:#x} are not 0, COMMIT_HAS_PARENT (1) or COMMIT_NAMES_KEY (2)")]
     BadCommitFlags(u64),
+    /// COMMIT with [`COMMIT_NAMES_KEY`]: `ndim` is neither 0 nor
+    /// [`COMMIT_AS_PARENT_NDIM`], or a shape word it does not use is not 0.
+    #[error("COMMIT naming its key with ndim {0}: the shape words carry a parent (ndim 4) or are all 0")]
+    BadCommitParent(u8),
     /// RESERVE: the `handle` field is neither 0 nor [`RESERVE_CONTINUES`].
     #[error("RESERVE flags {0:#x} are not 0 or RESERVE_CONTINUES (1)")]
     BadReserveFlags(u64),
@@ -499,12 +512,15 @@ pub enum Request {
         parent: Option<u128>,
     },
     /// COMMIT (`pin`: COMMIT_PIN) a reservation under `key`, whatever key it
-    /// was reserved with ([`COMMIT_NAMES_KEY`]); without a parent.
+    /// was reserved with ([`COMMIT_NAMES_KEY`]).
     CommitAs {
         /// Reservation handle.
         handle: u64,
         /// The key the block becomes visible under.
         key: u128,
+        /// As for [`Request::Commit`] (carried in the shape words,
+        /// [`COMMIT_AS_PARENT_NDIM`]).
+        parent: Option<u128>,
         /// COMMIT_PIN (the answer carries a pin) rather than COMMIT.
         pin: bool,
     },
@@ -592,16 +608,30 @@ impl Op {
 /// A COMMIT or COMMIT_PIN frame (`pin`) as the request it is: the one place
 /// its flags are read. `offset` 0: the key fields are ignored;
 /// [`COMMIT_HAS_PARENT`]: they name the parent; [`COMMIT_NAMES_KEY`]: the
-/// key to commit under ([`Request::CommitAs`]); anything else is invalid.
+/// key to commit under ([`Request::CommitAs`]), its parent in the shape
+/// words ([`COMMIT_AS_PARENT_NDIM`]); anything else is invalid.
 fn commit_request(d: &TensorBlockDescriptor, pin: bool) -> Result<Request, DecodeError> {
     let handle = d.handle;
     let parent = match d.offset {
         0 => None,
         COMMIT_HAS_PARENT => Some(d.key()),
-        COMMIT_NAMES_KEY => return Ok(Request::CommitAs { handle, key: d.key(), pin }),
+        COMMIT_NAMES_KEY => return Ok(Request::CommitAs { handle, key: d.key(), parent: commit_as_parent(d)?, pin }),
         flags => return Err(DecodeError::BadCommitFlags(flags)),
     };
     Ok(if pin { Request::CommitPin { handle, parent } } else { Request::Commit { handle, parent } })
+}
+
+/// The parent a COMMIT with [`COMMIT_NAMES_KEY`] carries in its shape words
+/// ([`COMMIT_AS_PARENT_NDIM`]).
+fn commit_as_parent(d: &TensorBlockDescriptor) -> Result<Option<u128>, DecodeError> {
+    let w = d.shape.map(u128::from);
+    match d.ndim {
+        0 if w.iter().all(|&x| x == 0) => Ok(None),
+        COMMIT_AS_PARENT_NDIM if w[4..].iter().all(|&x| x == 0) => {
+            Ok(Some(w[0] | w[1] << 32 | w[2] << 64 | w[3] << 96))
+        }
+        n => Err(DecodeError::BadCommitParent(n)),
+    }
 }
 
 impl Request {
@@ -696,10 +726,14 @@ impl Request {
                     d.offset = COMMIT_HAS_PARENT;
                 }
             }
-            Request::CommitAs { handle, key, pin: _ } => {
+            Request::CommitAs { handle, key, parent, pin: _ } => {
                 d.handle = handle;
                 d.set_key(key);
                 d.offset = COMMIT_NAMES_KEY;
+                if let Some(p) = parent {
+                    d.ndim = COMMIT_AS_PARENT_NDIM;
+                    d.shape[..4].copy_from_slice(&[p as u32, (p >> 32) as u32, (p >> 64) as u32, (p >> 96) as u32]);
+                }
             }
             Request::Abort { handle } | Request::Release { handle } => d.handle = handle,
             Request::Meta { handle, scratch, offset, len } => {
@@ -892,8 +926,10 @@ mod tests {
             Request::Commit { handle: 1 << 62 | 9, parent: Some(u128::MAX) },
             Request::CommitPin { handle: 1 << 62 | 10, parent: None },
             Request::CommitPin { handle: 1 << 62 | 11, parent: Some(5) },
-            Request::CommitAs { handle: 1 << 62 | 12, key, pin: false },
-            Request::CommitAs { handle: 1 << 62 | 13, key: 0, pin: true },
+            Request::CommitAs { handle: 1 << 62 | 12, key, parent: None, pin: false },
+            Request::CommitAs { handle: 1 << 62 | 13, key: 0, parent: None, pin: true },
+            Request::CommitAs { handle: 1 << 62 | 14, key, parent: Some(key ^ u128::MAX), pin: false },
+            Request::CommitAs { handle: 1 << 62 | 15, key, parent: Some(0), pin: true },
             Request::Abort { handle: u64::MAX },
             Request::Get { key },
             Request::Release { handle: 2 << 62 },
@@ -919,9 +955,20 @@ mod tests {
         d.offset = COMMIT_HAS_PARENT;
         assert_eq!(Request::decode(&d), Ok(Request::Commit { handle: 5, parent: Some(77) }));
         d.offset = COMMIT_NAMES_KEY;
-        assert_eq!(Request::decode(&d), Ok(Request::CommitAs { handle: 5, key: 77, pin: false }));
+        assert_eq!(Request::decode(&d), Ok(Request::CommitAs { handle: 5, key: 77, parent: None, pin: false }));
         d.op = Op::CommitPin as u8;
-        assert_eq!(Request::decode(&d), Ok(Request::CommitAs { handle: 5, key: 77, pin: true }));
+        assert_eq!(Request::decode(&d), Ok(Request::CommitAs { handle: 5, key: 77, parent: None, pin: true }));
+        // Its parent in the shape words, low word first.
+        d.ndim = COMMIT_AS_PARENT_NDIM;
+        d.shape = [1, 2, 3, 4, 0, 0];
+        let parent = 1 | 2 << 32 | 3 << 64 | 4 << 96;
+        assert_eq!(Request::decode(&d), Ok(Request::CommitAs { handle: 5, key: 77, parent: Some(parent), pin: true }));
+        // Another ndim, or a word past the parent, or words without ndim 4: invalid.
+        for (ndim, shape) in [(3, [1, 2, 3, 4, 0, 0]), (4, [1, 2, 3, 4, 5, 0]), (0, [0, 0, 0, 0, 0, 9]), (6, [0; 6])] {
+            (d.ndim, d.shape) = (ndim, shape);
+            assert_eq!(Request::decode(&d), Err(DecodeError::BadCommitParent(ndim)));
+        }
+        (d.ndim, d.shape) = (0, [0; 6]);
         // Both flags (a parent and a key: one key field) or an unknown bit: invalid.
         for flags in [3, 4, 6, 1 << 63] {
             d.offset = flags;

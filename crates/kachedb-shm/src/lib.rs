@@ -40,8 +40,8 @@ pub use block_meta::{BlockMeta, MetaError, MAX_META_LEN};
 pub use control::Stats;
 pub use descriptor::{
     continues_unit, mark_unit, page_offset_is_valid, page_offset_of, unit_len, Completion, DType, DecodeError,
-    LenError, Op, OutOfMemoryCause, Request, Shape, Status, TensorBlockDescriptor, COMMIT_HAS_PARENT, COMMIT_NAMES_KEY,
-    MAX_DIMS, PAGE_LEN, PAGE_OFFSET_ALIGN, RESERVE_CONTINUES, WAIT_FOREVER,
+    LenError, Op, OutOfMemoryCause, Request, Shape, Status, TensorBlockDescriptor, COMMIT_AS_PARENT_NDIM,
+    COMMIT_HAS_PARENT, COMMIT_NAMES_KEY, MAX_DIMS, PAGE_LEN, PAGE_OFFSET_ALIGN, RESERVE_CONTINUES, WAIT_FOREVER,
 };
 pub use region::{CreateOptions, Layout, Region, RegionError};
 pub use ring::{Consumer, HeapRing, Producer, RingError, RingHeader};

@@ -20,7 +20,10 @@ use std::sync::Arc;
 
 /// First bytes of every region.
 pub const MAGIC: [u8; 8] = *b"KACHEDB\0";
-/// Bumped on any change to this layout or to `docs/PROTOCOL.md`.
+/// Bumped on any change to this layout or to `docs/PROTOCOL.md` that a peer
+/// of the previous version would misread (not for a field that such a daemon
+/// ignores and such a client leaves zero, as a COMMIT's parent in its shape
+/// words, `COMMIT_AS_PARENT_NDIM`).
 pub const LAYOUT_VERSION: u32 = 4;
 /// Page size the layout aligns to.
 pub use crate::descriptor::PAGE_LEN;

@@ -110,10 +110,11 @@ fn check_request(f: &TensorBlockDescriptor) {
                         assert_eq!(parent, f.key());
                     }
                 }
-                Request::CommitAs { handle, key, pin } => {
+                Request::CommitAs { handle, key, parent, pin } => {
                     assert_eq!(op, if pin { Op::CommitPin } else { Op::Commit });
                     assert_eq!((handle, key), (f.handle, f.key()));
                     assert_eq!(f.offset, kachedb_shm::COMMIT_NAMES_KEY);
+                    assert_eq!(parent.is_some(), f.ndim == kachedb_shm::COMMIT_AS_PARENT_NDIM);
                 }
                 Request::Abort { handle } | Request::Release { handle } => {
                     assert!(matches!(op, Op::Abort | Op::Release));
@@ -162,6 +163,15 @@ fn check_request(f: &TensorBlockDescriptor) {
                         && flags != kachedb_shm::COMMIT_HAS_PARENT
                         && flags != kachedb_shm::COMMIT_NAMES_KEY
                         && flags != 0
+                )
+            }
+            DecodeError::BadCommitParent(ndim) => {
+                assert!(
+                    (f.op == Op::Commit as u8 || f.op == Op::CommitPin as u8)
+                        && f.offset == kachedb_shm::COMMIT_NAMES_KEY
+                        && ndim == f.ndim
+                        && (ndim != 0 || f.shape.iter().any(|&w| w != 0))
+                        && (ndim != kachedb_shm::COMMIT_AS_PARENT_NDIM || f.shape[4..].iter().any(|&w| w != 0))
                 )
             }
         },
@@ -271,8 +281,12 @@ proptest! {
                 prop_assume!(r.is_ok());
                 r.unwrap()
             }
-            Op::Commit if page % 3 == 2 => Request::CommitAs { handle, key, pin: false },
-            Op::CommitPin if page % 3 == 2 => Request::CommitAs { handle, key, pin: true },
+            Op::Commit if page % 3 == 2 => {
+                Request::CommitAs { handle, key, parent: (page % 2 == 1).then_some(!key), pin: false }
+            }
+            Op::CommitPin if page % 3 == 2 => {
+                Request::CommitAs { handle, key, parent: (page % 2 == 1).then_some(!key), pin: true }
+            }
             Op::Commit => Request::Commit { handle, parent: (page % 2 == 1).then_some(key) },
             Op::CommitPin => Request::CommitPin { handle, parent: (page % 2 == 1).then_some(key) },
             Op::Abort => Request::Abort { handle },
@@ -299,7 +313,15 @@ proptest! {
                 Request::Meta { offset, .. } => offset,
                 _ => 0,
             };
-            prop_assert_eq!((f.dtype, f.ndim, f.shape, f.offset), (0, 0, [0; MAX_DIMS], flags));
+            // A COMMIT naming its key carries its parent in the shape words, low word first.
+            let (ndim, shape) = match r {
+                Request::CommitAs { parent: Some(p), .. } => (
+                    kachedb_shm::COMMIT_AS_PARENT_NDIM,
+                    [p as u32, (p >> 32) as u32, (p >> 64) as u32, (p >> 96) as u32, 0, 0],
+                ),
+                _ => (0, [0; MAX_DIMS]),
+            };
+            prop_assert_eq!((f.dtype, f.ndim, f.shape, f.offset), (0, ndim, shape, flags));
         }
     }
 

@@ -270,7 +270,8 @@ class Reservation(_Pending):
 
     def commit_as(self, key: KeyLike) -> None:
         """Commits the block under ``key``, whatever key it was reserved with
-        (docs/PROTOCOL.md, "COMMIT and the key"); it has no parent. Pinned
+        (docs/PROTOCOL.md, "COMMIT and the key"), following the parent named
+        at ``reserve`` if any. Pinned
         (COMMIT_PIN) while ``out`` or a tensor made from it lives, as
         ``commit``. ``Client.commit_as`` does this for many in one batch."""
         self._done = True
@@ -549,6 +550,7 @@ class Client:
         reservations: Sequence[Reservation],
         keys: Sequence[KeyLike],
         metas: Optional[Sequence[Optional["BlockMeta"]]] = None,
+        parents: Optional[Sequence[Optional[KeyLike]]] = None,
     ) -> List[bool]:
         """Commits reservations of this client (from separate ``reserve``
         calls, ``key=None`` ones included) in one batch, each under its key in
@@ -559,7 +561,10 @@ class Client:
         the daemon is gone. ``InvalidArgument`` (nothing committed) if one is
         not open or the counts differ. ``metas``: each block's record
         (``kachedb.BlockMeta`` or ``None``), attached in one batch before the
-        commits (a record the daemon refuses leaves its block without one)."""
+        commits (a record the daemon refuses leaves its block without one).
+        ``parents``: the key of the block each one follows in a prefix chain
+        (or ``None``), for the daemon's chain-aware eviction (a daemon older
+        than this commits them without one)."""
         self._check()
         reservations = list(reservations)
         if any(not isinstance(r, Reservation) or r._done for r in reservations):
@@ -573,12 +578,23 @@ class Client:
             if len(metas) != len(natives):
                 raise InvalidArgument(f"{len(metas)} block metadata records for {len(natives)} reservations")
             records = native_metas(metas) if any(m is not None for m in metas) else None
+        if parents is not None:
+            parents = list(parents)
+            if len(parents) != len(natives):
+                raise InvalidArgument(f"{len(parents)} parents for {len(natives)} reservations")
+            if all(p is None for p in parents):
+                parents = None
         try:
-            return _native.commit_reservations(natives, keys, records)
-        finally:
-            # Committed or handed to the native side (aborted with their tensors).
+            done = _native.commit_reservations(natives, keys, records, parents)
+        except (TypeError, InvalidArgument):
+            raise  # refused before anything was sent: still open
+        except BaseException:
             for r in reservations:
-                r._done = True
+                r._done = True  # handed to the native side (aborted with their tensors)
+            raise
+        for r in reservations:
+            r._done = True
+        return done
 
     def reserve_many(
         self,

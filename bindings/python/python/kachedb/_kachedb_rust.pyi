@@ -201,11 +201,15 @@ def default_socket_path(instance: int = 0) -> str:
     """The default control socket path of ``instance`` (``$KACHEDB_SOCKET`` for 0)."""
 
 def commit_reservations(
-    reservations: Sequence[NativeReservation], keys: Sequence[Any], metas: Optional[Sequence[Optional[Any]]] = None
+    reservations: Sequence[NativeReservation],
+    keys: Sequence[Any],
+    metas: Optional[Sequence[Optional[Any]]] = None,
+    parents: Optional[Sequence[Optional[Any]]] = None,
 ) -> List[bool]:
     """Commits open reservations of one client in one batch, each under its key
-    (COMMIT_PIN with COMMIT_NAMES_KEY; the pin goes with the last tensor):
-    one bool per reservation, whether it was committed."""
+    (COMMIT_PIN with COMMIT_NAMES_KEY; the pin goes with the last tensor) and
+    naming its parent in ``parents`` if given: one bool per reservation,
+    whether it was committed."""
 
 def key_of(key: Union[bytes, bytearray, memoryview, str, int]) -> int:
     """The 128-bit key ``key`` is stored under (docs/PROTOCOL.md, "Keys")."""

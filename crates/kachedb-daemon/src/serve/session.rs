@@ -340,7 +340,7 @@ pub(super) fn serve_channel(
                     Request::Commit { handle, parent } | Request::CommitPin { handle, parent } => {
                         (store.reservation_key(s.session, handle), parent)
                     }
-                    Request::CommitAs { key, .. } => (Some(key), None),
+                    Request::CommitAs { key, parent, .. } => (Some(key), parent),
                     _ => (None, None),
                 };
                 let c = store.handle(s.session, frame.request_id, &r);

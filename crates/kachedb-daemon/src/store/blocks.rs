@@ -150,11 +150,18 @@ impl Store {
     /// COMMIT (`pin`: COMMIT_PIN) of session `s`'s reservation `handle` under
     /// `key`, the key it was reserved with set aside (`COMMIT_NAMES_KEY`):
     /// from here on exactly a COMMIT (COMMIT_PIN) of a reservation made
-    /// with `key`, without a parent. An unknown or finished handle is
+    /// with `key`, naming `parent`. An unknown or finished handle is
     /// `BAD_HANDLE` and changes nothing; an OUT_OF_MEMORY (no pin slot) or a
     /// `DENIED` (`key`'s block is one `s` may not replace) leaves the
     /// reservation open under its old key.
-    pub(super) fn commit_as(&mut self, s: SessionId, handle: u64, key: u128, pin: bool) -> Result<Reply, Status> {
+    pub(super) fn commit_as(
+        &mut self,
+        s: SessionId,
+        handle: u64,
+        key: u128,
+        parent: Option<u128>,
+        pin: bool,
+    ) -> Result<Reply, Status> {
         let index = self.own_reservation(s, handle)?;
         if pin && self.free_pin_slots.is_empty() && self.pin_slots.len() >= MAX_SLOTS {
             return Err(Status::OutOfMemory);
@@ -165,9 +172,9 @@ impl Store {
             _ => return Err(Status::Internal),
         }
         if pin {
-            self.commit_pin(s, handle, None)
+            self.commit_pin(s, handle, parent)
         } else {
-            self.commit(s, handle, None)
+            self.commit(s, handle, parent)
         }
     }
 

@@ -250,3 +250,27 @@ fn switching_the_policy_rebuilds_the_list() {
     c.st.check_invariants().unwrap();
     assert_eq!(c.st.stats().evictable_bytes, 5 * PAGE_LEN);
 }
+
+#[test]
+fn a_block_committed_under_a_named_key_links_the_parent_it_names() {
+    // LMCache's in-place writer: every block reserved under the placeholder
+    // key 0, committed as 1 <- 2 <- 3 (COMMIT_NAMES_KEY with a parent).
+    let mut c = C::new(3, EvictionPolicy::Chain);
+    for (key, parent, pin) in [(1, None, false), (2, Some(1), true), (3, Some(2), false)] {
+        let r = c.req(reserve_req(0, 100, 0));
+        assert_eq!(r.status, Status::Ok);
+        let done = c.req(Request::CommitAs { handle: r.handle, key, parent, pin });
+        assert_eq!(done.status, Status::Ok);
+        if pin {
+            assert_eq!(c.req(Request::Release { handle: done.handle }).status, Status::Ok);
+        }
+    }
+    assert_eq!(c.st.stats().chained_blocks, 2);
+    assert_eq!(c.lookup(1), Status::Ok, "the head is the most recently used block");
+    // New blocks evict the chain from its tail (unlinked, 2 would go first:
+    // the least recently used), never its head first.
+    assert_eq!(c.put(10, None), Status::Ok);
+    assert!(c.has(1) && c.has(2) && !c.has(3), "{:?}", [1, 2, 3].map(|k| c.has(k)));
+    assert_eq!(c.put(11, None), Status::Ok);
+    assert!(c.has(1) && !c.has(2), "{:?}", [1, 2, 3].map(|k| c.has(k)));
+}

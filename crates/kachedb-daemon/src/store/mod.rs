@@ -333,7 +333,7 @@ impl Store {
                 }
                 Request::Commit { handle, parent } => self.commit(s, handle, parent),
                 Request::CommitPin { handle, parent } => self.commit_pin(s, handle, parent),
-                Request::CommitAs { handle, key, pin } => self.commit_as(s, handle, key, pin),
+                Request::CommitAs { handle, key, parent, pin } => self.commit_as(s, handle, key, parent, pin),
                 Request::Abort { handle } => self.abort(s, handle),
                 // The record is in shared memory, which the store does not
                 // map: the serve loop answers META with `handle_meta`.

@@ -74,7 +74,10 @@ fn another_tenant_cannot_delete_or_replace_a_bound_tenants_block_but_reads_it() 
         // COMMIT_NAMES_KEY onto the bound block: DENIED, still open under its own key.
         let h = reserve(&mut st, s, 8);
         for pin in [false, true] {
-            assert_eq!(answer(&mut st, s, Request::CommitAs { handle: h, key: 7, pin }).status, Status::Denied);
+            assert_eq!(
+                answer(&mut st, s, Request::CommitAs { handle: h, key: 7, parent: None, pin }).status,
+                Status::Denied
+            );
             assert_eq!(st.reservation_key(s, h), Some(8));
         }
         assert_eq!((st.peek(7), st.block_tenant(7).map(str::to_owned)), (before.0, before.1.clone()));

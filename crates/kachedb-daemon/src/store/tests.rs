@@ -558,8 +558,8 @@ fn commit_as_commits_under_the_named_key() {
     let r1 = t.reserve(a, 0, PAGE_LEN);
     let r2 = t.reserve(a, 0, PAGE_LEN);
     assert_eq!((r1.status, r2.status), (Status::Ok, Status::Ok));
-    assert_eq!(t.status(a, Request::CommitAs { handle: r1.handle, key: 11, pin: false }), Status::Ok);
-    let c = t.req(a, Request::CommitAs { handle: r2.handle, key: 12, pin: true });
+    assert_eq!(t.status(a, Request::CommitAs { handle: r1.handle, key: 11, parent: None, pin: false }), Status::Ok);
+    let c = t.req(a, Request::CommitAs { handle: r2.handle, key: 12, parent: None, pin: true });
     assert_eq!((c.op, c.status, c.offset), (Op::CommitPin, Status::Ok, r2.offset));
     assert_eq!(t.get(b, 11).offset, r1.offset);
     assert_eq!(t.get(b, 12).offset, r2.offset);
@@ -576,18 +576,24 @@ fn commit_as_refuses_what_is_not_an_open_reservation_of_the_session() {
     let (a, b) = (t.st.open_session(), t.st.open_session());
     // An unknown handle: nothing changes.
     for pin in [false, true] {
-        assert_eq!(t.status(a, Request::CommitAs { handle: 0, key: 5, pin }), Status::BadHandle);
-        assert_eq!(t.status(a, Request::CommitAs { handle: u64::MAX, key: 5, pin }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::CommitAs { handle: 0, key: 5, parent: None, pin }), Status::BadHandle);
+        assert_eq!(t.status(a, Request::CommitAs { handle: u64::MAX, key: 5, parent: None, pin }), Status::BadHandle);
     }
     // Another session's reservation: refused, and it stays open for its owner.
     let r = t.reserve(a, 0, PAGE_LEN);
-    assert_eq!(t.status(b, Request::CommitAs { handle: r.handle, key: 5, pin: false }), Status::BadHandle);
+    assert_eq!(
+        t.status(b, Request::CommitAs { handle: r.handle, key: 5, parent: None, pin: false }),
+        Status::BadHandle
+    );
     assert_eq!(t.st.stats().reserved, 1);
     assert_eq!(t.get(b, 5).status, Status::NotFound);
     // A double commit: the second is refused and changes nothing.
-    assert_eq!(t.status(a, Request::CommitAs { handle: r.handle, key: 5, pin: false }), Status::Ok);
-    assert_eq!(t.status(a, Request::CommitAs { handle: r.handle, key: 6, pin: false }), Status::BadHandle);
-    assert_eq!(t.status(a, Request::CommitAs { handle: r.handle, key: 6, pin: true }), Status::BadHandle);
+    assert_eq!(t.status(a, Request::CommitAs { handle: r.handle, key: 5, parent: None, pin: false }), Status::Ok);
+    assert_eq!(
+        t.status(a, Request::CommitAs { handle: r.handle, key: 6, parent: None, pin: false }),
+        Status::BadHandle
+    );
+    assert_eq!(t.status(a, Request::CommitAs { handle: r.handle, key: 6, parent: None, pin: true }), Status::BadHandle);
     assert_eq!(t.status(a, Request::Commit { handle: r.handle, parent: None }), Status::BadHandle);
     assert_eq!(t.get(b, 6).status, Status::NotFound);
     let st = t.st.stats();
@@ -595,7 +601,10 @@ fn commit_as_refuses_what_is_not_an_open_reservation_of_the_session() {
     // An aborted reservation cannot be committed under a key.
     let r = t.reserve(a, 0, PAGE_LEN);
     assert_eq!(t.status(a, Request::Abort { handle: r.handle }), Status::Ok);
-    assert_eq!(t.status(a, Request::CommitAs { handle: r.handle, key: 7, pin: false }), Status::BadHandle);
+    assert_eq!(
+        t.status(a, Request::CommitAs { handle: r.handle, key: 7, parent: None, pin: false }),
+        Status::BadHandle
+    );
     assert_eq!(t.get(b, 7).status, Status::NotFound);
 }
 
@@ -609,7 +618,7 @@ fn commit_as_onto_a_present_key_replaces_it_as_any_commit() {
     // Reserved under another key (its own key is not touched), committed as 9.
     let other = t.put(a, 3, PAGE_LEN);
     let r = t.reserve(a, 3, PAGE_LEN);
-    assert_eq!(t.status(a, Request::CommitAs { handle: r.handle, key: 9, pin: false }), Status::Ok);
+    assert_eq!(t.status(a, Request::CommitAs { handle: r.handle, key: 9, parent: None, pin: false }), Status::Ok);
     assert_eq!(t.get(a, 9).offset, r.offset, "the newer block of 9");
     assert_eq!(t.get(a, 3).offset, other, "the reserved-with key keeps its block");
     let st = t.st.stats();

@@ -60,6 +60,7 @@ from .._link import DaemonLink, engine_tenant
 from .._meta import MAX_META_TOKENS
 from ._stats import COUNTERS
 from . import direct, records
+from .records import chain_parents
 from .config import PLUGIN_TYPE, option_key, resolve_socket
 from .keys import chunk_key, namespace_digest, namespace_fields
 from .region import RegionAllocator
@@ -407,8 +408,9 @@ class KacheDBConnector(RemoteConnector):
         while they hold it): that costs no copy, where looking it up first
         would cost a round trip."""
         assert self.region is not None
+        keys, metas = [x[0] for x in items], [x[3] for x in items]
         ok = self.region.commit_objects(
-            kc, [x[1] for x in items], [x[0] for x in items], [x[2] for x in items], [x[3] for x in items]
+            kc, [x[1] for x in items], keys, [x[2] for x in items], metas, chain_parents(keys, metas)
         )
         n = sum(ok)
         if n < len(ok):
@@ -473,13 +475,7 @@ class KacheDBConnector(RemoteConnector):
         takes a prompt's chunks from its end. A run that does not fit is not
         stored, nor are the runs after it (their parents would be missing)."""
         sources = [v if isinstance(v, torch.Tensor) else torch.frombuffer(v, dtype=torch.uint8) for v in values]
-        prev_key = before[0] if before is not None else None
-        prev_meta = before[3] if before is not None else None
-        parents: List[Optional[bytes]] = []
-        for key, meta in zip(keys, metas):
-            linked = meta is not None and prev_meta is not None and meta.parent_hash == prev_meta.block_hash
-            parents.append(prev_key if linked else None)
-            prev_key, prev_meta = key, meta
+        parents = chain_parents(keys, metas, before)
         ok = [False] * len(keys)
         start = 0
         while start < len(keys):

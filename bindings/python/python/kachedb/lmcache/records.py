@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Iterable, Iterator, Optional, Tuple
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 #: Chunks remembered (newest kept). A store follows its hashing by the time one
 #: request's chunks are copied; 4096 chunks of 256 tokens keep 8 MiB of token
@@ -108,3 +108,22 @@ def wrap_prefix_hash(cls: Any) -> bool:
     _prefix_hash.__doc__ = original.__doc__
     cls._prefix_hash = _prefix_hash
     return True
+
+
+def chain_parents(
+    keys: Sequence[Any], metas: Sequence[Any], before: Optional[Tuple[Any, ...]] = None
+) -> List[Optional[Any]]:
+    """The daemon key of the chunk each chunk follows, or ``None``: a chunk
+    names the one before it (in ``keys``, or ``before``, a stored item
+    ``(key, _, _, meta)`` ahead of them) when its record's parent hash is that
+    chunk's hash, so the daemon chains a prompt's chunks and its chain-aware
+    eviction takes them from the prompt's end (docs/eviction.md). ``metas``:
+    each chunk's ``kachedb.BlockMeta`` or ``None`` (no link either way)."""
+    prev_key = before[0] if before is not None else None
+    prev_meta = before[3] if before is not None else None
+    parents: List[Optional[Any]] = []
+    for key, meta in zip(keys, metas):
+        linked = meta is not None and prev_meta is not None and meta.parent_hash == prev_meta.block_hash
+        parents.append(prev_key if linked else None)
+        prev_key, prev_meta = key, meta
+    return parents

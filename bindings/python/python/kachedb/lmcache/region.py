@@ -210,11 +210,13 @@ class RegionAllocator(MemoryAllocatorInterface):
         keys: Sequence[bytes],
         chunk_keys: Sequence[Any],
         metas: Optional[Sequence[Any]] = None,
+        parents: Optional[Sequence[Any]] = None,
     ) -> List[bool]:
         """Commits the open region objects ``objs`` under ``keys`` (one batch;
         those of a client other than ``kc``, which is gone, are left open),
         each with its record ``metas[i]`` (a ``kachedb.BlockMeta`` or ``None``)
-        attached first: whether each is in the daemon now, pinned while LMCache
+        attached first and naming ``parents[i]`` (a key or ``None``) as the
+        block it follows: whether each is in the daemon now, pinned while LMCache
         holds it, and droppable from LMCache's local tier (``chunk_keys``, its
         keys there) to make room. Errors of the batch (``Disconnected``...)
         propagate."""
@@ -225,7 +227,10 @@ class RegionAllocator(MemoryAllocatorInterface):
         if not at:
             return ok
         done = kc.commit_as(
-            [entries[i][0] for i in at], [keys[i] for i in at], None if metas is None else [metas[i] for i in at]
+            [entries[i][0] for i in at],
+            [keys[i] for i in at],
+            None if metas is None else [metas[i] for i in at],
+            None if parents is None else [parents[i] for i in at],
         )
         for i, d in zip(at, done):
             ok[i] = bool(d)
