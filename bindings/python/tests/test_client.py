@@ -408,6 +408,12 @@ def test_commit_as_names_each_blocks_parent(kc):
     for i, k in enumerate(keys):
         with kc.get(k) as t:
             assert t.unique().tolist() == [i + 1]
+    # A keyless reservation may name its parent when it is made.
+    r = kc.reserve(None, (4096,), "uint8", parent=keys[2])
+    r.out.fill_(9)
+    r.commit_as("commit-as-parent-3")
+    r = None
+    assert kc.stats()["chained_blocks"] == before + 3
 
 
 @pytest.mark.parametrize("value", [[1, 2, 3], "text", 3, 2.0, None, {"a": 1}, torch.float32])

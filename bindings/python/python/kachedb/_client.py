@@ -521,13 +521,12 @@ class Client:
 
         ``key=None``: the key is not known yet; the block is committed with
         ``Reservation.commit_as(key)`` or ``Client.commit_as`` once it is
-        (no parent then), and leaving ``with`` without that aborts it."""
+        (naming ``parent``, or the parent given there), and leaving ``with``
+        without that aborts it."""
         native = self._check()
         dims = check_shape(shape)
         code = dtype_code(dtype)
         as_numpy = not is_torch_dtype(dtype) and not isinstance(dtype, str)
-        if key is None and parent is not None:
-            raise InvalidArgument("a reservation without a key has no parent (a block committed under a key named at commit has none)")
         r = native.reserve(0 if key is None else key, code, list(dims), parent)
         return Reservation(r, code, dims, as_numpy, keyless=key is None)
 
