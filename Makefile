@@ -87,14 +87,16 @@ release: release-changelog install-check
 	  $(WHEELS)/kachedb_shm-$(VERSION)-*.whl $(SDISTS)/kachedb_shm-$(VERSION).tar.gz
 
 ## python: the Python dependencies, and into this environment the wheel built with the test
-## hooks (the `testing` feature, target/wheel-testing) that the Python suite needs; the shipped
+## hooks (the `testing` feature, target/wheel-testing) that the Python suite needs (`--features`
+## replaces pyproject's list, so `bundle-bin` is named again: the daemon it packs is built from
+## this tree, never a stale copy); the shipped
 ## wheel (target/wheel, no test hooks) is what tests/test_wheel.py and the engine environments install
 WHEELS_TESTING := target/wheel-testing
 python: system-deps wheel
 	@$(PYTHON) -c "import maturin, numpy, torch, pytest, hypothesis, pytest_timeout, transformers, ray, redis, matplotlib, prometheus_client, auditwheel, zmq, msgspec" 2>/dev/null \
 	  || { echo "== installing Python dependencies (torch is ~5 GB; first time only)"; $(PIP) install -q $(PY_DEPS); }
 	rm -rf $(WHEELS_TESTING)
-	$(PYTHON) -m maturin build --release $(MATURIN_ZIG) -q --features testing -o $(WHEELS_TESTING)
+	$(PYTHON) -m maturin build --release $(MATURIN_ZIG) -q --features testing,bundle-bin -o $(WHEELS_TESTING)
 	$(PIP) install -q --no-deps --force-reinstall $$(ls -t $(WHEELS_TESTING)/kachedb_shm-*.whl | head -1)
 
 ## demo: the daemon plus demo clients — a tensor put by one process, read zero-copy by
