@@ -535,6 +535,16 @@ def scenario_direct(spec: Dict[str, Any]) -> Dict[str, Any]:
     out["retrieved_tokens"] = int(mask.sum())
     out["byte_equal"] = _bytes(got) == _bytes(kv)
     out["calls"] = [[name, "caller" if tid == me else "other"] for name, tid in calls]
+    extend = int(spec.get("extend", 0))
+    if extend:
+        # A longer prompt's store with its saved prefix masked (as vLLM's
+        # adapter stores it): a batch that starts mid-prompt.
+        tokens = S.prompt_tokens(n + extend, seed)
+        mask = torch.ones(n + extend, dtype=torch.bool)
+        mask[:n] = False
+        engine.store(tokens, kv=S.prompt_kv(n + extend, seed), mask=mask)
+        keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
+        out["landed_extended"] = _wait_landed(observer, keys, 10.0)
     out["stats"] = kachedb.lmcache.stats()
     # the chunks' hashes as the KV events carry them, for a test that subscribes
     out["event_hashes"] = [records.event_hash(k.chunk_hash) for k in S.chunk_keys(engine, tokens)]

@@ -72,3 +72,26 @@ def test_stored_chunks_are_published_with_their_tokens_and_parents(workdir, pinn
     finally:
         sub.close()
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("pinned", [None, 0], ids=["in_place", "copies"])
+def test_a_longer_prompts_store_chains_onto_the_chunks_stored_before(workdir, pinned):
+    """The store of a longer prompt with its saved prefix masked (how vLLM's
+    adapter stores a conversation's next turn) is a batch that starts
+    mid-prompt: its first chunk names the last chunk of the earlier store as
+    its parent (the chunk LMCache's hashing says precedes it), so the daemon
+    holds one chain of both stores."""
+    d = Daemon(str(workdir / f"lmcache-extend-{pinned}.sock"), size="64MiB").start()
+    try:
+        spec = {"scenario": "direct", "socket": d.socket, "prompt": PROMPT, "extend": 64}
+        if pinned is not None:
+            spec["max_pinned_bytes"] = pinned
+        r = run_engine(workdir, f"extend-{pinned}", spec)
+        assert_kachedb_serving(r)
+        more = 64 // S.CHUNK_TOKENS
+        assert r["landed_extended"]["present"] == CHUNKS + more, r["landed_extended"]
+        assert r["stats"]["stored_with_records"] == CHUNKS + more, r["stats"]
+        assert r["daemon"]["chained_blocks"] == CHUNKS + more - 1, r["daemon"]
+        assert r["daemon"]["parents_missing"] == 0, r["daemon"]
+    finally:
+        assert d.stop() == 0

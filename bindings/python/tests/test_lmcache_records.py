@@ -64,3 +64,15 @@ def test_a_chunk_names_the_chunk_before_it_only_when_its_record_says_so():
     assert records.chain_parents(["ka", "kb", "kc"], [a, None, c]) == [None, None, None]
     # The first of a batch names the stored item ahead of it: (key, _, _, record).
     assert records.chain_parents(["kb", "kc"], [b, c], before=("ka", None, None, a)) == ["ka", "kb"]
+    # Else it names the parent an earlier batch stored, if its record has one.
+    assert records.chain_parents(["kb", "kc"], [b, c], first_parent="ka") == ["ka", "kb"]
+    assert records.chain_parents(["ka", "kb"], [a, b], first_parent="k?") == [None, "ka"]
+    assert records.chain_parents(["kb"], [None], first_parent="ka") == [None]
+
+
+def test_the_parent_of_a_hashed_chunk_is_its_predecessors_own_hash():
+    assert records.wrap_prefix_hash(_TokenDatabase)
+    chunks = [torch.arange(i, i + 16) for i in range(0, 48, 16)]
+    hashes = list(_TokenDatabase()._prefix_hash(iter(chunks)))
+    assert [records.parent_of(h) for h in hashes] == [None, hashes[0], hashes[1]]
+    assert records.parent_of(object()) is None and records.parent_of([1]) is None

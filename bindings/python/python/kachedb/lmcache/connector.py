@@ -41,6 +41,7 @@ thread (``direct.py``), the rest on LMCache's event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, List, Optional, Sequence
 
@@ -409,9 +410,8 @@ class KacheDBConnector(RemoteConnector):
         would cost a round trip."""
         assert self.region is not None
         keys, metas = [x[0] for x in items], [x[3] for x in items]
-        ok = self.region.commit_objects(
-            kc, [x[1] for x in items], keys, [x[2] for x in items], metas, chain_parents(keys, metas)
-        )
+        parents = chain_parents(keys, metas, first_parent=self._parent_key(items[0][2], metas[0]))
+        ok = self.region.commit_objects(kc, [x[1] for x in items], keys, [x[2] for x in items], metas, parents)
         n = sum(ok)
         if n < len(ok):
             COUNTERS["store_skipped_full"] += len(ok) - n
@@ -452,7 +452,8 @@ class KacheDBConnector(RemoteConnector):
         values = [_bytes_of(x[1]) for x in items]
         metas = [x[3] for x in items]
         if any(m is not None for m in metas):
-            ok = self._put_with_records(kc, keys, values, metas, before)
+            first = None if before is not None else self._parent_key(items[0][2], metas[0])
+            ok = self._put_with_records(kc, keys, values, metas, chain_parents(keys, metas, before, first))
         else:
             kc.put_many(keys, values)
             ok = [True] * len(values)
@@ -465,17 +466,15 @@ class KacheDBConnector(RemoteConnector):
         COUNTERS["stored_with_records"] += sum(1 for m, good in zip(metas, ok) if good and m is not None)
 
     def _put_with_records(
-        self, kc: Any, keys: List[bytes], values: List[Any], metas: List[Any], before: Optional[Any]
+        self, kc: Any, keys: List[bytes], values: List[Any], metas: List[Any], parents: List[Optional[bytes]]
     ) -> List[bool]:
         """The chunks reserved, copied, given their records and committed, one
         batch per run of chunks of one size (a prompt's last chunk may be
-        short), in order; whether each was committed. A chunk names as its
-        parent the chunk before it when its record says so (``before``: the
-        stored item ahead of the batch), so the daemon's chain-aware eviction
+        short), in order; whether each was committed. Each names its parent in
+        ``parents`` (``chain_parents``), so the daemon's chain-aware eviction
         takes a prompt's chunks from its end. A run that does not fit is not
         stored, nor are the runs after it (their parents would be missing)."""
         sources = [v if isinstance(v, torch.Tensor) else torch.frombuffer(v, dtype=torch.uint8) for v in values]
-        parents = chain_parents(keys, metas, before)
         ok = [False] * len(keys)
         start = 0
         while start < len(keys):
@@ -502,6 +501,22 @@ class KacheDBConnector(RemoteConnector):
             ok[start:end] = [True] * (end - start)
             start = end
         return ok
+
+    def _parent_key(self, key: CacheEngineKey, meta: Optional[Any]) -> Optional[bytes]:
+        """The daemon key of the chunk before ``key`` in its prompt, as
+        LMCache keys it (``key`` with its parent's chunk hash), if ``meta``
+        (its record) says it has one: the first chunk of a batch names the
+        chunk an earlier store put there (vLLM's adapter masks a prompt's
+        prefix already saved, so a longer prompt's store starts mid-prompt)."""
+        if meta is None or meta.parent_hash is None:
+            return None
+        parent = records.parent_of(getattr(key, "chunk_hash", None))
+        if parent is None:
+            return None
+        try:
+            return self.daemon_key(dataclasses.replace(key, chunk_hash=parent))
+        except (TypeError, ValueError):  # not a dataclass here, or one that refuses it
+            return None
 
     def _meta(self, key: CacheEngineKey, obj: MemoryObj) -> Optional[Any]:
         """The chunk's ``kachedb.BlockMeta`` (its hash, its parent's, its

@@ -57,6 +57,18 @@ def _remember(chunk_hash: Any, tokens: Any, parent: Optional[Any]) -> None:
             _SEEN.popitem(last=False)
 
 
+def parent_of(chunk_hash: Any) -> Optional[Any]:
+    """The hash LMCache gave the chunk before this one in its prompt (as
+    LMCache keys it: ``CacheEngineKey.chunk_hash``), or ``None`` (a prompt's
+    first chunk, or a chunk this process has not hashed)."""
+    try:
+        with _LOCK:
+            got = _SEEN.get(chunk_hash)
+    except TypeError:  # an unhashable hash value: never remembered
+        return None
+    return None if got is None else got[1]
+
+
 def record(chunk_hash: Any) -> Optional[Tuple[Tuple[int, ...], Optional[int]]]:
     """The chunk's token ids and its parent's event hash (``None`` for a
     prompt's first chunk), or ``None`` if this process has not hashed it."""
@@ -111,19 +123,30 @@ def wrap_prefix_hash(cls: Any) -> bool:
 
 
 def chain_parents(
-    keys: Sequence[Any], metas: Sequence[Any], before: Optional[Tuple[Any, ...]] = None
+    keys: Sequence[Any],
+    metas: Sequence[Any],
+    before: Optional[Tuple[Any, ...]] = None,
+    first_parent: Optional[Any] = None,
 ) -> List[Optional[Any]]:
     """The daemon key of the chunk each chunk follows, or ``None``: a chunk
     names the one before it (in ``keys``, or ``before``, a stored item
     ``(key, _, _, meta)`` ahead of them) when its record's parent hash is that
     chunk's hash, so the daemon chains a prompt's chunks and its chain-aware
     eviction takes them from the prompt's end (docs/eviction.md). ``metas``:
-    each chunk's ``kachedb.BlockMeta`` or ``None`` (no link either way)."""
+    each chunk's ``kachedb.BlockMeta`` or ``None`` (no link either way). The
+    first chunk, if ``before`` does not precede it, names ``first_parent``
+    (the daemon key of its record's parent, stored by an earlier batch) when
+    its record has a parent."""
     prev_key = before[0] if before is not None else None
     prev_meta = before[3] if before is not None else None
     parents: List[Optional[Any]] = []
     for key, meta in zip(keys, metas):
         linked = meta is not None and prev_meta is not None and meta.parent_hash == prev_meta.block_hash
-        parents.append(prev_key if linked else None)
+        if linked:
+            parents.append(prev_key)
+        elif not parents and meta is not None and meta.parent_hash is not None:
+            parents.append(first_parent)
+        else:
+            parents.append(None)
         prev_key, prev_meta = key, meta
     return parents
