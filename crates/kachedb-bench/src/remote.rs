@@ -13,6 +13,13 @@
 //! filling (medians over the windows); with `--nice-sweep`, for several nice
 //! values of B's tier threads and of the redis-servers.
 //!
+//! Chain walk: node A puts chains of 20 blocks of 1 MiB, each naming its
+//! parent; node B (`--remote-read-ahead` 8, the default) and a node B0
+//! (`--remote-read-ahead 0`) GET them one block after another, their local
+//! copies deleted before each walk, and the plain client GETs each block's
+//! values one block after another (what a walk with nothing read ahead
+//! costs), in turn, the order rotating every round; medians over the rounds.
+//!
 //! A second pair of daemons (A', B') runs with a fleet key
 //! (`--remote-key-file`, keyed tags) in its own namespace: its
 //! write-behind and fills are timed in the same run: B and B' fill the same
@@ -398,6 +405,8 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     drop((kak, kbk));
     drop((node_ak, node_bk));
 
+    walk(a, &url, &ns, &ka, &node_a, &rt, &conn, &emit)?;
+
     // Local GET round trip on B: windows of idle and of fills (another client
     // keeps filling), alternated, each condition's percentiles the median over
     // its windows.
@@ -540,6 +549,105 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     drop((ka, kb));
     drop((node_a, node_b));
     drop(cluster);
+    Ok(())
+}
+
+/// The chain walk (see the module docs): node A puts the chains, nodes B
+/// and B0 walk them against the plain client.
+#[allow(clippy::too_many_arguments)]
+fn walk(
+    a: &RemoteArgs,
+    url: &str,
+    ns: &str,
+    ka: &Client,
+    node_a: &DaemonProcess,
+    rt: &tokio::runtime::Runtime,
+    conn: &redis::cluster_async::ClusterConnection,
+    emit: &dyn Fn(serde_json::Value, String),
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (chains, per_chain, block, rounds) =
+        if a.quick { (2usize, 20usize, 1usize << 20, 3usize) } else { (8, 20, 1 << 20, 5) };
+    let keys: Vec<Vec<Key>> = (0..chains)
+        .map(|c| (0..per_chain).map(|i| Key::from_bytes(format!("rb/walk/{c}/{i}").as_bytes())).collect())
+        .collect();
+    let data: Vec<u8> = (0..block).map(|i| (i % 241) as u8).collect();
+    for chain in &keys {
+        let mut parent = None;
+        for k in chain {
+            ka.put(*k, kachedb_client::Value::bytes(&data).parent(parent))?;
+            parent = Some(*k);
+        }
+    }
+    wait_for_writes(node_a)?;
+    let slab = (chains * per_chain * block) as u64 + (64 << 20);
+    let opts = ["--remote", url, "--remote-namespace", ns];
+    let node_ra = DaemonProcess::spawn(slab, &opts)?;
+    let node_0 = DaemonProcess::spawn(slab, &[&opts[..], &["--remote-read-ahead", "0"]].concat())?;
+    let (kra, k0) = (client(&node_ra)?, client(&node_0)?);
+    let all: Vec<Key> = keys.iter().flatten().copied().collect();
+    let chunks = format::chunk_count(block as u64, format::DEFAULT_CHUNK_BYTES).unwrap_or(1);
+    let walk_node = |kn: &Client| -> Result<f64, Box<dyn std::error::Error>> {
+        kn.delete_many(&all)?;
+        let t = Instant::now();
+        for k in &all {
+            let v = kn.get(*k)?.ok_or("a block of the walk was not found")?;
+            if v.len() != block {
+                return Err("a block of the walk has the wrong length".into());
+            }
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let walk_plain = || -> Result<f64, Box<dyn std::error::Error>> {
+        let t = Instant::now();
+        let bytes = rt.block_on(async {
+            let mut bytes = 0u64;
+            for k in &all {
+                for i in 0..chunks {
+                    let mut c = conn.clone();
+                    let v: Option<Vec<u8>> =
+                        redis::cmd("GET").arg(format::chunk_key(ns, k.0, i)).query_async(&mut c).await?;
+                    bytes += v.map_or(0, |v| v.len() as u64);
+                }
+            }
+            Ok::<u64, redis::RedisError>(bytes)
+        })?;
+        if bytes < (all.len() * block) as u64 {
+            return Err("the plain client read fewer bytes than stored".into());
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let mut times: [Vec<f64>; 3] = Default::default();
+    for round in 0..rounds {
+        for j in 0..3 {
+            let which = (round + j) % 3;
+            times[which].push(match which {
+                0 => walk_node(&kra)?,
+                1 => walk_node(&k0)?,
+                _ => walk_plain()?,
+            });
+        }
+    }
+    let ahead = RemoteStats::of(&stats(&node_ra)?).remote_read_ahead;
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let [mut t_ra, mut t_0, mut t_plain] = times;
+    let (ra, off, plain) = (med(&mut t_ra), med(&mut t_0), med(&mut t_plain));
+    let bytes = (all.len() * block) as f64;
+    emit(
+        json!({"bench":"remote_walk","chains":chains,"blocks_per_chain":per_chain,"block_bytes":block,"rounds":rounds,
+               "read_ahead_gb_per_s":bytes/ra/1e9,"no_read_ahead_gb_per_s":bytes/off/1e9,"plain_gb_per_s":bytes/plain/1e9,
+               "read_ahead_vs_plain":plain/ra,"no_read_ahead_vs_plain":plain/off,"blocks_read_ahead":ahead}),
+        format!(
+            "walk {chains} x {per_chain} x 1MiB, GET after GET: read-ahead 8 {:.3} GB/s ({:.2}x the plain client), off {:.3} GB/s ({:.2}x), plain client block after block {:.3} GB/s; median of {rounds} ({ahead} blocks read ahead)",
+            bytes / ra / 1e9,
+            plain / ra,
+            bytes / off / 1e9,
+            plain / off,
+            bytes / plain / 1e9
+        ),
+    );
     Ok(())
 }
 

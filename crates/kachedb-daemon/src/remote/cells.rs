@@ -41,11 +41,13 @@ pub struct RemoteCells {
     pub auth_failures: AtomicU64,
     /// Fetches cancelled at their deadline.
     pub fetches_cancelled: AtomicU64,
+    /// Blocks read ahead along a chain into free megaslab space.
+    pub read_ahead: AtomicU64,
     /// Fill latency, per fetch that ended at the remote tier.
     pub fill: FillLatency,
 }
 
-const ROWS: [Row<RemoteCells>; 13] = [
+const ROWS: [Row<RemoteCells>; 14] = [
     ("remote_writes", "Blocks written to the remote store.", Kind::Counter, |c| &c.writes),
     (
         "remote_write_bytes",
@@ -89,6 +91,12 @@ const ROWS: [Row<RemoteCells>; 13] = [
         Kind::Counter,
         |c| &c.fetches_cancelled,
     ),
+    (
+        "remote_read_ahead",
+        "Blocks read ahead along a chain from the remote store into free megaslab space (--remote-read-ahead).",
+        Kind::Counter,
+        |c| &c.read_ahead,
+    ),
 ];
 
 impl TierMetrics for RemoteCells {
@@ -126,6 +134,7 @@ impl RemoteCells {
             remote_corrupt: self.corrupt.load(Relaxed),
             remote_auth_failures: self.auth_failures.load(Relaxed),
             remote_fetches_cancelled: self.fetches_cancelled.load(Relaxed),
+            remote_read_ahead: self.read_ahead.load(Relaxed),
             remote_fill_ms_mean: self.fill.mean_ms(),
             remote_fill_ms_max: self.fill.max_ms(),
         }
@@ -166,6 +175,8 @@ pub struct RemoteStats {
     pub remote_auth_failures: u64,
     /// Fetches cancelled at their deadline (their unfilled keys are misses).
     pub remote_fetches_cancelled: u64,
+    /// Blocks read ahead along a chain into free megaslab space.
+    pub remote_read_ahead: u64,
     /// Mean time from a local miss to its fill being served, milliseconds.
     pub remote_fill_ms_mean: f64,
     /// Longest such time, milliseconds.

@@ -69,6 +69,19 @@
 //! filled and published by key). Nothing else reads it: a daemon before it
 //! never asks for the key.
 //!
+//! # A block's next block (read-ahead hint)
+//!
+//! When a block committed naming a parent is written, its key is stored, after
+//! the block's chunk 0, under its parent's next key `ns:{<parent hex>}:n`
+//! (the parent's hash tag: its shard), with the chunks' TTL: the child
+//! written last. A reader filling a block reads its next key beside chunk 0
+//! and reads ahead along what it names (docs/remote.md, "Read-ahead"). Its
+//! value is laid out as a metadata record's, magic b"KDBN", key the parent,
+//! and a 16-byte record: the child's key, little-endian. A hint is a guess
+//! about what to read next, never served as data: the blocks it names are
+//! read and verified like any other, and a hint that does not verify
+//! ([`Scope::open_next`]) is ignored.
+//!
 //! # What a value is
 //!
 //! A value's identity is its namespace, its block key, its dtype, shape,
@@ -384,6 +397,10 @@ pub fn chunk_key(namespace: &str, key: u128, index: u32) -> String {
 
 /// First bytes of a metadata record's value.
 const RECORD_MAGIC: [u8; 4] = *b"KDBM";
+/// First bytes of a next-block hint's value ("A block's next block").
+const NEXT_MAGIC: [u8; 4] = *b"KDBN";
+/// Bytes of a next-block hint's value.
+pub const NEXT_LEN: usize = RECORD_HEAD + 16;
 /// A record value's bytes before the record.
 pub const RECORD_HEAD: usize = 48;
 /// Longest record stored, bytes (~16 000 tokens).
@@ -432,11 +449,41 @@ impl Scope {
     /// The value storing record `rec` of block `key`; `None` if it is empty
     /// or longer than [`RECORD_MAX`].
     pub fn seal_record(&self, key: u128, rec: &[u8]) -> Option<Vec<u8>> {
+        self.seal_as(RECORD_MAGIC, key, rec)
+    }
+
+    /// The record a value read under block `key`'s record key holds, checked.
+    pub fn open_record<'a>(&self, key: u128, v: &'a [u8]) -> Result<&'a [u8], RecordError> {
+        self.open_as(RECORD_MAGIC, key, v)
+    }
+
+    /// The Redis key of block `parent`'s next-block hint ("A block's next
+    /// block").
+    pub fn next_key(&self, parent: u128) -> String {
+        format!("{}:{{{parent:032x}}}:n", self.namespace)
+    }
+
+    /// The value naming `child` as the block written last after `parent`.
+    pub fn seal_next(&self, parent: u128, child: u128) -> Vec<u8> {
+        self.seal_as(NEXT_MAGIC, parent, &child.to_le_bytes()).unwrap_or_default()
+    }
+
+    /// The child a value read under `parent`'s next key names, checked.
+    pub fn open_next(&self, parent: u128, v: &[u8]) -> Result<u128, RecordError> {
+        let rec = self.open_as(NEXT_MAGIC, parent, v)?;
+        let child: [u8; 16] = rec.try_into().map_err(|_| RecordError::Malformed("length"))?;
+        Ok(u128::from_le_bytes(child))
+    }
+
+    /// A value of kind `magic` holding `rec` for block `key` (the layout of
+    /// "A block's metadata record"); `None` if `rec` is empty or longer than
+    /// [`RECORD_MAX`].
+    fn seal_as(&self, magic: [u8; 4], key: u128, rec: &[u8]) -> Option<Vec<u8>> {
         if rec.is_empty() || rec.len() > RECORD_MAX {
             return None;
         }
         let mut v = Vec::with_capacity(RECORD_HEAD + rec.len());
-        v.extend_from_slice(&RECORD_MAGIC);
+        v.extend_from_slice(&magic);
         v.extend_from_slice(&(if self.fleet.is_some() { FORMAT_KEYED } else { FORMAT_PLAIN }).to_le_bytes());
         v.extend_from_slice(&[0, 0]);
         v.extend_from_slice(&(rec.len() as u32).to_le_bytes());
@@ -448,11 +495,11 @@ impl Scope {
         Some(v)
     }
 
-    /// The record a value read under block `key`'s record key holds, checked.
-    pub fn open_record<'a>(&self, key: u128, v: &'a [u8]) -> Result<&'a [u8], RecordError> {
+    /// What a value of kind `magic` for block `key` holds, checked.
+    fn open_as<'a>(&self, magic: [u8; 4], key: u128, v: &'a [u8]) -> Result<&'a [u8], RecordError> {
         let head = v.get(..RECORD_HEAD).ok_or(RecordError::Malformed("short"))?;
         let want = if self.fleet.is_some() { FORMAT_KEYED } else { FORMAT_PLAIN };
-        if head[..4] != RECORD_MAGIC || u16::from_le_bytes([head[4], head[5]]) != want {
+        if head[..4] != magic || u16::from_le_bytes([head[4], head[5]]) != want {
             return Err(RecordError::Malformed("magic or format"));
         }
         let len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
@@ -1045,5 +1092,31 @@ mod tests {
         assert_eq!(other_key.open_record(key, &keyed.seal_record(key, &rec).unwrap()), Err(RecordError::Seal));
         assert!(plain.seal_record(key, &[]).is_none());
         assert!(plain.seal_record(key, &vec![1u8; RECORD_MAX + 1]).is_none());
+    }
+
+    #[test]
+    fn a_next_hint_names_its_child_in_its_own_scope_only_and_is_no_record() {
+        let (parent, child) = (0xaa_u128 << 100 | 5, 0xbb_u128 << 100 | 6);
+        let plain = Scope::new("ns-a", None);
+        let keyed = Scope::new("ns-a", Some(FleetKey::new(&[7u8; 32])));
+        for s in [&plain, &keyed] {
+            let v = s.seal_next(parent, child);
+            assert_eq!(v.len(), NEXT_LEN);
+            assert_eq!(s.open_next(parent, &v), Ok(child));
+            assert!(s.open_next(child, &v).is_err(), "another parent's hint");
+            for i in 0..v.len() {
+                let mut bad = v.clone();
+                bad[i] ^= 0x01;
+                assert!(s.open_next(parent, &bad).is_err(), "byte {i} flipped was accepted");
+            }
+            // A hint is not a record, nor the reverse.
+            assert!(s.open_record(parent, &v).is_err());
+            let rec = s.seal_record(parent, &child.to_le_bytes()).unwrap();
+            assert!(s.open_next(parent, &rec).is_err());
+            assert_eq!(s.next_key(parent), format!("ns-a:{{{parent:032x}}}:n"));
+        }
+        assert!(keyed.open_next(parent, &plain.seal_next(parent, child)).is_err());
+        let other_key = Scope::new("ns-a", Some(FleetKey::new(&[8u8; 32])));
+        assert_eq!(other_key.open_next(parent, &keyed.seal_next(parent, child)), Err(RecordError::Seal));
     }
 }

@@ -41,6 +41,7 @@
 
 pub mod cells;
 pub mod format;
+mod hints;
 mod reader;
 pub mod setup;
 mod writer;
@@ -68,6 +69,8 @@ pub use format::DEFAULT_CHUNK_BYTES;
 pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
 /// Default bound of the write-behind queue, bytes.
 pub const DEFAULT_QUEUE_BYTES: u64 = 1 << 30;
+/// Default of `--remote-read-ahead`: blocks read ahead along a chain.
+pub const DEFAULT_READ_AHEAD: usize = 8;
 /// Default of how much nicer than the daemon the tier's threads run.
 pub const DEFAULT_WORKER_NICE: u8 = 19;
 /// Most the tier's threads can be made nicer by (Linux nice values run -20..=19).
@@ -118,6 +121,9 @@ pub struct RemoteConfig {
     /// Whether blocks' metadata records are read with the blocks (the daemon
     /// publishes KV events; set when the tier starts).
     pub records: bool,
+    /// Blocks read ahead along a chain after a fill (`--remote-read-ahead`;
+    /// 0: none, and no next-block hint is read).
+    pub read_ahead: usize,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -131,6 +137,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("queue_bytes", &self.queue_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
             .field("worker_nice", &self.worker_nice)
+            .field("read_ahead", &self.read_ahead)
             .field("key", &self.key.as_ref().map(|_| "<hidden>"))
             .finish()
     }
@@ -258,6 +265,9 @@ struct Ctx {
     fill_budget: tokio::sync::Semaphore,
     /// The writes taken and not finished, by pin: what a stop hands over.
     pending: std::sync::Mutex<std::collections::HashMap<u64, PendingWrite>>,
+    /// The next-block hints read ([`hints`]); held for a few map operations
+    /// at a time, never across an await.
+    hints: std::sync::Mutex<hints::Hints>,
 }
 
 impl Ctx {
@@ -272,6 +282,10 @@ impl Ctx {
 
     fn send(&self, ev: TierEvent) {
         self.events.send(ev);
+    }
+
+    fn hints(&self) -> std::sync::MutexGuard<'_, hints::Hints> {
+        self.hints.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -356,6 +370,7 @@ impl RemoteTier {
             fetch_slots: tokio::sync::Semaphore::new(MAX_FETCHES),
             fill_budget: tokio::sync::Semaphore::new((FILL_BUDGET_BYTES >> 10) as usize),
             pending: Default::default(),
+            hints: std::sync::Mutex::new(hints::Hints::new(hints::HINTS_MAX)),
         });
         // Connect now, so the first miss does not pay for it.
         let c = ctx.clone();
@@ -403,6 +418,15 @@ impl Tier for RemoteTier {
         if let Some(rt) = &self.rt {
             let deadline = tokio::time::Instant::now() + fill_deadline(self.ctx.cfg.timeout);
             rt.spawn(reader::fetch(self.ctx.clone(), job, deadline));
+        }
+    }
+
+    /// Up to `--remote-read-ahead` blocks after `key` along the next-block
+    /// hints this node has read (`hints`); nothing it has not read yet.
+    fn chain_after(&self, key: u128) -> Vec<u128> {
+        match self.ctx.cfg.read_ahead {
+            0 => Vec::new(),
+            n => self.ctx.hints().chain_after(key, n),
         }
     }
 
@@ -517,6 +541,7 @@ mod tests {
             ttl: None,
             queue_bytes: DEFAULT_QUEUE_BYTES,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
+            read_ahead: DEFAULT_READ_AHEAD,
             worker_nice,
             key: None,
             records: false,

@@ -4,7 +4,12 @@
 //! Two rounds of requests, each sent at once (pipelined, one round trip per
 //! shard) and each request bounded by the tier's timeout: the start of chunk
 //! 0 of every key (the header and up to [`FIRST_READ_BYTES`] in all; for
-//! small blocks, everything), then the rest of every block that has more. A
+//! small blocks, everything), its metadata record where the node publishes
+//! KV events, and the next-block hint of the last key, then the rest of
+//! every block that has more. After a fetch a client waits for, the hints along the
+//! chain after its last key are read until `--remote-read-ahead` blocks are
+//! known ([`chase`]): the serve loop reads those ahead
+//! ([`Tier::chain_after`](crate::tier::Tier::chain_after)). A
 //! key whose request fails or times out is a miss (counted in
 //! `remote_errors`), a value that does not verify is a miss (`remote_corrupt`,
 //! or `remote_auth_failures` when it fails authentication); the rest of the
@@ -64,6 +69,8 @@ enum Refused {
 
 /// Runs `job` until `deadline` at most and always ends with
 /// [`TierEvent::Filled`] for it, listing the blocks landed before then.
+/// Then, for a fetch a client waits for, the next-block hints after its
+/// last key are read along the chain (see [`chase`]).
 pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob, deadline: Instant) {
     let mut filled = Vec::new();
     if run(&ctx, &job, deadline, &mut filled).await.is_err() {
@@ -75,7 +82,56 @@ pub(super) async fn fetch(ctx: Arc<Ctx>, job: FetchJob, deadline: Instant) {
             "remote fetch cancelled at its deadline"
         );
     }
+    if job.ahead {
+        add(&ctx.cells().read_ahead, filled.len() as u64);
+    }
     ctx.send(TierEvent::Filled { fetch: job.id, filled });
+    if let (false, Some(&last)) = (job.ahead, job.keys.last()) {
+        let _ = timeout_at(deadline, chase(&ctx, last)).await;
+    }
+}
+
+/// Reads the next-block hints along the chain after `key` until
+/// `--remote-read-ahead` blocks after it are known (one request after
+/// another: each names the next), so that the client's next miss on the
+/// chain reads that many ahead. After the fetch's `Filled`: its client
+/// does not wait for it.
+async fn chase(ctx: &Ctx, key: u128) {
+    let want = ctx.cfg.read_ahead;
+    if want == 0 {
+        return;
+    }
+    let Ok(conn) = ctx.link.conn().await else { return };
+    loop {
+        let known = ctx.hints().chain_after(key, want);
+        // (None known: the fetch read `key`'s hint already and found none.)
+        if known.is_empty() || known.len() >= want {
+            return;
+        }
+        let at = known.last().copied().unwrap_or(key);
+        if read_next(ctx, &conn, at).await.is_none() {
+            return;
+        }
+    }
+}
+
+/// Block `key`'s next-block hint: the child it names, if it has one that
+/// verifies (recorded in the tier's hints); `None` otherwise.
+async fn read_next(ctx: &Ctx, conn: &super::Conn, key: u128) -> Option<u128> {
+    let v = get_range(ctx, conn, ctx.scope.next_key(key), 0, format::NEXT_LEN as u64).await.ok()?;
+    if v.is_empty() {
+        return None;
+    }
+    match ctx.scope.open_next(key, &v) {
+        Ok(child) => {
+            ctx.hints().learn(key, child);
+            Some(child)
+        }
+        Err(why) => {
+            tracing::debug!(key = %format_args!("{key:032x}"), "remote tier: a next-block hint is ignored: {why}");
+            None
+        }
+    }
 }
 
 /// The blocks of `job`, read, verified and landed in turn; each landed
@@ -145,7 +201,9 @@ async fn land_all(ctx: &Ctx, job: &FetchJob, blocks: &[Verified], filled: &mut V
             dtype: b.header.dtype,
             shape: b.header.shape,
             len: b.header.len,
-            parent: None,
+            // The parent a next-block hint named (the block it is stored
+            // after), so the fill links to its chain here too.
+            parent: ctx.hints().parent_of(b.header.key),
             // The remote format names no tenant (the cluster is the
             // fleet's): a block filled from it counts for the tenant whose
             // miss asked for it, within that tenant's limit.
@@ -234,21 +292,25 @@ enum HeadRead {
     Whole(Verified),
 }
 
-/// Round one for `key`: the start of its chunk 0, checked as soon as it
-/// arrives (while the other keys' answers are still coming in); a block
+/// Round one for `key`: the start of its chunk 0 (with its next-block hint
+/// if `with_next`), checked as soon as it arrives (while the other keys' answers are still coming in); a block
 /// that fits in it is verified whole.
-async fn read_head(ctx: &Ctx, conn: &super::Conn, key: u128) -> HeadRead {
+async fn read_head(ctx: &Ctx, conn: &super::Conn, key: u128, with_next: bool) -> HeadRead {
     let end = FIRST_READ_BYTES as u64 - 1;
-    let (chunk0, meta) = if ctx.cfg.records {
-        let (c, m) = futures_util::future::join(
-            get_range(ctx, conn, ctx.scope.chunk_key(key, 0), 0, end),
-            read_record(ctx, conn, key),
-        )
-        .await;
-        (c, m)
-    } else {
-        (get_range(ctx, conn, ctx.scope.chunk_key(key, 0), 0, end).await, None)
+    // Its metadata record and next-block hint come with it (same shard).
+    let record = async {
+        match ctx.cfg.records {
+            true => read_record(ctx, conn, key).await,
+            false => None,
+        }
     };
+    let next = async {
+        if with_next {
+            read_next(ctx, conn, key).await;
+        }
+    };
+    let (chunk0, meta, ()) =
+        futures_util::future::join3(get_range(ctx, conn, ctx.scope.chunk_key(key, 0), 0, end), record, next).await;
     let chunk0 = match chunk0 {
         Err(()) => return HeadRead::Error,
         // Absent (a real value is never empty: it starts with a header).
@@ -307,7 +369,12 @@ async fn read_record(ctx: &Ctx, conn: &super::Conn, key: u128) -> Option<Arc<Blo
 /// are counted.
 async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verified>, Vec<Head>) {
     let cells = ctx.cells();
-    let firsts = futures_util::future::join_all(keys.iter().map(|&k| read_head(ctx, conn, k))).await;
+    // The next-block hint of the last key only: what read-ahead starts from
+    // (one request a fetch; one a key cost a fill of small blocks ~20 %).
+    let last = keys.len().checked_sub(1).filter(|_| ctx.cfg.read_ahead > 0);
+    let firsts =
+        futures_util::future::join_all(keys.iter().enumerate().map(|(i, &k)| read_head(ctx, conn, k, Some(i) == last)))
+            .await;
     let (mut whole, mut heads) = (Vec::new(), Vec::new());
     for (&key, got) in keys.iter().zip(firsts) {
         match got {

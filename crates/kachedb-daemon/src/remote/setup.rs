@@ -3,7 +3,9 @@
 //! tiers ([`KIND`]).
 
 use super::cells::{RemoteCells, RemoteStats};
-use super::{format, RemoteConfig, RemoteTier, DEFAULT_QUEUE_BYTES, DEFAULT_TIMEOUT_MS, DEFAULT_WORKER_NICE};
+use super::{
+    format, RemoteConfig, RemoteTier, DEFAULT_QUEUE_BYTES, DEFAULT_READ_AHEAD, DEFAULT_TIMEOUT_MS, DEFAULT_WORKER_NICE,
+};
 use crate::metrics::Metrics;
 use crate::tier::{Tier, TierError};
 use crate::tier_kind::{ServeFlags, Start, TierFlags, TierKind, TierSetup};
@@ -63,6 +65,13 @@ pub struct RemoteArgs {
     #[arg(long, default_value_t = DEFAULT_WORKER_NICE, value_name = "N",
           value_parser = clap::value_parser!(u8).range(0..=i64::from(super::MAX_WORKER_NICE)))]
     pub remote_worker_nice: u8,
+    /// Blocks read ahead along a chain after a fill from the remote store,
+    /// into free megaslab space only (0: off). A block written with a parent
+    /// leaves a hint under the parent's key naming it; a fill reads the
+    /// filled block's hint and fetches what it names (docs/remote.md,
+    /// "Read-ahead").
+    #[arg(long, default_value_t = DEFAULT_READ_AHEAD, value_name = "BLOCKS")]
+    pub remote_read_ahead: usize,
 }
 
 impl TierFlags for RemoteArgs {
@@ -107,6 +116,7 @@ impl TierFlags for RemoteArgs {
             queue_bytes: a.remote_queue_bytes.unwrap_or(DEFAULT_QUEUE_BYTES),
             chunk_bytes,
             worker_nice: a.remote_worker_nice,
+            read_ahead: a.remote_read_ahead,
             key: a.remote_key_file.as_deref().map(read_key_file).transpose()?,
             records: false,
         })))

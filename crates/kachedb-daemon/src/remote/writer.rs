@@ -7,7 +7,9 @@
 //! is sealed with keyed tags over the namespace (format 4), else with
 //! checksums (format 1). A block's metadata record (META), if it has one,
 //! goes under its own key just before chunk 0 (`format`, "A block's
-//! metadata record"). Each
+//! metadata record"). A block committed naming a parent leaves a hint
+//! under the parent's next key, after chunk 0 (`format`, "A block's next
+//! block"). Each
 //! request waits at most the tier's timeout. Every read of the pinned block
 //! runs under the slab gate (hashing it, and copying each chunk into its
 //! request), never across a network wait. Whatever the outcome, the pin goes
@@ -125,5 +127,18 @@ async fn write_block(ctx: &Ctx, job: &WriteJob) -> Result<(), String> {
             tracing::debug!(key = %format_args!("{:032x}", job.key), "remote write of a block's metadata record failed: {e}");
         }
     }
-    send(set_cmd(0)).await
+    send(set_cmd(0)).await?;
+    // The parent's next-block hint, after chunk 0 (a reader it steers finds
+    // the block); one not stored only means no read-ahead into this block.
+    if let Some(parent) = job.parent {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(scope.next_key(parent)).arg(scope.seal_next(parent, job.key));
+        if let Some(ttl) = ctx.cfg.ttl {
+            cmd.arg("PX").arg(ttl.as_millis().max(1) as u64);
+        }
+        if let Err(e) = send(Ok(cmd)).await {
+            tracing::debug!(key = %format_args!("{:032x}", job.key), "remote write of a next-block hint failed: {e}");
+        }
+    }
+    Ok(())
 }

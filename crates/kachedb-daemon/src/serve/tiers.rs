@@ -17,10 +17,11 @@
 //! requested again after its commit ([`Candidates`]).
 //!
 //! **Read-ahead** ([`Ahead`]): a client's local miss of a key, and its first
-//! request of a block read ahead, ask the first tier for the blocks after
-//! that key in its chain ([`Tier::chain_after`]); each one not in the
-//! megaslab, not being read and not read ahead already gets a fetch of its
-//! own ([`FetchJob::ahead`]) that no channel waits for. Its reservation takes
+//! request of a block read ahead, ask the tiers in order for the blocks
+//! after that key in its chain ([`Tier::chain_after`]); the first tier that
+//! knows some reads them ahead: each one not in the megaslab, not being
+//! read and not read ahead already gets a fetch of its own at that tier
+//! ([`FetchJob::ahead`]) that no channel waits for. Its reservation takes
 //! free megaslab space only (`Store::set_fill_no_evict`: a guess never
 //! evicts a resident block), and its block is committed cold
 //! (`Store::make_cold`): eviction takes it before any block a client used,
@@ -70,7 +71,7 @@ pub(super) struct Tiers {
     deleted: HashMap<u128, u64>,
     /// Removals a client's answer waits for.
     removals: HashMap<(TierId, u64), Waiting>,
-    /// The first tier's read-ahead.
+    /// The tiers' read-ahead.
     ahead: Ahead,
 }
 
@@ -79,17 +80,17 @@ pub(super) struct Tiers {
 struct Ahead {
     /// The read-ahead fetches open: id -> key.
     fetches: HashMap<u64, u128>,
-    /// The keys they read: key -> id.
-    reading: HashMap<u128, u64>,
+    /// The keys they read: key -> (id, index of the tier reading it).
+    reading: HashMap<u128, (u64, usize)>,
     /// Keys read ahead (filled or not: no free room) and not requested by a
     /// client since: not read ahead again; a client's first request of one
     /// moves the window on.
     tried: Candidates,
     /// Read-ahead commits held until the fill of their block's parent, asked
     /// for earlier, is over (so that the block links to it: fills of one
-    /// chain on several threads end in any order), with that parent and
-    /// the read-ahead's fetch id.
-    held: Vec<(u128, u64, FillWork)>,
+    /// chain on several threads end in any order), with the index of their
+    /// tier, that parent and the read-ahead's fetch id.
+    held: Vec<(usize, u128, u64, FillWork)>,
 }
 
 /// A removal a client's answer waits for ([`Removal::Pending`]).
@@ -313,12 +314,18 @@ impl Tiers {
         }
     }
 
-    /// Asks the first tier for the blocks after `key` in its chain and
-    /// starts a read-ahead fetch of each that is not local, not being read
-    /// and not read ahead already (see the module docs).
+    /// Asks the tiers in order for the blocks after `key` in its chain and,
+    /// at the first that knows some, starts a read-ahead fetch of each that
+    /// is not local, not being read and not read ahead already (see the
+    /// module docs).
     fn read_ahead(&mut self, store: &Store, key: u128, tenant: &str) {
-        let Some(t) = self.sides.first() else { return };
-        for k in t.tier.chain_after(key) {
+        let found = self.sides.iter().enumerate().find_map(|(i, t)| {
+            let chain = t.tier.chain_after(key);
+            (!chain.is_empty()).then_some((i, chain))
+        });
+        let Some((side, chain)) = found else { return };
+        let t = &self.sides[side];
+        for k in chain {
             if self.ahead.fetches.len() >= AHEAD_OPEN {
                 break;
             }
@@ -330,7 +337,7 @@ impl Tiers {
             let id = self.next_fetch;
             self.open.insert(id);
             a.fetches.insert(id, k);
-            a.reading.insert(k, id);
+            a.reading.insert(k, (id, side));
             a.tried.insert_bounded(k, AHEAD_TRIED);
             t.tier.fetch(FetchJob { id, tenant: tenant.to_owned(), keys: vec![k], ahead: true });
         }
@@ -402,25 +409,32 @@ impl Tiers {
 
     /// Asks the first tier to fill `keys` for `channel`, whose client is
     /// counted as `tenant`; the fetch's id, or `None` without a tier.
-    /// A single key being read ahead is waited for there (no second read);
-    /// then the tier reads ahead after the last key.
+    /// A single key being read ahead is waited for at the tier reading it
+    /// (no second read); then the tiers read ahead after the last key.
     pub(super) fn start_fetch(&mut self, store: &Store, channel: u32, tenant: &str, keys: Vec<u128>) -> Option<u64> {
-        let t = self.sides.first_mut()?;
         let last = *keys.last()?;
         for k in &keys {
             self.ahead.tried.take(*k);
         }
-        let deadline = Instant::now() + t.tier.fetch_bound();
         let reading = match keys[..] {
-            [k] => self.ahead.reading.get(&k).copied().filter(|id| !t.pending.contains_key(id)),
+            [k] => self
+                .ahead
+                .reading
+                .get(&k)
+                .copied()
+                .filter(|&(id, side)| self.sides.get(side).is_some_and(|t| !t.pending.contains_key(&id))),
             _ => None,
         };
         let id = match reading {
-            Some(id) => {
+            Some((id, side)) => {
+                let t = &mut self.sides[side];
+                let deadline = Instant::now() + t.tier.fetch_bound();
                 t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys });
                 id
             }
             None => {
+                let t = self.sides.first_mut()?;
+                let deadline = Instant::now() + t.tier.fetch_bound();
                 self.next_fetch += 1;
                 let id = self.next_fetch;
                 self.open.insert(id);
@@ -540,19 +554,19 @@ impl Tiers {
         // Whether a fill of `key` asked for before fetch `fetch` is still open
         // at the first tier (a read-ahead's, or a client's).
         let filling = |ahead: &Ahead, pending: &HashMap<u64, Pending>, key: u128, fetch: u64| {
-            ahead.reading.get(&key).is_some_and(|&id| id < fetch)
+            ahead.reading.get(&key).is_some_and(|&(id, _)| id < fetch)
                 || pending.iter().any(|(&id, p)| id < fetch && p.keys.contains(&key))
         };
         // Held read-ahead commits whose parent's fill is over go on.
-        if let Some(r) = sides.first_mut() {
-            let mut i = 0;
-            while i < ahead.held.len() {
-                let (parent, fetch, _) = ahead.held[i];
-                if filling(ahead, &r.pending, parent, fetch) {
-                    i += 1;
-                } else {
-                    r.work.push_back(ahead.held.swap_remove(i).2);
+        let mut h = 0;
+        while h < ahead.held.len() {
+            let (side, parent, fetch, _) = ahead.held[h];
+            match sides.get_mut(side) {
+                Some(r) if !filling(ahead, &r.pending, parent, fetch) => {
+                    r.work.push_back(ahead.held.swap_remove(h).3);
                 }
+                Some(_) => h += 1,
+                None => drop(ahead.held.swap_remove(h)),
             }
         }
         for (i, r) in sides.iter_mut().enumerate() {
@@ -617,7 +631,7 @@ impl Tiers {
                                 && store.peek(p).is_none()
                                 && filling(ahead, &r.pending, p, fetch)
                         }) {
-                            ahead.held.push((p, fetch, FillWork::Commit { fetch, filled, next, committed }));
+                            ahead.held.push((i, p, fetch, FillWork::Commit { fetch, filled, next, committed }));
                             continue;
                         }
                         let to = filled.len().min(next + budget);
@@ -958,6 +972,52 @@ mod tests {
         assert!(store.peek(3).is_none(), "the guess was not the first evicted");
         assert_eq!((10..14u128).filter(|&k| store.peek(k).is_some()).count(), 2);
         assert!(store.peek(2).is_some());
+        store.check_invariants().unwrap();
+    }
+
+    /// Read-ahead at the tier that knows the chain: the first tier (a disk
+    /// without these blocks) names none after key 1, the second (the remote
+    /// tier, from its hints) names 2 and 3, so their read-ahead fetches go to
+    /// the second tier. A client's miss of key 2 waits for that fetch there
+    /// and gets its block from it; key 3, read ahead after 2 was filled,
+    /// links to it.
+    #[test]
+    fn a_read_ahead_goes_to_the_tier_that_knows_the_chain_and_a_client_waits_for_it_there() {
+        let mut store = Store::new(0, 16 * 4096);
+        let first = Recording::default();
+        let second = Chained { next: vec![2, 3], ..Chained::default() };
+        let (asked_first, asked_second) = (first.0.clone(), second.jobs.clone());
+        let mut tiers = Tiers::new(vec![Box::new(first), Box::new(second)], &mut store);
+        let fetch = tiers.start_fetch(&store, 0, "default", vec![1]).unwrap();
+        let first_jobs = asked_first.lock().unwrap().clone();
+        assert_eq!(first_jobs.iter().map(|j| (j.id, j.ahead)).collect::<Vec<_>>(), [(fetch, false)]);
+        let ahead: Vec<(u64, Vec<u128>, bool)> =
+            asked_second.lock().unwrap().iter().map(|j| (j.id, j.keys.clone(), j.ahead)).collect();
+        assert_eq!(ahead.iter().map(|a| (a.1.clone(), a.2)).collect::<Vec<_>>(), [(vec![2], true), (vec![3], true)]);
+        let (ahead2, ahead3) = (ahead[0].0, ahead[1].0);
+        // The client's miss of key 2 waits for the second tier's read-ahead.
+        assert_eq!(tiers.start_fetch(&store, 7, "default", vec![2]), Some(ahead2));
+        assert_eq!(asked_second.lock().unwrap().len(), 2, "key 2 read a second time");
+        let land = |tiers: &mut Tiers, store: &mut Store, fetch: u64, key: u128, parent: Option<u128>| {
+            let (tx, mut rx) = crate::tier::reply::channel();
+            let spec = FillSpec { parent, ..spec_of(key, 4096) };
+            tiers.on_event(store, 1, TierEvent::Reserve { fetch, blocks: vec![spec], reply: tx });
+            drain(tiers, store);
+            let r = rx.try_recv().unwrap().unwrap()[0].expect("free room");
+            tiers.on_event(store, 1, TierEvent::Filled { fetch, filled: vec![(r.handle, 4096)] });
+            drain(tiers, store)
+        };
+        // Key 3's fill ends first: held until its parent's (key 2's) is over.
+        assert!(land(&mut tiers, &mut store, ahead3, 3, Some(2)).is_empty());
+        assert!(store.peek(3).is_none(), "committed before its parent");
+        let done = land(&mut tiers, &mut store, ahead2, 2, None);
+        assert_eq!(
+            done.iter().map(|d| (d.channel, d.committed.clone())).collect::<Vec<_>>(),
+            [(Some(7), vec![2]), (None, vec![3])],
+            "the client's block, then the one held for it"
+        );
+        assert!(store.peek(2).is_some() && store.peek(3).is_some());
+        assert_eq!(store.stats().chained_blocks, 1, "key 3 did not link to key 2");
         store.check_invariants().unwrap();
     }
 
