@@ -523,6 +523,19 @@ def scenario_direct(spec: Dict[str, Any]) -> Dict[str, Any]:
     me = threading.get_ident()
     n, seed = spec["prompt"]
     tokens, kv = S.prompt_tokens(n, seed), S.prompt_kv(n, seed)
+    if spec.get("by_hashes"):
+        # Keyed by hashes LMCache is handed (its multi-process adapter passes
+        # vLLM's block hashes and the chunks' lengths, no tokens).
+        hashes = [(seed * 1_000_003 + 7919 * i) & ((1 << 63) - 1) for i in range(-(-n // S.CHUNK_TOKENS))]
+        offsets = [min(S.CHUNK_TOKENS, n - i * S.CHUNK_TOKENS) for i in range(len(hashes))]
+        keys = [conn.daemon_key(k) for _, _, k in engine.token_database.process_tokens(hashes=hashes, offsets=offsets)]
+        engine.store(hashes=hashes, offsets=offsets, kv=kv, slot_mapping=list(range(n)))
+        out = {"chunks": len(keys), "landed": _wait_landed(observer, keys, 10.0)}
+        out["stats"] = kachedb.lmcache.stats()
+        out["daemon"] = observer.stats()
+        _destroy("direct")
+        observer.close()
+        return out
     keys = [conn.daemon_key(k) for k in S.chunk_keys(engine, tokens)]
     engine.store(tokens, kv=kv)
     out: Dict[str, Any] = {"present_when_store_returned": observer.lookup(keys), "chunks": len(keys)}

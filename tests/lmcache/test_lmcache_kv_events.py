@@ -95,3 +95,23 @@ def test_a_longer_prompts_store_chains_onto_the_chunks_stored_before(workdir, pi
         assert r["daemon"]["parents_missing"] == 0, r["daemon"]
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("pinned", [None, 0], ids=["in_place", "copies"])
+def test_chunks_keyed_by_handed_hashes_chain_in_the_daemon(workdir, pinned):
+    """A store keyed by hashes LMCache is handed (``store(hashes=, offsets=)``,
+    how its multi-process adapter stores vLLM's blocks: no tokens) has no
+    records to publish, but the hashes' order says each chunk's parent: the
+    chunks chain in the daemon all the same, and are published by key."""
+    d = Daemon(str(workdir / f"lmcache-hashes-{pinned}.sock"), size="64MiB").start()
+    try:
+        spec = {"scenario": "direct", "socket": d.socket, "prompt": PROMPT, "by_hashes": True}
+        if pinned is not None:
+            spec["max_pinned_bytes"] = pinned
+        r = run_engine(workdir, f"hashes-{pinned}", spec)
+        assert r["landed"]["present"] == CHUNKS, r["landed"]
+        assert r["stats"]["stored_with_records"] == 0, r["stats"]
+        assert r["daemon"]["chained_blocks"] == CHUNKS - 1, r["daemon"]
+        assert r["daemon"]["parents_missing"] == 0, r["daemon"]
+    finally:
+        assert d.stop() == 0

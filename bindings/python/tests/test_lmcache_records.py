@@ -76,3 +76,36 @@ def test_the_parent_of_a_hashed_chunk_is_its_predecessors_own_hash():
     hashes = list(_TokenDatabase()._prefix_hash(iter(chunks)))
     assert [records.parent_of(h) for h in hashes] == [None, hashes[0], hashes[1]]
     assert records.parent_of(object()) is None and records.parent_of([1]) is None
+
+
+class _HandedDatabase(_TokenDatabase):
+    """LMCache's ``process_tokens`` in miniature: keys from tokens (through
+    ``_prefix_hash``) or from the hashes it is handed, in order."""
+
+    def process_tokens(self, tokens=None, hashes=None, offsets=None, mask=None, make_key=True):
+        if tokens is not None:
+            yield from ((0, 0, h) for h in self._prefix_hash(iter([tokens])))
+        else:
+            yield from ((0, o, h) for h, o in zip(hashes, offsets))
+
+
+def test_handed_hashes_are_chained_without_tokens():
+    """Chunks keyed by hashes LMCache was handed (its multi-process adapter's
+    ``process_tokens(hashes=...)``): no tokens to publish (``record`` is
+    ``None``), but each hash's parent is the one handed before it
+    (``link``), so ``chain_parents`` chains them."""
+    assert records.wrap_process_tokens(_HandedDatabase)
+    assert records.wrap_process_tokens(_HandedDatabase)  # once
+    handed = [9001, 9002, 9003]
+    keys = [k for _, _, k in _HandedDatabase().process_tokens(hashes=iter(handed), offsets=[16, 16, 4])]
+    assert keys == handed, "the wrapper changed what LMCache yields"
+    assert [records.record(h) for h in handed] == [None, None, None]
+    links = [records.link(h) for h in handed]
+    assert [(x.block_hash, x.parent_hash) for x in links] == [(9001, None), (9002, 9001), (9003, 9002)]
+    assert records.chain_parents(["k1", "k2", "k3"], links) == [None, "k1", "k2"]
+    assert records.link(424242) is None
+    # A hash hashed from tokens earlier keeps its tokens when it is handed again.
+    assert records.wrap_prefix_hash(_TokenDatabase)
+    (h,) = [k for _, _, k in _HandedDatabase().process_tokens(tokens=torch.arange(5, 21))]
+    list(_HandedDatabase().process_tokens(hashes=[h], offsets=[16]))
+    assert records.record(h) is not None and list(records.record(h)[0]) == list(range(5, 21))

@@ -44,6 +44,14 @@ pub struct EventsArgs {
     /// TCP port of the publisher (the replay port is one above).
     #[arg(long, default_value_t = 5671, value_name = "PORT")]
     pub port: u16,
+    /// Nice value of the subscriber's thread: 0, it competes with the client
+    /// and the daemon for the cores, as a router on the same small machine
+    /// would; 19, it takes only CPU the node leaves idle, as a router on
+    /// another machine would (on 2 cores this did not move the on/off
+    /// figures: docs/journal.md, 2026-12-05).
+    #[arg(long, default_value_t = 0, value_name = "N",
+          value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub subscriber_nice: i32,
 }
 
 const BLOCK_BYTES: usize = 4096;
@@ -74,7 +82,7 @@ struct Subscriber {
 }
 
 impl Subscriber {
-    fn start(endpoint: String) -> Result<Subscriber, Box<dyn std::error::Error>> {
+    fn start(endpoint: String, nice: i32) -> Result<Subscriber, Box<dyn std::error::Error>> {
         let received = Arc::new(Mutex::new(HashMap::new()));
         let (stored, gaps, stop) =
             (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
@@ -82,6 +90,9 @@ impl Subscriber {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || -> Result<(), String> {
             use zeromq::{Socket, SocketRecv, SubSocket};
+            // On Linux a nice value is per thread: this one only.
+            rustix::process::setpriority_process(None, nice)
+                .map_err(|e| format!("setting the subscriber's nice value to {nice}: {e}"))?;
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
             rt.block_on(async {
                 let mut sub = SubSocket::new();
@@ -195,7 +206,7 @@ pub fn run(a: &EventsArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     if !a.json {
-        println!("kachedb-bench events — daemons, client and subscriber are separate; one daemon at a time, medians of {rounds} alternating rounds");
+        println!("kachedb-bench events — daemons, client and subscriber are separate; one daemon at a time, medians of {rounds} alternating rounds; the subscriber's thread at nice {} (--subscriber-nice)", a.subscriber_nice);
     }
 
     // On vs off: one daemon alive at a time (an idle daemon's serve loop
@@ -206,7 +217,7 @@ pub fn run(a: &EventsArgs) -> Result<(), Box<dyn std::error::Error>> {
     let (mut seen, mut gaps) = (0u64, 0u64);
     for r in 0..rounds {
         let on = DaemonProcess::spawn(size, &["--events-endpoint", &endpoint])?;
-        let sub = Subscriber::start(endpoint.clone())?;
+        let sub = Subscriber::start(endpoint.clone(), a.subscriber_nice)?;
         m_on.push(round(&connect(&on)?, &format!("on{r}"), iters)?);
         let got = sub.finish()?;
         (seen, gaps) = (seen + got.stored, gaps + got.gaps);
@@ -248,7 +259,7 @@ pub fn run(a: &EventsArgs) -> Result<(), Box<dyn std::error::Error>> {
     // Rate and lag.
     let blocks = (a.rate as f64 * seconds) as usize;
     let on = DaemonProcess::spawn((blocks * BLOCK_BYTES) as u64 + (256 << 20), &["--events-endpoint", &endpoint])?;
-    let sub = Subscriber::start(endpoint.clone())?;
+    let sub = Subscriber::start(endpoint.clone(), a.subscriber_nice)?;
     let kc = connect(&on)?;
     let block = vec![3u8; BLOCK_BYTES];
     let keys: Vec<Key> = (0..blocks).map(|i| Key::from_bytes(format!("bench/ev/rate/{i}").as_bytes())).collect();

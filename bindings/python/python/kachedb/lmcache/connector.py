@@ -91,6 +91,13 @@ def _bytes_of(memory_obj: MemoryObj) -> Any:
     return memoryview(memory_obj.byte_array)[:n]
 
 
+def _links(items: Sequence[Any]) -> List[Optional[Any]]:
+    """What chains each stored item ``(key, obj, CacheEngineKey, meta)``: its
+    record, or else what ``records`` remembers of its hash (a chunk keyed by a
+    hash LMCache was handed: its parent, no tokens), or ``None``."""
+    return [x[3] if x[3] is not None else records.link(getattr(x[2], "chunk_hash", None)) for x in items]
+
+
 def _nbytes(value: Any) -> int:
     """The byte count of a chunk's bytes (``_bytes_of``)."""
     return int(value.numel()) if isinstance(value, torch.Tensor) else len(value)
@@ -410,7 +417,8 @@ class KacheDBConnector(RemoteConnector):
         would cost a round trip."""
         assert self.region is not None
         keys, metas = [x[0] for x in items], [x[3] for x in items]
-        parents = chain_parents(keys, metas, first_parent=self._parent_key(items[0][2], metas[0]))
+        links = _links(items)
+        parents = chain_parents(keys, links, first_parent=self._parent_key(items[0][2], links[0]))
         ok = self.region.commit_objects(kc, [x[1] for x in items], keys, [x[2] for x in items], metas, parents)
         n = sum(ok)
         if n < len(ok):
@@ -451,9 +459,14 @@ class KacheDBConnector(RemoteConnector):
         keys = [x[0] for x in items]
         values = [_bytes_of(x[1]) for x in items]
         metas = [x[3] for x in items]
-        if any(m is not None for m in metas):
-            first = None if before is not None else self._parent_key(items[0][2], metas[0])
-            ok = self._put_with_records(kc, keys, values, metas, chain_parents(keys, metas, before, first))
+        links = _links(items)
+        if any(m is not None for m in links):
+            first = None
+            if before is not None:
+                before = (before[0], None, None, _links([before])[0])
+            else:
+                first = self._parent_key(items[0][2], links[0])
+            ok = self._put_with_records(kc, keys, values, metas, chain_parents(keys, links, before, first))
         else:
             kc.put_many(keys, values)
             ok = [True] * len(values)
@@ -505,7 +518,7 @@ class KacheDBConnector(RemoteConnector):
     def _parent_key(self, key: CacheEngineKey, meta: Optional[Any]) -> Optional[bytes]:
         """The daemon key of the chunk before ``key`` in its prompt, as
         LMCache keys it (``key`` with its parent's chunk hash), if ``meta``
-        (its record) says it has one: the first chunk of a batch names the
+        (its record or ``records.Link``) says it has one: the first chunk of a batch names the
         chunk an earlier store put there (vLLM's adapter masks a prompt's
         prefix already saved, so a longer prompt's store starts mid-prompt)."""
         if meta is None or meta.parent_hash is None:

@@ -11,9 +11,15 @@ which turns a prompt's token chunks into the chunks' prefix hashes, in order
 remembers each chunk's tokens and its parent's hash under the chunk's hash, the
 last ``MAX_CHUNKS`` of them. The connector looks a stored chunk up by its
 ``CacheEngineKey.chunk_hash`` (``record``) and attaches what it finds to the
-block before its commit; a chunk not found (keyed by hashes that vLLM's adapter
-computed, an LMCache without that method, a chunk hashed more than
-``MAX_CHUNKS`` chunks ago) is published by key.
+block before its commit; a chunk not found (an LMCache without that method, a
+chunk hashed more than ``MAX_CHUNKS`` chunks ago) is published by key.
+
+Chunks keyed by hashes LMCache was handed (``process_tokens(hashes=...)``: its
+multi-process adapter passes the hashes vLLM computed, no tokens) have no
+tokens to publish, but their order says their parents: ``watch()`` wraps
+``process_tokens`` too and remembers each handed hash's parent (the hash before
+it) without tokens. Such a chunk is published by key, and chained to the chunk
+before it in the daemon all the same (``link``, ``chain_parents``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ MAX_CHUNKS = 4096
 _U64 = (1 << 64) - 1
 
 _LOCK = threading.Lock()
-#: chunk hash -> (the chunk's tokens, its parent's hash or ``None``)
+#: chunk hash -> (the chunk's tokens or ``None`` (handed hashes), its parent's
+#: hash or ``None``)
 _SEEN: "OrderedDict[Any, Tuple[Any, Optional[Any]]]" = OrderedDict()
 
 #: ``ChunkedTokenDatabase`` attribute naming LMCache's own method.
@@ -49,8 +56,12 @@ def event_hash(chunk_hash: Any) -> int:
 def _remember(chunk_hash: Any, tokens: Any, parent: Optional[Any]) -> None:
     # A copy of the chunk's own tokens: a slice would keep the whole prompt's
     # tensor alive for as long as the chunk is remembered.
-    tokens = tokens.clone() if hasattr(tokens, "clone") else tuple(tokens)
+    if tokens is not None:
+        tokens = tokens.clone() if hasattr(tokens, "clone") else tuple(tokens)
     with _LOCK:
+        known = _SEEN.get(chunk_hash)
+        if tokens is None and known is not None and known[0] is not None and known[1] == parent:
+            tokens = known[0]  # handed again after its tokens were hashed: keep them
         _SEEN[chunk_hash] = (tokens, parent)
         _SEEN.move_to_end(chunk_hash)
         while len(_SEEN) > MAX_CHUNKS:
@@ -77,22 +88,77 @@ def record(chunk_hash: Any) -> Optional[Tuple[Tuple[int, ...], Optional[int]]]:
             got = _SEEN.get(chunk_hash)
     except TypeError:  # an unhashable hash value: never remembered
         return None
-    if got is None:
+    if got is None or got[0] is None:
         return None
     tokens, parent = got
     ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
     return tuple(int(t) for t in ids), None if parent is None else event_hash(parent)
 
 
+class Link:
+    """What chains a chunk without a record: its event hash and its parent's
+    (``block_hash``, ``parent_hash``, as ``kachedb.BlockMeta`` names them)."""
+
+    __slots__ = ("block_hash", "parent_hash")
+
+    def __init__(self, block_hash: int, parent_hash: Optional[int]) -> None:
+        self.block_hash = block_hash
+        self.parent_hash = parent_hash
+
+
+def link(chunk_hash: Any) -> Optional[Link]:
+    """The chunk's event hash and its parent's, if this process remembers the
+    chunk (hashed from tokens or handed); ``None`` otherwise."""
+    try:
+        with _LOCK:
+            got = _SEEN.get(chunk_hash)
+    except TypeError:  # an unhashable hash value: never remembered
+        return None
+    if got is None:
+        return None
+    parent = got[1]
+    return Link(event_hash(chunk_hash), None if parent is None else event_hash(parent))
+
+
 def watch() -> bool:
-    """Wraps LMCache's ``ChunkedTokenDatabase._prefix_hash`` (once per process);
-    whether it is wrapped (an LMCache without it: chunks are published by
-    key)."""
+    """Wraps LMCache's ``ChunkedTokenDatabase._prefix_hash`` and
+    ``process_tokens`` (once per process); whether they are wrapped (an
+    LMCache without ``_prefix_hash``: chunks are published by key)."""
     try:
         from lmcache.v1.token_database import ChunkedTokenDatabase
     except Exception:  # no token database in this LMCache
         return False
+    wrap_process_tokens(ChunkedTokenDatabase)
     return wrap_prefix_hash(ChunkedTokenDatabase)
+
+
+def wrap_process_tokens(cls: Any) -> bool:
+    """Puts a wrapper in front of ``cls.process_tokens`` that remembers the
+    parent of each hash it is handed (``hashes=``, in a prompt's order, no
+    tokens: the one before it; the first: none), once; whether ``cls`` has
+    that method."""
+    original = cls.__dict__.get("process_tokens")
+    if original is None:
+        return False
+    if getattr(original, _ORIGINAL, None) is not None:
+        return True
+
+    def process_tokens(self: Any, tokens: Any = None, hashes: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if tokens is None and hashes is not None:
+            hashes = list(hashes)
+            parent = None
+            for h in hashes:
+                try:
+                    _remember(h, None, parent)
+                except TypeError:  # an unhashable hash value: not remembered
+                    pass
+                parent = h
+        return original(self, tokens, hashes, *args, **kwargs)
+
+    setattr(process_tokens, _ORIGINAL, original)
+    process_tokens.__doc__ = original.__doc__
+    cls.process_tokens = process_tokens
+    return True
 
 
 def wrap_prefix_hash(cls: Any) -> bool:
@@ -133,7 +199,8 @@ def chain_parents(
     ``(key, _, _, meta)`` ahead of them) when its record's parent hash is that
     chunk's hash, so the daemon chains a prompt's chunks and its chain-aware
     eviction takes them from the prompt's end (docs/eviction.md). ``metas``:
-    each chunk's ``kachedb.BlockMeta`` or ``None`` (no link either way). The
+    each chunk's ``kachedb.BlockMeta`` or ``Link`` (``link``), or ``None``
+    (no link either way). The
     first chunk, if ``before`` does not precede it, names ``first_parent``
     (the daemon key of its record's parent, stored by an earlier batch) when
     its record has a parent."""
