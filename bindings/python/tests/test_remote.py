@@ -212,6 +212,10 @@ def test_a_walk_along_a_chain_reads_ahead_from_the_remote_store(cluster):
             assert b.stats()["chained_blocks"] >= len(keys) - 2, b.stats()
         finally:
             b.stop()
+    for bad in ("65", "-1"):
+        out = subprocess.run([sys.executable, "-m", "kachedb", "serve", "--size", "16MiB", "--socket", "/nonexistent/k.sock",
+                              "--remote", cluster.url, f"--remote-read-ahead={bad}"], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "--remote-read-ahead" in out.stderr, (bad, out.stderr)
 
 
 def test_the_tiers_own_session_is_not_bound_by_the_client_limit(cluster):

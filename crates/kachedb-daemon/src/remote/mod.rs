@@ -71,6 +71,9 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
 pub const DEFAULT_QUEUE_BYTES: u64 = 1 << 30;
 /// Default of `--remote-read-ahead`: blocks read ahead along a chain.
 pub const DEFAULT_READ_AHEAD: usize = 8;
+/// Most `--remote-read-ahead` allows (the serve loop walks that many hints
+/// on a miss).
+pub const MAX_READ_AHEAD: usize = 64;
 /// Default of how much nicer than the daemon the tier's threads run.
 pub const DEFAULT_WORKER_NICE: u8 = 19;
 /// Most the tier's threads can be made nicer by (Linux nice values run -20..=19).

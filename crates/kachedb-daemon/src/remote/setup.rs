@@ -66,10 +66,10 @@ pub struct RemoteArgs {
           value_parser = clap::value_parser!(u8).range(0..=i64::from(super::MAX_WORKER_NICE)))]
     pub remote_worker_nice: u8,
     /// Blocks read ahead along a chain after a fill from the remote store,
-    /// into free megaslab space only (0: off). A block written with a parent
-    /// leaves a hint under the parent's key naming it; a fill reads the
-    /// filled block's hint and fetches what it names (docs/remote.md,
-    /// "Read-ahead").
+    /// into free megaslab space only (0: off; at most 64). A block written
+    /// with a parent leaves a hint under the parent's key naming it; a fill
+    /// reads the hint of the last block it filled and follows the hints
+    /// from there (docs/remote.md, "Read-ahead").
     #[arg(long, default_value_t = DEFAULT_READ_AHEAD, value_name = "BLOCKS")]
     pub remote_read_ahead: usize,
 }
@@ -104,6 +104,13 @@ impl TierFlags for RemoteArgs {
             .ok()
             .filter(|&c| format::chunk_bytes_ok(u64::from(c)))
             .ok_or_else(|| format!("--remote-chunk-bytes {}: give 64KiB to 64MiB", a.remote_chunk_bytes))?;
+        if a.remote_read_ahead > super::MAX_READ_AHEAD {
+            return Err(format!(
+                "--remote-read-ahead {}: at most {} blocks",
+                a.remote_read_ahead,
+                super::MAX_READ_AHEAD
+            ));
+        }
         if a.remote_timeout_ms == 0 {
             return Err("--remote-timeout-ms must be above 0".into());
         }
