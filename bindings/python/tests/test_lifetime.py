@@ -289,7 +289,14 @@ def test_full_store_raises_out_of_memory_and_readers_keep_working(make_daemon):
     # Releasing one view makes room again (by evicting the unpinned block).
     del views[0], again, v
     gc.collect()
-    kc.put("full/after", torch.ones(MiB // 4, dtype=torch.int32))
+    # The new source keeps full/0's offset within a page, so it needs exactly the
+    # extent full/0 held (a different offset may need one page more than any hole).
+    buf = torch.empty(MiB // 4 + 1024, dtype=torch.int32)
+    shift = (srcs[0].data_ptr() - buf.data_ptr()) % 4096 // 4
+    after = buf[shift : shift + MiB // 4]
+    assert after.data_ptr() % 4096 == srcs[0].data_ptr() % 4096
+    after.fill_(1)
+    kc.put("full/after", after)
     assert kc.get("full/after").sum().item() == MiB // 4
     del views
     assert collected_pins(kc) == 0
