@@ -20,6 +20,7 @@ The indexer runs from its own virtual environment (``make dynamo-env``: .venv-dy
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -224,7 +225,11 @@ def evict_from_the_tail(
     assert held == len(chain), (held, len(chain))
     delays: List[float] = []
     key = first_filler
-    filler = bytes(filler_bytes)
+    # Page-aligned, so each filler takes the pages its bytes need and no more (one at the
+    # end of a page would take one page more and could evict two pages at once).
+    buf = bytearray(filler_bytes + 4096)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % 4096
+    filler = memoryview(buf)[start : start + filler_bytes]
     while held > 0:
         kc.put(key, filler)
         t0 = time.monotonic()

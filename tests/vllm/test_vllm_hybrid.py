@@ -39,6 +39,7 @@ Thirteen engines (three references, run beside the first storing engine of their
 model); ~10-17 min on this 2-core machine.
 """
 
+import ctypes
 import random
 
 import pytest
@@ -439,9 +440,14 @@ _FILLERS = iter(range(1 << 40))
 def _fill(kc, n, filler=4096):
     """Puts ``n`` unchained filler blocks of ``filler`` bytes (the megaslab's
     least recently used leaves make room for them)."""
+    # Page-aligned: every filler takes the same pages (a source at the end of a page
+    # would take one page more than one at its start, and the footprint would vary).
+    buf = bytearray(filler + 4096)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % 4096
+    src = memoryview(buf)[start : start + filler]
     for at in range(0, n, 256):  # a batch is reserved whole before its commits: 256 at a time
         m = min(256, n - at)
-        kc.put_many([(0xF111 << 64 | next(_FILLERS)).to_bytes(16, "big") for _ in range(m)], [bytes(filler)] * m)
+        kc.put_many([(0xF111 << 64 | next(_FILLERS)).to_bytes(16, "big") for _ in range(m)], [src] * m)
 
 
 @pytest.fixture(scope="module", params=["gemma3", "nemotron_h"])

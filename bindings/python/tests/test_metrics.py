@@ -296,7 +296,9 @@ def test_log_format_json_has_client_events_with_pid_and_uid():
         kc.close()
         del kc
         gc.collect()
-        time.sleep(0.5)  # let the control thread see the close (the events are checked, not the time)
+        # The control thread logs the close when it sees it (at shutdown it drains
+        # connections without logging them).
+        poll_until(lambda: "client_disconnected" in open(err_path).read(), 30, "the close to be logged")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -326,11 +328,23 @@ def test_stats_watch_draws_frames_that_fit_80_columns(mdaemon):
                 view = kc.get_numpy("watch-me")
                 del view
                 time.sleep(0.05)
-            poll_until(lambda: proc.poll() is not None or os.path.exists("/proc/%d" % proc.pid), 5, "the watcher")
-            time.sleep(0.5)
+            # Two whole frames at least (each ends with its "Ctrl-C to quit" line),
+            # however slowly the watcher started.
+            lines, ends = [], 0
+            watchdog = threading.Timer(60, proc.kill)
+            watchdog.start()
+            try:
+                for line in proc.stdout:
+                    lines.append(line)
+                    ends += line.startswith("Ctrl-C to quit")
+                    if ends == 2:
+                        break
+            finally:
+                watchdog.cancel()
         finally:
             proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=30)
+            rest, err = proc.communicate(timeout=30)
+    out = "".join(lines) + rest
     assert proc.returncode == 0, err
     frames = out.split("kachedb  pid ")[1:]  # each frame starts with its title line
     assert len(frames) >= 2, out

@@ -38,6 +38,13 @@ def start_takeover(d: Daemon, n: int, *extra: str) -> tuple:
     return p, log_path
 
 
+def sockets_on(path: str) -> int:
+    """How many Unix sockets carry ``path`` (/proc/net/unix): the listener, the
+    connections it accepted and those waiting in its queue."""
+    with open("/proc/net/unix") as f:
+        return sum(1 for line in f if line.rstrip().endswith(" " + path))
+
+
 def read(path: str) -> str:
     with open(path, "rb") as f:
         return f.read().decode(errors="replace")
@@ -219,9 +226,13 @@ def test_an_old_daemon_killed_mid_handover_gives_the_new_one_a_clean_error(tmp_p
     new = None
     try:
         os.kill(d.proc.pid, signal.SIGSTOP)
+        before = sockets_on(d.socket)
         new, log_path = start_takeover(d, 0)
-        time.sleep(0.5)
-        assert new.poll() is None  # waiting for the stopped daemon's answer
+        # Its connection waits in the stopped daemon's queue (one socket more on the
+        # path); its request follows at once, then it waits for the answer.
+        poll_until(lambda: sockets_on(d.socket) > before or new.poll() is not None, 60, "the new daemon to connect")
+        time.sleep(0.2)
+        assert new.poll() is None, read(log_path)  # waiting for the stopped daemon's answer
         d.proc.kill()
         d.proc.wait(10)
         assert new.wait(30) != 0
