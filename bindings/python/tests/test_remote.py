@@ -939,7 +939,7 @@ def test_a_fill_slower_than_its_deadline_is_cancelled_and_later_fills_work(clust
 
     ns = f"t-{uuid.uuid4().hex[:8]}"
     a = node(cluster.url, ns)
-    b = node(cluster.url, ns, "--remote-timeout-ms", "400")
+    b = node(cluster.url, ns, "--remote-timeout-ms", "800")  # slack over the 250 ms pauses
     data = np.frombuffer(pattern(32 << 20, 9), dtype=np.uint8).copy()
     stop = threading.Event()
     pauser = None

@@ -4,8 +4,9 @@
 //!
 //! Two daemons stand for two nodes. Node A puts the blocks and its
 //! write-behind is timed (first put to the last block written). Node B, empty,
-//! fills them with one LOOKUP per batch of 64 keys (64 KiB blocks) or per
-//! block (64 MiB blocks); B's local copies are deleted between rounds so each
+//! fills them with one LOOKUP per batch of 64 keys (64 KiB blocks), of 16
+//! (1 MiB blocks, a chain: the fill reads each block's next-block hint) or
+//! per block (64 MiB blocks); B's local copies are deleted between rounds so each
 //! round fills again. In the same run a plain Redis client (redis-rs, cluster
 //! aware, every GET of a batch sent at once) reads the same values, the
 //! baseline the fill is compared with. Last, the GET round trip of a local
@@ -32,7 +33,7 @@
 
 use crate::spawn::{DaemonProcess, TempDir};
 use clap::Args;
-use kachedb_client::{Client, ConnectOptions, Key};
+use kachedb_client::{Client, ConnectOptions, Key, Value};
 use kachedb_daemon::remote::cells::RemoteStats;
 use kachedb_daemon::remote::format;
 use serde_json::json;
@@ -221,9 +222,9 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
     let url =
         a.remote.clone().unwrap_or_else(|| format!("redis://127.0.0.1:{}", cluster.as_ref().map_or(0, |c| c.ports[0])));
     let ns = format!("bench-{}", std::process::id());
-    let (n_small, n_big, rounds) = if a.quick { (256usize, 2usize, 2usize) } else { (2048, 8, 5) };
-    let (small_len, big_len) = (64usize << 10, 64usize << 20);
-    let slab = (n_big * big_len + n_small * small_len) as u64 + (512 << 20);
+    let (n_small, n_mid, n_big, rounds) = if a.quick { (256usize, 32usize, 2usize, 2usize) } else { (2048, 128, 8, 5) };
+    let (small_len, mid_len, big_len) = (64usize << 10, 1usize << 20, 64usize << 20);
+    let slab = (n_big * big_len + n_mid * mid_len + n_small * small_len) as u64 + (512 << 20);
     let opts = ["--remote", url.as_str(), "--remote-namespace", ns.as_str(), "--remote-queue-bytes", "4GiB"];
     let node_a = DaemonProcess::spawn(slab, &opts)?;
     let node_b = DaemonProcess::spawn(slab, &opts)?;
@@ -271,18 +272,24 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
 
     // Write-behind: A puts, then waits until every block is written.
     let small: Vec<Key> = (0..n_small).map(|i| Key::from_bytes(format!("rb/small/{i}").as_bytes())).collect();
+    let mid: Vec<Key> = (0..n_mid).map(|i| Key::from_bytes(format!("rb/mid/{i}").as_bytes())).collect();
     let big: Vec<Key> = (0..n_big).map(|i| Key::from_bytes(format!("rb/big/{i}").as_bytes())).collect();
     let small_data: Vec<Vec<u8>> = (0..n_small).map(|i| vec![(i % 251) as u8; small_len]).collect();
+    let mid_data: Vec<Vec<u8>> = (0..n_mid).map(|i| vec![(i % 241) as u8; mid_len]).collect();
     let big_data: Vec<u8> = (0..big_len).map(|i| (i % 253) as u8).collect();
-    for (keys, len, name) in [(&small, small_len, "64KiB"), (&big, big_len, "64MiB")] {
+    for (keys, len, name) in [(&small, small_len, "64KiB"), (&mid, mid_len, "1MiB"), (&big, big_len, "64MiB")] {
         for (mac, writer, kw) in [(false, &node_a, &ka), (true, &node_ak, &kak)] {
             let before = RemoteStats::of(&stats(writer)?);
             let t = Instant::now();
             for (i, k) in keys.iter().enumerate() {
-                if len == small_len {
-                    kw.put(*k, &small_data[i])?;
-                } else {
-                    kw.put(*k, &big_data)?;
+                // The 1 MiB blocks are a chain (each names the one before):
+                // a batch fill reads their next-block hints and links them.
+                match len {
+                    _ if len == small_len => kw.put(*k, &small_data[i])?,
+                    _ if len == mid_len => {
+                        kw.put(*k, Value::bytes(&mid_data[i]).parent(i.checked_sub(1).map(|p| keys[p])))?
+                    }
+                    _ => kw.put(*k, &big_data)?,
                 }
             }
             let put_s = t.elapsed().as_secs_f64();
@@ -312,7 +319,9 @@ pub fn run(a: &RemoteArgs) -> Result<(), Box<dyn std::error::Error>> {
         redis::cluster::ClusterClientBuilder::new(vec![url.as_str()]).build()?.get_async_connection().await
     })?;
     let cb = format::DEFAULT_CHUNK_BYTES;
-    for (keys, len, name, batch) in [(&small, small_len, "64KiB", 64usize), (&big, big_len, "64MiB", 1)] {
+    for (keys, len, name, batch) in
+        [(&small, small_len, "64KiB", 64usize), (&mid, mid_len, "1MiB", 16), (&big, big_len, "64MiB", 1)]
+    {
         let chunks = format::chunk_count(len as u64, cb).unwrap_or(1);
         let batches: Vec<Vec<(u128, u32)>> =
             keys.chunks(batch).map(|c| c.iter().map(|k| (k.0, chunks)).collect()).collect();
