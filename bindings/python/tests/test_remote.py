@@ -171,6 +171,37 @@ def test_a_get_miss_fills_and_a_restarted_daemon_is_warm_again(cluster):
         a2.stop()
 
 
+def test_a_batch_of_large_blocks_filled_at_once_lands_as_a_chain(cluster):
+    """A chain of blocks too large for the first round of reads (over 256 KiB),
+    asked for in one GET batch of a node that has none of them: each block's
+    fill reads its next-block hint beside its chunks, so the blocks land linked
+    to each other (the first one's parent was never read: it lands as a root).
+    Read-ahead is off, so nothing but the batch's own reads links them."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    keys = [f"batch/{i}" for i in range(6)]
+    blocks = [torch.from_numpy(np.frombuffer(pattern(600_000, 90 + i), dtype=np.uint8).copy()) for i in range(6)]
+    a = node(cluster.url, ns)
+    try:
+        with a.connect() as ka:
+            ka.put_many(keys, blocks, chain=True)
+        wait_written(a, len(keys))
+    finally:
+        a.stop()
+    b = node(cluster.url, ns, "--remote-read-ahead", "0")
+    try:
+        with b.connect() as kb:
+            got = kb.get_many(keys)
+            for k, g, want in zip(keys, got, blocks):
+                assert g is not None and same(g, want), k
+            del got, g
+        st = remote(b)
+        assert st["remote_fills"] == len(keys) and st["remote_corrupt"] == 0, st
+        assert b.stats()["chained_blocks"] == len(keys) - 1, b.stats()
+        assert_clean(b)
+    finally:
+        b.stop()
+
+
 def test_a_walk_along_a_chain_reads_ahead_from_the_remote_store(cluster):
     """Issue 44, read-ahead from the remote tier: node A stores a chain of 20
     blocks; node B, empty, GETs them one at a time. Each block A wrote named

@@ -486,6 +486,13 @@ struct Shared {
     /// The catalog failed and could not be deleted: no block is renamed
     /// into place until it is (writes fail, counted).
     catalog_stuck: AtomicBool,
+    /// Writers whose batch's entries are in the catalog and whose blocks are
+    /// not indexed yet: the catalog is not written anew meanwhile (it keeps
+    /// the entries of indexed keys only, and a replaced key is out of the
+    /// index until its new block is in). Incremented under `catalog`,
+    /// decremented after the batch's index update (Release); read under
+    /// `catalog` (Acquire).
+    catalog_writers: AtomicUsize,
     /// Numbers temporary files.
     tmp_seq: AtomicU64,
     /// Numbers removal tokens.
@@ -748,6 +755,7 @@ impl DiskTier {
             backlog: Mutex::new(Backlog::default()),
             catalog: Mutex::new(None),
             catalog_stuck: AtomicBool::new(false),
+            catalog_writers: AtomicUsize::new(0),
             tmp_seq: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
         });
@@ -1187,12 +1195,17 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
     }
     let mut catalog_ok = true;
     let mut catalog_file = None;
+    let mut appended = false;
     // (A writer of a run that is over renames nothing: it appends nothing either,
     // so a stalled one cannot write into the catalog of the tier's next owner.)
     if let Some(c) = catalog.as_mut().filter(|_| s.live(run) && staged.iter().any(|st| st.entry.is_some())) {
         let entries = staged.iter().filter_map(|st| st.entry.as_ref());
         match s.dir.append_catalog().and_then(|f| c.append(&f, entries).map(|_| f)) {
-            Ok(f) => catalog_file = Some(f),
+            Ok(f) => {
+                s.catalog_writers.fetch_add(1, Relaxed);
+                appended = true;
+                catalog_file = Some(f);
+            }
             Err(e) => catalog_ok = drop_catalog(s, &mut catalog, &e),
         }
     }
@@ -1260,6 +1273,9 @@ fn write_batch(s: &Shared, batch: &[Write], run: u64) -> Vec<std::io::Result<boo
     }
     s.publish(&ix);
     drop((ix, _commit));
+    if appended {
+        s.catalog_writers.fetch_sub(1, Release);
+    }
     compact_catalog(s, run);
     out
 }
@@ -1294,7 +1310,9 @@ fn compact_catalog(s: &Shared, run: u64) {
     let mut catalog = lock(&s.catalog);
     let Some(c) = catalog.as_ref() else { return };
     let blocks = lock(&s.index).blocks();
-    if c.entries <= 2 * blocks + s.cfg.catalog_slack || !s.live(run) {
+    if c.entries <= 2 * blocks + s.cfg.catalog_slack || !s.live(run) || s.catalog_writers.load(Acquire) > 0 {
+        // (Another writer's entries name blocks not indexed yet: the next
+        // batch's end writes it anew.)
         return;
     }
     let t = Instant::now();

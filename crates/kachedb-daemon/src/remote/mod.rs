@@ -125,7 +125,8 @@ pub struct RemoteConfig {
     /// publishes KV events; set when the tier starts).
     pub records: bool,
     /// Blocks read ahead along a chain after a fill (`--remote-read-ahead`;
-    /// 0: none, and no next-block hint is read).
+    /// 0: none; the hints of blocks read in two rounds are read all the same,
+    /// to link them).
     pub read_ahead: usize,
 }
 

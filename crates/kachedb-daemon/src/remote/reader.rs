@@ -148,6 +148,7 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
         }
     };
     let (whole, heads) = timeout_at(deadline, read_heads(ctx, &conn, &job.keys)).await.map_err(|_| Cancelled)?;
+    let hinted = round_one_hint(ctx, &job.keys);
     if !whole.is_empty() {
         land_all(ctx, job, &whole, filled).await;
     }
@@ -159,7 +160,7 @@ async fn run(ctx: &Ctx, job: &FetchJob, deadline: Instant, filled: &mut Vec<(u64
             .await
             .map_err(|_| Cancelled)?
             .map_err(|_| Cancelled)?;
-        let blocks = timeout_at(deadline, read_rests(ctx, &conn, group)).await.map_err(|_| Cancelled)?;
+        let blocks = timeout_at(deadline, read_rests(ctx, &conn, group, hinted)).await.map_err(|_| Cancelled)?;
         if !blocks.is_empty() {
             land_all(ctx, job, &blocks, filled).await;
         }
@@ -369,12 +370,8 @@ async fn read_record(ctx: &Ctx, conn: &super::Conn, key: u128) -> Option<Arc<Blo
 /// are counted.
 async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verified>, Vec<Head>) {
     let cells = ctx.cells();
-    // The next-block hint of the last key only: what read-ahead starts from
-    // (one request a fetch; one a key cost a fill of small blocks ~20 %).
-    let last = keys.len().checked_sub(1).filter(|_| ctx.cfg.read_ahead > 0);
-    let firsts =
-        futures_util::future::join_all(keys.iter().enumerate().map(|(i, &k)| read_head(ctx, conn, k, Some(i) == last)))
-            .await;
+    let hinted = round_one_hint(ctx, keys);
+    let firsts = futures_util::future::join_all(keys.iter().map(|&k| read_head(ctx, conn, k, Some(k) == hinted))).await;
     let (mut whole, mut heads) = (Vec::new(), Vec::new());
     for (&key, got) in keys.iter().zip(firsts) {
         match got {
@@ -388,10 +385,29 @@ async fn read_heads(ctx: &Ctx, conn: &super::Conn, keys: &[u128]) -> (Vec<Verifi
     (whole, heads)
 }
 
+/// The key of `keys` whose next-block hint round one reads: the last, what
+/// read-ahead starts from (one request a fetch; one a key cost a fill of
+/// small blocks ~20 %), if the tier reads ahead.
+fn round_one_hint(ctx: &Ctx, keys: &[u128]) -> Option<u128> {
+    keys.last().copied().filter(|_| ctx.cfg.read_ahead > 0)
+}
+
 /// Round two: the rest of every block of `group`, all at once; the blocks
-/// that verify.
-async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<Head>) -> Vec<Verified> {
-    let got = futures_util::future::join_all(group.into_iter().map(|(h, c0, m)| read_rest(ctx, conn, h, c0, m))).await;
+/// that verify. Each reads its next-block hint beside its chunks (unless
+/// round one read it: `hinted`), a request small beside a block too large
+/// for round one: a block of the group stored after another then lands
+/// linked to it.
+async fn read_rests(ctx: &Ctx, conn: &super::Conn, group: Vec<Head>, hinted: Option<u128>) -> Vec<Verified> {
+    let got = futures_util::future::join_all(group.into_iter().map(|(h, c0, m)| async move {
+        let key = h.key;
+        let next = async {
+            if Some(key) != hinted {
+                read_next(ctx, conn, key).await;
+            }
+        };
+        futures_util::future::join(read_rest(ctx, conn, h, c0, m), next).await.0
+    }))
+    .await;
     let mut out = Vec::new();
     for (key, r) in got {
         match r {

@@ -379,12 +379,9 @@ pub(super) fn serve_channel(
                         }
                     }
                 }
-                if let Some(id) = tiers.start_fetch(
-                    store,
-                    channel,
-                    store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT),
-                    keys.clone(),
-                ) {
+                if let Some((id, keys)) =
+                    tiers.start_fetch(store, channel, store.session_tenant(s.session).unwrap_or(DEFAULT_TENANT), keys)
+                {
                     s.fetch = Some(PendingFetch { id, keys, started: Instant::now() });
                     s.waiting = true;
                     s.held.splice(0..0, req[i..n].iter().copied());

@@ -26,7 +26,9 @@
 //! evicts a resident block), and its block is committed cold
 //! (`Store::make_cold`): eviction takes it before any block a client used,
 //! until a client uses it. A client's miss of a key being read ahead waits
-//! for that fetch instead of reading it again. A read-ahead's block is
+//! for that fetch instead of reading it again; a batch's fetch reads only its
+//! keys not being read ahead, and the others are asked for again when its
+//! channel is served again ([`Tiers::start_fetch`]). A read-ahead's block is
 //! committed only once the fill of its parent asked for before it is over
 //! (fetches end in any order), so that it links to its parent.
 
@@ -408,43 +410,53 @@ impl Tiers {
     }
 
     /// Asks the first tier to fill `keys` for `channel`, whose client is
-    /// counted as `tenant`; the fetch's id, or `None` without a tier.
-    /// A single key being read ahead is waited for at the tier reading it
-    /// (no second read); then the tiers read ahead after the last key.
-    pub(super) fn start_fetch(&mut self, store: &Store, channel: u32, tenant: &str, keys: Vec<u128>) -> Option<u64> {
+    /// counted as `tenant`: the fetch's id and the keys it covers, or `None`
+    /// without a tier. A key being read ahead (no channel waiting for that
+    /// fetch yet) is not read again: the fetch covers the others, or, when
+    /// every key is being read ahead, the channel waits for the first one's
+    /// read-ahead at the tier reading it; the keys left out are asked for
+    /// again when the channel is served again (landed by then, or waited
+    /// for in turn). Then the tiers read ahead after the last key.
+    pub(super) fn start_fetch(
+        &mut self,
+        store: &Store,
+        channel: u32,
+        tenant: &str,
+        keys: Vec<u128>,
+    ) -> Option<(u64, Vec<u128>)> {
         let last = *keys.last()?;
         for k in &keys {
             self.ahead.tried.take(*k);
         }
-        let reading = match keys[..] {
-            [k] => self
-                .ahead
+        let sides = &self.sides;
+        let ahead = |k: &u128| {
+            self.ahead
                 .reading
-                .get(&k)
+                .get(k)
                 .copied()
-                .filter(|&(id, side)| self.sides.get(side).is_some_and(|t| !t.pending.contains_key(&id))),
-            _ => None,
+                .filter(|&(id, side)| sides.get(side).is_some_and(|t| !t.pending.contains_key(&id)))
         };
-        let id = match reading {
-            Some((id, side)) => {
+        let (read_ahead, rest): (Vec<u128>, Vec<u128>) = keys.iter().partition(|k| ahead(k).is_some());
+        let (id, covered) = match (read_ahead.first().and_then(|k| Some((*k, ahead(k)?))), rest.is_empty()) {
+            (Some((k, (id, side))), true) => {
                 let t = &mut self.sides[side];
                 let deadline = Instant::now() + t.tier.fetch_bound();
-                t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys });
-                id
+                t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys: vec![k] });
+                (id, vec![k])
             }
-            None => {
+            _ => {
                 let t = self.sides.first_mut()?;
                 let deadline = Instant::now() + t.tier.fetch_bound();
                 self.next_fetch += 1;
                 let id = self.next_fetch;
                 self.open.insert(id);
-                t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys: keys.clone() });
-                t.tier.fetch(FetchJob { id, tenant: tenant.to_owned(), keys, ahead: false });
-                id
+                t.pending.insert(id, Pending { channel, tenant: tenant.to_owned(), deadline, keys: rest.clone() });
+                t.tier.fetch(FetchJob { id, tenant: tenant.to_owned(), keys: rest.clone(), ahead: false });
+                (id, rest)
             }
         };
         self.read_ahead(store, last, tenant);
-        Some(id)
+        Some((id, covered))
     }
 
     /// Whether a fetch or a removal is being waited for.
@@ -843,7 +855,7 @@ mod tests {
         let (first, second) = (Recording::default(), Recording::default());
         let (asked_first, asked_second) = (first.0.clone(), second.0.clone());
         let mut tiers = Tiers::new(vec![Box::new(first), Box::new(second)], &mut store);
-        let fetch = tiers.start_fetch(&store, 3, "team-a", vec![5, 6]).unwrap();
+        let fetch = tiers.start_fetch(&store, 3, "team-a", vec![5, 6]).unwrap().0;
         let jobs = asked_first.lock().unwrap().clone();
         assert_eq!(jobs.len(), 1);
         assert_eq!((jobs[0].id, jobs[0].tenant.as_str(), jobs[0].keys.clone()), (fetch, "team-a", vec![5, 6]));
@@ -929,7 +941,7 @@ mod tests {
         assert!(rx.try_recv().unwrap().unwrap()[0].is_none(), "a guess got room");
         assert_eq!(store.stats().evictions, 0, "a guess evicted a block");
         // The client's miss of key 2 waits for the read-ahead (no second read)...
-        assert_eq!(tiers.start_fetch(&store, 1, "default", vec![2]), Some(ahead));
+        assert_eq!(tiers.start_fetch(&store, 1, "default", vec![2]), Some((ahead, vec![2])));
         assert_eq!(jobs.lock().unwrap().len(), 2);
         // ...which ends without it: the key is read again, for the client.
         tiers.on_event(&mut store, 0, TierEvent::Filled { fetch: ahead, filled: vec![] });
@@ -988,7 +1000,7 @@ mod tests {
         let second = Chained { next: vec![2, 3], ..Chained::default() };
         let (asked_first, asked_second) = (first.0.clone(), second.jobs.clone());
         let mut tiers = Tiers::new(vec![Box::new(first), Box::new(second)], &mut store);
-        let fetch = tiers.start_fetch(&store, 0, "default", vec![1]).unwrap();
+        let fetch = tiers.start_fetch(&store, 0, "default", vec![1]).unwrap().0;
         let first_jobs = asked_first.lock().unwrap().clone();
         assert_eq!(first_jobs.iter().map(|j| (j.id, j.ahead)).collect::<Vec<_>>(), [(fetch, false)]);
         let ahead: Vec<(u64, Vec<u128>, bool)> =
@@ -996,7 +1008,7 @@ mod tests {
         assert_eq!(ahead.iter().map(|a| (a.1.clone(), a.2)).collect::<Vec<_>>(), [(vec![2], true), (vec![3], true)]);
         let (ahead2, ahead3) = (ahead[0].0, ahead[1].0);
         // The client's miss of key 2 waits for the second tier's read-ahead.
-        assert_eq!(tiers.start_fetch(&store, 7, "default", vec![2]), Some(ahead2));
+        assert_eq!(tiers.start_fetch(&store, 7, "default", vec![2]), Some((ahead2, vec![2])));
         assert_eq!(asked_second.lock().unwrap().len(), 2, "key 2 read a second time");
         let land = |tiers: &mut Tiers, store: &mut Store, fetch: u64, key: u128, parent: Option<u128>| {
             let (tx, mut rx) = crate::tier::reply::channel();
@@ -1019,6 +1031,39 @@ mod tests {
         assert!(store.peek(2).is_some() && store.peek(3).is_some());
         assert_eq!(store.stats().chained_blocks, 1, "key 3 did not link to key 2");
         store.check_invariants().unwrap();
+    }
+
+    /// A client's batch never reads a key a second time while a read-ahead
+    /// reads it: its fetch covers the other keys; a batch of keys all being
+    /// read ahead waits for the first one's read-ahead, and the keys left
+    /// out are asked for again when its channel is served again.
+    #[test]
+    fn a_batch_reads_no_key_being_read_ahead_again() {
+        let mut store = Store::new(0, 16 * 4096);
+        let tier = Chained { next: vec![2, 3], ..Chained::default() };
+        let jobs = tier.jobs.clone();
+        let mut tiers = Tiers::new(vec![Box::new(tier)], &mut store);
+        let keys_of = |jobs: &std::sync::Arc<std::sync::Mutex<Vec<FetchJob>>>| -> Vec<(Vec<u128>, bool)> {
+            jobs.lock().unwrap().iter().map(|j| (j.keys.clone(), j.ahead)).collect()
+        };
+        let (first, covered) = tiers.start_fetch(&store, 0, "default", vec![1]).unwrap();
+        assert_eq!(covered, [1]);
+        assert_eq!(keys_of(&jobs), [(vec![1], false), (vec![2], true), (vec![3], true)]);
+        let ahead2 = jobs.lock().unwrap()[1].id;
+        // Keys 2 and 3 are being read ahead: a batch of 2, 3, 4 reads key 4 only.
+        let (batch, covered) = tiers.start_fetch(&store, 1, "default", vec![2, 3, 4]).unwrap();
+        assert_eq!(covered, [4]);
+        assert_eq!(keys_of(&jobs)[3], (vec![4], false));
+        assert_eq!(jobs.lock().unwrap().len(), 4, "a key being read ahead was read again");
+        assert!(batch != first && batch != ahead2);
+        // A batch of keys all being read ahead waits for the first one's.
+        let (waited, covered) = tiers.start_fetch(&store, 2, "default", vec![2, 3]).unwrap();
+        assert_eq!((waited, covered), (ahead2, vec![2]));
+        assert_eq!(jobs.lock().unwrap().len(), 4, "a key being read ahead was read again");
+        // Key 2's read-ahead now has a channel waiting: a fourth channel's
+        // batch reads key 2 itself (one channel waits for a fetch).
+        let (_, covered) = tiers.start_fetch(&store, 3, "default", vec![2, 3]).unwrap();
+        assert_eq!(covered, [2]);
     }
 
     fn reserve(key: u128, len: u64) -> Request {
@@ -1051,7 +1096,7 @@ mod tests {
         );
 
         // The fetch asks for room for K, which is missing.
-        let fetch = tiers.start_fetch(&store, 0, "default", vec![key]).unwrap();
+        let fetch = tiers.start_fetch(&store, 0, "default", vec![key]).unwrap().0;
         let (tx, mut rx) = crate::tier::reply::channel();
         let spec = FillSpec {
             key,
@@ -1111,8 +1156,8 @@ mod tests {
         let (a, b) = (1u128, 2u128);
         let client = store.open_session();
         // A: deleted before the reservation; B: after it.
-        let fa = tiers.start_fetch(&store, 0, "default", vec![a]).unwrap();
-        let fb = tiers.start_fetch(&store, 1, "default", vec![b]).unwrap();
+        let fa = tiers.start_fetch(&store, 0, "default", vec![a]).unwrap().0;
+        let fb = tiers.start_fetch(&store, 1, "default", vec![b]).unwrap().0;
         tiers.remove(0, client, a);
         let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fa, blocks: vec![spec(a)], reply: tx });
@@ -1131,7 +1176,7 @@ mod tests {
         assert_eq!(store.stats().reserved, 0);
         // Every fetch of then is over: the DELETEs are forgotten, and a new fetch fills B.
         assert!(tiers.open.is_empty() && tiers.deleted.is_empty());
-        let fc = tiers.start_fetch(&store, 0, "default", vec![b]).unwrap();
+        let fc = tiers.start_fetch(&store, 0, "default", vec![b]).unwrap().0;
         let (tx, mut rx) = crate::tier::reply::channel();
         tiers.on_event(&mut store, 0, TierEvent::Reserve { fetch: fc, blocks: vec![spec(b)], reply: tx });
         drain(&mut tiers, &mut store);
