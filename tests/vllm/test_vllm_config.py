@@ -68,6 +68,14 @@ def test_cli_prints_the_same_json(tmp_path):
     assert json.loads(out)["kv_connector_extra_config"]["socket"] == sock
 
 
+def test_cli_canonical_layout_option(tmp_path):
+    sock = str(tmp_path / "x.sock")
+    out = subprocess.run([sys.executable, "-m", "kachedb", "vllm-config", "--socket", sock, "--canonical-layout"],
+                         check=True, capture_output=True, text=True).stdout
+    assert json.loads(out) == kachedb.vllm.kv_transfer_config(sock, canonical_layout=True)
+    assert json.loads(out)["kv_connector_extra_config"]["canonical_layout"] is True
+
+
 BASE = dict(model="/m", hf_config={"hidden_size": 8}, dtype="float16", kv_cache_dtype="float16", tokens_per_block=[32],
             bytes_per_block=4096, num_layers=2, tp_rank=0, tp_size=1, kv_layout="LBHNC", hash_algo="sha256")
 
@@ -84,6 +92,21 @@ def test_every_field_changes_the_namespace(change):
     assert a != b and len(a) == 16
     assert keys.namespace_digest(keys.namespace_fields(**BASE)) == a  # stable
     assert keys.block_key(a, b"h" * 36) != keys.block_key(b, b"h" * 36)
+
+
+def test_the_canonical_layout_names_no_rank_or_degree():
+    canon = dict(BASE, canonical="v1-hnd")
+    one = keys.namespace_digest(keys.namespace_fields(**dict(canon, tp_rank=0, tp_size=1)))
+    assert one == keys.namespace_digest(keys.namespace_fields(**dict(canon, tp_rank=1, tp_size=2, world_size=2)))
+    assert one == keys.namespace_digest(keys.namespace_fields(**dict(canon, tp_rank=3, tp_size=4, world_size=4)))
+    # ... but another canonical format, or the per-rank layout, is another namespace
+    assert one != keys.namespace_digest(keys.namespace_fields(**dict(canon, canonical="v1-nhd")))
+    assert one != keys.namespace_digest(keys.namespace_fields(**BASE))
+    # each degree's group layout, made canonical, is one layout
+    spec = {"type": "FullAttentionSpec", "num_kv_heads": 1, "head_size": 64, "page_size_padded": None}
+    tp2 = keys.canonical_group_layout({"group_id": 0, "layers": ["a"], "spec": spec}, 2, [32768])
+    tp1 = keys.canonical_group_layout({"group_id": 0, "layers": ["a"], "spec": dict(spec, num_kv_heads=2)}, 2, [32768])
+    assert tp1 == tp2 and tp1["page_size_bytes"] == 32768
 
 
 def test_ranks_holding_the_same_kv_share_a_namespace():

@@ -21,6 +21,7 @@ KNOWN_OPTIONS = (
     "kv_events_max_blocks",
     "self_describing_kv_events",
     "store_thread",
+    "canonical_layout",
 )
 
 
@@ -62,7 +63,9 @@ def kv_transfer_config(socket: Optional[str] = None, **options: Any) -> Dict[str
     daemon's ``default``), ``kv_events_max_blocks`` (see docs/vllm.md, "KV events"),
     ``store_thread`` (CPU: ``"auto"``, the default: stores off the engine's step
     wherever the engine keeps stepping until they are reported; ``True`` / ``False``:
-    always / never; see docs/vllm.md). A ``tenant`` that is not a valid tenant
+    always / never; see docs/vllm.md), ``canonical_layout`` (vLLM's option: a
+    block holds every KV head, so engines of any tensor-parallel degree share it;
+    docs/vllm.md, "Sharing across tensor-parallel degrees"). A ``tenant`` that is not a valid tenant
     name, or a bad ``store_thread``, raises ``ValueError``.
     """
     extra: Dict[str, Any] = {
@@ -101,6 +104,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb vllm-config"
     p.add_argument("--store-mode", choices=["batched", "reserve"], help="how blocks are written (default: batched)")
     p.add_argument("--retry-seconds", type=float, help="how often a missing daemon is retried (default: 5)")
     p.add_argument("--stats-file", help="a JSON file the engine's worker writes its KacheDB counters to at shutdown")
+    p.add_argument(
+        "--canonical-layout",
+        action="store_true",
+        default=None,
+        help="blocks hold every KV head, shared by engines of any tensor-parallel degree (vLLM's canonical layout)",
+    )
     p.add_argument("--indent", type=int, default=None, help="pretty-print with this indent")
     a = p.parse_args(list(argv) if argv is not None else None)
     try:
@@ -111,6 +120,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "kachedb vllm-config"
             store_mode=a.store_mode,
             retry_seconds=a.retry_seconds,
             stats_file=a.stats_file,
+            canonical_layout=a.canonical_layout,
         )
     except ValueError as e:
         p.error(str(e))

@@ -15,6 +15,13 @@ Tensor-parallel ranks whose KV is the same (``kv_tp_replicas`` consecutive
 ranks: all of them for MLA, whose latent KV is replicated) share one namespace:
 their blocks are stored once and read by each of them (``tp_shard``).
 
+In the canonical layout (``canonical``: vLLM's canonical page format id, e.g.
+``v1-hnd``) a block holds every KV head of its layers, as a TP=1 engine's page
+does, whatever the engine's tensor-parallel degree: the namespace names that
+format instead of the rank, the tensor-parallel degree or the world size, and
+each group's layout with its heads and page sizes as one rank of TP=1 has them
+(``canonical_group_layout``), so engines of any TP degree share its blocks.
+
 Nothing here imports vLLM: the namespace is computed from plain values, which
 the spec gathers from the engine's config.
 """
@@ -65,11 +72,15 @@ def namespace_fields(
     group_layouts: Optional[List[Mapping[str, Any]]] = None,
     hash_algo: Optional[str] = None,
     salt: Optional[str] = None,
+    canonical: Optional[str] = None,
 ) -> Dict[str, Any]:
     """The fields a namespace digests, as a plain dict (also what
     ``kachedb.vllm.stats()`` reports, for debugging a miss). ``tp_rank`` is
     the worker's rank; with ``kv_tp_replicas`` > 1 the namespace names its
-    shard (``tp_shard``: ranks ``shard * replicas ..`` hold the same KV) instead."""
+    shard (``tp_shard``: ranks ``shard * replicas ..`` hold the same KV) instead.
+    With ``canonical`` (the canonical page format id) the fields name no rank,
+    degree or world size: ``bytes_per_block`` and ``group_layouts`` are then the
+    canonical (all-heads) ones."""
     replicas = max(1, int(kv_tp_replicas))
     config_digest = None
     if hf_config is not None:
@@ -102,6 +113,11 @@ def namespace_fields(
         "hash_algo": hash_algo,
         "salt": salt,
     }
+    if canonical is not None:
+        # One layout for every parallel config: the block holds all heads.
+        for k in ("tp_shard", "kv_tp_replicas", "tp_size", "pp_size", "world_size"):
+            fields[k] = None
+        fields["canonical_layout"] = str(canonical)
     return fields
 
 
@@ -148,6 +164,28 @@ def group_layout(group_id: int, layer_names: Iterable[str], kv_cache_spec: Any) 
             out[prop] = int(getattr(kv_cache_spec, prop))
         except Exception:  # a spec without it, or one that cannot say
             out[prop] = None
+    return out
+
+
+def canonical_group_layout(layout: Mapping[str, Any], total_kv_heads: int, canonical_pages: Iterable[int]) -> Dict[str, Any]:
+    """``layout`` (``group_layout``'s) as a TP=1 engine's rank has it: the
+    spec's ``num_kv_heads`` is the model's total and the page sizes are the
+    canonical pages' (the largest of its layers'), so every TP degree names the
+    same layout."""
+    out = dict(layout)
+    pages = [int(p) for p in canonical_pages]
+    spec = out.get("spec")
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+        if "num_kv_heads" in spec:
+            spec["num_kv_heads"] = int(total_kv_heads)
+        for k in ("page_size_padded",):
+            if spec.get(k) is not None:
+                spec[k] = None
+        out["spec"] = spec
+    out["page_size_bytes"] = max(pages) if pages else None
+    out["real_page_size_bytes"] = max(pages) if pages else None
+    out["canonical_pages"] = pages
     return out
 
 

@@ -10,6 +10,12 @@ same KV (every rank, or one for all ranks of an MLA model): ``lookup`` hits
 and ``prepare_store`` skips a block only when every one of those keys is in
 the daemon, so a copy one rank lost is stored again, never missed for ever.
 
+In vLLM's canonical layout (``spec.canonical``) one key names a block of
+every KV head for all ranks of any TP degree: ``prepare_store`` reserves the
+blocks (and one acknowledgement byte per rank) and hands their offsets to the
+workers, which write their heads into them; ``complete_store`` commits them
+once every rank acknowledged, else aborts them (``_CanonicalStore``).
+
 A store's spec carries what only the scheduler knows of each block — the
 engine's block hash and its parent's, the block's tokens, the LoRA adapter
 (``kachedb.BlockMeta``, ``_block_metas``) — for the worker to attach to the
@@ -60,8 +66,16 @@ class KacheDBLoadStoreSpec(LoadStoreSpec):
         background: bool = False,
         metas: Optional[List[Optional[BlockMeta]]] = None,
         chain: Optional[List[bytes]] = None,
+        slots: Optional[List[int]] = None,
+        ack: Optional[int] = None,
     ) -> None:
         self.keys = [bytes(k) for k in keys]
+        #: Canonical layout: each key's reserved block, as its offset in the
+        #: daemon's region (the scheduler holds the reservations; every rank
+        #: writes its heads into them), and the offset of the job's
+        #: acknowledgement bytes (one per rank, set once its part is written).
+        self.slots = None if slots is None else [int(o) for o in slots]
+        self.ack = None if ack is None else int(ack)
         self.parent = None if parent is None else bytes(parent)
         self.background = bool(background)
         self.metas = metas
@@ -191,6 +205,44 @@ class _Reported:
         return out
 
 
+class _CanonicalStore:
+    """A store job's canonical blocks (reserved by the scheduler, written in
+    place by every rank): committed when vLLM reports the job complete and
+    every rank acknowledged its part, else aborted."""
+
+    def __init__(self, held: List[Any], ack: Any, keys: List[bytes], world: int) -> None:
+        self.held = held
+        self.ack = ack
+        self.left = set(keys)
+        self.world = world
+        self.blocks = len(keys)
+
+    def finish(self) -> bool:
+        """Commits (every rank acknowledged) or aborts the blocks; whether committed."""
+        try:
+            acked = bytes(self.ack.out.tolist()) == b"\x01" * self.world
+            for r in self.held:
+                if acked:
+                    r.commit()
+                else:
+                    r.abort()
+            return acked
+        finally:
+            self.held = []
+            try:
+                self.ack.abort()
+            except Exception:
+                pass
+
+    def abort(self) -> None:
+        for r in self.held + [self.ack]:
+            try:
+                r.abort()
+            except Exception:
+                pass
+        self.held = []
+
+
 class KacheDBOffloadingManager(OffloadingManager):
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -209,6 +261,9 @@ class KacheDBOffloadingManager(OffloadingManager):
         #: The scheduler's request of a request id (``KacheDBConnector`` sets
         #: it): the tokens and block hashes of the blocks a store names.
         self.request_of: Optional[Callable[[str], Any]] = None
+        #: Canonical layout: the store job of each key whose blocks this
+        #: scheduler holds reserved until the job completes.
+        self._canonical: Dict[bytes, _CanonicalStore] = {}
         self.link.client()  # connect (or warn once) at engine start
 
     def _block_metas(self, keys: List[bytes], req_context: ReqContext) -> Optional[List[Optional[BlockMeta]]]:
@@ -368,19 +423,121 @@ class KacheDBOffloadingManager(OffloadingManager):
             COUNTERS["store_meta_errors"] += 1
             _log_meta_error(e)
             metas = None
+        slots = ack = None
+        if getattr(self.spec, "canonical", None) is not None and todo:
+            try:
+                slots, ack = self._reserve_canonical(kc, todo, todo_chain, parent, metas)
+            except Exception as e:
+                self._storing.difference_update(todo)
+                if _is_disconnected(e):
+                    self._link_failed(e)
+                elif not _is_kachedb_error(e):
+                    raise
+                else:
+                    COUNTERS["store_skipped_full"] += 1
+                return PrepareStoreOutput(keys_to_store=[], store_spec=KacheDBLoadStoreSpec([]), evicted_keys=[])
+            metas = None  # attached to the reservations here
         return PrepareStoreOutput(
             keys_to_store=todo,
             store_spec=KacheDBLoadStoreSpec(
-                todo, parent, self._background, metas, todo_chain if todo_chain != todo else None
+                todo, parent, self._background, metas, todo_chain if todo_chain != todo else None, slots, ack
             ),
             evicted_keys=[],
         )
 
+    def _reserve_canonical(
+        self,
+        kc: Any,
+        todo: List[bytes],
+        chain: List[bytes],
+        parent: Optional[bytes],
+        metas: Optional[List[Optional[BlockMeta]]],
+    ) -> "tuple[List[int], int]":
+        """Reserves the canonical blocks of a store (one RESERVE batch per run of
+        one KV-cache group, in chain order, each naming its chain parent) and the
+        job's acknowledgement bytes; returns each key's block offset in the
+        region (``todo``'s order) and the acknowledgements' offset. All or
+        nothing: a refused reservation gives back the ones made before."""
+        import torch
+
+        spec = self.spec
+        base = int(kc._check().region_span()[0])
+        world = max(1, int(getattr(spec, "world_size", 1)))
+        meta_of = dict(zip(todo, metas)) if metas else {}
+        runs: List[List[bytes]] = []
+        for k in chain:
+            if runs and runs[-1][-1][-4:] == k[-4:]:
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+        held: List[Any] = []
+        offsets: Dict[bytes, int] = {}
+        prev = spec.daemon_key(parent) if parent is not None else None
+        try:
+            for run in runs:
+                pages = spec.canonical_pages[spec.group_positions[int.from_bytes(run[0][-4:], "big")]]
+                dkeys = [spec.daemon_key(k) for k in run]
+                r = kc.reserve_many(dkeys, (len(pages), max(pages)), torch.uint8, parents=[prev] + dkeys[:-1])
+                held.append(r)
+                prev = dkeys[-1]
+                if meta_of:
+                    try:
+                        r.attach_meta([meta_of.get(k) for k in run])
+                        COUNTERS["store_meta_blocks"] += sum(meta_of.get(k) is not None for k in run)
+                    except Exception as e:  # the blocks are reported by key
+                        if _is_disconnected(e):
+                            raise
+                for k, out in zip(run, r.out):
+                    offsets[k] = int(out.data_ptr()) - base
+            ack = kc.reserve(None, (world,), torch.uint8)
+        except BaseException:
+            for r in held:
+                try:
+                    r.abort()
+                except Exception:
+                    pass
+            raise
+        ack.out.zero_()
+        job = _CanonicalStore(held, ack, todo, world)
+        for k in todo:
+            self._canonical[k] = job
+        COUNTERS["store_canonical_reserved_blocks"] += len(todo)
+        return [offsets[k] for k in todo], int(ack.out.data_ptr()) - base
+
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         keys = [bytes(k) for k in keys]
         self._storing.difference_update(keys)
+        self._finish_canonical(keys)
         if self._reported is not None and keys:
             self._report_store(keys)
+
+    def _finish_canonical(self, keys: List[bytes]) -> None:
+        """Commits the canonical blocks of the jobs ``keys`` complete, once
+        every rank acknowledged writing its part; a job a rank did not
+        acknowledge (its daemon link down, its copy failed) is aborted, never
+        committed with another block's or no bytes in that rank's heads."""
+        for k in keys:
+            job = self._canonical.pop(k, None)
+            if job is None:
+                continue
+            job.left.discard(k)
+            if job.left:
+                continue
+            try:
+                if job.finish():
+                    COUNTERS["store_canonical_committed_blocks"] += job.blocks
+                else:
+                    COUNTERS["store_canonical_unacknowledged_blocks"] += job.blocks
+            except Exception as e:
+                if _is_disconnected(e):
+                    self._link_failed(e)
+                elif not _is_kachedb_error(e):
+                    raise
+
+    def _abort_canonical(self) -> None:
+        for job in set(self._canonical.values()):
+            job.abort()
+        self._canonical.clear()
 
     def _report_store(self, keys: List[bytes]) -> None:
         # A finished store job need not have stored anything (the daemon full,
@@ -410,6 +567,7 @@ class KacheDBOffloadingManager(OffloadingManager):
         self._storing.clear()
 
     def shutdown(self) -> None:
+        self._abort_canonical()
         self.link.close()
 
 

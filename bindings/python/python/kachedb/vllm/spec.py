@@ -69,6 +69,74 @@ def kv_tp_replicas(vllm_config: Any, kv_cache_config: Any, tp_size: int, pp_size
     return replicas
 
 
+def _layer_specs(kv_cache_config: Any, group: Any) -> List[Any]:
+    """The ``KVCacheSpec`` of each layer of offloaded ``group``, in its order."""
+    spec = kv_cache_config.kv_cache_groups[int(group.group_id)].kv_cache_spec
+    per_layer = getattr(spec, "kv_cache_specs", None) or {}
+    return [per_layer.get(name, spec) for name in group.layer_names]
+
+
+def canonical_page_bytes(layer_spec: Any, total_kv_heads: int) -> int:
+    """The bytes of one layer's canonical page (vLLM's canonical layout: every
+    KV head, as one TP=1 rank holds them): an attention page times the head
+    shards it is one of; MLA's latent page as it is (replicated, not split)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    page = int(layer_spec.real_page_size_bytes)
+    if isinstance(layer_spec, MLAAttentionSpec):
+        return page
+    local = int(getattr(layer_spec, "num_kv_heads", 0) or 0)
+    if local < 1 or total_kv_heads % local:
+        raise RuntimeError(
+            f"KacheDB: a layer of {local} KV heads in a model of {total_kv_heads} has no canonical page"
+        )
+    return page * (total_kv_heads // local)
+
+
+def _total_kv_heads(vllm_config: Any, model: str) -> int:
+    """The model's KV heads over all ranks (vLLM's ``get_total_num_kv_heads``;
+    without an engine config, the model's ``config.json``)."""
+    if vllm_config is not None:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    hf = _hf_config_dict(None, model) or {}
+    heads = hf.get("num_key_value_heads") or hf.get("num_attention_heads")
+    if not heads:
+        raise RuntimeError(f"the model's config names no KV head count ({model})")
+    return int(heads)
+
+
+def canonical_format(config: Any, vllm_config: Any) -> Optional[str]:
+    """vLLM's canonical page format id (``canonical_format_id``, e.g.
+    ``v1-hnd``) when the engine runs in the canonical layout: asked for with
+    ``canonical_layout: true`` in ``kv_connector_extra_config`` (vLLM's option)
+    and certified by vLLM for this model and parallel config
+    (``is_parallelism_agnostic``); otherwise ``None`` (blocks per rank)."""
+    if not bool(getattr(config, "canonical_layout", False)):
+        return None
+    import logging
+
+    log = logging.getLogger("kachedb.vllm")
+    if not bool(getattr(config.parallel, "is_parallelism_agnostic", False)):
+        log.warning(
+            "KacheDB: canonical_layout asked for, but vLLM does not certify this model's KV layout as the same "
+            "under every parallel config (a non-attention group, context parallelism, ...): blocks are stored "
+            "per tensor-parallel rank and shared only with engines of this degree"
+        )
+        return None
+    layout = getattr(config, "kv_cache_layout", None)
+    if layout is None and vllm_config is not None:
+        layout = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (  # type: ignore
+            canonical_format_id,
+        )
+
+        return canonical_format_id(str(layout))
+    except Exception as e:  # a vLLM without it, a layout it does not name
+        log.warning("KacheDB: no canonical page format for KV layout %r (%s): blocks are stored per rank", layout, e)
+        return None
+
+
 def group_layouts(kv_cache_config: Any, groups: Any) -> List[Dict[str, Any]]:
     """Each offloaded group's layout (``keys.group_layout``), its spec taken
     from vLLM's ``KVCacheConfig`` (``kv_cache_groups[group_id]``). Without a
@@ -120,7 +188,9 @@ class KacheDBOffloadingSpec(OffloadingSpec):
     the default: on the worker's store thread, off the step, where the engine keeps
     stepping until they are reported — vLLM's engine-core process — and inside the
     step in vLLM's in-process engine; ``true``: always on the thread; ``false``:
-    always inside the step; see the worker).
+    always inside the step; see the worker), ``canonical_layout`` (vLLM's option:
+    blocks hold every KV head, shared by engines of any tensor-parallel degree;
+    ``canonical_format``).
     """
 
     def __init__(self, config: OffloadingConfig) -> None:
@@ -152,6 +222,25 @@ class KacheDBOffloadingSpec(OffloadingSpec):
         self.world_size: int = max(1, config.parallel.world_size)
 
         vc = _current_vllm_config()
+        kv_cfg = _current_kv_cache_config()
+        #: vLLM's canonical page format id when blocks hold every KV head (any TP
+        #: degree shares them: the scheduler reserves each block, every rank writes
+        #: its heads in place, the scheduler commits; ``canonical_format``), else ``None``.
+        self.canonical: Optional[str] = canonical_format(config, vc)
+        #: Per offloaded group (in ``config.groups``' order), the canonical page
+        #: bytes of each layer (canonical layout only).
+        self.canonical_pages: List[List[int]] = []
+        #: The position in ``config.groups`` of each offloaded group id.
+        self.group_positions: Dict[int, int] = {int(g.group_id): i for i, g in enumerate(config.groups)}
+        total_kv_heads = 0
+        if self.canonical is not None:
+            try:
+                total_kv_heads = _total_kv_heads(vc, config.model.name)
+                self.canonical_pages = [
+                    [canonical_page_bytes(ls, total_kv_heads) for ls in _layer_specs(kv_cfg, g)] for g in config.groups
+                ]
+            except Exception as e:
+                raise RuntimeError(f"KacheDB: the canonical layout's page sizes cannot be told ({e})") from e
         model = config.model.name
         revision = quantization = load_format = seed = hash_algo = None
         model_dtype = config.model.dtype
@@ -167,13 +256,24 @@ class KacheDBOffloadingSpec(OffloadingSpec):
         #: Consecutive ranks holding the same KV: one namespace, stored once (by
         #: the first rank of each such group), read by every one of them.
         self.kv_tp_replicas: int = kv_tp_replicas(
-            vc, _current_kv_cache_config(), config.parallel.tp_size, config.parallel.pp_size, self.world_size
+            vc, kv_cfg, config.parallel.tp_size, config.parallel.pp_size, self.world_size
         )
         #: The first rank of each group of ranks holding the same KV: the ranks
         #: whose keys a lookup or a store decision looks at.
         self.store_ranks = list(range(0, self.world_size, self.kv_tp_replicas))
         #: Whether this worker writes its blocks (the other ranks of its group read them).
         self.is_store_writer: bool = self.rank % self.kv_tp_replicas == 0
+        layouts = group_layouts(kv_cfg, config.groups)
+        bytes_per_block = config.worker_kv_bytes_per_block
+        if self.canonical is not None:
+            # One block per vLLM block for all ranks: one namespace, every rank a writer of its heads.
+            self.store_ranks = [0]
+            self.is_store_writer = True
+            layouts = [
+                _keys.canonical_group_layout(lay, total_kv_heads, pages)
+                for lay, pages in zip(layouts, self.canonical_pages)
+            ]
+            bytes_per_block = sum(sum(p) for p in self.canonical_pages)
         self._fields = {
             rank: _keys.namespace_fields(
                 model=model,
@@ -186,7 +286,7 @@ class KacheDBOffloadingSpec(OffloadingSpec):
                 dtype=model_dtype,
                 kv_cache_dtype=config.model.dtype,
                 tokens_per_block=self.tokens_per_block,
-                bytes_per_block=config.worker_kv_bytes_per_block,
+                bytes_per_block=bytes_per_block,
                 num_layers=num_layers,
                 tp_rank=rank,
                 tp_size=config.parallel.tp_size,
@@ -194,9 +294,10 @@ class KacheDBOffloadingSpec(OffloadingSpec):
                 pp_size=config.parallel.pp_size,
                 world_size=self.world_size,
                 kv_layout=f"{config.kv_cache_layout or 'default'}/groups={len(config.groups)}",
-                group_layouts=group_layouts(_current_kv_cache_config(), config.groups),
+                group_layouts=layouts,
                 hash_algo=hash_algo,
                 salt=extra.get("namespace"),
+                canonical=self.canonical,
             )
             for rank in range(self.world_size)
         }

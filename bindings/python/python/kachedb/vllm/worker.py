@@ -45,7 +45,12 @@ issued. The CPU suite drives the asynchronous branch with a stand-in device.
 With tensor parallelism every rank stores and loads its own blocks under its
 own namespace, except ranks that hold the same KV as a lower rank (MLA: every
 rank holds the whole latent KV): those skip their stores, and load the blocks
-the first rank of their group stored (``spec.is_store_writer``).
+the first rank of their group stored (``spec.is_store_writer``). In vLLM's
+canonical layout (``spec.canonical``) a block holds every KV head: the
+scheduler reserves it, each rank writes its heads into it in place through
+vLLM's ``CanonicalPageMapping`` and sets its acknowledgement byte
+(``_store_canonical``), the scheduler commits it once every rank's is set, and
+each rank reads its heads back out of it, so engines of any TP degree share it.
 
 Failures never give wrong KV to the engine: a block missing (evicted or deleted
 since the lookup) or of the wrong shape is reported to vLLM as a failed load
@@ -96,6 +101,11 @@ class _Group:
         #: to each other in memory merged. ``None`` when a block has padding
         #: (pages of different sizes) or a page is not contiguous.
         self._runs: Optional[List[Tuple[int, int, int]]] = self._byte_runs(layers)
+        #: Canonical layout (``make_canonical``): each layer's vLLM ``CanonicalPageMapping``.
+        self.mappings: Optional[List[Any]] = None
+        self.canonical_page = 0
+        #: The bytes of one block this rank moves (its own pages, all layers).
+        self.block_bytes = self.num_layers * self.page
 
     def _byte_runs(self, layers: List[torch.Tensor]) -> Optional[List[Tuple[int, int, int]]]:
         if self.device.type != "cpu" or any(int(t.shape[1]) != self.page or t.stride(1) != 1 for t in layers):
@@ -143,8 +153,72 @@ class _Group:
         for l, t in enumerate(self.layers):
             copy(dst[l, : t.shape[1]], t[block_id])
 
+    def make_canonical(self, mappings: List[Any], pages: List[int]) -> None:
+        """Switches the group to vLLM's canonical layout: a stored block is
+        ``(num_layers, canonical page)``, every KV head of each layer, into
+        which this rank writes (and from which it reads) its own heads through
+        each layer's ``CanonicalPageMapping`` (vLLM's: strided runs of bytes
+        between this rank's page and the canonical page). Raises unless vLLM
+        certified every layer's mapping as the same under any parallel config
+        and its canonical page is the one the scheduler reserves."""
+        if len(mappings) != self.num_layers or len(pages) != self.num_layers:
+            raise RuntimeError(f"KacheDB: {len(mappings)} canonical mappings for {self.num_layers} layers")
+        for l, (m, page) in enumerate(zip(mappings, pages)):
+            if m is None or not bool(getattr(m, "parallelism_agnostic", False)):
+                raise RuntimeError(
+                    f"KacheDB: vLLM gave layer {l} no parallelism-agnostic canonical mapping: the canonical "
+                    "layout cannot be written; start the engine without canonical_layout"
+                )
+            if int(m.canonical_page_size_bytes) != int(page):
+                raise RuntimeError(
+                    f"KacheDB: layer {l}'s canonical page is {m.canonical_page_size_bytes} bytes, the "
+                    f"scheduler's {page}"
+                )
+        self.mappings = list(mappings)
+        self.canonical_page = max(int(p) for p in pages)
+        self.block_bytes = sum(int(m.local_page_size_bytes) for m in mappings)
+        self.shape = (self.num_layers, self.canonical_page)
+
+    def copy_canonical_out(self, dst: torch.Tensor, block_id: int, position: int, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> int:
+        """Copies this rank's heads of block ``block_id`` into the canonical
+        block ``dst`` (``(num_layers, canonical page)``), layer by layer, where
+        this rank is a writer of the job's ``position``-th block (ranks holding
+        the same heads take turns, ``CanonicalPageMapping.is_writer``); the
+        bytes it copied."""
+        flat = dst.reshape(-1)
+        written = 0
+        for l, (t, m) in enumerate(zip(self.layers, self.mappings)):
+            if not m.is_writer(position):
+                continue
+            written += int(m.local_page_size_bytes)
+            page = t[block_id]
+            for run in m.runs:
+                shape = (int(run.num_fragments), int(run.fragment_size))
+                src = page.as_strided(shape, (int(run.local_stride), 1), page.storage_offset() + int(run.local_offset))
+                out = flat.as_strided(
+                    shape, (int(run.canonical_stride), 1), flat.storage_offset() + l * self.canonical_page + int(run.canonical_offset)
+                )
+                copy(out, src)
+        return written
+
+    def copy_canonical_in(self, block_id: int, src: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Copies this rank's heads out of the canonical block ``src`` into block ``block_id``."""
+        flat = src.reshape(-1)
+        for l, (t, m) in enumerate(zip(self.layers, self.mappings)):
+            page = t[block_id]
+            for run in m.runs:
+                shape = (int(run.num_fragments), int(run.fragment_size))
+                dst = page.as_strided(shape, (int(run.local_stride), 1), page.storage_offset() + int(run.local_offset))
+                piece = flat.as_strided(
+                    shape, (int(run.canonical_stride), 1), flat.storage_offset() + l * self.canonical_page + int(run.canonical_offset)
+                )
+                copy(dst, piece)
+
     def copy_block_in(self, block_id: int, src: torch.Tensor, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """Copies ``src`` (``(num_layers, page)``) into block ``block_id`` with ``copy(dst, src)``."""
+        if self.mappings is not None:
+            self.copy_canonical_in(block_id, src, copy)
+            return
         if self.blocks is not None:
             copy(self.blocks[block_id], src)
             return
@@ -236,13 +310,17 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         self.spec = spec
         self.link = daemon_link(spec.socket, f"worker rank {spec.rank}", spec.retry_s, getattr(spec, "tenant", None))
         self.groups: List[_Group] = []
-        for refs in kv_caches.group_data_refs:
+        canonical = getattr(spec, "canonical", None) is not None
+        for gi, refs in enumerate(kv_caches.group_data_refs):
             layers = []
             for ref in refs:
                 t = kv_caches.tensors[ref.tensor_idx].tensor
                 t = t.view(torch.uint8) if t.dtype != torch.uint8 else t
                 layers.append(t[:, : ref.page_size_bytes])
-            self.groups.append(_Group(layers))
+            group = _Group(layers)
+            if canonical:
+                group.make_canonical([getattr(r, "mapping", None) for r in refs], spec.canonical_pages[gi])
+            self.groups.append(group)
         self.copies = copies if copies is not None else copies_for(self.groups[0].device)
         #: Copies may still run after the call that queued them: reservations are
         #: committed and views dropped once their event completes (``_reap``).
@@ -332,6 +410,8 @@ class KacheDBOffloadingWorker(OffloadingWorker):
         nbytes = 0
         async_hold: List[Any] = []
         async_blocks = 0
+        if getattr(self.spec, "canonical", None) is not None:
+            return self._store_canonical(dst_spec, src_spec)
         if not getattr(self.spec, "is_store_writer", True):
             # Another rank holds the same KV (MLA) and stores it, once, under the
             # key this rank reads too.
@@ -384,6 +464,50 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             _log_once("store_error", "KacheDB store failed (%s): skipped", e)
         COUNTERS["store_seconds"] += time.perf_counter() - started
         return nbytes, async_hold, async_blocks
+
+    def _store_canonical(self, dst_spec: Any, src_spec: GPULoadStoreSpec) -> Tuple[int, List[Any], int]:
+        """Writes this rank's heads of a job's blocks into the canonical blocks
+        the scheduler reserved (``dst_spec.slots``, offsets in the region), then
+        sets this rank's acknowledgement byte (``dst_spec.ack``): the scheduler
+        commits the blocks only once every rank's is set. Asynchronous copies
+        set it once their event completes (``_Acknowledge``, reaped as a
+        commit). A rank that cannot write (no daemon) leaves it unset, and the
+        job's blocks are aborted, never committed without its heads."""
+        keys = getattr(dst_spec, "keys", [])
+        slots = getattr(dst_spec, "slots", None)
+        ack = getattr(dst_spec, "ack", None)
+        if not keys or slots is None or ack is None:
+            return 0, [], 0
+        kc = self._client()
+        if kc is None:
+            COUNTERS["store_skipped_off_blocks"] += len(keys)
+            return 0, [], 0
+        slot_of = {bytes(k): (i, int(o)) for i, (k, o) in enumerate(zip(keys, slots))}
+        nbytes = 0
+        try:
+            base = int(kc._check().region_span()[0])
+            self.copies.begin()
+            with self.copies.stream():
+                for group, ids, okeys in self._split(src_spec, keys):
+                    block_bytes = group.num_layers * group.canonical_page
+                    for b, k in zip(ids, okeys):
+                        position, offset = slot_of[bytes(k)]
+                        dst = _region_bytes(base + offset, block_bytes)
+                        nbytes += group.copy_canonical_out(dst, b, position, self.copies.copy)
+        except Exception as e:  # unacknowledged: the scheduler aborts the job's blocks
+            self.copies.abandon()
+            COUNTERS["store_errors"] += 1
+            _log_once("store_canonical", "KacheDB canonical store failed (%r): its blocks are not committed", e)
+            return 0, [], 0
+        STORED_KEYS.extend(self.spec.daemon_key(k).hex() for k in keys)
+        acknowledge = _Acknowledge(_region_bytes(base + ack, self.spec.world_size), self.spec.rank)
+        COUNTERS["store_canonical_blocks"] += len(keys)
+        if self.asynchronous:
+            return nbytes, [acknowledge], len(keys)
+        acknowledge.commit()
+        COUNTERS["store_batches"] += 1
+        COUNTERS["stored_blocks"] += len(keys)
+        return nbytes, [], 0
 
     @staticmethod
     def _attach_metas(held: List[Any], metas: List[Any]) -> None:
@@ -520,7 +644,7 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             with self.copies.stream():
                 for b, v in zip(ids[:n_ok], views[:n_ok]):
                     group.copy_block_in(b, v, self.copies.copy)
-            nbytes += n_ok * group.num_layers * group.page
+            nbytes += n_ok * group.block_bytes
             COUNTERS["loaded_blocks"] += n_ok
             if n_ok:
                 LOADED_KEYS.extend(k.hex() for k in dkeys[:n_ok])
@@ -641,6 +765,29 @@ class KacheDBOffloadingWorker(OffloadingWorker):
             except OSError:
                 pass
         self.link.close()
+
+
+def _region_bytes(address: int, nbytes: int) -> torch.Tensor:
+    """A writable uint8 tensor over ``nbytes`` of the daemon's region at
+    ``address`` in this process (a block the scheduler holds reserved)."""
+    import ctypes
+
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+class _Acknowledge:
+    """Sets a rank's byte of a canonical store job's acknowledgements once its
+    part is written (``commit``; reaped like a reservation's commit)."""
+
+    def __init__(self, acks: torch.Tensor, rank: int) -> None:
+        self.acks = acks
+        self.rank = int(rank)
+
+    def commit(self) -> None:
+        self.acks[self.rank] = 1
+
+    def abort(self) -> None:
+        """Leaves the byte unset: the scheduler aborts the job's blocks."""
 
 
 #: The workers of this process (``flush_stores``; at exit, their queued stores
