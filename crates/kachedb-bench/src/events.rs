@@ -4,7 +4,11 @@
 //! * **On vs off, same run**: two daemons, one publishing with a live
 //!   subscriber and one without a publisher, measured in alternating rounds:
 //!   small PUT round trip (a 4 KiB block under a fresh key: reserve, copy,
-//!   commit) and GET round trip p50/p99, and `put_many` throughput.
+//!   commit) and GET round trip p50/p99, and `put_many` throughput (five
+//!   batches of 1000 back to back); each timed phase starts once the
+//!   publisher and the subscriber are done with the phase before
+//!   ([`SETTLE`]), so it pays for publishing its own changes only.
+//!   `--no-subscriber`: the same with nobody subscribed.
 //! * **Rate and lag**: the writer stores blocks at a target rate (default
 //!   100 000 blocks/s, paced batches) for a few seconds while the subscriber
 //!   notes when each block's `BlockStored` arrives; the lag is the receipt
@@ -52,6 +56,11 @@ pub struct EventsArgs {
     #[arg(long, default_value_t = 0, value_name = "N",
           value_parser = clap::value_parser!(i32).range(0..=19))]
     pub subscriber_nice: i32,
+    /// The on/off rounds with no subscriber: what the publisher costs by
+    /// itself (encoding and sending to nobody), without a subscriber's
+    /// thread beside the client and the daemon on the same cores.
+    #[arg(long)]
+    pub no_subscriber: bool,
 }
 
 const BLOCK_BYTES: usize = 4096;
@@ -166,6 +175,16 @@ fn connect(d: &DaemonProcess) -> Result<Client, Box<dyn std::error::Error>> {
     Ok(Client::connect(&ConnectOptions { socket: Some(d.socket().to_path_buf()), ..Default::default() })?)
 }
 
+/// The pause before each timed phase of a round (on and off alike): the
+/// publisher and the subscriber are done with the phase before (20 000
+/// events take them tens of milliseconds on 2 cores), so each phase pays for
+/// publishing its own changes only — not the 20 000 removals of the DELETE
+/// before it, which a `put_many` of a few milliseconds would otherwise meet.
+const SETTLE: Duration = Duration::from_millis(300);
+/// `put_many` batches of 1000 timed back to back in a round: a store rate
+/// with the publisher's work on the batches before running beside it.
+const PUT_MANY_BATCHES: usize = 5;
+
 /// One round against one daemon: PUT and GET round trips, put_many time.
 fn round(kc: &Client, tag: &str, iters: usize) -> Result<Round, Box<dyn std::error::Error>> {
     let block = vec![7u8; BLOCK_BYTES];
@@ -176,6 +195,7 @@ fn round(kc: &Client, tag: &str, iters: usize) -> Result<Round, Box<dyn std::err
         kc.put(*k, &block)?;
         put.push(t.elapsed().as_nanos() as u64);
     }
+    std::thread::sleep(SETTLE);
     let mut get = Vec::with_capacity(iters);
     for k in &keys {
         let t = Instant::now();
@@ -183,12 +203,21 @@ fn round(kc: &Client, tag: &str, iters: usize) -> Result<Round, Box<dyn std::err
         get.push(t.elapsed().as_nanos() as u64);
     }
     kc.delete_many(&keys)?;
-    let many: Vec<Key> = (0..1000).map(|i| Key::from_bytes(format!("bench/ev/{tag}/many/{i}").as_bytes())).collect();
-    let items: Vec<(Key, &[u8])> = many.iter().map(|k| (*k, &block[..])).collect();
+    let many: Vec<Vec<Key>> = (0..PUT_MANY_BATCHES)
+        .map(|b| (0..1000).map(|i| Key::from_bytes(format!("bench/ev/{tag}/many/{b}/{i}").as_bytes())).collect())
+        .collect();
+    let batches: Vec<Vec<(Key, &[u8])>> =
+        many.iter().map(|keys| keys.iter().map(|k| (*k, &block[..])).collect()).collect();
+    std::thread::sleep(SETTLE);
     let t = Instant::now();
-    kc.put_many(&items)?;
-    let put_many_s = t.elapsed().as_secs_f64();
-    kc.delete_many(&many)?;
+    for items in &batches {
+        kc.put_many(items)?;
+    }
+    // Seconds of one batch of 1000, on average over the batches.
+    let put_many_s = t.elapsed().as_secs_f64() / PUT_MANY_BATCHES as f64;
+    for keys in &many {
+        kc.delete_many(keys)?;
+    }
     put.sort_unstable();
     get.sort_unstable();
     Ok(Round { put_ns: put, get_ns: get, put_many_s })
@@ -206,7 +235,11 @@ pub fn run(a: &EventsArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     if !a.json {
-        println!("kachedb-bench events — daemons, client and subscriber are separate; one daemon at a time, medians of {rounds} alternating rounds; the subscriber's thread at nice {} (--subscriber-nice)", a.subscriber_nice);
+        if a.no_subscriber {
+            println!("kachedb-bench events — daemons and client are separate; one daemon at a time, medians of {rounds} alternating rounds; no subscriber in the on/off rounds (--no-subscriber)");
+        } else {
+            println!("kachedb-bench events — daemons, client and subscriber are separate; one daemon at a time, medians of {rounds} alternating rounds; the subscriber's thread at nice {} (--subscriber-nice)", a.subscriber_nice);
+        }
     }
 
     // On vs off: one daemon alive at a time (an idle daemon's serve loop
@@ -217,10 +250,12 @@ pub fn run(a: &EventsArgs) -> Result<(), Box<dyn std::error::Error>> {
     let (mut seen, mut gaps) = (0u64, 0u64);
     for r in 0..rounds {
         let on = DaemonProcess::spawn(size, &["--events-endpoint", &endpoint])?;
-        let sub = Subscriber::start(endpoint.clone(), a.subscriber_nice)?;
+        let sub = if a.no_subscriber { None } else { Some(Subscriber::start(endpoint.clone(), a.subscriber_nice)?) };
         m_on.push(round(&connect(&on)?, &format!("on{r}"), iters)?);
-        let got = sub.finish()?;
-        (seen, gaps) = (seen + got.stored, gaps + got.gaps);
+        if let Some(sub) = sub {
+            let got = sub.finish()?;
+            (seen, gaps) = (seen + got.stored, gaps + got.gaps);
+        }
         drop(on);
         let off = DaemonProcess::spawn(size, &[])?;
         m_off.push(round(&connect(&off)?, &format!("off{r}"), iters)?);
